@@ -1,0 +1,95 @@
+"""Training throughput: tokens/s and MFU of train.py's own step, median over timed windows.
+
+    python bench/throughput.py [--windows 5 --steps-per-window 5 --warmup-steps 3] [any train.py flags]
+
+Every train.py flag is accepted and means the same thing, so a row of this table is exactly what
+`python train.py` with those flags would run. Warm-up steps (compilation, allocator growth) are
+timed separately and excluded from the medians.
+"""
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train  # noqa: E402
+from model import flops_per_token  # noqa: E402
+
+
+def parse_bench_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--windows", type=int, default=5, help="timed windows; the table reports their median")
+    p.add_argument("--steps-per-window", type=int, default=5)
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (includes compilation)")
+    return p.parse_known_args(argv)
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(run, windows, steps_per_window, warmup_steps):
+    """-> (warm-up seconds, list of tokens/s per window). The LR stays at its peak: it does not affect speed."""
+    t0 = time.perf_counter()
+    for _ in range(warmup_steps):
+        train.train_step(run)
+    synchronize(run.device)
+    warmup_s = time.perf_counter() - t0
+    rates = []
+    for _ in range(windows):
+        synchronize(run.device)
+        t0 = time.perf_counter()
+        for _ in range(steps_per_window):
+            train.train_step(run)
+        synchronize(run.device)
+        rates.append(steps_per_window * run.tokens_per_step / (time.perf_counter() - t0))
+    return warmup_s, rates
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    bench_args, train_argv = parse_bench_args(argv)
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            run = train.setup(*train.parse_args([*train_argv, "--out-dir", out_dir, "--eval-interval", "0"]))
+        except (train.UsageError, train.DataError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        try:
+            warmup_s, rates = measure(run, bench_args.windows, bench_args.steps_per_window, bench_args.warmup_steps)
+        finally:
+            run.loader.close()
+            run.metrics.close()
+
+    median = statistics.median(rates)
+    flops = flops_per_token(run.model_cfg, run.seq_len)
+    mfu = f"{100 * flops * median / run.peak_flops:.1f}%" if run.peak_flops else "n/a (no peak known)"
+    device = torch.cuda.get_device_name() if run.device.type == "cuda" else run.device.type
+    print()
+    print(f"command: python bench/throughput.py {shlex.join(argv)}")
+    print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    rows = [
+        ("tokens/step", f"{run.tokens_per_step:,}"),
+        ("warm-up", f"{bench_args.warmup_steps} steps in {warmup_s:.1f} s"),
+        ("tokens/s (median)", f"{median:,.0f}"),
+        ("tokens/s (min..max)", f"{min(rates):,.0f} .. {max(rates):,.0f} over {len(rates)} windows "
+                                f"of {bench_args.steps_per_window} steps"),
+        ("model FLOPs/token", f"{flops / 1e6:,.1f} M"),
+        ("MFU", mfu),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print("| " + "metric".ljust(width) + " | value |")
+    print("|" + "-" * (width + 2) + "|-------|")
+    for k, v in rows:
+        print(f"| {k.ljust(width)} | {v} |")
+
+
+if __name__ == "__main__":
+    main()

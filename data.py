@@ -1,0 +1,710 @@
+"""Data: the GPT-2 tokenizer (offline), token shards, the embedded default corpus, and the loader.
+
+Shards use the llm.c / modded-nanogpt format, so they interoperate with those projects:
+a header of 256 little-endian int32 ([0] magic 20240520, [1] version, [2] token count, the rest 0),
+then the tokens. Version 1 stores uint16 tokens (vocabularies up to 65,535 ids, e.g. GPT-2);
+version 2 is this project's extension for larger vocabularies and stores uint32 tokens.
+Each document is preceded by the end-of-text token, as in llm.c and modded-nanogpt.
+
+    python data.py --input corpus.txt --out data/mine          # then: python train.py --data data/mine
+"""
+
+import argparse
+import functools
+import glob
+import hashlib
+import itertools
+import json
+import os
+import platform
+import queue
+import random
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+import threading
+import time
+
+import numpy as np
+import tiktoken
+import torch
+from tqdm import tqdm
+
+
+class DataError(Exception):
+    """A problem with the user's data or environment. The message is one line and names the file at fault."""
+
+
+CACHE_ENV = "PRETRAIN_CACHE_DIR"
+
+
+def cache_root() -> str:
+    """The project's cache (tokenizer file, default corpus): $PRETRAIN_CACHE_DIR, else ~/.cache/pretrain."""
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "pretrain")
+
+
+def _atomic_write(path: str, *chunks) -> None:
+    """Write bytes-like chunks to path so that readers see the old file or the whole new one, never a part."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+# tiktoken fetches the GPT-2 ranks from this URL and checks this sha256. tiktoken's "gpt2" encoding builds
+# the same ranks from two other files; "r50k_base" reads this single file, so "gpt2" maps to r50k_base.
+R50K_URL = "https://openaipublic.blob.core.windows.net/encodings/r50k_base.tiktoken"
+R50K_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+# The same bytes ship in the openai-whisper source distribution, which pip can fetch from the package
+# registry on machines that reach nothing else.
+WHISPER_SDIST = "openai-whisper==20250625"
+WHISPER_ASSET = "whisper/assets/gpt2.tiktoken"
+PIP_DOWNLOAD = f"python -m pip download {WHISPER_SDIST} --no-deps --no-binary :all:"
+
+
+def _tiktoken_cache_dir() -> str:
+    """The directory tiktoken caches downloads in; made explicit (and the project's own) when the user set none."""
+    cache_dir = (os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR")
+                 or os.path.join(cache_root(), "tiktoken"))
+    os.environ["TIKTOKEN_CACHE_DIR"] = cache_dir
+    return cache_dir
+
+
+def _r50k_cache_path(cache_dir: str) -> str:
+    # tiktoken.load.read_file_cached names a cached download by the sha1 of its URL.
+    return os.path.join(cache_dir, hashlib.sha1(R50K_URL.encode()).hexdigest())
+
+
+def _sha256_of(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def _ranks_from_pypi() -> bytes:
+    """The GPT-2 BPE ranks, taken from the openai-whisper sdist that pip downloads through the configured index."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", WHISPER_SDIST, "--no-deps", "--no-binary", ":all:",
+               "--quiet", "-d", tmp]
+        subprocess.run(cmd, check=True, capture_output=True, stdin=subprocess.DEVNULL, timeout=300)
+        sdists = glob.glob(os.path.join(tmp, "*.tar.gz"))
+        if len(sdists) != 1:
+            raise DataError(f"pip download {WHISPER_SDIST} gave {len(sdists)} sdists, expected 1")
+        with tarfile.open(sdists[0]) as tar:
+            member = next((m for m in tar.getmembers() if m.name.endswith("/" + WHISPER_ASSET)), None)
+            if member is None:
+                raise DataError(f"{sdists[0]} has no {WHISPER_ASSET}")
+            return tar.extractfile(member).read()
+
+
+def _seed_gpt2_ranks(path: str) -> None:
+    """Install the GPT-2 ranks at path from PyPI when the hash matches; on any failure leave path alone."""
+    print(f"data: fetching the GPT-2 BPE ranks from the {WHISPER_SDIST} sdist into {os.path.dirname(path)}",
+          file=sys.stderr)
+    try:
+        ranks = _ranks_from_pypi()
+        if hashlib.sha256(ranks).hexdigest() == R50K_SHA256:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _atomic_write(path, ranks)
+    except (DataError, OSError, subprocess.SubprocessError, tarfile.TarError):
+        pass  # tiktoken's own download is tried next, and its failure is reported with what to do
+
+
+def get_tokenizer(name: str = "gpt2") -> tiktoken.Encoding:
+    """A tiktoken encoding, loaded once per process. "gpt2" (the default) is tiktoken's r50k_base, GPT-2's
+    real ids, and works offline: its BPE file is taken from tiktoken's cache, else fetched from the package
+    index (openai-whisper sdist), else downloaded by tiktoken. Sets TIKTOKEN_CACHE_DIR when it is unset."""
+    return _load_encoding("r50k_base" if name == "gpt2" else name)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_encoding(name: str) -> tiktoken.Encoding:
+    if name != "r50k_base":
+        if name not in tiktoken.list_encoding_names():
+            raise DataError(f"unknown tokenizer {name!r}; choose gpt2 or one of {tiktoken.list_encoding_names()}")
+        try:
+            return tiktoken.get_encoding(name)
+        except Exception as e:
+            raise DataError(f"could not load tokenizer {name!r} (tiktoken downloads it on first use): "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    path = _r50k_cache_path(_tiktoken_cache_dir())
+    if _sha256_of(path) != R50K_SHA256:
+        _seed_gpt2_ranks(path)
+    try:
+        return tiktoken.get_encoding("r50k_base")
+    except Exception:
+        raise DataError(f"GPT-2 tokenizer file not found and not downloadable: make `{PIP_DOWNLOAD}` work "
+                        f"(it is fetched from the package index), or copy r50k_base.tiktoken "
+                        f"(sha256 {R50K_SHA256}) to {path}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shards
+
+SHARD_MAGIC = 20240520
+HEADER_INTS = 256
+HEADER_BYTES = HEADER_INTS * 4
+TOKEN_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # shard version -> token dtype
+
+
+def shard_version(vocab_size: int) -> int:
+    return 1 if vocab_size <= 65535 else 2
+
+
+def write_shard(path, tokens: np.ndarray, vocab_size: int) -> None:
+    """Write tokens (ids below vocab_size) as one shard, atomically (temporary file, fsync, rename)."""
+    path = os.fspath(path)
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or len(tokens) >= 2**31:
+        raise ValueError(f"{path}: a shard holds a 1-D array of fewer than 2**31 tokens, got shape {tokens.shape}")
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise DataError(f"{path}: token ids must lie in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+    version = shard_version(vocab_size)
+    header = np.zeros(HEADER_INTS, dtype="<i4")
+    header[:3] = SHARD_MAGIC, version, len(tokens)
+    body = np.ascontiguousarray(tokens, dtype=TOKEN_DTYPES[version])
+    _atomic_write(path, header.tobytes(), memoryview(body).cast("B"))
+
+
+def read_shard(path) -> np.ndarray:
+    """The tokens of a shard as a read-only memory map, after checking the header against the file size."""
+    path = os.fspath(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
+    if len(head) < HEADER_BYTES:
+        raise DataError(f"{path}: truncated shard: {size} bytes, less than the {HEADER_BYTES}-byte header")
+    magic, version, count = (int(v) for v in np.frombuffer(head, dtype="<i4")[:3])
+    if magic != SHARD_MAGIC:
+        raise DataError(f"{path}: not a token shard (magic number {magic}, expected {SHARD_MAGIC})")
+    if version not in TOKEN_DTYPES:
+        raise DataError(f"{path}: unknown shard version {version} (1 = uint16 tokens, 2 = uint32 tokens)")
+    dtype = TOKEN_DTYPES[version]
+    expected = HEADER_BYTES + count * dtype.itemsize
+    if count < 0 or size < expected:
+        raise DataError(f"{path}: truncated shard: the header says {count} tokens ({expected} bytes) "
+                        f"but the file has {size} bytes")
+    if size > expected:
+        raise DataError(f"{path}: token count mismatch: the header says {count} tokens but the file has "
+                        f"{size - expected} bytes more")
+    if count == 0:  # mmap cannot map zero bytes
+        empty = np.zeros(0, dtype=dtype)
+        empty.flags.writeable = False
+        return empty
+    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Documents: every source becomes a stream of (text, starts_a_document) pieces
+
+TEXT_CHUNK_CHARS = 1 << 20  # a large text file is read and tokenized this many characters at a time
+ENCODE_CHARS_PER_THREAD = 4 << 20  # characters handed to each tokenizer thread per batch
+HF_PREFIX = "hf:"
+
+
+def _safe_cut(text: str, start: int = 0) -> int:
+    """The index just after the last newline (at or after start) that has a non-space character before it and
+    a letter after it; 0 if there is none. No pre-token of tiktoken's encodings crosses such a newline, so
+    the two sides encode to the same ids separately as together."""
+    i = text.rfind("\n", start, len(text) - 1)
+    while i > 0:
+        if not text[i - 1].isspace() and text[i + 1].isalpha():
+            return i + 1
+        i = text.rfind("\n", start, i)
+    return 0
+
+
+def _text_pieces(path: str):
+    """One text file as one document, read in pieces so a huge file never sits in memory whole."""
+    starts = True
+    rest = ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while chunk := f.read(TEXT_CHUNK_CHARS):
+            rest += chunk
+            cut = _safe_cut(rest, start=max(len(rest) - len(chunk) - 1, 0))  # the older part has no cut
+            if cut:
+                yield rest[:cut], starts
+                starts, rest = False, rest[cut:]
+    if rest:
+        yield rest, starts
+
+
+def _text_of(record, where: str) -> str:
+    text = record.get("text") if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise DataError(f"{where}: record has no string 'text' field")
+    return text
+
+
+def _jsonl_pieces(path: str):
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                yield _text_of(record, f"{path}:{lineno}"), True
+
+
+def _parquet_pieces(path: str):
+    import pyarrow.parquet as pq  # only needed for parquet input
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+    if "text" not in pf.schema_arrow.names:
+        raise DataError(f"{path}: parquet file has no 'text' column (columns: {pf.schema_arrow.names})")
+    for batch in pf.iter_batches(columns=["text"], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            yield _text_of({"text": text}, path), True
+
+
+def _file_pieces(paths):
+    for path in paths:
+        if path.endswith(".jsonl"):
+            yield from _jsonl_pieces(path)
+        elif path.endswith(".parquet"):
+            yield from _parquet_pieces(path)
+        else:
+            yield from _text_pieces(path)
+
+
+def _looks_like_text(path: str) -> bool:
+    if path.endswith((".jsonl", ".parquet")):
+        return True
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8192)
+
+
+def _files_under(directory: str) -> list[str]:
+    """Text-like, .jsonl and .parquet files under directory, recursively, sorted; hidden ones skipped."""
+    found = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found += [os.path.join(root, n) for n in names if not n.startswith(".")]
+    return sorted(p for p in found if _looks_like_text(p))
+
+
+def _hf_pieces(source: str):
+    """A Hugging Face dataset NAME or NAME:CONFIG, streamed. Set HF_HUB_OFFLINE=1 to use only the local cache."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("reading a Hugging Face dataset needs the datasets package: pip install datasets") from None
+    name, _, config = source.removeprefix(HF_PREFIX).partition(":")
+    try:
+        ds = datasets.load_dataset(name, config or None, split="train", streaming=True)
+    except Exception as e:
+        raise DataError(f"could not load Hugging Face dataset {name!r}: {str(e).splitlines()[0]}") from None
+    return ((_text_of(record, f"dataset {name}"), True) for record in ds)
+
+
+def _is_hf_name(source: str) -> bool:
+    if source.startswith(HF_PREFIX):
+        return True
+    # "owner/name[:config]", unless its first part exists here: then it is a mistyped local path.
+    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?", source)) and not os.path.exists(source.split("/")[0])
+
+
+def _source_pieces(source):
+    """The (text, starts_a_document) pieces of a file, directory, glob or Hugging Face dataset.
+    Checks that the source exists now, before any work; reads lazily."""
+    source = os.fspath(source)
+    if os.path.isdir(source) or os.path.isfile(source) or any(c in source for c in "*?["):
+        matches = [source] if os.path.exists(source) else sorted(glob.glob(source, recursive=True))
+        files = [f for m in matches for f in (_files_under(m) if os.path.isdir(m) else [m])]
+        if not files:
+            raise DataError(f"no text, .jsonl or .parquet files found in {source}")
+        return _file_pieces(files)
+    if _is_hf_name(source):
+        return _hf_pieces(source)
+    raise DataError(f"input {source} not found: expected a file, a directory, a glob, "
+                    f"or a Hugging Face dataset as owner/name or {HF_PREFIX}NAME")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizing into shards
+
+
+def _encode(pieces, enc: tiktoken.Encoding):
+    """(tokens, documents) per batch of pieces: the EOT token before each document, all cores encoding."""
+    threads = os.cpu_count() or 1
+    dtype = TOKEN_DTYPES[shard_version(enc.n_vocab)]
+
+    def encode(batch):
+        ids = enc.encode_ordinary_batch([text for text, _ in batch], num_threads=threads)
+        parts = []
+        for (_, starts), piece_ids in zip(batch, ids):
+            if starts:
+                parts.append((enc.eot_token,))
+            parts.append(piece_ids)
+        tokens = np.fromiter(itertools.chain.from_iterable(parts), dtype=dtype)
+        return tokens, sum(starts for _, starts in batch)
+
+    batch, chars = [], 0
+    for text, starts in pieces:
+        if not text and starts:
+            continue  # an empty document would add only a lone EOT
+        batch.append((text, starts))
+        chars += len(text)
+        if chars >= threads * ENCODE_CHARS_PER_THREAD:
+            yield encode(batch)
+            batch, chars = [], 0
+    if batch:
+        yield encode(batch)
+
+
+def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_tokens: int, desc: str) -> dict:
+    """Tokenize pieces into out_dir: the first val_tokens tokens to val_000000.bin, the rest to train_*.bin."""
+    t0 = time.time()
+    pending, n_pending = [], 0
+    counts = {"val": [], "train": []}  # tokens per shard written
+    documents = 0
+
+    def split_and_size():
+        if val_tokens and not counts["val"]:
+            return "val", val_tokens
+        return "train", shard_tokens
+
+    def write(split, n):
+        nonlocal pending, n_pending
+        buf = np.concatenate(pending)
+        write_shard(os.path.join(out_dir, f"{split}_{len(counts[split]):06d}.bin"), buf[:n], enc.n_vocab)
+        counts[split].append(n)
+        pending, n_pending = [buf[n:]], len(buf) - n
+
+    with tqdm(desc=desc, unit="tok", unit_scale=True, mininterval=0.5) as bar:
+        for tokens, docs in _encode(pieces, enc):
+            documents += docs
+            pending.append(tokens)
+            n_pending += len(tokens)
+            bar.update(len(tokens))
+            while n_pending >= split_and_size()[1]:
+                write(*split_and_size())
+    if documents == 0:
+        raise DataError(f"no documents found in {desc}")
+    split, _ = split_and_size()
+    if split == "val" or (n_pending == 0 and not counts["train"]):
+        total = n_pending + sum(counts["val"])
+        raise DataError(f"{desc} has only {total:,} tokens, not more than --val-tokens {val_tokens:,}; "
+                        f"lower --val-tokens")
+    if n_pending:
+        write("train", n_pending)
+    stats = {"documents": documents, "tokens": sum(counts["val"]) + sum(counts["train"]),
+             "val_tokens": sum(counts["val"]), "train_tokens": sum(counts["train"]),
+             "train_shards": len(counts["train"]), "seconds": round(time.time() - t0, 3)}
+    print(f"data: {stats['documents']:,} documents, {stats['tokens']:,} tokens ({stats['val_tokens']:,} val, "
+          f"{stats['train_tokens']:,} train in {stats['train_shards']} shards) in {stats['seconds']:.1f}s "
+          f"({stats['tokens'] / max(stats['seconds'], 1e-9) / 1e6:.2f}M tok/s)")
+    return stats
+
+
+def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_000_000,
+            val_tokens: int = 1_000_000) -> dict:
+    """Tokenize source (text file, directory, glob, .jsonl/.parquet with a 'text' field, or a Hugging Face
+    dataset) into out_dir/val_000000.bin (the first val_tokens tokens) and out_dir/train_NNNNNN.bin
+    (shard_tokens each, the last one shorter). Streams: memory stays bounded by one shard.
+    Returns counts: documents, tokens, val_tokens, train_tokens, train_shards, seconds."""
+    if not 0 < shard_tokens < 2**31:
+        raise ValueError(f"shard_tokens must be in [1, 2**31), got {shard_tokens}")
+    if not 0 <= val_tokens < 2**31:
+        raise ValueError(f"val_tokens must be in [0, 2**31), got {val_tokens}")
+    pieces = _source_pieces(source)
+    out_dir = os.fspath(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"cannot create output directory {out_dir} ({e.strerror})") from None
+    if not os.access(out_dir, os.W_OK):
+        raise DataError(f"output directory {out_dir} is not writable")
+    existing = sorted(glob.glob(os.path.join(glob.escape(out_dir), "train_*.bin"))
+                      + glob.glob(os.path.join(glob.escape(out_dir), "val_*.bin")))
+    if existing:
+        raise DataError(f"{out_dir} already holds shards ({os.path.basename(existing[0])}, ...); "
+                        f"remove them or choose another output directory")
+    return _build(pieces, out_dir, get_tokenizer(tokenizer), shard_tokens, val_tokens, desc=os.fspath(source))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The embedded default corpus: the Python standard library's own sources
+
+STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "__pycache__"}
+CORPUS_VERSION = 1  # bump when the corpus recipe changes, so old caches are not reused
+CORPUS_VAL_TOKENS = 131_072
+CORPUS_SHARD_TOKENS = 1_000_000
+CORPUS_MARKER = "complete.json"
+
+
+def stdlib_sources() -> list[str]:
+    """The standard library's .py files (no tests, no idlelib, no site-packages) in a fixed shuffled order,
+    so that the val split and each train shard sample the whole library rather than an alphabetical slice."""
+    files = []
+    for root, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirs[:] = [d for d in dirs if d not in STDLIB_SKIP_DIRS]
+        files += [os.path.join(root, n) for n in names if n.endswith(".py")]
+    files.sort()
+    random.Random(0).shuffle(files)
+    return files
+
+
+def default_corpus(cache_dir=None, tokenizer: str = "gpt2") -> str:
+    """The directory of the default corpus's shards, built on first use and reused afterwards.
+    Lives in cache_dir (default: <cache_root()>/corpus), keyed by Python version and tokenizer."""
+    root = os.fspath(cache_dir) if cache_dir is not None else os.path.join(cache_root(), "corpus")
+    out = os.path.join(root, f"stdlib-v{CORPUS_VERSION}-py{platform.python_version()}-{tokenizer}")
+    marker = os.path.join(out, CORPUS_MARKER)
+    if os.path.exists(marker):
+        return out
+    files = stdlib_sources()
+    if not files:
+        raise DataError(f"no Python sources under {sysconfig.get_paths()['stdlib']} for the default corpus")
+    enc = get_tokenizer(tokenizer)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+    except OSError as e:
+        raise DataError(f"cannot create the corpus cache {tmp} ({e.strerror}); set {CACHE_ENV}") from None
+    try:
+        stats = _build(_file_pieces(files), tmp, enc, CORPUS_SHARD_TOKENS, CORPUS_VAL_TOKENS,
+                       desc=f"default corpus ({len(files)} stdlib files)")
+        stats.update(python=platform.python_version(), tokenizer=tokenizer, files=len(files))
+        _atomic_write(os.path.join(tmp, CORPUS_MARKER), json.dumps(stats, indent=1).encode())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.isdir(out) and not os.path.exists(marker):
+        shutil.rmtree(out, ignore_errors=True)  # a half-built cache, e.g. copied in part
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if not os.path.exists(marker):  # unless another process finished the same build first
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loader
+
+
+class ShardLoader:
+    """Yields (x, y) int64 batches of shape [batch_size, seq_len] from data_dir/{split}_*.bin; y is x shifted
+    left by one token. Iterates forever, epoch after epoch.
+
+    Windows: a shard of n tokens gives (n - 1) // T windows; window w is tokens [w*T, w*T + T + 1), so every
+    token after the first is a target exactly once per epoch. Order: the stream is epoch 0, then epoch 1, ...;
+    each epoch visits the shards in a seeded permutation and the windows of each shard in a seeded
+    permutation, both new every epoch (shuffle=False: file order, for validation).
+
+    The position is global: g counts the windows consumed by all ranks together. Each step consumes
+    batch_size * world_size of them and rank r takes windows [g + r*B, g + (r+1)*B). So ranks are disjoint,
+    each epoch's windows are used exactly once across ranks, and the state is the same on every rank and can
+    be loaded at another world size or batch size to continue the same stream.
+    """
+
+    def __init__(self, data_dir, split: str = "train", *, batch_size: int, seq_len: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True, device="cpu", prefetch: int = 2):
+        if batch_size < 1 or seq_len < 1 or prefetch < 0:
+            raise ValueError(f"batch_size and seq_len must be >= 1 and prefetch >= 0, "
+                             f"got {batch_size}, {seq_len}, {prefetch}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
+        data_dir = os.fspath(data_dir)
+        if not os.path.isdir(data_dir):
+            raise DataError(f"data directory {data_dir} does not exist")
+        paths = sorted(glob.glob(os.path.join(glob.escape(data_dir), f"{split}_*.bin")))
+        if not paths:
+            raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}")
+        self.shards = [read_shard(p) for p in paths]
+        for path, shard in zip(paths, self.shards):
+            if len(shard) < seq_len + 1:
+                raise DataError(f"{path}: shard has {len(shard):,} tokens, fewer than seq_len + 1 = {seq_len + 1:,}")
+        self.data_dir, self.split = data_dir, split
+        self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
+        self.seed, self.shuffle, self.prefetch = seed, shuffle, prefetch
+        self.device = torch.device(device)
+        self.windows = np.array([(len(s) - 1) // seq_len for s in self.shards])
+        self.num_windows = int(self.windows.sum())
+        self._next = 0  # global windows consumed by the caller (not merely prefetched)
+        self._plans, self._perms = {}, {}
+        self._thread = None
+
+    # -- order --
+
+    def _shard_plan(self, epoch: int):
+        """Shard order of an epoch and, for each position in that order, the global index where it ends."""
+        if epoch not in self._plans:
+            n = len(self.shards)
+            order = np.random.default_rng([self.seed, epoch, 0]).permutation(n) if self.shuffle else np.arange(n)
+            self._plans = {epoch: (order, np.cumsum(self.windows[order]))}
+        return self._plans[epoch]
+
+    def _window_perm(self, epoch: int, shard: int):
+        key = (epoch, shard)
+        if key not in self._perms:
+            n = int(self.windows[shard])
+            perm = np.random.default_rng([self.seed, epoch, 1, shard]).permutation(n) if self.shuffle else None
+            self._perms = {key: perm}
+        return self._perms[key]
+
+    def _locate(self, g: int) -> tuple[int, int]:
+        """(shard, window) of global window index g."""
+        epoch, i = divmod(g, self.num_windows)
+        order, ends = self._shard_plan(epoch)
+        k = int(np.searchsorted(ends, i, side="right"))
+        shard = int(order[k])
+        local = i - int(ends[k] - self.windows[shard])
+        perm = self._window_perm(epoch, shard)
+        return shard, int(perm[local]) if perm is not None else local
+
+    def _batch(self, g: int):
+        """This rank's batch of the step that starts at global window g, on the CPU (pinned for CUDA)."""
+        T = self.seq_len
+        buf = np.empty((self.batch_size, T + 1), dtype=np.int64)
+        for b in range(self.batch_size):
+            shard, w = self._locate(g + self.rank * self.batch_size + b)
+            buf[b] = self.shards[shard][w * T: w * T + T + 1]
+        t = torch.from_numpy(buf)
+        x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
+        if self.device.type == "cuda":
+            x, y = x.pin_memory(), y.pin_memory()
+        return x, y
+
+    # -- iteration and prefetch --
+
+    @property
+    def step_windows(self) -> int:
+        return self.batch_size * self.world_size
+
+    @property
+    def epoch(self) -> int:
+        return self._next // self.num_windows
+
+    def _work(self, g: int, q: queue.Queue, stop: threading.Event):
+        def put(item):  # gives up when stopped, so close() never waits on a full queue
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return
+                except queue.Full:
+                    pass
+
+        try:
+            while not stop.is_set():
+                put(self._batch(g))
+                g += self.step_windows
+        except Exception as e:  # handed to the consumer, which re-raises it
+            put(e)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.prefetch == 0:
+            x, y = self._batch(self._next)
+        else:
+            if self._thread is None:
+                self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
+                self._thread = threading.Thread(target=self._work, args=(self._next, self._queue, self._stop),
+                                                daemon=True, name=f"ShardLoader-rank{self.rank}")
+                self._thread.start()
+            item = self._queue.get()
+            if isinstance(item, Exception):
+                self.close()
+                raise item
+            x, y = item
+        self._next += self.step_windows
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def close(self):
+        """Stop the prefetch thread; iterating again restarts it at the consumed position."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- checkpointing --
+
+    def state_dict(self) -> dict:
+        """The position after the batches the caller has taken (prefetched ones excluded); same on all ranks."""
+        return {"next_window": self._next, "seed": self.seed, "seq_len": self.seq_len,
+                "shuffle": self.shuffle, "num_windows": self.num_windows}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "seq_len", "shuffle", "num_windows"):
+            if state.get(key) != getattr(self, key):
+                raise DataError(f"loader state does not fit this data: saved {key}={state.get(key)}, "
+                                f"this loader has {key}={getattr(self, key)}")
+        self.close()
+        self._next = int(state["next_window"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump: the same shape as every other error here
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main(argv=None) -> int:
+    parser = _Parser(
+        description="Tokenize a corpus into llm.c-format token shards: OUT/val_000000.bin and "
+                    "OUT/train_000000.bin, ... Each document is preceded by the end-of-text token.")
+    parser.add_argument("--input", required=True, metavar="SRC",
+                        help="a text file (one document), a directory (its text-like, .jsonl and .parquet files, "
+                             "recursively), a quoted glob, a .jsonl or .parquet file with a 'text' field (one "
+                             "document per record), or a Hugging Face dataset as owner/name[:config] or "
+                             "hf:name[:config] (streamed; set HF_HUB_OFFLINE=1 to use only the local HF cache)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold shards yet)")
+    parser.add_argument("--tokenizer", default="gpt2",
+                        help="tiktoken encoding; gpt2 (default) works offline via the package index")
+    parser.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
+                        help="tokens per train shard (default: %(default)s)")
+    parser.add_argument("--val-tokens", type=int, default=1_000_000, metavar="N",
+                        help="tokens for the validation shard, taken from the start (default: %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        prepare(args.input, args.out, args.tokenizer, args.shard_tokens, args.val_tokens)
+    except (DataError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,512 @@
+import hashlib
+import json
+import os
+import random
+import struct
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import regex
+import tiktoken
+import tiktoken.load
+import tiktoken.registry
+import tiktoken_ext.openai_public as openai_public
+import torch
+
+import data
+from data import DataError, ShardLoader, read_shard, write_shard
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+R50K_FILE = hashlib.sha1(data.R50K_URL.encode()).hexdigest()
+EOT = 50256
+
+
+def _no_network(*args, **kwargs):
+    raise ConnectionError("no network in this test")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+@pytest.fixture(scope="session")
+def gpt2(tmp_path_factory):
+    """GPT-2 loaded from an empty cache with tiktoken's own download disabled: only the PyPI route can work.
+    The loaded encoding stays cached in data for the rest of the session."""
+    cache = tmp_path_factory.mktemp("tiktoken-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+        mp.setattr(tiktoken.load, "read_file", _no_network)
+        mp.delitem(tiktoken.registry.ENCODINGS, "r50k_base", raising=False)
+        data._load_encoding.cache_clear()
+        enc = data.get_tokenizer("gpt2")
+    return enc, cache
+
+
+@pytest.fixture
+def offline_cache(tmp_path, monkeypatch):
+    """An empty tiktoken cache, no network, and no encoding loaded in this process; returns the ranks' path."""
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(tiktoken.load, "read_file", _no_network)
+    monkeypatch.delitem(tiktoken.registry.ENCODINGS, "r50k_base", raising=False)
+    monkeypatch.setattr(data, "_load_encoding", data._load_encoding.__wrapped__)
+    return tmp_path / R50K_FILE
+
+
+def test_gpt2_real_ids_through_the_pypi_route(gpt2):
+    enc, cache = gpt2
+    assert enc.encode("Hello world") == [15496, 995]
+    assert enc.eot_token == EOT and enc.n_vocab == 50257
+    # the file came from the whisper sdist and sits where tiktoken's cache looks for it
+    assert hashlib.sha256((cache / R50K_FILE).read_bytes()).hexdigest() == data.R50K_SHA256
+
+
+def test_tokenizer_error_when_no_file_can_be_had(offline_cache, monkeypatch):
+    def pip_fails():
+        raise subprocess.CalledProcessError(1, ["pip", "download"])
+
+    monkeypatch.setattr(data, "_ranks_from_pypi", pip_fails)
+    with pytest.raises(DataError) as e:
+        data.get_tokenizer("gpt2")
+    msg = str(e.value)
+    assert "\n" not in msg and "pip download openai-whisper" in msg and str(offline_cache) in msg
+
+
+def test_tokenizer_refuses_ranks_with_the_wrong_hash(offline_cache, monkeypatch):
+    monkeypatch.setattr(data, "_ranks_from_pypi", lambda: b"IQ== 0\n")
+    with pytest.raises(DataError):
+        data.get_tokenizer("gpt2")
+    assert not offline_cache.exists()
+
+
+def test_tokenizer_replaces_a_corrupt_cached_file(gpt2, offline_cache, monkeypatch):
+    good = (gpt2[1] / R50K_FILE).read_bytes()
+    offline_cache.write_bytes(b"corrupt")
+    monkeypatch.setattr(data, "_ranks_from_pypi", lambda: good)
+    assert data.get_tokenizer("gpt2").encode("Hello world") == [15496, 995]
+    assert offline_cache.read_bytes() == good
+
+
+def test_unknown_tokenizer_is_a_one_line_error():
+    with pytest.raises(DataError, match="unknown tokenizer 'nope'"):
+        data.get_tokenizer("nope")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Shards
+
+
+@pytest.mark.parametrize("vocab_size, version, fmt", [(50257, 1, "H"), (100277, 2, "I")])
+def test_shard_round_trip_matches_llmc_bytes(tmp_path, vocab_size, version, fmt):
+    tokens = np.random.default_rng(0).integers(0, vocab_size, size=1000)
+    tokens[:2] = 0, vocab_size - 1
+    path = tmp_path / "train_000000.bin"
+    write_shard(path, tokens, vocab_size)
+    expected = struct.pack("<256i", 20240520, version, len(tokens), *[0] * 253)
+    expected += struct.pack(f"<{len(tokens)}{fmt}", *tokens.tolist())
+    assert path.read_bytes() == expected
+    assert os.listdir(tmp_path) == ["train_000000.bin"]  # no temporary file left behind
+    back = read_shard(path)
+    assert isinstance(back, np.memmap) and not back.flags.writeable
+    np.testing.assert_array_equal(back, tokens)
+
+
+def test_write_shard_rejects_ids_outside_the_vocabulary(tmp_path):
+    with pytest.raises(DataError, match="bad.bin"):
+        write_shard(tmp_path / "bad.bin", np.array([1, 50257]), 50257)
+
+
+def _corrupt(path, how):
+    raw = path.read_bytes()
+    if how == "truncated":
+        raw = raw[:-1]
+    elif how == "header-cut":
+        raw = raw[:100]
+    else:
+        header = np.frombuffer(raw[:1024], dtype="<i4").copy()
+        field, delta = {"magic": (0, 1), "version": (1, 2), "count-too-small": (2, -1), "count-too-large": (2, 5)}[how]
+        header[field] += delta
+        raw = header.tobytes() + raw[1024:]
+    path.write_bytes(raw)
+
+
+@pytest.mark.parametrize("how, words", [
+    ("truncated", "truncated"), ("header-cut", "truncated"), ("magic", "magic"),
+    ("version", "version"), ("count-too-small", "count mismatch"), ("count-too-large", "truncated")])
+def test_corrupt_shard_is_a_one_line_error_naming_the_file(tmp_path, how, words):
+    path = tmp_path / "train_000007.bin"
+    write_shard(path, np.arange(100), 50257)
+    _corrupt(path, how)
+    with pytest.raises(DataError) as e:
+        read_shard(path)
+    assert "train_000007.bin" in str(e.value) and words in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# prepare()
+
+DOCS = [
+    "Hello world.\nIt's a test, isn't it?  Two  spaces.\n",
+    "naïve café, ünïcödé: 日本語\n\n    indented\n\tend",
+    "x.\n/y  \nz 123\n",
+]
+
+
+def _all_tokens(out_dir):
+    shards = [n for n in os.listdir(out_dir) if n.endswith(".bin")]
+    names = sorted(shards, key=lambda n: (not n.startswith("val_"), n))  # val first
+    assert names[0] == "val_000000.bin" and all(n.startswith("train_") for n in names[1:])
+    return np.concatenate([read_shard(out_dir / n) for n in names]).tolist()
+
+
+def _expected(enc, docs):
+    return [t for doc in docs for t in [EOT] + enc.encode_ordinary(doc)]
+
+
+def _check(enc, out_dir, docs):
+    tokens = _all_tokens(out_dir)
+    assert tokens == _expected(enc, docs)
+    assert enc.decode(tokens) == "".join("<|endoftext|>" + d for d in docs)
+
+
+def test_prepare_text_file_in_pieces_equals_whole_file_encoding(gpt2, tmp_path, monkeypatch):
+    enc = gpt2[0]
+    rng = random.Random(0)
+    parts = ["foo", "Bar", ".", "/", " ", "  ", "\n", "\n\n", "'s", "12", "é", "\t", "x\ny", ".\nb", " \nc"]
+    text = "".join(rng.choice(parts) for _ in range(3000))
+    (tmp_path / "book.txt").write_text(text, encoding="utf-8")
+    monkeypatch.setattr(data, "TEXT_CHUNK_CHARS", 16)  # many pieces, cut only where encoding is unchanged
+    assert len(list(data._text_pieces(str(tmp_path / "book.txt")))) > 20
+    stats = data.prepare(tmp_path / "book.txt", tmp_path / "out", shard_tokens=500, val_tokens=100)
+    _check(enc, tmp_path / "out", [text])
+    assert stats["documents"] == 1 and stats["val_tokens"] == 100 and stats["train_shards"] > 2
+    assert all(len(read_shard(p)) == 500 for p in sorted((tmp_path / "out").glob("train_*"))[:-1])
+
+
+def test_text_pieces_keep_every_tiktoken_pre_tokenization(tmp_path, monkeypatch):
+    # BPE never merges across pre-tokens, so equal pre-tokens on the whole text and on its pieces mean equal
+    # ids. Checked with tiktoken's own patterns (their BPE files are not needed for this).
+    monkeypatch.setattr(openai_public, "load_tiktoken_bpe", lambda *a, **k: {})
+    monkeypatch.setattr(openai_public, "data_gym_to_mergeable_bpe_ranks", lambda *a, **k: {})
+    patterns = {name: make()["pat_str"] for name, make in openai_public.ENCODING_CONSTRUCTORS.items()}
+    assert {"r50k_base", "cl100k_base", "o200k_base"} <= set(patterns)
+    monkeypatch.setattr(data, "TEXT_CHUNK_CHARS", 5)
+    alphabet = list("aZé日\u0301'1.,/!? \t\n") + ["\na", ".\n", "x\n", "\n/", "'s\n"]
+    rng = random.Random(0)
+    for _ in range(100):
+        text = "".join(rng.choice(alphabet) for _ in range(300))
+        (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+        pieces = [piece for piece, _ in data._text_pieces(str(tmp_path / "t.txt"))]
+        assert "".join(pieces) == text and len(pieces) > 5
+        for name, pattern in patterns.items():
+            assert regex.findall(pattern, text) == [t for p in pieces for t in regex.findall(pattern, p)], name
+
+
+def test_prepare_directory_recursive_and_glob(gpt2, tmp_path):
+    src = tmp_path / "src"
+    (src / "b").mkdir(parents=True)
+    (src / "a.txt").write_text(DOCS[0])
+    (src / "b" / "c.md").write_text(DOCS[1])
+    (src / "b" / "d.txt").write_text(DOCS[2])
+    (src / "image.bin").write_bytes(b"\x89PNG\0\0binary")  # not text: skipped
+    (src / ".hidden.txt").write_text("skipped")
+    data.prepare(src, tmp_path / "dir", val_tokens=3)
+    _check(gpt2[0], tmp_path / "dir", DOCS)
+    data.prepare(str(src / "**" / "*.txt"), tmp_path / "glob", val_tokens=3)
+    _check(gpt2[0], tmp_path / "glob", [DOCS[0], DOCS[2]])
+
+
+def test_prepare_jsonl_and_parquet(gpt2, tmp_path):
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
+    pq.write_table(pa.table({"text": DOCS, "id": [0, 1, 2]}), tmp_path / "docs.parquet")
+    data.prepare(tmp_path / "docs.jsonl", tmp_path / "jsonl", val_tokens=5)
+    data.prepare(tmp_path / "docs.parquet", tmp_path / "parquet", val_tokens=5)
+    _check(gpt2[0], tmp_path / "jsonl", DOCS)
+    _check(gpt2[0], tmp_path / "parquet", DOCS)
+
+
+def test_prepare_hugging_face_dataset_streams_the_train_split(gpt2, tmp_path, monkeypatch):
+    calls = []
+
+    def load_dataset(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+        return iter({"text": d} for d in DOCS)
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    data.prepare("someone/corpus:small", tmp_path / "hf", val_tokens=5)
+    assert calls == [("someone/corpus", "small", "train", True)]
+    _check(gpt2[0], tmp_path / "hf", DOCS)
+
+
+@pytest.mark.parametrize("case", ["missing", "mistyped-path", "empty-dir", "glob", "out-under-file",
+                                  "existing-shards", "too-few-tokens", "no-text-field"])
+def test_prepare_errors(gpt2, tmp_path, monkeypatch, case):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "doc.txt").write_text(DOCS[0])
+    (tmp_path / "empty").mkdir()
+    source, out = "doc.txt", "out"
+    if case == "missing":
+        source = "missing"
+    elif case == "mistyped-path":
+        source = "empty/missing"  # looks like owner/name, but "empty" is a local directory
+    elif case == "empty-dir":
+        source = "empty"
+    elif case == "glob":
+        source = "*.nothing"
+    elif case == "out-under-file":
+        out = "doc.txt/out"
+    elif case == "existing-shards":
+        write_shard(tmp_path / "empty" / "train_000000.bin", np.arange(10), 50257)
+        out = "empty"
+    elif case == "too-few-tokens":
+        pass
+    elif case == "no-text-field":
+        (tmp_path / "doc.jsonl").write_text('{"text": "ok"}\n{"body": "no"}\n')
+        source = "doc.jsonl"
+    with pytest.raises(DataError) as e:
+        data.prepare(source, out, val_tokens=10_000 if case == "too-few-tokens" else 1)
+    assert "\n" not in str(e.value)
+    if case == "no-text-field":
+        assert "doc.jsonl:2" in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Default corpus
+
+
+def test_stdlib_sources_are_the_library_without_tests():
+    files = data.stdlib_sources()
+    assert files == data.stdlib_sources() and 300 < len(files) < 3000
+    assert all(f.endswith(".py") for f in files)
+    parts = {p for f in files for p in f.split(os.sep)}
+    assert not parts & {"test", "tests", "idlelib", "site-packages"}
+    assert any(f.endswith(os.sep + "os.py") for f in files)
+
+
+def test_default_corpus_is_built_once_and_rebuilt_when_incomplete(gpt2, tmp_path, monkeypatch):
+    small = [f for f in data.stdlib_sources() if 2000 < os.path.getsize(f) < 6000][:6]
+    monkeypatch.setattr(data, "stdlib_sources", lambda: small)
+    monkeypatch.setattr(data, "CORPUS_VAL_TOKENS", 200)
+    monkeypatch.setattr(data, "CORPUS_SHARD_TOKENS", 1000)
+    path = data.default_corpus(tmp_path)
+    assert os.path.dirname(path) == str(tmp_path) and "gpt2" in os.path.basename(path)
+    texts = [open(f, encoding="utf-8").read() for f in small]
+    assert _all_tokens(tmp_path / os.path.basename(path)) == _expected(gpt2[0], texts)
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("rebuilt a complete cache")
+
+    with monkeypatch.context() as m:
+        m.setattr(data, "_build", no_rebuild)
+        assert data.default_corpus(tmp_path) == path
+    os.remove(os.path.join(path, data.CORPUS_MARKER))  # as if a build had stopped half way
+    open(os.path.join(path, "train_000000.bin"), "wb").close()
+    assert data.default_corpus(tmp_path) == path
+    assert _all_tokens(tmp_path / os.path.basename(path)) == _expected(gpt2[0], texts)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]  # no temporary directory left
+
+
+def test_default_corpus_real_build(gpt2, tmp_path):
+    path = data.default_corpus(tmp_path)
+    meta = json.load(open(os.path.join(path, data.CORPUS_MARKER)))
+    assert meta["tokens"] > 2_000_000 and meta["train_shards"] >= 3 and meta["val_tokens"] == 131_072
+    loader = ShardLoader(path, "train", batch_size=2, seq_len=64, prefetch=0)
+    x, y = next(loader)
+    assert x.shape == (2, 64) and int(x.max()) < 50257
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loader: shards of consecutive integers, so a window is identified by its first token.
+
+LENGTHS = [101, 57, 80, 66, 90, 45]
+T = 8
+
+
+@pytest.fixture
+def shards(tmp_path):
+    offset = 0
+    for i, n in enumerate(LENGTHS):
+        write_shard(tmp_path / f"train_{i:06d}.bin", np.arange(offset, offset + n), 50257)
+        offset += n
+    write_shard(tmp_path / "val_000000.bin", np.arange(40), 50257)
+    return tmp_path
+
+
+def _all_windows():
+    starts, offset = [], 0
+    for n in LENGTHS:
+        starts += [offset + w * T for w in range((n - 1) // T)]
+        offset += n
+    return starts
+
+
+N = len(_all_windows())
+
+
+def _take(loader, n):
+    return [next(loader) for _ in range(n)]
+
+
+def _stream(shards, n, **kw):
+    """The global stream of window starts: batch size 1, one rank."""
+    loader = ShardLoader(shards, batch_size=1, seq_len=T, prefetch=0, **kw)
+    return [int(x[0, 0]) for x, _ in _take(loader, n)]
+
+
+def test_loader_yields_shifted_int64_windows(shards):
+    loader = ShardLoader(shards, batch_size=4, seq_len=T)
+    for x, y in _take(loader, 20):
+        assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (4, T)
+        # consecutive integers: each row is one contiguous window and y is x shifted by one token
+        assert torch.equal(x, x[:, :1] + torch.arange(T)) and torch.equal(y, x + 1)
+    loader.close()
+
+
+def test_global_stream_uses_every_window_once_per_epoch_with_new_orders(shards):
+    stream = _stream(shards, 3 * N)
+    epochs = [stream[e * N:(e + 1) * N] for e in range(3)]
+    for epoch in epochs:
+        assert sorted(epoch) == _all_windows()  # a permutation: no repeats, nothing skipped
+    assert epochs[0] != epochs[1] != epochs[2]
+    bounds = np.cumsum(LENGTHS)
+    shard_orders = [list(dict.fromkeys(int(np.searchsorted(bounds, s, side="right")) for s in e)) for e in epochs]
+    assert len({tuple(o) for o in shard_orders}) > 1 and all(sorted(o) == list(range(6)) for o in shard_orders)
+    assert _stream(shards, N) == epochs[0] and _stream(shards, N, seed=1) != epochs[0]
+    assert _stream(shards, N, shuffle=False) == _all_windows()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_ranks_are_disjoint_and_cover_each_epoch(shards, world_size):
+    B, steps = 3, 2 * N // 3 + 1  # about two epochs; N is not a multiple of B * world_size
+    stream = _stream(shards, steps * B * world_size)
+    seen = {}
+    for rank in range(world_size):
+        loader = ShardLoader(shards, batch_size=B, seq_len=T, rank=rank, world_size=world_size)
+        for k, (x, _) in enumerate(_take(loader, steps)):
+            starts = x[:, 0].tolist()
+            g = k * B * world_size + rank * B
+            assert starts == stream[g:g + B]
+            seen.update({g + b: (rank, s) for b, s in enumerate(starts)})
+        loader.close()
+    first_epoch = [seen[g] for g in range(N)]
+    assert sorted(s for _, s in first_epoch) == _all_windows()
+    per_rank = [{s for r, s in first_epoch if r == rank} for rank in range(world_size)]
+    assert sum(len(p) for p in per_rank) == N  # disjoint
+
+
+def test_state_dict_counts_consumed_batches_not_prefetched_ones(shards):
+    loader = ShardLoader(shards, batch_size=4, seq_len=T, prefetch=3)
+    _take(loader, 5)
+    assert loader.state_dict()["next_window"] == 20
+    thread = loader._thread
+    loader.close()
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_resume_mid_epoch_and_across_the_epoch_boundary(shards, tmp_path, prefetch):
+    a = ShardLoader(shards, batch_size=4, seq_len=T, seed=3, prefetch=prefetch)
+    _take(a, 5)
+    torch.save(a.state_dict(), tmp_path / "state.pt")
+    expected = _take(a, 12)  # 13 batches make an epoch: these cross into the second one
+    b = ShardLoader(shards, batch_size=4, seq_len=T, seed=3, prefetch=prefetch)
+    _take(b, 9)  # a running loader with prefetched batches is rewound exactly
+    b.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
+    for (xa, ya), (xb, yb) in zip(expected, _take(b, 12)):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    a.close(), b.close()
+
+
+def test_resume_at_another_world_size_continues_the_global_stream(shards):
+    before = [ShardLoader(shards, batch_size=3, seq_len=T, rank=r, world_size=2) for r in range(2)]
+    for loader in before:
+        _take(loader, 4)
+        loader.close()
+    state = before[0].state_dict()
+    assert state == before[1].state_dict() and state["next_window"] == 24
+    stream = _stream(shards, 24 + 5 * 6)
+    for rank in range(3):
+        loader = ShardLoader(shards, batch_size=2, seq_len=T, rank=rank, world_size=3)
+        loader.load_state_dict(state)
+        for k, (x, _) in enumerate(_take(loader, 5)):
+            g = 24 + k * 6 + rank * 2
+            assert x[:, 0].tolist() == stream[g:g + 2]
+        loader.close()
+
+
+def test_an_error_in_the_prefetch_thread_reaches_the_caller(shards, monkeypatch):
+    loader = ShardLoader(shards, batch_size=2, seq_len=T, prefetch=2)
+
+    def broken(g):
+        raise DataError("disk gone")
+
+    monkeypatch.setattr(loader, "_batch", broken)
+    with pytest.raises(DataError, match="disk gone"):
+        next(loader)
+    assert loader._thread is None and loader.state_dict()["next_window"] == 0
+
+
+def test_loading_a_state_for_other_data_is_an_error(shards):
+    state = ShardLoader(shards, batch_size=2, seq_len=T).state_dict()
+    with pytest.raises(DataError, match="seq_len"):
+        ShardLoader(shards, batch_size=2, seq_len=T + 1).load_state_dict(state)
+
+
+def test_validation_loader_reads_in_order(shards):
+    loader = ShardLoader(shards, "val", batch_size=2, seq_len=T, shuffle=False)
+    assert [x[:, 0].tolist() for x, _ in _take(loader, 3)] == [[0, 8], [16, 24], [0, 8]]  # 4 windows, then wrap
+    loader.close()
+
+
+@pytest.mark.parametrize("case, words", [
+    ("seq-len", "train_000005.bin"), ("missing", "does not exist"), ("empty", "no train shards"),
+    ("corrupt", "train_000002.bin")])
+def test_loader_bad_input_is_a_one_line_error(shards, tmp_path, case, words):
+    directory, seq_len = shards, T
+    if case == "seq-len":
+        seq_len = 50  # longer than the 45-token shard
+    elif case == "missing":
+        directory = tmp_path / "nowhere"
+    elif case == "empty":
+        directory = tmp_path / "empty"
+        directory.mkdir()
+    elif case == "corrupt":
+        _corrupt(shards / "train_000002.bin", "truncated")
+    with pytest.raises(DataError) as e:
+        ShardLoader(directory, batch_size=2, seq_len=seq_len)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _cli(*args, cwd, env=None):
+    return subprocess.run([sys.executable, os.path.join(REPO, "data.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_missing_input_exits_2_with_one_line(tmp_path):
+    r = _cli("--input", "missing", "--out", "x", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_help_documents_every_flag(tmp_path):
+    r = _cli("--help", cwd=tmp_path)
+    assert r.returncode == 0
+    for flag in ["--input", "--out", "--tokenizer", "--shard-tokens", "--val-tokens", "HF_HUB_OFFLINE"]:
+        assert flag in r.stdout
+
+
+def test_cli_writes_shards(gpt2, tmp_path):
+    (tmp_path / "doc.txt").write_text(DOCS[0] * 20)
+    env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(gpt2[1]))
+    r = _cli("--input", "doc.txt", "--out", "out", "--val-tokens", "7", "--shard-tokens", "100", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    _check(gpt2[0], tmp_path / "out", [DOCS[0] * 20])

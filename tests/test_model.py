@@ -1,0 +1,244 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, ModelConfig, flops_per_token
+
+# GQA with 4 query heads per kv head, a head_dim that is not n_embd // n_head, a vocab that needs padding
+# and a small rope_theta so that the rotation is far from the identity over a short sequence.
+TINY = dict(
+    vocab_size=200, n_layer=2, n_head=8, n_kv_head=2, n_embd=64, head_dim=16, ffn_dim=96,
+    max_seq_len=32, rope_theta=500.0, norm_eps=1e-6,
+)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    return ModelConfig(**{**TINY, **overrides})
+
+
+def tiny_model(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(tiny_config(**overrides))
+
+
+def qwen3_to_ours(hf_state: dict, n_layer: int) -> dict:
+    """Map a Qwen3ForCausalLM state dict onto our parameter names (fusing q,k,v and gate,up)."""
+    out = {
+        "embed.weight": hf_state["model.embed_tokens.weight"],
+        "norm.weight": hf_state["model.norm.weight"],
+        "lm_head.weight": hf_state["lm_head.weight"],
+    }
+    for i in range(n_layer):
+        src, dst = f"model.layers.{i}.", f"blocks.{i}."
+        attn, mlp = src + "self_attn.", src + "mlp."
+        out[dst + "attn.qkv.layer_norm_weight"] = hf_state[src + "input_layernorm.weight"]
+        out[dst + "attn.qkv.weight"] = torch.cat(
+            [hf_state[attn + "q_proj.weight"], hf_state[attn + "k_proj.weight"], hf_state[attn + "v_proj.weight"]]
+        )
+        out[dst + "attn.q_norm.weight"] = hf_state[attn + "q_norm.weight"]
+        out[dst + "attn.k_norm.weight"] = hf_state[attn + "k_norm.weight"]
+        out[dst + "attn.proj.weight"] = hf_state[attn + "o_proj.weight"]
+        out[dst + "mlp.layer_norm_weight"] = hf_state[src + "post_attention_layernorm.weight"]
+        out[dst + "mlp.fc1_weight"] = torch.cat([hf_state[mlp + "gate_proj.weight"], hf_state[mlp + "up_proj.weight"]])
+        out[dst + "mlp.fc2_weight"] = hf_state[mlp + "down_proj.weight"]
+    return out
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_logits_match_transformers_qwen3(tied):
+    transformers = pytest.importorskip("transformers")
+    config = tiny_config(tie_embeddings=tied)
+    hf_config = transformers.Qwen3Config(
+        vocab_size=config.padded_vocab_size,
+        hidden_size=config.n_embd,
+        intermediate_size=config.ffn_dim,
+        num_hidden_layers=config.n_layer,
+        num_attention_heads=config.n_head,
+        num_key_value_heads=config.n_kv_head,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=config.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        tie_word_embeddings=tied,
+        attention_bias=False,
+        attn_implementation="eager",
+    )
+    assert hf_config.rope_parameters["rope_theta"] == config.rope_theta
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(hf_config).float().eval()
+    assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == tied
+    # Norm weights start at 1, which would hide a swapped or missing norm mapping; matrices get a larger
+    # scale so that attention patterns are far from uniform.
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
+
+    ours = GPT(config).eval()
+    ours.load_state_dict(qwen3_to_ours(hf.state_dict(), config.n_layer))
+    assert (ours.lm_head.weight is ours.embed.weight) == tied
+
+    idx = torch.randint(0, config.vocab_size, (2, config.max_seq_len))
+    with torch.no_grad():
+        expected = hf(input_ids=idx).logits
+        logits, _ = ours(idx)
+    assert logits.dtype == expected.dtype == torch.float32
+    rel_err = (logits - expected).abs().max() / expected.abs().max()
+    assert rel_err < 1e-5, f"relative error {rel_err:.2e}"
+
+
+def test_causal_mask():
+    model = tiny_model().eval()
+    idx = torch.randint(0, 200, (2, 32))
+    with torch.no_grad():
+        base, _ = model(idx)
+        for t in (0, 7, 30):
+            changed = idx.clone()
+            changed[:, t + 1:] = torch.randint(0, 200, (2, 31 - t))
+            changed[:, t + 1] = (idx[:, t + 1] + 1) % 200
+            out, _ = model(changed)
+            torch.testing.assert_close(out[:, : t + 1], base[:, : t + 1], rtol=0, atol=1e-6)
+            assert not torch.allclose(out[:, t + 1:], base[:, t + 1:])
+
+
+def expected_shapes(c: ModelConfig) -> dict:
+    V, D, H, K, hd, F_ = c.padded_vocab_size, c.n_embd, c.n_head, c.n_kv_head, c.resolved_head_dim, c.resolved_ffn_dim
+    shapes = {"embed.weight": (V, D), "norm.weight": (D,), "lm_head.weight": (V, D)}
+    for i in range(c.n_layer):
+        shapes |= {
+            f"blocks.{i}.attn.qkv.layer_norm_weight": (D,),
+            f"blocks.{i}.attn.qkv.weight": ((H + 2 * K) * hd, D),
+            f"blocks.{i}.attn.q_norm.weight": (hd,),
+            f"blocks.{i}.attn.k_norm.weight": (hd,),
+            f"blocks.{i}.attn.proj.weight": (D, H * hd),
+            f"blocks.{i}.mlp.layer_norm_weight": (D,),
+            f"blocks.{i}.mlp.fc1_weight": (2 * F_, D),
+            f"blocks.{i}.mlp.fc2_weight": (D, F_),
+        }
+    return shapes
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_state_dict_names_and_shapes(tied):
+    model = tiny_model(tie_embeddings=tied)
+    got = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    assert got == expected_shapes(model.config)
+    assert got["embed.weight"] == (256, 64)
+
+
+def test_tied_embedding_shares_storage_and_counts_once():
+    tied, untied = tiny_model(tie_embeddings=True), tiny_model(tie_embeddings=False)
+    assert tied.lm_head.weight is tied.embed.weight
+    assert tied.lm_head.weight.data_ptr() == tied.embed.weight.data_ptr()
+    assert untied.lm_head.weight.data_ptr() != untied.embed.weight.data_ptr()
+    total = sum(math.prod(s) for s in expected_shapes(tied.config).values())
+    assert untied.num_params() == total
+    assert tied.num_params() == total - 256 * 64
+
+
+def test_defaults_resolve():
+    c = ModelConfig()
+    assert (c.resolved_head_dim, c.resolved_ffn_dim, c.padded_vocab_size) == (64, 2048, 50304)
+    assert ModelConfig(n_embd=1024, n_head=16).resolved_ffn_dim == 2816
+    assert ModelConfig(n_embd=512, n_head=8).resolved_ffn_dim == 1408
+    assert ModelConfig(vocab_size=128).padded_vocab_size == 128
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(n_head=8, n_kv_head=3), r"n_head \(8\) must be divisible by n_kv_head \(3\)"),
+        (dict(n_layer=0), "n_layer must be positive"),
+        (dict(n_embd=-4), "n_embd must be positive"),
+        (dict(vocab_size=0), "vocab_size must be positive"),
+        (dict(head_dim=0), "head_dim must be positive"),
+        (dict(ffn_dim=-1), "ffn_dim must be positive"),
+        (dict(head_dim=15), "head_dim must be even"),
+        (dict(head_dim=None, n_embd=60), r"n_embd \(60\) must be divisible by n_head \(8\)"),
+        (dict(head_dim=None, n_embd=24, n_head=8, n_kv_head=2), "head_dim must be even"),
+        (dict(norm_eps=0.0), "norm_eps must be positive"),
+        (dict(rope_theta=-1.0), "rope_theta must be positive"),
+    ],
+)
+def test_validate_rejects_bad_config(overrides, message):
+    config = tiny_config(**overrides)
+    with pytest.raises(ValueError, match=message) as excinfo:
+        config.validate()
+    assert "\n" not in str(excinfo.value)
+    with pytest.raises(ValueError, match=message):
+        GPT(config)
+
+
+def test_flops_per_token_hand_count():
+    c = ModelConfig(vocab_size=100, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, head_dim=4, ffn_dim=32)
+    # per layer: qkv 16*(4+2*2)*4=512, proj 16*16=256, fc1 16*64=1024, fc2 32*16=512 -> 2304
+    # N = 2*2304 + lm_head 128*16 = 6656; attention = 12 * 2 layers * 4 heads * 4 hd * 8 tokens = 3072
+    assert flops_per_token(c, seq_len=8) == 6 * 6656 + 3072
+
+
+def test_flops_counts_every_matmul_weight():
+    model = tiny_model(tie_embeddings=True)
+    norm_params = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    attention = 12 * 2 * 8 * 16 * 32
+    assert flops_per_token(model.config, 32) == 6 * (model.num_params() - norm_params) + attention
+
+
+def test_row_blocks_split_fused_weights():
+    model = tiny_model()
+    blocks = model.row_blocks()
+    params = dict(model.named_parameters())
+    assert set(blocks) == {n for n in params if n.endswith(("qkv.weight", "fc1_weight"))}
+    for name, rows in blocks.items():
+        assert sum(rows) == params[name].shape[0]
+    assert blocks["blocks.1.attn.qkv.weight"] == [128, 32, 32]
+    assert blocks["blocks.0.mlp.fc1_weight"] == [96, 96]
+
+
+def test_loss_is_float32_cross_entropy_under_autocast():
+    model = tiny_model()
+    idx = torch.randint(0, 200, (2, 16))
+    targets = torch.randint(0, 200, (2, 16))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (2, 16, 256)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.view(-1, 256), targets.view(-1)))
+    assert model(idx)[1] is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits_bf16, loss_bf16 = model(idx, targets)
+    assert logits_bf16.dtype == torch.bfloat16 and loss_bf16.dtype == torch.float32
+    assert abs(loss_bf16.item() - loss.item()) < 0.05
+
+
+def test_rejects_sequence_longer_than_max_seq_len():
+    with pytest.raises(ValueError, match="sequence length 33 exceeds max_seq_len 32"):
+        tiny_model()(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_init_is_deterministic_and_scaled():
+    a, b = tiny_model(seed=3), tiny_model(seed=3)
+    for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(a.embed.weight, tiny_model(seed=4).embed.weight)
+    big = tiny_model(n_layer=8, n_embd=256, n_head=8, head_dim=32, ffn_dim=512)
+    for name, p in big.named_parameters():
+        if p.ndim == 1:
+            assert torch.equal(p, torch.ones_like(p)), name
+            continue
+        std = 0.02 / 4 if name.endswith(("attn.proj.weight", "fc2_weight")) else 0.02
+        assert abs(p.std().item() / std - 1) < 0.05, name
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_meta_device_then_init_weights_matches_eager_build(tied):
+    with torch.device("meta"):
+        lazy = GPT(tiny_config(tie_embeddings=tied))
+    lazy.to_empty(device="cpu")
+    torch.manual_seed(7)
+    lazy.init_weights()
+    eager = tiny_model(tie_embeddings=tied)
+    torch.manual_seed(7)
+    eager.init_weights()
+    assert (lazy.lm_head.weight is lazy.embed.weight) == tied
+    idx = torch.randint(0, 200, (1, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(lazy(idx)[0], eager(idx)[0], rtol=0, atol=0)

@@ -1,0 +1,475 @@
+"""Tests for optim.py: parameter groups, Muon against torch.optim.Muon, FSDP2/DDP on gloo, 8-bit AdamW, resume."""
+
+import io
+import math
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import optim
+from optim import OptimConfig, build_optimizer, describe_param_groups, optimizer_state_bytes
+
+# ----------------------------------------------------------------------------- a stand-in model
+# Same parameter names and shapes as model.py's contract, with a cheap mixing rule in place of
+# attention, so these tests depend on optim.py alone.
+
+
+class Params(nn.Module):
+    def __init__(self, **params):
+        super().__init__()
+        for name, p in params.items():
+            self.register_parameter(name, p)
+
+
+def matrix(rows, cols):
+    return nn.Parameter(torch.randn(rows, cols) / math.sqrt(cols))
+
+
+def ones(n):
+    return nn.Parameter(torch.ones(n) + 0.1 * torch.randn(n))
+
+
+def rms_norm(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, d, h, k, hd, f):
+        super().__init__()
+        self.h, self.k, self.hd = h, k, hd
+        self.attn = Params()
+        self.attn.qkv = Params(weight=matrix((h + 2 * k) * hd, d), layer_norm_weight=ones(d))
+        self.attn.q_norm = Params(weight=ones(hd))
+        self.attn.k_norm = Params(weight=ones(hd))
+        self.attn.proj = Params(weight=matrix(d, h * hd))
+        self.mlp = Params(layer_norm_weight=ones(d), fc1_weight=matrix(2 * f, d), fc2_weight=matrix(d, f))
+
+    def forward(self, x):
+        a = self.attn
+        qkv = rms_norm(x, a.qkv.layer_norm_weight) @ a.qkv.weight.T
+        q, k, v = qkv.split([self.h * self.hd, self.k * self.hd, self.k * self.hd], dim=-1)
+        q = rms_norm(q.unflatten(-1, (self.h, self.hd)), a.q_norm.weight)
+        k = rms_norm(k.unflatten(-1, (self.k, self.hd)), a.k_norm.weight).repeat_interleave(self.h // self.k, -2)
+        v = v.unflatten(-1, (self.k, self.hd)).repeat_interleave(self.h // self.k, -2)
+        x = x + (torch.tanh(q * k) * v).flatten(-2).cumsum(1) / 4 @ a.proj.weight.T
+        gate, up = (rms_norm(x, self.mlp.layer_norm_weight) @ self.mlp.fc1_weight.T).chunk(2, dim=-1)
+        return x + (F.silu(gate) * up) @ self.mlp.fc2_weight.T
+
+
+class ToyGPT(nn.Module):
+    def __init__(self, vocab=11, d=8, h=2, k=1, hd=4, f=6, n_layer=2, tied=True, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.shape = dict(h=h, k=k, hd=hd, f=f)
+        self.embed = Params(weight=matrix(vocab, d))
+        self.blocks = nn.ModuleList(ToyBlock(d, h, k, hd, f) for _ in range(n_layer))
+        self.norm = Params(weight=ones(d))
+        self.lm_head = Params(weight=self.embed.weight if tied else matrix(vocab, d))
+
+    def forward(self, idx, targets):
+        x = F.embedding(idx, self.embed.weight)
+        for block in self.blocks:
+            x = block(x)
+        logits = rms_norm(x, self.norm.weight) @ self.lm_head.weight.T
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def row_blocks(self):
+        s = self.shape
+        return {name: blocks for i in range(len(self.blocks)) for name, blocks in [
+            (f"blocks.{i}.attn.qkv.weight", [s["h"] * s["hd"], s["k"] * s["hd"], s["k"] * s["hd"]]),
+            (f"blocks.{i}.mlp.fc1_weight", [s["f"], s["f"]])]}
+
+
+def batches(n, vocab=11, batch=6, seq=5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randint(vocab, (batch, seq), generator=g), torch.randint(vocab, (batch, seq), generator=g))
+            for _ in range(n)]
+
+
+def train(model, optimizer, data):
+    for x, y in data:
+        model(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def names_by_group(optimizer):
+    return [(g["kind"], g["weight_decay"], g["names"]) for g in optimizer.param_groups]
+
+
+def muon_group(params, row_blocks, lr=0.02, weight_decay=0.1):
+    return {"params": params, "names": [f"w{i}" for i in range(len(params))], "kind": "muon",
+            "row_blocks": row_blocks, "lr": lr, "weight_decay": weight_decay}
+
+
+# ----------------------------------------------------------------------------- parameter groups
+
+MATRICES = ["attn.qkv.weight", "attn.proj.weight", "mlp.fc1_weight", "mlp.fc2_weight"]
+NORMS = ["attn.qkv.layer_norm_weight", "attn.q_norm.weight", "attn.k_norm.weight", "mlp.layer_norm_weight"]
+
+
+def test_muon_groups_hidden_matrices_and_decays_only_matrices():
+    model = ToyGPT(n_layer=2, tied=False)
+    opt = build_optimizer(model, OptimConfig(name="muon", lr=0.02, adam_lr=0.003, weight_decay=0.1),
+                          model.row_blocks(), "cpu")
+    per_block = lambda suffixes: [f"blocks.{i}.{s}" for i in range(2) for s in suffixes]  # noqa: E731
+    assert sorted(names_by_group(opt)) == sorted([
+        ("muon", 0.1, per_block(MATRICES)),
+        ("adamw", 0.1, ["embed.weight", "lm_head.weight"]),
+        ("adamw", 0.0, per_block(NORMS) + ["norm.weight"]),
+    ])
+    assert {g["kind"]: g["base_lr"] for g in opt.param_groups} == {"muon": 0.02, "adamw": 0.003}
+    assert all(g["lr"] == g["base_lr"] for g in opt.param_groups)
+    muon = next(g for g in opt.param_groups if g["kind"] == "muon")
+    assert muon["row_blocks"][:4] == [[8, 4, 4], [8], [6, 6], [8]]
+
+
+def test_adamw_groups_tied_weight_once():
+    model = ToyGPT(n_layer=1, tied=True)
+    opt = build_optimizer(model, OptimConfig(name="adamw", lr=1e-3, weight_decay=0.05), model.row_blocks(), "cpu")
+    assert names_by_group(opt) == [
+        ("adamw", 0.05, ["embed.weight"] + [f"blocks.0.{s}" for s in MATRICES]),
+        ("adamw", 0.0, [f"blocks.0.{s}" for s in NORMS] + ["norm.weight"]),
+    ]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(params) == len({id(p) for p in params}) == len(list(model.parameters()))
+    assert opt.defaults["fused"] == optim.fused_adamw_available("cpu")
+    assert describe_param_groups(opt).startswith("AdamW (fused)" if opt.defaults["fused"] else "AdamW (foreach)")
+
+
+def test_adamw_falls_back_to_foreach_without_fused_kernel(monkeypatch):
+    monkeypatch.setattr(optim, "fused_adamw_available", lambda device_type: False)
+    opt = build_optimizer(ToyGPT(n_layer=1), OptimConfig(name="adamw"), {}, "cpu")
+    assert opt.defaults["foreach"] and not opt.defaults["fused"]
+    assert describe_param_groups(opt).startswith("AdamW (foreach)")
+
+
+def test_wrapped_names_are_canonical():
+    assert optim.canonical_name("_orig_mod.blocks.3._checkpoint_wrapped_module.attn.qkv.weight") == \
+        "blocks.3.attn.qkv.weight"
+    assert optim.canonical_name("module.blocks.0.mlp.fc1_weight") == "blocks.0.mlp.fc1_weight"
+
+
+def test_describe_folds_block_indices():
+    model = ToyGPT(n_layer=3)
+    text = describe_param_groups(build_optimizer(model, OptimConfig(name="muon"), model.row_blocks(), "cpu"))
+    assert text.splitlines()[0].startswith("Muon (NS 5 steps in fp32, scale match_rms_adamw")
+    assert "blocks.*.attn.qkv.weight, blocks.*.attn.proj.weight, blocks.*.mlp.fc1_weight" in text
+    assert "blocks.0." not in text
+
+
+# ----------------------------------------------------------------------------- Muon numerics
+
+
+def reference_newton_schulz(g, ns_coefficients, ns_steps, eps):
+    """The quintic iteration written as its polynomial, in float64, independent of optim.py."""
+    a, b, c = ns_coefficients
+    x = g.double()
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = a * x + b * gram @ x + c * gram @ gram @ x
+    return x.T if tall else x
+
+
+@pytest.mark.parametrize("shape", [(24, 16), (16, 24)])
+@pytest.mark.parametrize("scale", ["original", "match_rms_adamw"])
+@pytest.mark.parametrize("ns_dtype", ["bf16", "fp32"])
+def test_muon_matches_torch_muon(shape, scale, ns_dtype, monkeypatch):
+    if ns_dtype == "fp32":
+        # torch.optim.Muon always iterates in bf16; give it a float64 iteration to compare fp32 against.
+        monkeypatch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", reference_newton_schulz)
+    torch.manual_seed(0)
+    ours_w = torch.randn(shape)
+    ref_w = ours_w.clone()
+    ours = optim.Muon([muon_group([ours_w], [[shape[0]]], lr=0.02, weight_decay=0.1)], momentum=0.9,
+                      ns_dtype=ns_dtype, muon_scale=scale)
+    ref = torch.optim.Muon([ref_w], lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn=scale)
+    for _ in range(4):
+        g = torch.randn(shape)
+        ours_w.grad, ref_w.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    if ns_dtype == "bf16":
+        assert torch.equal(ours_w, ref_w)
+    else:
+        torch.testing.assert_close(ours_w, ref_w, rtol=1e-6, atol=1e-7)
+
+
+def with_spectrum(rows, cols, largest, smallest):
+    """A random rows x cols matrix whose singular values run evenly from largest to smallest."""
+    n = min(rows, cols)
+    u, _ = torch.linalg.qr(torch.randn(rows, n))
+    v, _ = torch.linalg.qr(torch.randn(cols, n))
+    return u @ torch.diag(torch.linspace(largest, smallest, n)) @ v.T
+
+
+def test_newton_schulz_singular_values_in_quintic_band():
+    # Once a singular value is inside [0.68, 1.21] the quintic keeps it there: the polynomial's local
+    # max on the band is p(0.5545) = 1.2023 and its local min is p(1.050) = 0.6818.
+    torch.manual_seed(0)
+    for rows, cols in [(32, 16), (16, 16), (8, 16)]:
+        s = torch.linalg.svdvals(optim.newton_schulz(with_spectrum(rows, cols, 3.0, 0.3), 5, torch.float32))
+        assert s.min() > 0.68 and s.max() < 1.21, (rows, cols, s)
+
+
+@pytest.mark.parametrize("scale", ["original", "match_rms_adamw"])
+def test_fused_qkv_update_is_three_independent_updates(scale):
+    torch.manual_seed(0)
+    blocks, cols = [16, 8, 8], 16
+    fused = torch.randn(sum(blocks), cols)
+    parts = [t.clone() for t in fused.split(blocks)]
+    whole = fused.clone()
+    opt_fused = optim.Muon([muon_group([fused], [blocks])], muon_scale=scale)
+    opt_parts = optim.Muon([muon_group(parts, [[r] for r in blocks])], muon_scale=scale)
+    opt_whole = optim.Muon([muon_group([whole], [[sum(blocks)]])], muon_scale=scale)
+    for _ in range(3):
+        g = torch.randn(sum(blocks), cols)
+        fused.grad, whole.grad = g.clone(), g.clone()
+        for p, gp in zip(parts, g.split(blocks)):
+            p.grad = gp.clone()
+        for opt in (opt_fused, opt_parts, opt_whole):
+            opt.step()
+    assert torch.equal(fused, torch.cat(parts))
+    assert not torch.allclose(fused, whole, atol=1e-3)
+
+
+def test_muon_update_per_block_is_orthogonal_and_scaled():
+    # With momentum 0, lr 1 and no decay, the step is exactly scale * NS(grad), block by block;
+    # "original" scales the tall 16 x 8 block by sqrt(2) and the square ones by 1.
+    torch.manual_seed(0)
+    blocks, cols = [16, 8, 8], 8
+    w = torch.zeros(sum(blocks), cols)
+    opt = optim.Muon([muon_group([w], [blocks], lr=1.0, weight_decay=0.0)], momentum=0.0, muon_scale="original")
+    w.grad = torch.cat([with_spectrum(r, cols, 1.0, 0.1) * r for r in blocks])
+    opt.step()
+    for update, scale in zip((-w).split(blocks), [math.sqrt(2), 1.0, 1.0]):
+        s = torch.linalg.svdvals(update / scale)
+        assert s.min() > 0.68 and s.max() < 1.21, s
+    assert torch.linalg.svdvals(-w[:16]).max() > 1.21  # the scale really was applied
+
+
+def test_adamw_side_of_muon_matches_torch_adamw():
+    model = ToyGPT(n_layer=1, tied=False)
+    ref_model = ToyGPT(n_layer=1, tied=False)
+    cfg = OptimConfig(name="muon", lr=0.02, adam_lr=3e-3, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-6)
+    opt = build_optimizer(model, cfg, model.row_blocks(), "cpu")
+    adam_groups = [g for g in opt.param_groups if g["kind"] == "adamw"]
+    ref_params = dict(ref_model.named_parameters())
+    ref = torch.optim.AdamW([{"params": [ref_params[n] for n in g["names"]], "weight_decay": g["weight_decay"]}
+                             for g in adam_groups], lr=3e-3, betas=(0.8, 0.9), eps=1e-6, foreach=False)
+    muon_names = [n for g in opt.param_groups if g["kind"] == "muon" for n in g["names"]]
+    for x, y in batches(3):
+        for m in (model, ref_model):
+            m(x, y).backward()
+        opt.step()
+        ref.step()
+        with torch.no_grad():  # the reference has no Muon: give it our matrices so both see the same grads
+            for name in muon_names:
+                ref_params[name].copy_(model.get_parameter(name))
+        for m in (model, ref_model):
+            m.zero_grad(set_to_none=True)
+    for g in adam_groups:
+        for name, p in zip(g["names"], g["params"]):
+            assert torch.equal(p, ref_params[name]), name
+
+
+# ----------------------------------------------------------------------------- FSDP2 and DDP on gloo
+
+
+def run_muon(model, data, **cfg):
+    opt = build_optimizer(model, OptimConfig(name="muon", lr=0.05, adam_lr=0.01, weight_decay=0.1, ns_dtype="fp64",
+                                             **cfg), model.row_blocks(), "cpu")
+    train(model, opt, data)
+    return opt
+
+
+def distributed_worker(rank, world_size, init_file, out_file, mode):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        # Uneven shards: qkv has 15 rows (blocks 9/3/3) and the embedding 7; with 3 ranks the
+        # 4-row proj and fc2 leave the last rank no rows at all.
+        model = ToyGPT(vocab=7, d=4, h=3, k=1, hd=3, f=5, n_layer=2, tied=False).double()
+        per_rank = 6 // world_size
+        data = [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+                for x, y in batches(3, vocab=7)]
+        if mode == "fsdp":
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            with pytest.raises(ValueError, match="use --optimizer adamw"):
+                build_optimizer(model, OptimConfig(name="adamw8bit"), {}, "cpu")
+            run_muon(model, data)
+            full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        else:
+            ddp = nn.parallel.DistributedDataParallel(model)
+            opt = build_optimizer(ddp, OptimConfig(name="muon", lr=0.05, adam_lr=0.01, weight_decay=0.1,
+                                                   ns_dtype="fp64"), model.row_blocks(), "cpu")
+            train(ddp, opt, data)
+            full = dict(model.named_parameters())
+        if rank == 0:
+            torch.save({n: t.detach().clone() for n, t in full.items()}, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode,world_size", [("fsdp", 2), ("fsdp", 3), ("ddp", 2)])
+def test_muon_distributed_matches_single_process(mode, world_size, tmp_path):
+    out_file = tmp_path / "params.pt"
+    mp.spawn(distributed_worker, args=(world_size, str(tmp_path / "rdzv"), str(out_file), mode),
+             nprocs=world_size, join=True)
+    distributed = torch.load(out_file)
+
+    make = lambda: ToyGPT(vocab=7, d=4, h=3, k=1, hd=3, f=5, n_layer=2, tied=False).double()  # noqa: E731
+    model, untrained = make(), make()
+    run_muon(model, batches(3, vocab=7))
+    for name, p in model.named_parameters():
+        assert not torch.equal(p, untrained.get_parameter(name)), f"{name} did not train"
+        print(name, (distributed[name] - p.detach()).abs().max().item())
+        torch.testing.assert_close(distributed[name], p.detach(), rtol=0, atol=1e-10, msg=name)
+
+
+# ----------------------------------------------------------------------------- 8-bit AdamW
+
+
+def test_adamw8bit_state_is_8bit_except_embeddings_and_under_30_percent():
+    bnb = pytest.importorskip("bitsandbytes")
+    # 10.4M parameters, most of them in the hidden matrices.
+    model = ToyGPT(vocab=256, d=256, h=4, k=2, hd=64, f=768, n_layer=13, tied=False)
+    assert sum(p.numel() for p in model.parameters()) > 10_000_000
+    sizes = {}
+    for name in ("adamw", "adamw8bit"):
+        opt = build_optimizer(model, OptimConfig(name=name), model.row_blocks(), "cpu")
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 1e-3)
+        opt.step()
+        sizes[name] = optimizer_state_bytes(opt)
+    assert isinstance(opt, bnb.optim.AdamW8bit)
+    assert sizes["adamw8bit"] <= 0.3 * sizes["adamw"], sizes
+    names = {id(p): n for g in opt.param_groups for n, p in zip(g["names"], g["params"])}
+    for p, state in opt.state.items():
+        name = names[id(p)]
+        big_matrix = name.endswith(tuple(MATRICES))
+        assert state["state1"].dtype == (torch.uint8 if big_matrix else torch.float32), name
+    assert "32-bit state for embed.weight, lm_head.weight" in describe_param_groups(opt)
+
+
+def test_adamw8bit_loss_tracks_adamw():
+    pytest.importorskip("bitsandbytes")
+    data = [(x, (3 * x + 1) % 64) for x, _ in batches(30, vocab=64, batch=8, seq=16)]  # a learnable map
+    losses = {}
+    for name in ("adamw", "adamw8bit"):
+        model = ToyGPT(vocab=64, d=64, h=4, k=2, hd=16, f=128, n_layer=2, tied=True)
+        opt = build_optimizer(model, OptimConfig(name=name, lr=1e-2, weight_decay=0.0), model.row_blocks(), "cpu")
+        losses[name] = []
+        for x, y in data:
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[name].append(loss.item())
+    assert losses["adamw"][-1] < 0.65 * losses["adamw"][0]
+    for a, b in zip(losses["adamw"], losses["adamw8bit"]):
+        assert abs(a - b) < 0.01 * a, (losses["adamw"], losses["adamw8bit"])
+
+
+# ----------------------------------------------------------------------------- checkpoint resume
+
+
+def scheduled_train(model, opt, data, first_step):
+    for step, (x, y) in enumerate(data, start=first_step):
+        for g in opt.param_groups:
+            g["lr"] = g["base_lr"] * (0.5 + 0.1 * step)
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon"])
+def test_resume_is_bit_identical(name):
+    if name == "adamw8bit":
+        pytest.importorskip("bitsandbytes")
+    # d=64 makes the matrices big enough (>= 4096 elements) for 8-bit state.
+    make = lambda: ToyGPT(vocab=32, d=64, h=2, k=1, hd=32, f=64, n_layer=1, tied=False)  # noqa: E731
+    cfg = OptimConfig(name=name, lr=1e-2, adam_lr=1e-3)
+    data = batches(5, vocab=32)
+
+    straight = make()
+    scheduled_train(straight, build_optimizer(straight, cfg, straight.row_blocks(), "cpu"), data, 0)
+
+    first = make()
+    opt = build_optimizer(first, cfg, first.row_blocks(), "cpu")
+    scheduled_train(first, opt, data[:3], 0)
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+
+    resumed = make()
+    resumed.load_state_dict(saved["model"])
+    opt = build_optimizer(resumed, cfg, resumed.row_blocks(), "cpu")
+    opt.load_state_dict(saved["optimizer"])
+    scheduled_train(resumed, opt, data[3:], 3)
+
+    for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+
+
+# ----------------------------------------------------------------------------- errors and the real model
+
+
+@pytest.mark.parametrize("bad", [
+    dict(name="sgd"), dict(lr=0.0), dict(adam_lr=-1.0), dict(weight_decay=-0.1), dict(betas=(0.9, 1.0)),
+    dict(eps=0.0), dict(momentum=1.0), dict(ns_steps=0), dict(ns_dtype="fp16"), dict(muon_scale="moonlight"),
+])
+def test_bad_config_is_one_line_value_error(bad):
+    model = ToyGPT(n_layer=1)
+    with pytest.raises(ValueError) as e:
+        build_optimizer(model, OptimConfig(**{"name": "muon", **bad}), model.row_blocks(), "cpu")
+    assert "\n" not in str(e.value) and str(e.value)
+
+
+@pytest.mark.parametrize("row_blocks,message", [
+    ({"blocks.0.attn.qkv.weight": [8, 4, 5]}, "does not split its 16 rows"),
+    ({"blocks.0.attn.q_norm.weight": [4]}, "not a Muon matrix"),
+])
+def test_bad_row_blocks(row_blocks, message):
+    with pytest.raises(ValueError, match=message):
+        build_optimizer(ToyGPT(n_layer=1), OptimConfig(name="muon"), row_blocks, "cpu")
+
+
+def test_missing_bitsandbytes_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(ValueError, match="pip install bitsandbytes"):
+        build_optimizer(ToyGPT(n_layer=1), OptimConfig(name="adamw8bit"), {}, "cpu")
+
+
+def test_groups_real_model():
+    model_py = pytest.importorskip("model")
+    config = model_py.ModelConfig(vocab_size=100, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=16)
+    model = model_py.GPT(config)
+    opt = build_optimizer(model, OptimConfig(name="muon", lr=0.02), model.row_blocks(), "cpu")
+    groups = {(g["kind"], g["weight_decay"]): g for g in opt.param_groups}
+    muon = groups["muon", 0.1]
+    assert muon["names"] == [f"blocks.{i}.{s}" for i in range(2) for s in MATRICES]
+    assert groups["adamw", 0.1]["names"] == ["embed.weight"]  # tied: lm_head is the same tensor
+    assert all(p.ndim == 1 for p in groups["adamw", 0.0]["params"])
+    blocks = model.row_blocks()
+    for name, p, split in zip(muon["names"], muon["params"], muon["row_blocks"]):
+        assert split == blocks.get(name, [p.shape[0]])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    idx = torch.randint(100, (2, 8))
+    model(idx, idx)[1].backward()
+    opt.step()
+    assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())

@@ -1,0 +1,178 @@
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import train
+from data import write_shard
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_MODEL = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
+              "--seq-len", "32", "--batch-size", "4"]
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """Random tokens over a 256-entry vocabulary: enough to exercise every code path quickly."""
+    root = tmp_path_factory.mktemp("tiny_data")
+    rng = np.random.default_rng(0)
+    for i in range(3):
+        write_shard(root / f"train_{i:06d}.bin", rng.integers(0, 256, 5000, dtype=np.uint16), vocab_size=256)
+    write_shard(root / "val_000000.bin", rng.integers(0, 256, 2000, dtype=np.uint16), vocab_size=256)
+    return str(root)
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def run_cli(*args, cwd=REPO):
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    return subprocess.run([sys.executable, "train.py", *args], cwd=cwd, capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+# ----------------------------------------------------------------------------- schedule and flags
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_lr_schedule_warms_up_then_decays_to_min(schedule):
+    mults = [train.lr_multiplier(s, 100, 10, schedule, 0.1, 0.2) for s in range(100)]
+    assert mults[0] == pytest.approx(0.1) and mults[9] == pytest.approx(1.0)
+    assert all(a <= b for a, b in zip(mults[:10], mults[1:10]))
+    assert all(a >= b for a, b in zip(mults[10:], mults[11:]))
+    assert mults[-1] == pytest.approx(0.1)
+
+
+def test_wsd_is_flat_until_the_decay_phase():
+    mults = [train.lr_multiplier(s, 100, 10, "wsd", 0.0, 0.2) for s in range(100)]
+    assert mults[10:80] == [1.0] * 70
+    assert mults[80] < 1.0 and mults[-1] == 0.0
+
+
+def test_cosine_midpoint():
+    assert train.lr_multiplier(54, 100, 10, "cosine", 0.0, 0.2) == pytest.approx(0.5)
+
+
+def test_total_batch_tokens_derives_grad_accum():
+    c, m, _ = train.parse_args(["--total-batch-tokens", "4096", "--batch-size", "4", "--seq-len", "256"])
+    assert train.derive_grad_accum(c, m.max_seq_len) == 4
+    assert train.derive_grad_accum(c, m.max_seq_len, world_size=2) == 2
+    with pytest.raises(train.UsageError, match="not a multiple"):
+        train.derive_grad_accum(c, m.max_seq_len, world_size=3)
+
+
+def test_max_tokens_derives_max_steps():
+    c, _, _ = train.parse_args(["--max-tokens", "10000"])
+    assert train.derive_max_steps(c, 4096) == math.ceil(10000 / 4096)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["--max-steps", "10", "--max-tokens", "100"], "not both"),
+    (["--grad-accum", "2", "--total-batch-tokens", "4096"], "not both"),
+    (["--n-head", "6", "--n-kv-head", "4"], "n_kv_head"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--dtype", "fp8"], "invalid choice"),
+])
+def test_bad_flags_are_usage_errors(args, message):
+    with pytest.raises(train.UsageError, match=message):
+        train.parse_args(args)
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path, tiny_data):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        ["--n-head", "6", "--n-kv-head", "4"],
+        ["--data", str(tmp_path / "missing")],
+        ["--data", str(empty)],
+        ["--data", tiny_data, *TINY_MODEL[:-4], "--seq-len", "8192", "--batch-size", "1"],
+    ]
+    for args in cases:
+        result = run_cli(*args, "--out-dir", str(tmp_path / "out"))
+        assert result.returncode == 2, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr)
+
+
+def test_help_documents_every_flag():
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for action in train.build_parser()._actions:
+        for flag in action.option_strings:
+            assert flag in result.stdout
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def tiny_run(data, out_dir, *extra):
+    train.main(["--data", data, "--out-dir", str(out_dir), *TINY_MODEL, "--warmup", "2", "--eval-interval", "4",
+                "--eval-tokens", "256", "--dtype", "fp32", "--device", "cpu", *extra])
+    return read_metrics(out_dir)
+
+
+def test_resume_is_bit_identical(tmp_path, tiny_data):
+    full = tiny_run(tiny_data, tmp_path / "full", "--max-steps", "8", "--ckpt-interval", "4", "--keep-ckpts", "5")
+    assert [r["step"] for r in full] == list(range(8))
+    assert {"step", "tokens", "train_loss", "lr", "tokens_per_sec", "mfu"} <= set(full[0])
+    assert "val_loss" in full[3] and "val_loss" in full[7] and "val_loss" not in full[4]
+
+    # Resume a second run from the step-4 checkpoint; its metrics after step 4 were never written.
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copy(train.checkpoint_path(str(tmp_path / "full"), 4), resumed_dir)
+    with open(resumed_dir / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in full[:6])  # steps 4 and 5 are stale: redone on resume
+    resumed = tiny_run(tiny_data, resumed_dir, "--max-steps", "8", "--ckpt-interval", "4", "--resume")
+
+    assert [r["step"] for r in resumed] == list(range(8))
+    for a, b in zip(full, resumed):
+        assert a["train_loss"] == b["train_loss"] and a["grad_norm"] == b["grad_norm"]
+        assert a.get("val_loss") == b.get("val_loss")
+
+
+def test_resume_rejects_a_different_model(tmp_path, tiny_data):
+    tiny_run(tiny_data, tmp_path, "--max-steps", "2")
+    result = run_cli("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--n-layer", "3",
+                     "--max-steps", "4", "--resume", "--device", "cpu")
+    assert result.returncode == 2 and "different model config" in result.stderr
+
+
+def test_resume_rejects_a_foreign_checkpoint(tmp_path, tiny_data):
+    (tmp_path / "ckpt_00000001.pt").write_bytes(b"not a checkpoint")
+    result = run_cli("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--resume", "--device", "cpu")
+    assert result.returncode == 2 and "cannot load checkpoint" in result.stderr
+
+
+def test_keeps_only_the_newest_checkpoints(tmp_path, tiny_data):
+    tiny_run(tiny_data, tmp_path, "--max-steps", "6", "--ckpt-interval", "2", "--keep-ckpts", "2")
+    names = [os.path.basename(p) for p in train.list_checkpoints(str(tmp_path))]
+    assert names == ["ckpt_00000004.pt", "ckpt_00000006.pt"]
+
+
+def test_wandb_offline_without_a_key(tmp_path, tiny_data, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc credentials
+    tiny_run(tiny_data, tmp_path, "--max-steps", "2", "--wandb", "--wandb-project", "test")
+    runs = [n for n in os.listdir(tmp_path / "wandb") if n.startswith("offline-run-")]
+    assert len(runs) == 1
+    assert any(n.endswith(".wandb") for n in os.listdir(tmp_path / "wandb" / runs[0]))
+
+
+def test_loss_decreases_on_the_embedded_corpus(tmp_path):
+    train.main(["--out-dir", str(tmp_path), "--n-layer", "2", "--n-head", "2", "--n-kv-head", "1", "--n-embd", "64",
+                "--seq-len", "64", "--batch-size", "8", "--max-steps", "40", "--warmup", "5", "--lr", "3e-3",
+                "--eval-interval", "40", "--eval-tokens", "4096", "--device", "cpu"])
+    records = read_metrics(tmp_path)
+    first, last = records[0]["train_loss"], np.mean([r["train_loss"] for r in records[-5:]])
+    assert first > 10.0  # ~ln(50304) at init: the model starts knowing nothing
+    assert last < first - 3.0
+    assert records[-1]["val_loss"] < first - 3.0

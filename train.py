@@ -1,0 +1,610 @@
+"""Pretrain a Qwen3-style GPT on token shards.
+
+    python train.py                          # small model on the embedded stdlib corpus
+    python train.py --data DIR --n-layer 12  # your own shards (see `python data.py --help`)
+
+This file wires the pieces together: model.py builds the network, data.py streams batches,
+optim.py builds the optimizer. The loop, checkpoints, logging and the LR schedule live here.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from data import DataError, ShardLoader, default_corpus
+from model import GPT, ModelConfig, flops_per_token
+from optim import OptimConfig, build_optimizer, describe_param_groups, optimizer_state_bytes
+
+CHECKPOINT_VERSION = 1
+
+# Dense bf16 tensor-core peak per GPU, from the vendors' datasheets. MFU is always quoted
+# against this number (the llm.c / PaLM convention), whatever dtype the run uses.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "4090": 165e12,
+}
+
+
+class UsageError(Exception):
+    """A mistake the user can fix from the command line; reported in one line, exit code 2."""
+
+
+@dataclass
+class TrainConfig:
+    data: str | None = None
+    out_dir: str = "out"
+    vocab_size: int = 50257
+    batch_size: int = 16
+    grad_accum: int = 1
+    total_batch_tokens: int = 0
+    max_steps: int = 150
+    max_tokens: int = 0
+    warmup: int = 15
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+    decay_frac: float = 0.2
+    grad_clip: float = 1.0
+    eval_interval: int = 50
+    eval_tokens: int = 16384
+    ckpt_interval: int = 50
+    keep_ckpts: int = 2
+    resume: bool = False
+    seed: int = 1337
+    device: str = "auto"
+    dtype: str = "auto"
+    compile: str = "off"
+    peak_tflops: float = 0.0
+    log_interval: int = 10
+    wandb: bool = False
+    wandb_project: str = "pretrain"
+    wandb_run_name: str | None = None
+    wandb_mode: str = "auto"
+
+
+# ----------------------------------------------------------------------------- flags
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def build_parser():
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t, m, o = TrainConfig(), ModelConfig(), OptimConfig()
+
+    g = p.add_argument_group("data and output")
+    g.add_argument("--data", default=t.data, help="directory of train_*.bin / val_*.bin shards "
+                   "(default: the Python stdlib corpus, tokenized once and cached)")
+    g.add_argument("--out-dir", default=t.out_dir, help="checkpoints and metrics.jsonl go here")
+    g.add_argument("--vocab-size", type=int, default=t.vocab_size,
+                   help="tokenizer vocabulary size (GPT-2: 50257); padded to a multiple of 128 in the model")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--n-layer", type=int, default=4)
+    g.add_argument("--n-head", type=int, default=4)
+    g.add_argument("--n-kv-head", type=int, default=2, help="key/value heads (GQA); must divide --n-head")
+    g.add_argument("--n-embd", type=int, default=128)
+    g.add_argument("--head-dim", type=int, default=m.head_dim, help="default: n_embd / n_head")
+    g.add_argument("--ffn-dim", type=int, default=m.ffn_dim, help="SwiGLU hidden size (default: see model.py)")
+    g.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
+    g.add_argument("--rope-theta", type=float, default=m.rope_theta)
+    g.add_argument("--untied", action="store_true", help="separate lm_head and embedding weights")
+
+    g = p.add_argument_group("batch and length")
+    g.add_argument("--batch-size", type=int, default=t.batch_size, help="micro-batch size (sequences per forward)")
+    # These four default to None so that giving both of a contradictory pair can be detected.
+    g.add_argument("--grad-accum", type=int, help=f"micro-batches per optimizer step (default {t.grad_accum})")
+    g.add_argument("--total-batch-tokens", type=int,
+                   help="tokens per optimizer step; derives --grad-accum from it")
+    g.add_argument("--max-steps", type=int, help=f"optimizer steps to train (default {t.max_steps})")
+    g.add_argument("--max-tokens", type=int, help="train for this many tokens instead of --max-steps")
+
+    g = p.add_argument_group("optimizer and schedule")
+    g.add_argument("--optimizer", default=o.name, choices=["adamw", "adamw8bit", "muon"])
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (suits the small default model)")
+    g.add_argument("--adam-lr", type=float, default=o.adam_lr,
+                   help="peak LR of the AdamW side of a Muon run (embeddings, norms); default: --lr")
+    g.add_argument("--weight-decay", type=float, default=o.weight_decay, help="decoupled, matrices only")
+    g.add_argument("--beta1", type=float, default=o.betas[0])
+    g.add_argument("--beta2", type=float, default=o.betas[1])
+    g.add_argument("--muon-momentum", type=float, default=o.momentum)
+    g.add_argument("--ns-steps", type=int, default=o.ns_steps, help="Newton-Schulz iterations in Muon")
+    g.add_argument("--ns-dtype", default=o.ns_dtype, choices=["auto", "bf16", "fp32", "fp64"],
+                   help="Newton-Schulz dtype (auto: bf16 on CUDA, fp32 elsewhere)")
+    g.add_argument("--muon-scale", default=o.muon_scale, choices=["original", "match_rms_adamw"],
+                   help="Muon update scale: sqrt(max(1,rows/cols)) or 0.2*sqrt(max(rows,cols))")
+    g.add_argument("--warmup", type=int, default=t.warmup, help="linear warm-up steps")
+    g.add_argument("--schedule", default=t.schedule, choices=["cosine", "wsd"],
+                   help="cosine decay, or warmup-stable-decay with a linear decay over the last --decay-frac")
+    g.add_argument("--min-lr-ratio", type=float, default=t.min_lr_ratio, help="final LR as a fraction of peak")
+    g.add_argument("--decay-frac", type=float, default=t.decay_frac, help="wsd: fraction of steps spent decaying")
+    g.add_argument("--grad-clip", type=float, default=t.grad_clip, help="max global grad norm (0: off)")
+
+    g = p.add_argument_group("evaluation, checkpoints, logging")
+    g.add_argument("--eval-interval", type=int, default=t.eval_interval, help="steps between val-loss evals (0: off)")
+    g.add_argument("--eval-tokens", type=int, default=t.eval_tokens, help="val tokens per eval")
+    g.add_argument("--ckpt-interval", type=int, default=t.ckpt_interval, help="steps between checkpoints (0: only at the end)")
+    g.add_argument("--keep-ckpts", type=int, default=t.keep_ckpts, help="how many recent checkpoints to keep")
+    g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
+    g.add_argument("--log-interval", type=int, default=t.log_interval, help="steps between progress updates")
+    g.add_argument("--wandb", action="store_true", help="log to Weights & Biases (offline when no API key)")
+    g.add_argument("--wandb-project", default=t.wandb_project)
+    g.add_argument("--wandb-run-name", default=t.wandb_run_name)
+    g.add_argument("--wandb-mode", default=t.wandb_mode, choices=["auto", "online", "offline"],
+                   help="auto: online with an API key, offline without")
+
+    g = p.add_argument_group("system")
+    g.add_argument("--seed", type=int, default=t.seed)
+    g.add_argument("--device", default=t.device, choices=["auto", "cuda", "mps", "cpu"],
+                   help="auto: cuda, then mps, then cpu")
+    g.add_argument("--dtype", default=t.dtype, choices=["auto", "bf16", "fp16", "fp32"],
+                   help="autocast dtype (auto: bf16 on CUDA that supports it, else fp32); fp16 uses a GradScaler")
+    g.add_argument("--compile", default=t.compile, choices=["off", "default", "reduce-overhead", "max-autotune"],
+                   help="torch.compile mode for the model")
+    g.add_argument("--peak-tflops", type=float, default=t.peak_tflops,
+                   help="peak FLOP/s (in TFLOP/s) for MFU; default: the GPU's dense bf16 datasheet figure")
+    return p
+
+
+def parse_args(argv=None):
+    """Flags -> (TrainConfig, ModelConfig, OptimConfig). Raises UsageError on bad or contradictory flags."""
+    a = build_parser().parse_args(argv)
+    if a.total_batch_tokens is not None and a.grad_accum is not None:
+        raise UsageError("give --total-batch-tokens or --grad-accum, not both")
+    if a.max_tokens is not None and a.max_steps is not None:
+        raise UsageError("give --max-tokens or --max-steps, not both")
+    given = {f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig) if getattr(a, f.name) is not None}
+    train_cfg = TrainConfig(**given)
+    model_cfg = ModelConfig(
+        vocab_size=a.vocab_size, n_layer=a.n_layer, n_head=a.n_head, n_kv_head=a.n_kv_head, n_embd=a.n_embd,
+        head_dim=a.head_dim, ffn_dim=a.ffn_dim, max_seq_len=a.seq_len, rope_theta=a.rope_theta,
+        tie_embeddings=not a.untied,
+    )
+    optim_cfg = OptimConfig(
+        name=a.optimizer, lr=a.lr, adam_lr=a.adam_lr, weight_decay=a.weight_decay, betas=(a.beta1, a.beta2),
+        momentum=a.muon_momentum, ns_steps=a.ns_steps, ns_dtype=a.ns_dtype, muon_scale=a.muon_scale,
+    )
+    check_train_config(train_cfg, model_cfg.max_seq_len)
+    try:
+        model_cfg.validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return train_cfg, model_cfg, optim_cfg
+
+
+def check_train_config(c, seq_len):
+    positive = {"--batch-size": c.batch_size, "--grad-accum": c.grad_accum, "--seq-len": seq_len}
+    for flag, value in positive.items():
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1, got {value}")
+    non_negative = {"--max-steps": c.max_steps, "--max-tokens": c.max_tokens, "--warmup": c.warmup,
+                    "--eval-interval": c.eval_interval, "--ckpt-interval": c.ckpt_interval,
+                    "--total-batch-tokens": c.total_batch_tokens, "--grad-clip": c.grad_clip}
+    for flag, value in non_negative.items():
+        if value < 0:
+            raise UsageError(f"{flag} must be >= 0, got {value}")
+    if c.eval_interval and c.eval_tokens < 1:
+        raise UsageError("--eval-tokens must be >= 1 when evaluating")
+    if c.keep_ckpts < 1:
+        raise UsageError(f"--keep-ckpts must be >= 1, got {c.keep_ckpts}")
+    if not 0 <= c.min_lr_ratio <= 1 or not 0 < c.decay_frac <= 1:
+        raise UsageError("--min-lr-ratio must be in [0, 1] and --decay-frac in (0, 1]")
+
+
+def derive_grad_accum(c, seq_len, world_size=1):
+    """Micro-batches per step, so that the global batch in tokens is what the user asked for."""
+    if not c.total_batch_tokens:
+        return c.grad_accum
+    per_micro = c.batch_size * seq_len * world_size
+    if c.total_batch_tokens % per_micro:
+        raise UsageError(f"--total-batch-tokens {c.total_batch_tokens} is not a multiple of "
+                         f"batch-size * seq-len * world-size = {per_micro}")
+    return c.total_batch_tokens // per_micro
+
+
+def derive_max_steps(c, tokens_per_step):
+    return math.ceil(c.max_tokens / tokens_per_step) if c.max_tokens else c.max_steps
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def lr_multiplier(step, max_steps, warmup, schedule, min_lr_ratio, decay_frac):
+    """Fraction of the peak LR at optimizer step `step` (0-based)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "cosine":
+        progress = min(1.0, (step - warmup + 1) / max(1, max_steps - warmup))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_steps = max(1, round(decay_frac * max_steps))
+    decay_start = max_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    return 1.0 - (1 - min_lr_ratio) * progress
+
+
+# ----------------------------------------------------------------------------- hardware
+
+
+def resolve_device(requested):
+    """-> (torch.device, reason). Detected, never assumed."""
+    has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda"), f"auto: CUDA {torch.cuda.get_device_name()}"
+        if has_mps:
+            return torch.device("mps"), "auto: Apple MPS (no CUDA)"
+        return torch.device("cpu"), "auto: no CUDA or MPS found"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available to this torch build")
+    if requested == "mps" and not has_mps:
+        raise UsageError("--device mps: MPS is not available")
+    return torch.device(requested), "requested"
+
+
+def resolve_dtype(requested, device):
+    """-> (autocast dtype or None for fp32, reason)."""
+    if requested == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            cap = torch.cuda.get_device_capability()
+            return torch.bfloat16, f"bf16 autocast (auto: CUDA sm{cap[0]}{cap[1]} supports bf16)"
+        return None, f"fp32 (auto: {device.type} has no fast bf16 path we trust)"
+    if requested == "bf16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise UsageError("--dtype bf16: this GPU does not support bf16; use fp16")
+        return torch.bfloat16, "bf16 autocast (requested)"
+    if requested == "fp16":
+        if device.type == "cpu":
+            raise UsageError("--dtype fp16 needs a GPU; use bf16 or fp32 on CPU")
+        return torch.float16, "fp16 autocast + GradScaler (requested)"
+    return None, "fp32 (requested)"
+
+
+def peak_flops(device, override_tflops):
+    """-> (peak FLOP/s or None, reason)."""
+    if override_tflops:
+        return override_tflops * 1e12, f"{override_tflops:g} TFLOP/s (--peak-tflops)"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, flops in PEAK_BF16_FLOPS.items():
+            if key in name:
+                return flops, f"{flops / 1e12:g} TFLOP/s dense bf16 ({name} datasheet)"
+        return None, f"unknown peak for {name}; set --peak-tflops"
+    return None, f"no datasheet peak for {device.type}; set --peak-tflops"
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_path(out_dir, step):
+    return os.path.join(out_dir, f"ckpt_{step:08d}.pt")
+
+
+def list_checkpoints(out_dir):
+    """Checkpoint paths in out_dir, oldest first."""
+    if not os.path.isdir(out_dir):
+        return []
+    names = sorted(n for n in os.listdir(out_dir) if n.startswith("ckpt_") and n.endswith(".pt"))
+    return [os.path.join(out_dir, n) for n in names]
+
+
+def save_checkpoint(state, path):
+    """Write to a temporary file, fsync, then rename: a crash never leaves a half-written checkpoint."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path):
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UsageError(f"cannot load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
+        raise UsageError(f"{path} is not a checkpoint of this trainer (format version {CHECKPOINT_VERSION})")
+    return state
+
+
+def rng_state():
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+class MetricsLog:
+    """metrics.jsonl, plus wandb when asked for. On resume, lines from steps that were redone are dropped."""
+
+    def __init__(self, out_dir, start_step, wandb_run):
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        kept = []
+        if start_step > 0 and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] < start_step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+        self.wandb_run = wandb_run
+
+    def log(self, record):
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=record["step"])
+
+    def close(self):
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def wandb_mode(requested):
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = os.path.expanduser("~/.netrc")
+    if os.path.exists(netrc) and "api.wandb.ai" in open(netrc).read():
+        return "online"
+    return "offline"
+
+
+def start_wandb(c, config_dict):
+    """-> (run or None, reason). wandb must never stop a training run, so failures only warn."""
+    if not c.wandb:
+        return None, "off (not requested)"
+    mode = wandb_mode(c.wandb_mode)
+    try:
+        import wandb
+
+        run = wandb.init(project=c.wandb_project, name=c.wandb_run_name, config=config_dict, mode=mode,
+                         dir=c.out_dir, resume="allow" if c.resume else None)
+        return run, f"on, {mode} (project {c.wandb_project})"
+    except Exception as e:
+        return None, f"off: wandb failed to start ({type(e).__name__}: {str(e).splitlines()[0]})"
+
+
+def print_table(rows):
+    width = max(len(k) for k, _ in rows)
+    print("\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows), flush=True)
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@torch.no_grad()
+def evaluate(run):
+    """Mean loss over the first eval_tokens of the val split (the same tokens every time)."""
+    c = run.cfg
+    loader = ShardLoader(c.data, split="val", batch_size=c.batch_size, seq_len=run.seq_len, shuffle=False,
+                         device=run.device.type, prefetch=0)
+    n_batches = max(1, c.eval_tokens // (c.batch_size * run.seq_len))
+    run.model.eval()
+    total = 0.0
+    for _ in range(n_batches):
+        x, y = next(loader)
+        with run.autocast():
+            _, loss = run.compiled(x, y)
+        total += loss.item()
+    run.model.train()
+    loader.close()
+    return total / n_batches
+
+
+@dataclass
+class Run:
+    """Everything the loop needs, built and checked by setup() before the first step."""
+
+    cfg: TrainConfig
+    model_cfg: ModelConfig
+    optim_cfg: OptimConfig
+    model: torch.nn.Module
+    compiled: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    loader: ShardLoader
+    metrics: MetricsLog
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    grad_accum: int
+    max_steps: int
+    start_step: int
+    peak_flops: float | None
+
+    @property
+    def seq_len(self):
+        return self.model_cfg.max_seq_len
+
+    @property
+    def tokens_per_step(self):
+        return self.cfg.batch_size * self.seq_len * self.grad_accum
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+
+def setup(c, model_cfg, optim_cfg):
+    """Build and check everything; every user mistake surfaces here, before the first step."""
+    os.makedirs(c.out_dir, exist_ok=True)
+    if not os.access(c.out_dir, os.W_OK):
+        raise UsageError(f"--out-dir {c.out_dir} is not writable")
+    device, device_reason = resolve_device(c.device)
+    autocast_dtype, dtype_reason = resolve_dtype(c.dtype, device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if c.data is None:
+        c.data = default_corpus()
+    seq_len = model_cfg.max_seq_len
+    grad_accum = derive_grad_accum(c, seq_len)
+    max_steps = derive_max_steps(c, c.batch_size * seq_len * grad_accum)
+
+    torch.manual_seed(c.seed)
+    random.seed(c.seed)
+    model = GPT(model_cfg).to(device)
+    optimizer = build_optimizer(model, optim_cfg, model.row_blocks(), device.type)
+    loader = ShardLoader(c.data, split="train", batch_size=c.batch_size, seq_len=seq_len, seed=c.seed,
+                         device=device.type)
+    if c.eval_interval:  # fail now, not at the first eval, when there is no usable val split
+        ShardLoader(c.data, split="val", batch_size=c.batch_size, seq_len=seq_len, shuffle=False, prefetch=0).close()
+
+    start_step = 0
+    if c.resume:
+        start_step = restore(c.out_dir, model, optimizer, loader, model_cfg)
+    if start_step >= max_steps:
+        raise UsageError(f"nothing to do: already at step {start_step} of {max_steps}")
+
+    compiled = model if c.compile == "off" else torch.compile(model, mode=None if c.compile == "default" else c.compile)
+    peak, peak_reason = peak_flops(device, c.peak_tflops)
+    config_dict = {"train": dataclasses.asdict(c), "model": dataclasses.asdict(model_cfg),
+                   "optim": dataclasses.asdict(optim_cfg)}
+    wandb_run, wandb_reason = start_wandb(c, config_dict)
+    run = Run(cfg=c, model_cfg=model_cfg, optim_cfg=optim_cfg, model=model, compiled=compiled,
+              optimizer=optimizer, scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16),
+              loader=loader, metrics=MetricsLog(c.out_dir, start_step, wandb_run), device=device,
+              autocast_dtype=autocast_dtype, grad_accum=grad_accum, max_steps=max_steps, start_step=start_step,
+              peak_flops=peak)
+    print_table([
+        ("device", f"{device.type} ({device_reason})"),
+        ("precision", dtype_reason),
+        ("TF32 matmuls", "on (CUDA)" if device.type == "cuda" else f"off ({device.type})"),
+        ("model", f"{model.num_params() / 1e6:.2f}M params, {model_cfg.n_layer} layers, d={model_cfg.n_embd}, "
+                  f"heads {model_cfg.n_head}q/{model_cfg.n_kv_head}kv, vocab {model_cfg.padded_vocab_size}"),
+        ("optimizer", describe_param_groups(optimizer)),
+        ("torch.compile", "off (not requested)" if c.compile == "off" else f"on, mode {c.compile}"),
+        ("FP8", "off (not requested)"),
+        ("batch", f"{c.batch_size} x {seq_len} tokens x {grad_accum} micro-steps = {run.tokens_per_step} tokens/step"),
+        ("schedule", f"{c.schedule}, peak lr {optim_cfg.lr:g}, warmup {c.warmup}, {max_steps} steps"),
+        ("data", c.data),
+        ("MFU peak", peak_reason),
+        ("wandb", wandb_reason),
+        ("resume", f"from step {start_step}" if c.resume else "off (fresh run)"),
+    ])
+    return run
+
+
+def restore(out_dir, model, optimizer, loader, model_cfg):
+    """Load the newest checkpoint into the live objects; returns the step to continue from."""
+    ckpts = list_checkpoints(out_dir)
+    if not ckpts:
+        raise UsageError(f"--resume: no checkpoint in {out_dir}")
+    state = load_checkpoint(ckpts[-1])
+    if state["model_config"] != dataclasses.asdict(model_cfg):
+        raise UsageError(f"--resume: {ckpts[-1]} was trained with a different model config; pass the same model flags")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    loader.load_state_dict(state["loader"])
+    set_rng_state(state["rng"])
+    return state["step"]
+
+
+def train_step(run):
+    """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm) as tensors."""
+    loss_sum = torch.zeros((), device=run.device)
+    for _ in range(run.grad_accum):
+        x, y = next(run.loader)
+        with run.autocast():
+            _, loss = run.compiled(x, y)
+        loss_sum += loss.detach()
+        run.scaler.scale(loss / run.grad_accum).backward()
+    run.scaler.unscale_(run.optimizer)
+    max_norm = run.cfg.grad_clip if run.cfg.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return loss_sum / run.grad_accum, grad_norm
+
+
+def save(run, done):
+    state = {
+        "version": CHECKPOINT_VERSION, "step": done, "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(), "loader": run.loader.state_dict(), "rng": rng_state(),
+        "model_config": dataclasses.asdict(run.model_cfg), "train_config": dataclasses.asdict(run.cfg),
+    }
+    save_checkpoint(state, checkpoint_path(run.cfg.out_dir, done))
+    for old in list_checkpoints(run.cfg.out_dir)[:-run.cfg.keep_ckpts]:
+        os.remove(old)
+
+
+def run_loop(run):
+    from tqdm import tqdm
+
+    c = run.cfg
+    flops_tok = flops_per_token(run.model_cfg, run.seq_len)
+    bar = tqdm(total=run.max_steps, initial=run.start_step, unit="step", dynamic_ncols=True)
+    for step in range(run.start_step, run.max_steps):
+        t0 = time.perf_counter()
+        mult = lr_multiplier(step, run.max_steps, c.warmup, c.schedule, c.min_lr_ratio, c.decay_frac)
+        for group in run.optimizer.param_groups:
+            group["lr"] = group["base_lr"] * mult
+        loss, grad_norm = train_step(run)
+        train_loss = loss.item()  # the host sync makes the step time below honest on CUDA
+        dt = time.perf_counter() - t0
+
+        done = step + 1
+        tokens_per_sec = run.tokens_per_step / dt
+        record = {
+            "step": step, "tokens": done * run.tokens_per_step, "train_loss": train_loss,
+            "lr": run.optim_cfg.lr * mult, "grad_norm": grad_norm.item(), "tokens_per_sec": tokens_per_sec,
+            "mfu": flops_tok * tokens_per_sec / run.peak_flops if run.peak_flops else None,
+        }
+        if c.eval_interval and (done % c.eval_interval == 0 or done == run.max_steps):
+            record["val_loss"] = evaluate(run)
+            bar.write(f"step {done}: train loss {train_loss:.4f}, val loss {record['val_loss']:.4f}")
+        run.metrics.log(record)
+        if done % c.log_interval == 0 or done == run.max_steps:
+            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
+        bar.update(1)
+        if (c.ckpt_interval and done % c.ckpt_interval == 0) or done == run.max_steps:
+            save(run, done)
+    bar.close()
+
+
+def main(argv=None):
+    try:
+        run = setup(*parse_args(argv))
+    except (UsageError, DataError, ValueError) as e:
+        # Only setup is guarded: ValueError there is config validation in model.py / optim.py, while an
+        # exception inside the loop is a bug and keeps its traceback.
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        run_loop(run)
+    finally:
+        run.loader.close()
+        run.metrics.close()
+
+
+if __name__ == "__main__":
+    main()
