@@ -2,6 +2,7 @@
 
     python train.py                          # small model on the embedded stdlib corpus
     python train.py --data DIR --n-layer 12  # your own shards (see `python data.py --help`)
+    torchrun --nproc_per_node=8 train.py --dist fsdp --data DIR ...   # data parallel, one node
 
 This file wires the pieces together: model.py builds the network, data.py streams batches,
 optim.py builds the optimizer. The loop, checkpoints, logging and the LR schedule live here.
@@ -20,11 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
+import checkpoint
+import distributed
+from checkpoint import CheckpointError
 from data import DataError, ShardLoader, default_corpus
 from model import GPT, ModelConfig, flops_per_token
 from optim import OptimConfig, build_optimizer, describe_param_groups, optimizer_state_bytes
-
-CHECKPOINT_VERSION = 1
 
 # Dense bf16 tensor-core peak per GPU, from the vendors' datasheets. MFU is always quoted
 # against this number (the llm.c / PaLM convention), whatever dtype the run uses.
@@ -73,6 +75,9 @@ class TrainConfig:
     wandb_project: str = "pretrain"
     wandb_run_name: str | None = None
     wandb_mode: str = "auto"
+    dist: str = "none"
+    ddp_bucket_mb: float = 25.0
+    reshard_after_forward: bool = True
 
 
 # ----------------------------------------------------------------------------- flags
@@ -148,6 +153,13 @@ def build_parser():
     g.add_argument("--wandb-mode", default=t.wandb_mode, choices=["auto", "online", "offline"],
                    help="auto: online with an API key, offline without")
 
+    g = p.add_argument_group("distributed (under torchrun)")
+    g.add_argument("--dist", default=t.dist, choices=["none", "ddp", "fsdp"],
+                   help="data parallelism across the processes torchrun starts: DDP, or FSDP2 (fully_shard)")
+    g.add_argument("--ddp-bucket-mb", type=float, default=t.ddp_bucket_mb, help="DDP gradient bucket size in MiB")
+    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=t.reshard_after_forward,
+                   help="FSDP2: free gathered parameters after forward (less memory, one more all-gather)")
+
     g = p.add_argument_group("system")
     g.add_argument("--seed", type=int, default=t.seed)
     g.add_argument("--device", default=t.device, choices=["auto", "cuda", "mps", "cpu"],
@@ -179,7 +191,7 @@ def parse_args(argv=None):
         name=a.optimizer, lr=a.lr, adam_lr=a.adam_lr, weight_decay=a.weight_decay, betas=(a.beta1, a.beta2),
         momentum=a.muon_momentum, ns_steps=a.ns_steps, ns_dtype=a.ns_dtype, muon_scale=a.muon_scale,
     )
-    check_train_config(train_cfg, model_cfg.max_seq_len)
+    check_train_config(train_cfg, model_cfg.max_seq_len, optim_cfg.name)
     try:
         model_cfg.validate()
     except ValueError as e:
@@ -187,7 +199,7 @@ def parse_args(argv=None):
     return train_cfg, model_cfg, optim_cfg
 
 
-def check_train_config(c, seq_len):
+def check_train_config(c, seq_len, optim_name):
     positive = {"--batch-size": c.batch_size, "--grad-accum": c.grad_accum, "--seq-len": seq_len}
     for flag, value in positive.items():
         if value < 1:
@@ -204,6 +216,18 @@ def check_train_config(c, seq_len):
         raise UsageError(f"--keep-ckpts must be >= 1, got {c.keep_ckpts}")
     if not 0 <= c.min_lr_ratio <= 1 or not 0 < c.decay_frac <= 1:
         raise UsageError("--min-lr-ratio must be in [0, 1] and --decay-frac in (0, 1]")
+    check_dist_combination(c, optim_name)
+
+
+def check_dist_combination(c, optim_name):
+    """Combinations that cannot work, refused at startup instead of crashing mid-run."""
+    if c.dist == "fsdp" and c.dtype == "fp16":
+        raise UsageError("--dist fsdp with --dtype fp16 is not supported (needs a sharded grad scaler); use bf16")
+    if c.dist == "fsdp" and optim_name == "adamw8bit":
+        raise UsageError("--optimizer adamw8bit does not support FSDP2's sharded (DTensor) parameters; "
+                         "use --optimizer adamw or --dist ddp")
+    if c.ddp_bucket_mb <= 0:
+        raise UsageError(f"--ddp-bucket-mb must be positive, got {c.ddp_bucket_mb}")
 
 
 def derive_grad_accum(c, seq_len, world_size=1):
@@ -292,38 +316,6 @@ def peak_flops(device, override_tflops):
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def checkpoint_path(out_dir, step):
-    return os.path.join(out_dir, f"ckpt_{step:08d}.pt")
-
-
-def list_checkpoints(out_dir):
-    """Checkpoint paths in out_dir, oldest first."""
-    if not os.path.isdir(out_dir):
-        return []
-    names = sorted(n for n in os.listdir(out_dir) if n.startswith("ckpt_") and n.endswith(".pt"))
-    return [os.path.join(out_dir, n) for n in names]
-
-
-def save_checkpoint(state, path):
-    """Write to a temporary file, fsync, then rename: a crash never leaves a half-written checkpoint."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path):
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UsageError(f"cannot load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
-        raise UsageError(f"{path} is not a checkpoint of this trainer (format version {CHECKPOINT_VERSION})")
-    return state
-
-
 def rng_state():
     return {
         "python": random.getstate(),
@@ -345,17 +337,21 @@ def set_rng_state(state):
 class MetricsLog:
     """metrics.jsonl, plus wandb when asked for. On resume, lines from steps that were redone are dropped."""
 
-    def __init__(self, out_dir, start_step, wandb_run):
+    def __init__(self, out_dir, start_step, wandb_run, enabled=True):
         self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.enabled, self.wandb_run = enabled, wandb_run
+        if not enabled:  # only rank 0 writes
+            return
         kept = []
         if start_step > 0 and os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if line.strip() and json.loads(line)["step"] < start_step]
         with open(self.path, "w") as f:
             f.writelines(kept)
-        self.wandb_run = wandb_run
 
     def log(self, record):
+        if not self.enabled:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
@@ -402,21 +398,21 @@ def print_table(rows):
 
 @torch.no_grad()
 def evaluate(run):
-    """Mean loss over the first eval_tokens of the val split (the same tokens every time)."""
-    c = run.cfg
+    """Mean loss over the first eval_tokens of the val split (the same tokens every time, split across ranks)."""
+    c, info = run.cfg, run.dist
     loader = ShardLoader(c.data, split="val", batch_size=c.batch_size, seq_len=run.seq_len, shuffle=False,
-                         device=run.device.type, prefetch=0)
-    n_batches = max(1, c.eval_tokens // (c.batch_size * run.seq_len))
+                         rank=info.rank, world_size=info.world_size, device=str(run.device), prefetch=0)
+    n_batches = max(1, c.eval_tokens // (c.batch_size * run.seq_len * info.world_size))
     run.model.eval()
-    total = 0.0
+    total = torch.zeros((), device=run.device)
     for _ in range(n_batches):
         x, y = next(loader)
         with run.autocast():
             _, loss = run.compiled(x, y)
-        total += loss.item()
+        total += loss.float()
     run.model.train()
     loader.close()
-    return total / n_batches
+    return distributed.mean_across_ranks(total / n_batches, info).item()
 
 
 @dataclass
@@ -426,12 +422,13 @@ class Run:
     cfg: TrainConfig
     model_cfg: ModelConfig
     optim_cfg: OptimConfig
-    model: torch.nn.Module
-    compiled: torch.nn.Module
+    dist: distributed.DistInfo
+    model: torch.nn.Module  # the bare model (FSDP2 shards it in place); state dicts come from here
+    compiled: torch.nn.Module  # what forward calls: the model, wrapped by DDP and/or torch.compile
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     loader: ShardLoader
-    metrics: MetricsLog
+    metrics: "MetricsLog"
     device: torch.device
     autocast_dtype: torch.dtype | None
     grad_accum: int
@@ -445,7 +442,8 @@ class Run:
 
     @property
     def tokens_per_step(self):
-        return self.cfg.batch_size * self.seq_len * self.grad_accum
+        """Global: all ranks and micro-steps together."""
+        return self.cfg.batch_size * self.seq_len * self.grad_accum * self.dist.world_size
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -455,26 +453,39 @@ class Run:
 
 def setup(c, model_cfg, optim_cfg):
     """Build and check everything; every user mistake surfaces here, before the first step."""
-    os.makedirs(c.out_dir, exist_ok=True)
-    if not os.access(c.out_dir, os.W_OK):
-        raise UsageError(f"--out-dir {c.out_dir} is not writable")
+    problem = distributed.check_launch(c.dist)
+    if problem:
+        raise UsageError(problem)
     device, device_reason = resolve_device(c.device)
     autocast_dtype, dtype_reason = resolve_dtype(c.dtype, device)
+    info = distributed.init(c.dist, device.type)
     if device.type == "cuda":
+        device = torch.device("cuda", info.local_rank if info.mode != "none" else torch.cuda.current_device())
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    if c.data is None:
-        c.data = default_corpus()
+    if info.is_main:
+        os.makedirs(c.out_dir, exist_ok=True)
+        if not os.access(c.out_dir, os.W_OK):
+            raise UsageError(f"--out-dir {c.out_dir} is not writable")
+    if c.data is None:  # rank 0 tokenizes the corpus once; the others find it cached
+        c.data = default_corpus() if info.is_main else None
+        c.data = distributed.broadcast_object(c.data, info)
     seq_len = model_cfg.max_seq_len
-    grad_accum = derive_grad_accum(c, seq_len)
-    max_steps = derive_max_steps(c, c.batch_size * seq_len * grad_accum)
+    grad_accum = derive_grad_accum(c, seq_len, info.world_size)
+    max_steps = derive_max_steps(c, c.batch_size * seq_len * grad_accum * info.world_size)
 
     torch.manual_seed(c.seed)
     random.seed(c.seed)
     model = GPT(model_cfg).to(device)
+    compiled = model
+    if info.mode == "ddp":
+        compiled = distributed.apply_ddp(model, info, device, c.ddp_bucket_mb)
+    elif info.mode == "fsdp":
+        param_dtype = autocast_dtype if device.type == "cuda" else None
+        compiled = distributed.apply_fsdp(model, model.blocks, param_dtype, c.reshard_after_forward)
     optimizer = build_optimizer(model, optim_cfg, model.row_blocks(), device.type)
-    loader = ShardLoader(c.data, split="train", batch_size=c.batch_size, seq_len=seq_len, seed=c.seed,
-                         device=device.type)
+    loader = ShardLoader(c.data, split="train", batch_size=c.batch_size, seq_len=seq_len, rank=info.rank,
+                         world_size=info.world_size, seed=c.seed, device=str(device))
     if c.eval_interval:  # fail now, not at the first eval, when there is no usable val split
         ShardLoader(c.data, split="val", batch_size=c.batch_size, seq_len=seq_len, shuffle=False, prefetch=0).close()
 
@@ -484,85 +495,124 @@ def setup(c, model_cfg, optim_cfg):
     if start_step >= max_steps:
         raise UsageError(f"nothing to do: already at step {start_step} of {max_steps}")
 
-    compiled = model if c.compile == "off" else torch.compile(model, mode=None if c.compile == "default" else c.compile)
+    if c.compile != "off":
+        compiled = torch.compile(compiled, mode=None if c.compile == "default" else c.compile)
     peak, peak_reason = peak_flops(device, c.peak_tflops)
     config_dict = {"train": dataclasses.asdict(c), "model": dataclasses.asdict(model_cfg),
                    "optim": dataclasses.asdict(optim_cfg)}
-    wandb_run, wandb_reason = start_wandb(c, config_dict)
-    run = Run(cfg=c, model_cfg=model_cfg, optim_cfg=optim_cfg, model=model, compiled=compiled,
+    wandb_run, wandb_reason = start_wandb(c, config_dict) if info.is_main else (None, "")
+    run = Run(cfg=c, model_cfg=model_cfg, optim_cfg=optim_cfg, dist=info, model=model, compiled=compiled,
               optimizer=optimizer, scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16),
-              loader=loader, metrics=MetricsLog(c.out_dir, start_step, wandb_run), device=device,
-              autocast_dtype=autocast_dtype, grad_accum=grad_accum, max_steps=max_steps, start_step=start_step,
-              peak_flops=peak)
-    print_table([
-        ("device", f"{device.type} ({device_reason})"),
-        ("precision", dtype_reason),
-        ("TF32 matmuls", "on (CUDA)" if device.type == "cuda" else f"off ({device.type})"),
-        ("model", f"{model.num_params() / 1e6:.2f}M params, {model_cfg.n_layer} layers, d={model_cfg.n_embd}, "
-                  f"heads {model_cfg.n_head}q/{model_cfg.n_kv_head}kv, vocab {model_cfg.padded_vocab_size}"),
-        ("optimizer", describe_param_groups(optimizer)),
-        ("torch.compile", "off (not requested)" if c.compile == "off" else f"on, mode {c.compile}"),
-        ("FP8", "off (not requested)"),
-        ("batch", f"{c.batch_size} x {seq_len} tokens x {grad_accum} micro-steps = {run.tokens_per_step} tokens/step"),
-        ("schedule", f"{c.schedule}, peak lr {optim_cfg.lr:g}, warmup {c.warmup}, {max_steps} steps"),
-        ("data", c.data),
-        ("MFU peak", peak_reason),
-        ("wandb", wandb_reason),
-        ("resume", f"from step {start_step}" if c.resume else "off (fresh run)"),
-    ])
+              loader=loader, metrics=MetricsLog(c.out_dir, start_step, wandb_run, enabled=info.is_main),
+              device=device, autocast_dtype=autocast_dtype, grad_accum=grad_accum, max_steps=max_steps,
+              start_step=start_step, peak_flops=peak)
+    if info.is_main:
+        print_table([
+            ("device", f"{device.type} ({device_reason})"),
+            ("distributed", f"{info.mode}, {info.world_size} processes" if info.mode != "none"
+                            else "off (single process)"),
+            ("precision", dtype_reason),
+            ("TF32 matmuls", "on (CUDA)" if device.type == "cuda" else f"off ({device.type})"),
+            ("model", f"{model.num_params() / 1e6:.2f}M params, {model_cfg.n_layer} layers, d={model_cfg.n_embd}, "
+                      f"heads {model_cfg.n_head}q/{model_cfg.n_kv_head}kv, vocab {model_cfg.padded_vocab_size}"),
+            ("optimizer", describe_param_groups(optimizer)),
+            ("torch.compile", "off (not requested)" if c.compile == "off" else f"on, mode {c.compile}"),
+            ("FP8", "off (not requested)"),
+            ("batch", f"{c.batch_size} x {seq_len} tokens x {grad_accum} micro-steps x {info.world_size} ranks "
+                      f"= {run.tokens_per_step} tokens/step"),
+            ("schedule", f"{c.schedule}, peak lr {optim_cfg.lr:g}, warmup {c.warmup}, {max_steps} steps"),
+            ("data", c.data),
+            ("MFU peak", peak_reason),
+            ("wandb", wandb_reason),
+            ("resume", f"from step {start_step}" if c.resume else "off (fresh run)"),
+        ])
     return run
 
 
+def state_dict_options(full):
+    """Full state dicts (gathered to rank 0, on the CPU) for single files; sharded ones for DCP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full, cpu_offload=full)
+
+
 def restore(out_dir, model, optimizer, loader, model_cfg):
-    """Load the newest checkpoint into the live objects; returns the step to continue from."""
-    ckpts = list_checkpoints(out_dir)
+    """Load the newest checkpoint (either format, any world size) into the live objects; returns its step."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    ckpts = checkpoint.list_checkpoints(out_dir)
     if not ckpts:
         raise UsageError(f"--resume: no checkpoint in {out_dir}")
-    state = load_checkpoint(ckpts[-1])
-    if state["model_config"] != dataclasses.asdict(model_cfg):
-        raise UsageError(f"--resume: {ckpts[-1]} was trained with a different model config; pass the same model flags")
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    loader.load_state_dict(state["loader"])
-    set_rng_state(state["rng"])
-    return state["step"]
-
-
-def train_step(run):
-    """One optimizer step over grad_accum micro-batches; returns (mean loss, grad norm) as tensors."""
-    loss_sum = torch.zeros((), device=run.device)
-    for _ in range(run.grad_accum):
-        x, y = next(run.loader)
-        with run.autocast():
-            _, loss = run.compiled(x, y)
-        loss_sum += loss.detach()
-        run.scaler.scale(loss / run.grad_accum).backward()
-    run.scaler.unscale_(run.optimizer)
-    max_norm = run.cfg.grad_clip if run.cfg.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), max_norm)
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
-    return loss_sum / run.grad_accum, grad_norm
+    path = ckpts[-1]
+    meta = checkpoint.load_meta(path)
+    if meta["model_config"] != dataclasses.asdict(model_cfg):
+        raise UsageError(f"--resume: {path} was trained with a different model config; pass the same model flags")
+    sharded = os.path.isdir(path)
+    template = None
+    if sharded:
+        template = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer, options=state_dict_options(False))))
+    tensors = checkpoint.load_tensors(path, template)
+    set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"],
+                   options=state_dict_options(full=not sharded))
+    loader.load_state_dict(meta["loader"])
+    set_rng_state(meta["rng"])
+    return meta["step"]
 
 
 def save(run, done):
-    state = {
-        "version": CHECKPOINT_VERSION, "step": done, "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(), "loader": run.loader.state_dict(), "rng": rng_state(),
-        "model_config": dataclasses.asdict(run.model_cfg), "train_config": dataclasses.asdict(run.cfg),
+    """FSDP2 runs write a sharded DCP directory; the others a single file from rank 0."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    info, out_dir = run.dist, run.cfg.out_dir
+    sharded = info.mode == "fsdp"
+    model_sd, optim_sd = get_state_dict(run.model, run.optimizer, options=state_dict_options(full=not sharded))
+    meta = {
+        "version": checkpoint.CHECKPOINT_VERSION, "step": done, "loader": run.loader.state_dict(),
+        "rng": rng_state(), "model_config": dataclasses.asdict(run.model_cfg), "train_config": dataclasses.asdict(run.cfg),
     }
-    save_checkpoint(state, checkpoint_path(run.cfg.out_dir, done))
-    for old in list_checkpoints(run.cfg.out_dir)[:-run.cfg.keep_ckpts]:
-        os.remove(old)
+    path = checkpoint.checkpoint_path(out_dir, done, sharded)
+    if sharded:
+        checkpoint.save_sharded({"model": model_sd, "optimizer": optim_sd}, meta, path, info.is_main,
+                                lambda: distributed.barrier(info))
+    elif info.is_main:
+        checkpoint.save_file({**meta, "model": model_sd, "optimizer": optim_sd}, path)
+    if info.is_main:
+        for old in checkpoint.list_checkpoints(out_dir)[:-run.cfg.keep_ckpts]:
+            checkpoint.remove(old)
+    distributed.barrier(info)
+
+
+def total_grad_norm(model, max_norm):
+    """Clip to max_norm and return the global norm; under FSDP2 the norm of the sharded grads is reduced."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def train_step(run):
+    """One optimizer step over grad_accum micro-batches; returns (mean loss over ranks, grad norm) as tensors."""
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(run.grad_accum):
+        x, y = next(run.loader)
+        with distributed.set_grad_sync(run.compiled if run.dist.mode == "ddp" else run.model, run.dist,
+                                       micro == run.grad_accum - 1):
+            with run.autocast():
+                _, loss = run.compiled(x, y)
+            loss_sum += loss.detach()
+            run.scaler.scale(loss / run.grad_accum).backward()
+    run.scaler.unscale_(run.optimizer)
+    grad_norm = total_grad_norm(run.model, run.cfg.grad_clip if run.cfg.grad_clip > 0 else float("inf"))
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    return distributed.mean_across_ranks(loss_sum / run.grad_accum, run.dist), grad_norm
 
 
 def run_loop(run):
     from tqdm import tqdm
 
-    c = run.cfg
+    c, info = run.cfg, run.dist
     flops_tok = flops_per_token(run.model_cfg, run.seq_len)
-    bar = tqdm(total=run.max_steps, initial=run.start_step, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=run.max_steps, initial=run.start_step, unit="step", dynamic_ncols=True, disable=not info.is_main)
     for step in range(run.start_step, run.max_steps):
         t0 = time.perf_counter()
         mult = lr_multiplier(step, run.max_steps, c.warmup, c.schedule, c.min_lr_ratio, c.decay_frac)
@@ -574,14 +624,18 @@ def run_loop(run):
 
         done = step + 1
         tokens_per_sec = run.tokens_per_step / dt
+        per_device = tokens_per_sec / info.world_size
         record = {
             "step": step, "tokens": done * run.tokens_per_step, "train_loss": train_loss,
-            "lr": run.optim_cfg.lr * mult, "grad_norm": grad_norm.item(), "tokens_per_sec": tokens_per_sec,
-            "mfu": flops_tok * tokens_per_sec / run.peak_flops if run.peak_flops else None,
+            "lr": run.optim_cfg.lr * mult, "grad_norm": grad_norm.item(),
+            "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": per_device,
+            # per device; equal to the whole job's utilisation of its devices
+            "mfu": flops_tok * per_device / run.peak_flops if run.peak_flops else None,
         }
         if c.eval_interval and (done % c.eval_interval == 0 or done == run.max_steps):
             record["val_loss"] = evaluate(run)
-            bar.write(f"step {done}: train loss {train_loss:.4f}, val loss {record['val_loss']:.4f}")
+            if info.is_main:
+                bar.write(f"step {done}: train loss {train_loss:.4f}, val loss {record['val_loss']:.4f}")
         run.metrics.log(record)
         if done % c.log_interval == 0 or done == run.max_steps:
             bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
@@ -594,16 +648,18 @@ def run_loop(run):
 def main(argv=None):
     try:
         run = setup(*parse_args(argv))
-    except (UsageError, DataError, ValueError) as e:
+    except (UsageError, DataError, CheckpointError, ValueError) as e:
         # Only setup is guarded: ValueError there is config validation in model.py / optim.py, while an
-        # exception inside the loop is a bug and keeps its traceback.
-        print(f"error: {e}", file=sys.stderr)
+        # exception inside the loop is a bug and keeps its traceback. Every rank fails alike; rank 0 says why.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     try:
         run_loop(run)
     finally:
         run.loader.close()
         run.metrics.close()
+        distributed.shutdown(run.dist)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+import checkpoint
 import train
 from data import write_shard
 
@@ -128,7 +129,7 @@ def test_resume_is_bit_identical(tmp_path, tiny_data):
     # Resume a second run from the step-4 checkpoint; its metrics after step 4 were never written.
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
-    shutil.copy(train.checkpoint_path(str(tmp_path / "full"), 4), resumed_dir)
+    shutil.copy(checkpoint.checkpoint_path(str(tmp_path / "full"), 4, sharded=False), resumed_dir)
     with open(resumed_dir / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in full[:6])  # steps 4 and 5 are stale: redone on resume
     resumed = tiny_run(tiny_data, resumed_dir, "--max-steps", "8", "--ckpt-interval", "4", "--resume")
@@ -154,7 +155,7 @@ def test_resume_rejects_a_foreign_checkpoint(tmp_path, tiny_data):
 
 def test_keeps_only_the_newest_checkpoints(tmp_path, tiny_data):
     tiny_run(tiny_data, tmp_path, "--max-steps", "6", "--ckpt-interval", "2", "--keep-ckpts", "2")
-    names = [os.path.basename(p) for p in train.list_checkpoints(str(tmp_path))]
+    names = [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))]
     assert names == ["ckpt_00000004.pt", "ckpt_00000006.pt"]
 
 

@@ -1,0 +1,118 @@
+"""Data parallelism under torchrun: process-group set-up, DDP and FSDP2 wrapping, small collectives.
+
+Everything here is PyTorch's own distributed engine (torch.distributed, DDP, fully_shard); there is no
+home-made communication layer. A run without torchrun is world size 1 and touches none of it.
+"""
+
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    mode: str = "none"  # none | ddp | fsdp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def check_launch(mode: str) -> str | None:
+    """A one-line problem with how the run was launched, or None."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if mode == "none" and world_size > 1:
+        return f"launched with {world_size} processes but --dist none; pass --dist ddp or --dist fsdp"
+    if mode != "none" and not launched_by_torchrun():
+        return f"--dist {mode} needs torchrun, e.g. torchrun --nproc_per_node=2 train.py --dist {mode} ..."
+    return None
+
+
+def init(mode: str, device_type: str) -> DistInfo:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU); world size 1 without it."""
+    if mode == "none":
+        return DistInfo()
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, mode=mode)
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.mode != "none" and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(info: DistInfo) -> None:
+    if info.mode != "none":
+        dist.barrier()
+
+
+def mean_across_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The mean of a scalar tensor over ranks (for logging: each rank saw different tokens)."""
+    if info.mode == "none":
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value / info.world_size
+
+
+def broadcast_object(obj, info: DistInfo):
+    """Rank 0's value of a picklable object, on every rank."""
+    if info.mode == "none":
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def apply_ddp(model: torch.nn.Module, info: DistInfo, device: torch.device, bucket_mb: float) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [info.local_rank] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_mb)
+
+
+def apply_fsdp(model: torch.nn.Module, blocks: torch.nn.ModuleList, param_dtype: torch.dtype | None,
+               reshard_after_forward: bool) -> torch.nn.Module:
+    """fully_shard each transformer block, then the root (embedding, final norm, lm_head), in place.
+
+    Parameters stay fp32 (the optimizer's master copy); with param_dtype set (bf16 on CUDA) FSDP casts
+    them for compute after the all-gather and reduces gradients in fp32. Each block asks for the next
+    block's all-gather during forward and the previous one's during backward, so communication overlaps
+    compute instead of waiting for the implicit prefetch.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
+    kwargs = {"reshard_after_forward": reshard_after_forward}
+    if mp is not None:
+        kwargs["mp_policy"] = mp
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    for prev, nxt in zip(blocks[:-1], blocks[1:]):
+        prev.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([prev])
+    return model
+
+
+def set_grad_sync(model: torch.nn.Module, info: DistInfo, enabled: bool):
+    """Context for one micro-step: gradients are reduced across ranks only when `enabled` (the last one)."""
+    if info.mode == "ddp" and not enabled:
+        return model.no_sync()
+    if info.mode == "fsdp":
+        model.set_requires_gradient_sync(enabled)
+    return nullcontext()

@@ -1,0 +1,133 @@
+"""torchrun with 2 CPU processes on gloo, checked against a single process on the same global batch."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+from data import write_shard
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# B=4, T=32: 128 tokens per micro-batch. 256 tokens per step is 2 micro-steps on 1 rank, 1 on 2 ranks.
+COMMON = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
+          "--seq-len", "32", "--batch-size", "4", "--total-batch-tokens", "256", "--warmup", "2",
+          "--eval-interval", "3", "--eval-tokens", "512", "--device", "cpu", "--dtype", "fp32"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist_data")
+    # A learnable sequence (each token determines the next), so that the runs compared visibly train.
+    tokens = (np.arange(15000) * 7 % 256).astype(np.uint16)
+    for i in range(2):
+        write_shard(root / f"train_{i:06d}.bin", tokens[i * 6000:(i + 1) * 6000], vocab_size=256)
+    write_shard(root / "val_000000.bin", tokens[12000:], vocab_size=256)
+    return str(root)
+
+
+def launch(nproc, *args):
+    """train.py in `nproc` processes under torchrun (or plainly when nproc is None); returns the result."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WANDB_API_KEY", None)
+    prefix = [sys.executable]
+    if nproc is not None:
+        prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    result = subprocess.run([*prefix, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    return result
+
+
+def train_losses(nproc, out_dir, *args):
+    result = launch(nproc, "--out-dir", str(out_dir), *COMMON, *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return [r["train_loss"] for r in records], [r["val_loss"] for r in records if "val_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def single_process(data_dir, tmp_path_factory):
+    """Reference 1-process runs, one per optimizer."""
+    cache = {}
+
+    def get(optimizer):
+        if optimizer not in cache:
+            out = tmp_path_factory.mktemp(f"single_{optimizer}")
+            cache[optimizer] = train_losses(None, out, "--data", data_dir, "--max-steps", "5",
+                                            "--optimizer", optimizer, "--lr", "1e-2")
+        return cache[optimizer]
+
+    return get
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_two_ranks_match_one_process(mode, optimizer, data_dir, single_process, tmp_path):
+    reference_train, reference_val = single_process(optimizer)
+    train, val = train_losses(2, tmp_path, "--data", data_dir, "--max-steps", "5", "--optimizer", optimizer,
+                              "--lr", "1e-2", "--dist", mode)
+    assert len(train) == 5 and len(val) == 2
+    np.testing.assert_allclose(train, reference_train, rtol=2e-6)
+    np.testing.assert_allclose(val, reference_val, rtol=2e-6)
+    assert reference_train[-1] < reference_train[0]  # the runs compared actually trained
+
+
+def resume_from(src_out, step, dst_out, nproc, *args):
+    """Copy checkpoint `step` of one run into a fresh out dir and resume from it to step 6."""
+    os.makedirs(dst_out)
+    path = checkpoint.list_checkpoints(str(src_out))
+    (src,) = [p for p in path if checkpoint.checkpoint_step(p) == step]
+    copy = shutil.copytree if os.path.isdir(src) else shutil.copy
+    copy(src, os.path.join(dst_out, os.path.basename(src)))
+    return train_losses(nproc, dst_out, *args, "--resume")
+
+
+def test_resume_across_world_sizes(data_dir, tmp_path):
+    args = ["--data", data_dir, "--max-steps", "6", "--ckpt-interval", "3", "--keep-ckpts", "5"]
+    reference, _ = train_losses(None, tmp_path / "one", *args)
+    two, _ = train_losses(2, tmp_path / "two", *args, "--dist", "fsdp")
+    np.testing.assert_allclose(two, reference, rtol=2e-6)
+    assert os.path.isdir(checkpoint.checkpoint_path(str(tmp_path / "two"), 3, sharded=True))
+
+    # Sharded by 2 FSDP ranks, resumed by one plain process; and a single file resumed by 2 FSDP ranks.
+    two_to_one, _ = resume_from(tmp_path / "two", 3, tmp_path / "two_to_one", None, *args)
+    one_to_two, _ = resume_from(tmp_path / "one", 3, tmp_path / "one_to_two", 2, *args, "--dist", "fsdp")
+    np.testing.assert_allclose(two_to_one, reference[3:], rtol=2e-6)
+    np.testing.assert_allclose(one_to_two, reference[3:], rtol=2e-6)
+
+    # The conversion tool: DCP directory -> single file (what sample/export read) -> DCP directory.
+    dcp_dir = checkpoint.checkpoint_path(str(tmp_path / "two"), 6, sharded=True)
+    as_file = str(tmp_path / "converted.pt")
+    assert checkpoint.main(["to-file", dcp_dir, as_file]) == 0
+    single = torch.load(checkpoint.checkpoint_path(str(tmp_path / "one"), 6, sharded=False), weights_only=True)
+    converted = torch.load(as_file, weights_only=True)
+    assert converted["model_config"] == single["model_config"] and converted["step"] == 6
+    for name, tensor in single["model"].items():
+        torch.testing.assert_close(converted["model"][name], tensor, rtol=1e-5, atol=1e-6)
+    back = str(tmp_path / "back")
+    assert checkpoint.main(["to-dcp", as_file, back]) == 0
+    assert checkpoint.load_meta(back)["step"] == 6
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dist", "ddp"], "needs torchrun"),
+    (["--dist", "fsdp", "--dtype", "fp16"], "fp16 is not supported"),
+    (["--dist", "fsdp", "--optimizer", "adamw8bit"], "does not support FSDP2"),
+    (["--dist", "ddp", "--ddp-bucket-mb", "0"], "--ddp-bucket-mb"),
+])
+def test_unsupported_combinations_fail_at_startup(args, message, tmp_path):
+    result = launch(None, "--out-dir", str(tmp_path), *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+
+
+def test_plain_launch_of_many_processes_is_refused(data_dir, tmp_path):
+    result = launch(2, "--data", data_dir, "--out-dir", str(tmp_path), *COMMON)
+    assert result.returncode != 0 and "pass --dist ddp or --dist fsdp" in result.stderr
