@@ -16,17 +16,21 @@ import os
 import random
 import sys
 import time
-from contextlib import nullcontext
+from statistics import median
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 import checkpoint
 import distributed
+import fp8
+import memory
 from checkpoint import CheckpointError
 from data import DataError, ShardLoader, default_corpus
 from model import GPT, ModelConfig, flops_per_token
 from optim import OptimConfig, build_optimizer, describe_param_groups, optimizer_state_bytes
+from progress import Progress
 
 # Dense bf16 tensor-core peak per GPU, from the vendors' datasheets. MFU is always quoted
 # against this number (the llm.c / PaLM convention), whatever dtype the run uses.
@@ -39,6 +43,10 @@ PEAK_BF16_FLOPS = {
     "L4": 121e12,
     "4090": 165e12,
 }
+
+
+PROFILE_WAIT, PROFILE_ACTIVE = 5, 3
+DATA_WAIT_WARN = 0.05  # warn when waiting for batches takes more than this fraction of a step
 
 
 class UsageError(Exception):
@@ -71,13 +79,20 @@ class TrainConfig:
     compile: str = "off"
     peak_tflops: float = 0.0
     log_interval: int = 10
+    profile: bool = False
     wandb: bool = False
     wandb_project: str = "pretrain"
     wandb_run_name: str | None = None
+    wandb_tags: str | None = None
     wandb_mode: str = "auto"
     dist: str = "none"
     ddp_bucket_mb: float = 25.0
     reshard_after_forward: bool = True
+    fp8: str = "off"  # off | te | torchao
+    fp8_recipe: str = "current"  # te only: current | delayed
+    fp8_attn: bool = False  # te only: FP8 attention (fp8_dpa)
+    act_ckpt: str = "none"  # none | full | selective | alternate
+    estimate_memory: bool = False
 
 
 # ----------------------------------------------------------------------------- flags
@@ -147,9 +162,13 @@ def build_parser():
     g.add_argument("--keep-ckpts", type=int, default=t.keep_ckpts, help="how many recent checkpoints to keep")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
     g.add_argument("--log-interval", type=int, default=t.log_interval, help="steps between progress updates")
+    g.add_argument("--profile", action="store_true",
+                   help=f"run torch.profiler over {PROFILE_ACTIVE} steps after {PROFILE_WAIT} warm-up steps; writes "
+                        "OUT/trace.json (open in Perfetto or chrome://tracing) and prints the top ops")
     g.add_argument("--wandb", action="store_true", help="log to Weights & Biases (offline when no API key)")
     g.add_argument("--wandb-project", default=t.wandb_project)
     g.add_argument("--wandb-run-name", default=t.wandb_run_name)
+    g.add_argument("--wandb-tags", default=t.wandb_tags, help="comma-separated tags for the wandb run")
     g.add_argument("--wandb-mode", default=t.wandb_mode, choices=["auto", "online", "offline"],
                    help="auto: online with an API key, offline without")
 
@@ -170,6 +189,17 @@ def build_parser():
                    help="torch.compile mode for the model")
     g.add_argument("--peak-tflops", type=float, default=t.peak_tflops,
                    help="peak FLOP/s (in TFLOP/s) for MFU; default: the GPU's dense bf16 datasheet figure")
+
+    g = p.add_argument_group("speed and memory (see fp8.py, memory.py)")
+    g.add_argument("--fp8", default=t.fp8, choices=fp8.FP8_MODES,
+                   help="FP8 block GEMMs: Transformer Engine modules, or torchao float8 linears")
+    g.add_argument("--fp8-recipe", default=t.fp8_recipe, choices=fp8.FP8_RECIPES,
+                   help="--fp8 te scaling: current (stateless, compile-friendly) or delayed (amax history)")
+    g.add_argument("--fp8-attn", action="store_true", help="--fp8 te: FP8 attention too (needs head_dim 128)")
+    g.add_argument("--act-ckpt", default=t.act_ckpt, choices=memory.ACT_CKPT_MODES,
+                   help="activation checkpointing: every block, every other block, or each block's MLP")
+    g.add_argument("--estimate-memory", action="store_true",
+                   help="print the memory estimate for these flags (every --act-ckpt mode) and exit")
     return p
 
 
@@ -217,6 +247,7 @@ def check_train_config(c, seq_len, optim_name):
     if not 0 <= c.min_lr_ratio <= 1 or not 0 < c.decay_frac <= 1:
         raise UsageError("--min-lr-ratio must be in [0, 1] and --decay-frac in (0, 1]")
     check_dist_combination(c, optim_name)
+    check_speed_combination(c)
 
 
 def check_dist_combination(c, optim_name):
@@ -228,6 +259,12 @@ def check_dist_combination(c, optim_name):
                          "use --optimizer adamw or --dist ddp")
     if c.ddp_bucket_mb <= 0:
         raise UsageError(f"--ddp-bucket-mb must be positive, got {c.ddp_bucket_mb}")
+
+
+def check_speed_combination(c):
+    """FP8 flags that only make sense together; shapes, dtype and the machine are checked in setup_fp8."""
+    if c.fp8 != "te" and (c.fp8_attn or c.fp8_recipe != TrainConfig.fp8_recipe):
+        raise UsageError("--fp8-attn and --fp8-recipe apply to --fp8 te only")
 
 
 def derive_grad_accum(c, seq_len, world_size=1):
@@ -381,7 +418,8 @@ def start_wandb(c, config_dict):
     try:
         import wandb
 
-        run = wandb.init(project=c.wandb_project, name=c.wandb_run_name, config=config_dict, mode=mode,
+        tags = [t.strip() for t in c.wandb_tags.split(",") if t.strip()] if c.wandb_tags else None
+        run = wandb.init(project=c.wandb_project, name=c.wandb_run_name, config=config_dict, mode=mode, tags=tags,
                          dir=c.out_dir, resume="allow" if c.resume else None)
         return run, f"on, {mode} (project {c.wandb_project})"
     except Exception as e:
@@ -405,11 +443,14 @@ def evaluate(run):
     n_batches = max(1, c.eval_tokens // (c.batch_size * run.seq_len * info.world_size))
     run.model.eval()
     total = torch.zeros((), device=run.device)
+    progress = Progress(n_batches, "eval", unit="batch", enabled=info.is_main)
     for _ in range(n_batches):
         x, y = next(loader)
         with run.autocast():
             _, loss = run.compiled(x, y)
         total += loss.float()
+        progress.update()
+    progress.close()
     run.model.train()
     loader.close()
     return distributed.mean_across_ranks(total / n_batches, info).item()
@@ -424,7 +465,8 @@ class Run:
     optim_cfg: OptimConfig
     dist: distributed.DistInfo
     model: torch.nn.Module  # the bare model (FSDP2 shards it in place); state dicts come from here
-    compiled: torch.nn.Module  # what forward calls: the model, wrapped by DDP and/or torch.compile
+    wrapped: torch.nn.Module  # the model as DDP sees it (DDP's no_sync lives here), else the model
+    compiled: torch.nn.Module  # what forward calls: `wrapped`, compiled when asked for
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     loader: ShardLoader
@@ -435,6 +477,9 @@ class Run:
     max_steps: int
     start_step: int
     peak_flops: float | None
+    timer: "PhaseTimer"
+    fp8_recipe: object = None  # Transformer Engine's recipe under --fp8 te
+
 
     @property
     def seq_len(self):
@@ -445,10 +490,27 @@ class Run:
         """Global: all ranks and micro-steps together."""
         return self.cfg.batch_size * self.seq_len * self.grad_accum * self.dist.world_size
 
+    @contextmanager
     def autocast(self):
-        if self.autocast_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        """For a forward pass only, never the backward: torch's autocast, and TE's FP8 one under --fp8 te."""
+        dtype = nullcontext() if self.autocast_dtype is None else torch.autocast(self.device.type, self.autocast_dtype)
+        with dtype, fp8.fp8_context(self.fp8_recipe):
+            yield
+
+
+def setup_fp8(c, model_cfg, device, autocast_dtype):
+    """Check the FP8 flags against the model, the batch and this machine; -> TE's recipe (None unless --fp8 te)."""
+    try:
+        fp8.check_fp8_config(c.fp8, c.fp8_recipe, c.fp8_attn, model_cfg, c.batch_size, model_cfg.max_seq_len,
+                             cuda=device.type == "cuda", have_te=fp8.te_installed(), have_torchao=fp8.torchao_installed())
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if c.fp8 != "te":
+        return None
+    if autocast_dtype is None:
+        raise UsageError("--fp8 te runs its non-FP8 parts (TE's fused attention) in 16 bits: use --dtype bf16")
+    fp8.set_te_attention_env(c.fp8_recipe, c.fp8_attn)
+    return fp8.te_recipe(c.fp8_recipe, c.fp8_attn)
 
 
 def setup(c, model_cfg, optim_cfg):
@@ -458,6 +520,7 @@ def setup(c, model_cfg, optim_cfg):
         raise UsageError(problem)
     device, device_reason = resolve_device(c.device)
     autocast_dtype, dtype_reason = resolve_dtype(c.dtype, device)
+    fp8_recipe = setup_fp8(c, model_cfg, device, autocast_dtype)
     info = distributed.init(c.dist, device.type)
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank if info.mode != "none" else torch.cuda.current_device())
@@ -476,13 +539,16 @@ def setup(c, model_cfg, optim_cfg):
 
     torch.manual_seed(c.seed)
     random.seed(c.seed)
-    model = GPT(model_cfg).to(device)
-    compiled = model
+    model = GPT(model_cfg, backend="te" if c.fp8 == "te" else "plain").to(device)
+    if c.fp8 == "torchao":
+        fp8.convert_to_torchao_float8(model)
+    memory.apply_activation_checkpointing(model, c.act_ckpt)  # before DDP / FSDP2 / compile wrap it
+    wrapped = model
     if info.mode == "ddp":
-        compiled = distributed.apply_ddp(model, info, device, c.ddp_bucket_mb)
+        wrapped = distributed.apply_ddp(model, info, device, c.ddp_bucket_mb)
     elif info.mode == "fsdp":
         param_dtype = autocast_dtype if device.type == "cuda" else None
-        compiled = distributed.apply_fsdp(model, model.blocks, param_dtype, c.reshard_after_forward)
+        wrapped = distributed.apply_fsdp(model, model.blocks, param_dtype, c.reshard_after_forward)
     optimizer = build_optimizer(model, optim_cfg, model.row_blocks(), device.type)
     loader = ShardLoader(c.data, split="train", batch_size=c.batch_size, seq_len=seq_len, rank=info.rank,
                          world_size=info.world_size, seed=c.seed, device=str(device))
@@ -494,18 +560,22 @@ def setup(c, model_cfg, optim_cfg):
         start_step = restore(c.out_dir, model, optimizer, loader, model_cfg)
     if start_step >= max_steps:
         raise UsageError(f"nothing to do: already at step {start_step} of {max_steps}")
+    if c.profile and max_steps - start_step < PROFILE_WAIT + PROFILE_ACTIVE:
+        raise UsageError(f"--profile needs at least {PROFILE_WAIT + PROFILE_ACTIVE} steps to run")
 
+    compiled = wrapped
     if c.compile != "off":
-        compiled = torch.compile(compiled, mode=None if c.compile == "default" else c.compile)
+        compiled = torch.compile(wrapped, mode=None if c.compile == "default" else c.compile)
     peak, peak_reason = peak_flops(device, c.peak_tflops)
     config_dict = {"train": dataclasses.asdict(c), "model": dataclasses.asdict(model_cfg),
                    "optim": dataclasses.asdict(optim_cfg)}
     wandb_run, wandb_reason = start_wandb(c, config_dict) if info.is_main else (None, "")
-    run = Run(cfg=c, model_cfg=model_cfg, optim_cfg=optim_cfg, dist=info, model=model, compiled=compiled,
+    run = Run(cfg=c, model_cfg=model_cfg, optim_cfg=optim_cfg, dist=info, model=model, wrapped=wrapped,
+              compiled=compiled, timer=PhaseTimer(device),
               optimizer=optimizer, scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16),
               loader=loader, metrics=MetricsLog(c.out_dir, start_step, wandb_run, enabled=info.is_main),
               device=device, autocast_dtype=autocast_dtype, grad_accum=grad_accum, max_steps=max_steps,
-              start_step=start_step, peak_flops=peak)
+              start_step=start_step, peak_flops=peak, fp8_recipe=fp8_recipe)
     if info.is_main:
         print_table([
             ("device", f"{device.type} ({device_reason})"),
@@ -517,7 +587,8 @@ def setup(c, model_cfg, optim_cfg):
                       f"heads {model_cfg.n_head}q/{model_cfg.n_kv_head}kv, vocab {model_cfg.padded_vocab_size}"),
             ("optimizer", describe_param_groups(optimizer)),
             ("torch.compile", "off (not requested)" if c.compile == "off" else f"on, mode {c.compile}"),
-            ("FP8", "off (not requested)"),
+            ("FP8", fp8.describe_fp8(model, fp8_recipe)),
+            ("activation ckpt", memory.describe_activation_checkpointing(model)),
             ("batch", f"{c.batch_size} x {seq_len} tokens x {grad_accum} micro-steps x {info.world_size} ranks "
                       f"= {run.tokens_per_step} tokens/step"),
             ("schedule", f"{c.schedule}, peak lr {optim_cfg.lr:g}, warmup {c.warmup}, {max_steps} steps"),
@@ -588,31 +659,108 @@ def total_grad_norm(model, max_norm):
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+class PhaseTimer:
+    """Seconds spent per phase of a step. Waiting for data is host time, so wall clock; on CUDA the
+    compute phases are timed with CUDA events, because kernels run asynchronously to the host."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.spans = []
+
+    @contextmanager
+    def __call__(self, phase):
+        if self.cuda and phase != "data":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.spans.append((phase, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self.spans.append((phase, t0, time.perf_counter()))
+
+    def collect(self):
+        """{phase: seconds} since the last collect(); waits for the GPU's timed work to finish."""
+        totals = {"data": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        for phase, start, end in self.spans:
+            if isinstance(start, float):
+                totals[phase] += end - start
+            else:
+                end.synchronize()
+                totals[phase] += start.elapsed_time(end) / 1000
+        self.spans = []
+        return totals
+
+
 def train_step(run):
     """One optimizer step over grad_accum micro-batches; returns (mean loss over ranks, grad norm) as tensors."""
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(run.grad_accum):
-        x, y = next(run.loader)
-        with distributed.set_grad_sync(run.compiled if run.dist.mode == "ddp" else run.model, run.dist,
-                                       micro == run.grad_accum - 1):
-            with run.autocast():
+        with run.timer("data"):
+            x, y = next(run.loader)
+        with distributed.set_grad_sync(run.wrapped, run.dist, micro == run.grad_accum - 1):
+            with run.timer("forward"), run.autocast():
                 _, loss = run.compiled(x, y)
             loss_sum += loss.detach()
-            run.scaler.scale(loss / run.grad_accum).backward()
-    run.scaler.unscale_(run.optimizer)
-    grad_norm = total_grad_norm(run.model, run.cfg.grad_clip if run.cfg.grad_clip > 0 else float("inf"))
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
+            with run.timer("backward"):
+                run.scaler.scale(loss / run.grad_accum).backward()
+    with run.timer("optimizer"):
+        run.scaler.unscale_(run.optimizer)
+        grad_norm = total_grad_norm(run.model, run.cfg.grad_clip if run.cfg.grad_clip > 0 else float("inf"))
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
     return distributed.mean_across_ranks(loss_sum / run.grad_accum, run.dist), grad_norm
 
 
-def run_loop(run):
-    from tqdm import tqdm
+def peak_memory_gib(device):
+    """Peak memory so far: allocated by tensors on CUDA; the process's peak resident set elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
 
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB on Linux
+    return peak * (1 if sys.platform == "darwin" else 1024) / 2**30
+
+
+def start_profiler(run):
+    """torch.profiler over PROFILE_ACTIVE steps after PROFILE_WAIT; writes OUT/trace.json, prints the top ops."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
+    trace = os.path.join(run.cfg.out_dir, "trace.json")
+
+    def report(prof):
+        if not run.dist.is_main:
+            return
+        prof.export_chrome_trace(trace)
+        sort = "self_cuda_time_total" if run.device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=15), flush=True)
+        print(f"profile: {PROFILE_ACTIVE} steps written to {trace} (open in https://ui.perfetto.dev)", flush=True)
+
+    prof = profile(activities=activities, schedule=schedule(wait=PROFILE_WAIT - 1, warmup=1, active=PROFILE_ACTIVE,
+                                                             repeat=1), on_trace_ready=report)
+    prof.start()
+    return prof
+
+
+# Steps timed to separate torch.compile's one-off compilation (in the first step) from the steady step time.
+COMPILE_TIMING_STEPS = 6
+
+
+def compile_seconds(step_times):
+    """Compilation time, estimated as the first step's time minus the median of the later ones."""
+    return step_times[0] - median(step_times[1:]) if len(step_times) > 1 else step_times[0]
+
+
+def run_loop(run):
     c, info = run.cfg, run.dist
     flops_tok = flops_per_token(run.model_cfg, run.seq_len)
-    bar = tqdm(total=run.max_steps, initial=run.start_step, unit="step", dynamic_ncols=True, disable=not info.is_main)
+    progress = Progress(run.max_steps, "train", unit="step", initial=run.start_step, enabled=info.is_main)
+    profiler = start_profiler(run) if c.profile else None
+    data_warned = False
+    step_times = []
     for step in range(run.start_step, run.max_steps):
         t0 = time.perf_counter()
         mult = lr_multiplier(step, run.max_steps, c.warmup, c.schedule, c.min_lr_ratio, c.decay_frac)
@@ -621,6 +769,8 @@ def run_loop(run):
         loss, grad_norm = train_step(run)
         train_loss = loss.item()  # the host sync makes the step time below honest on CUDA
         dt = time.perf_counter() - t0
+        step_times.append(dt)
+        phases = run.timer.collect()
 
         done = step + 1
         tokens_per_sec = run.tokens_per_step / dt
@@ -631,23 +781,63 @@ def run_loop(run):
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": per_device,
             # per device; equal to the whole job's utilisation of its devices
             "mfu": flops_tok * per_device / run.peak_flops if run.peak_flops else None,
+            **{f"time_{phase}_ms": 1000 * seconds for phase, seconds in phases.items()},
+            "peak_mem_gib": peak_memory_gib(run.device),
         }
+        if c.compile != "off" and len(step_times) == min(COMPILE_TIMING_STEPS, run.max_steps - run.start_step):
+            record["compile_s"] = compile_seconds(step_times)
+            progress.write(f"torch.compile: first step {step_times[0]:.1f} s, about {record['compile_s']:.1f} s of it "
+                           f"compilation (first minus the median of the next {len(step_times) - 1} steps)")
+        if step == run.start_step:
+            progress.write(f"optimizer state: {optimizer_state_bytes(run.optimizer) / 2**20:.1f} MiB per rank")
+        elif phases["data"] > DATA_WAIT_WARN * dt and not data_warned:  # step 1 also starts the prefetch thread
+            data_warned = True
+            progress.write(f"warning: step {done} spent {100 * phases['data'] / dt:.0f}% of its time waiting for "
+                           "data (time_data_ms in metrics.jsonl has every step); the loader is a bottleneck")
         if c.eval_interval and (done % c.eval_interval == 0 or done == run.max_steps):
             record["val_loss"] = evaluate(run)
-            if info.is_main:
-                bar.write(f"step {done}: train loss {train_loss:.4f}, val loss {record['val_loss']:.4f}")
+            progress.write(f"step {done}: train loss {train_loss:.4f}, val loss {record['val_loss']:.4f}")
         run.metrics.log(record)
-        if done % c.log_interval == 0 or done == run.max_steps:
-            bar.set_postfix(loss=f"{train_loss:.3f}", tok_s=f"{tokens_per_sec:,.0f}", refresh=False)
-        bar.update(1)
+        if done % c.log_interval == 0 or done == run.max_steps or step == run.start_step:
+            progress.set_postfix(f"loss {train_loss:.3f}, {tokens_per_sec:,.0f} tok/s")
+        progress.update()
+        if profiler is not None:
+            profiler.step()
         if (c.ckpt_interval and done % c.ckpt_interval == 0) or done == run.max_steps:
             save(run, done)
-    bar.close()
+    if profiler is not None:
+        profiler.stop()
+    progress.close()
+
+
+def memory_report(c, model_cfg, optim_cfg):
+    """--estimate-memory: the estimate for these flags under every --act-ckpt mode; builds and allocates nothing."""
+    device, _ = resolve_device(c.device)
+    autocast_dtype, dtype_reason = resolve_dtype(c.dtype, device)
+    shards = int(os.environ.get("WORLD_SIZE", "1")) if c.dist == "fsdp" else 1
+    estimates = {mode: memory.estimate_memory(model_cfg, c.batch_size, model_cfg.max_seq_len, optim_cfg.name, mode,
+                                              autocast_dtype, device.type, shards)
+                 for mode in memory.ACT_CKPT_MODES}
+    n_params = sum(memory.param_numels(model_cfg).values())
+    sharding = f", FSDP2 over {shards} ranks" if shards > 1 else ""
+    return "\n".join([
+        f"memory estimate per device: {n_params / 1e6:.2f}M params, optimizer {optim_cfg.name}, "
+        f"micro-batch {c.batch_size} x {model_cfg.max_seq_len} tokens, {device.type}, {dtype_reason}{sharding}",
+        "",
+        memory.format_memory_estimates(estimates, c.act_ckpt),
+        "",
+        "Activations: what the plain backend's eager forward saves for backward (memory.py); torch.compile and",
+        "FP8 usually save less. Not counted: the CUDA context, allocator fragmentation, temporaries.",
+    ])
 
 
 def main(argv=None):
     try:
-        run = setup(*parse_args(argv))
+        cfgs = parse_args(argv)
+        if cfgs[0].estimate_memory:
+            print(memory_report(*cfgs))
+            return
+        run = setup(*cfgs)
     except (UsageError, DataError, CheckpointError, ValueError) as e:
         # Only setup is guarded: ValueError there is config validation in model.py / optim.py, while an
         # exception inside the loop is a bug and keeps its traceback. Every rank fails alike; rank 0 says why.

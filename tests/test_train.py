@@ -177,3 +177,21 @@ def test_loss_decreases_on_the_embedded_corpus(tmp_path):
     assert first > 10.0  # ~ln(50304) at init: the model starts knowing nothing
     assert last < first - 3.0
     assert records[-1]["val_loss"] < first - 3.0
+
+
+def test_metrics_carry_the_phase_split_and_profile_writes_a_trace(tmp_path, tiny_data, capsys):
+    records = tiny_run(tiny_data, tmp_path, "--max-steps", "9", "--profile")
+    phases = ["time_data_ms", "time_forward_ms", "time_backward_ms", "time_optimizer_ms"]
+    for r in records:
+        assert all(r[p] >= 0 for p in phases) and r["time_forward_ms"] > 0 and r["peak_mem_gib"] > 0
+    with open(tmp_path / "trace.json") as f:
+        assert "traceEvents" in json.load(f)
+    assert "Self CPU time total" in capsys.readouterr().out
+
+
+def test_progress_is_plain_lines_when_not_a_terminal(tmp_path, tiny_data):
+    result = run_cli("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--max-steps", "3",
+                     "--eval-interval", "0", "--device", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert "\r" not in result.stderr
+    assert "train 3/3 step" in result.stderr

@@ -1,0 +1,69 @@
+"""Progress reporting that suits where the output goes.
+
+On a terminal: a tqdm bar that redraws in place. Anywhere else (CI logs, `> run.log`, a batch
+scheduler's output file): one plain line every `interval` seconds, since a redrawing bar becomes
+thousands of carriage-return fragments in a file.
+"""
+
+import sys
+import time
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class Progress:
+    def __init__(self, total: int, desc: str, unit: str = "it", initial: int = 0, enabled: bool = True,
+                 interval: float = 30.0, stream=None):
+        self.stream = stream or sys.stderr
+        self.total, self.desc, self.unit, self.n = total, desc, unit, initial
+        self.enabled, self.interval = enabled, interval
+        self.postfix = ""
+        self.start = self.last_print = time.perf_counter()
+        self.start_n = initial
+        self.bar = None
+        if enabled and self.stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=self.stream)
+
+    def set_postfix(self, text: str) -> None:
+        self.postfix = text
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        now = time.perf_counter()
+        if self.enabled and (now - self.last_print >= self.interval or self.n == self.total):
+            self.last_print = now
+            self.write(self.line(now))
+
+    def line(self, now: float) -> str:
+        done = self.n - self.start_n
+        rate = done / max(now - self.start, 1e-9)
+        parts = [f"{self.desc} {self.n}/{self.total} {self.unit}"]
+        if self.postfix:
+            parts.append(self.postfix)
+        if done and self.total:
+            parts.append(f"{rate:.2f} {self.unit}/s, eta {_duration((self.total - self.n) / rate)}")
+        return " | ".join(parts)
+
+    def write(self, message: str) -> None:
+        """A message that does not tear the bar."""
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(message, file=self.stream)
+        else:
+            print(message, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
