@@ -5,12 +5,18 @@
 
 Both formats hold the same thing: the model and optimizer state dicts keyed by parameter name
 (torch.distributed.checkpoint.state_dict's layout, the same for a plain, DDP or FSDP2 model), plus a
-few plain entries (format version, step, data-loader position, RNG, configs): the "meta" part. So any run can resume from either, at
-any world size: DCP reshards tensors to the loading run's layout. A single file loads with
-torch.load(weights_only=True); a DCP directory keeps its meta in meta.pt, loaded the same way.
+few plain entries (format version, step, data-loader position, RNG, configs): the "meta" part. So any
+run can resume from either, at any world size: DCP reshards tensors to the loading run's layout. A
+single file loads with torch.load(weights_only=True); a DCP directory keeps its meta in meta.pt,
+loaded the same way, so a checkpoint can never run code.
+
+Writes are atomic (temporary name, fsync, rename) and carry sha256 checksums (ckpt_N.pt.sha256 beside a
+file, checksums.json inside a directory), so a resume can skip a damaged checkpoint for the one before.
 """
 
 import argparse
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -18,8 +24,12 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 
+from cli import ArgumentParser, UsageError, report_error
+
 CHECKPOINT_VERSION = 1
 META_FILE = "meta.pt"
+CHECKSUMS_FILE = "checksums.json"  # in a DCP directory: sha256 of every other file
+DIGEST_SUFFIX = ".sha256"  # beside a single file: its sha256
 
 
 class CheckpointError(Exception):
@@ -29,6 +39,11 @@ class CheckpointError(Exception):
 def checkpoint_path(out_dir: str, step: int, sharded: bool) -> str:
     name = f"ckpt_{step:08d}"
     return os.path.join(out_dir, name if sharded else f"{name}.pt")
+
+
+def best_path(out_dir: str, sharded: bool) -> str:
+    """Where the checkpoint with the best validation loss so far is kept (never pruned, never resumed from)."""
+    return os.path.join(out_dir, "best" if sharded else "best.pt")
 
 
 def checkpoint_step(path: str) -> int:
@@ -47,31 +62,109 @@ def list_checkpoints(out_dir: str) -> list[str]:
     return sorted(found, key=checkpoint_step)
 
 
-def _fsync_write(path: str, write) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
+def _fsync_dir(path: str) -> None:
+    """Make a rename inside `path` durable: without this a power cut can undo it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: str, write) -> None:
+    with open(path, "wb") as f:
         write(f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+def _digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _disk_error(path: str, e: OSError) -> CheckpointError:
+    return CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}; the previous checkpoints are intact")
 
 
 def save_file(state: dict, path: str) -> None:
-    """Write to a temporary file, fsync, then rename: a crash never leaves a half-written checkpoint."""
-    _fsync_write(path, lambda f: torch.save(state, f))
+    """Write to a temporary file and fsync it, record its sha256 beside it, then rename it into place.
+
+    A crash or a full disk at any point leaves either the complete new checkpoint or none: the rename
+    is the commit, and the checksum lets a resume tell a damaged file from a good one.
+    """
+    tmp = f"{path}.tmp"
+    try:
+        _write_synced(tmp, lambda f: torch.save(state, f))
+        _write_synced(f"{path}{DIGEST_SUFFIX}.tmp", lambda f: f.write(_digest(tmp).encode()))
+        os.replace(f"{path}{DIGEST_SUFFIX}.tmp", f"{path}{DIGEST_SUFFIX}")
+        os.replace(tmp, path)
+        _fsync_dir(os.path.dirname(path) or ".")
+    except OSError as e:
+        for leftover in (tmp, f"{path}{DIGEST_SUFFIX}.tmp"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+        raise _disk_error(path, e) from None
 
 
 def save_sharded(tensors: dict, meta: dict, path: str, is_main: bool, barrier) -> None:
-    """Every rank writes its shards into a temporary directory; rank 0 renames it once all are done."""
+    """Every rank writes its shards into a temporary directory; once all are done rank 0 adds the meta and
+    the checksums of every file, then renames the directory into place."""
     tmp = f"{path}.tmp"
     if is_main and os.path.exists(tmp):
         shutil.rmtree(tmp)
     barrier()
-    dcp.save(tensors, checkpoint_id=tmp)
-    if is_main:
-        _fsync_write(os.path.join(tmp, META_FILE), lambda f: torch.save(meta, f))
-        os.replace(tmp, path)
+    try:
+        dcp.save(tensors, checkpoint_id=tmp)
+        if is_main:
+            _write_synced(os.path.join(tmp, META_FILE), lambda f: torch.save(meta, f))
+            digests = {name: _digest(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+            _write_synced(os.path.join(tmp, CHECKSUMS_FILE), lambda f: f.write(json.dumps(digests).encode()))
+            if os.path.exists(path):  # a "best" checkpoint being replaced
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+            _fsync_dir(os.path.dirname(path) or ".")
+    except OSError as e:
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _disk_error(path, e) from None
     barrier()
+
+
+def verify(path: str) -> None:
+    """CheckpointError unless every byte of the checkpoint is what was written (truncation, flipped bytes)."""
+    if os.path.isdir(path):
+        try:
+            with open(os.path.join(path, CHECKSUMS_FILE)) as f:
+                expected = json.load(f)
+        except (OSError, ValueError):
+            raise CheckpointError(f"{path} has no readable {CHECKSUMS_FILE}: incomplete or not ours") from None
+        files = {os.path.join(path, name): digest for name, digest in expected.items()}
+    else:
+        try:
+            with open(f"{path}{DIGEST_SUFFIX}") as f:
+                files = {path: f.read().strip()}
+        except OSError:
+            raise CheckpointError(f"{path} has no {DIGEST_SUFFIX} checksum beside it: incomplete or not ours") from None
+    for file, digest in files.items():
+        if not os.path.isfile(file) or _digest(file) != digest:
+            raise CheckpointError(f"{file} is damaged: its sha256 does not match the one recorded when it was written")
+
+
+def newest_valid(out_dir: str, warn) -> str | None:
+    """The newest checkpoint that verifies and loads; each damaged one on the way is reported and skipped
+    (never deleted: the user may want to look at it)."""
+    for path in reversed(list_checkpoints(out_dir)):
+        try:
+            verify(path)
+            load_meta(path)
+            return path
+        except CheckpointError as e:
+            warn(f"warning: skipping checkpoint: {e}")
+    return None
 
 
 def _torch_load(path: str):
@@ -118,6 +211,8 @@ def remove(path: str) -> None:
         shutil.rmtree(path)
     else:
         os.remove(path)
+        if os.path.exists(f"{path}{DIGEST_SUFFIX}"):
+            os.remove(f"{path}{DIGEST_SUFFIX}")
 
 
 def dcp_to_file(src_dir: str, dst: str) -> None:
@@ -138,18 +233,17 @@ def file_to_dcp(src: str, dst_dir: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("direction", choices=["to-file", "to-dcp"])
     parser.add_argument("src")
     parser.add_argument("dst")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         if os.path.exists(args.dst):
             raise CheckpointError(f"{args.dst} already exists")
         (dcp_to_file if args.direction == "to-file" else file_to_dcp)(args.src, args.dst)
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (UsageError, CheckpointError) as e:
+        return report_error(e)
     return 0
 
 

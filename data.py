@@ -9,7 +9,6 @@ Each document is preceded by the end-of-text token, as in llm.c and modded-nanog
     python data.py --input corpus.txt --out data/mine          # then: python train.py --data data/mine
 """
 
-import argparse
 import functools
 import glob
 import hashlib
@@ -33,6 +32,8 @@ import numpy as np
 import tiktoken
 import torch
 from tqdm import tqdm
+
+from cli import ArgumentParser, UsageError, report_error
 
 
 class DataError(Exception):
@@ -529,7 +530,8 @@ class ShardLoader:
     """
 
     def __init__(self, data_dir, split: str = "train", *, batch_size: int, seq_len: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, shuffle: bool = True, device="cpu", prefetch: int = 2):
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True, device="cpu", prefetch: int = 2,
+                 vocab_size: int | None = None):
         if batch_size < 1 or seq_len < 1 or prefetch < 0:
             raise ValueError(f"batch_size and seq_len must be >= 1 and prefetch >= 0, "
                              f"got {batch_size}, {seq_len}, {prefetch}")
@@ -547,7 +549,8 @@ class ShardLoader:
                 raise DataError(f"{path}: shard has {len(shard):,} tokens, fewer than seq_len + 1 = {seq_len + 1:,}")
         self.data_dir, self.split = data_dir, split
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
-        self.seed, self.shuffle, self.prefetch = seed, shuffle, prefetch
+        self.seed, self.shuffle, self.prefetch, self.vocab_size = seed, shuffle, prefetch, vocab_size
+        self.paths = paths
         self.device = torch.device(device)
         self.windows = np.array([(len(s) - 1) // seq_len for s in self.shards])
         self.num_windows = int(self.windows.sum())
@@ -590,6 +593,10 @@ class ShardLoader:
         for b in range(self.batch_size):
             shard, w = self._locate(g + self.rank * self.batch_size + b)
             buf[b] = self.shards[shard][w * T: w * T + T + 1]
+            # Checked per batch (cheap) rather than per shard at start-up (a full read of the data set).
+            if self.vocab_size is not None and buf[b].max() >= self.vocab_size:
+                raise DataError(f"{self.paths[shard]}: token id {int(buf[b].max())} is not below the vocabulary "
+                                f"size {self.vocab_size}; the shards were made with another tokenizer")
         t = torch.from_numpy(buf)
         x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
         if self.device.type == "cuda":
@@ -675,14 +682,8 @@ class ShardLoader:
 # CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage dump: the same shape as every other error here
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv=None) -> int:
-    parser = _Parser(
+    parser = ArgumentParser(
         description="Tokenize a corpus into llm.c-format token shards: OUT/val_000000.bin and "
                     "OUT/train_000000.bin, ... Each document is preceded by the end-of-text token.")
     parser.add_argument("--input", required=True, metavar="SRC",
@@ -697,12 +698,11 @@ def main(argv=None) -> int:
                         help="tokens per train shard (default: %(default)s)")
     parser.add_argument("--val-tokens", type=int, default=1_000_000, metavar="N",
                         help="tokens for the validation shard, taken from the start (default: %(default)s)")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         prepare(args.input, args.out, args.tokenizer, args.shard_tokens, args.val_tokens)
-    except (DataError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (UsageError, DataError, ValueError, OSError) as e:
+        return report_error(e)
     return 0
 
 

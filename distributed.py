@@ -69,6 +69,23 @@ def mean_across_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return value / info.world_size
 
 
+def min_across_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.mode == "none":
+        return value
+    value = value.clone()
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return value
+
+
+def any_across_ranks(flag: bool, info: DistInfo, device: torch.device) -> bool:
+    """True on every rank if it is True on any (a signal may reach the ranks at different steps)."""
+    if info.mode == "none":
+        return flag
+    value = torch.tensor(float(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def broadcast_object(obj, info: DistInfo):
     """Rank 0's value of a picklable object, on every rank."""
     if info.mode == "none":

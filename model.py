@@ -103,6 +103,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+class KVCache:
+    """Keys and values of the positions seen so far, for incremental decoding.
+
+    One pair of [B, n_kv_head, max_len, head_dim] buffers per layer, and `pos`, the number of positions
+    filled. `GPT.forward(idx, cache=cache)` writes the keys and values of idx at pos.. and advances pos; the
+    rotation uses absolute positions, so a sequence fed in pieces gets the logits of one full pass. Setting
+    pos back rewinds the cache. `dtype` must be the dtype the attention runs in (the model's, or autocast's).
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
+        self.max_len = config.max_seq_len if max_len is None else max_len
+        shape = (batch_size, config.n_kv_head, self.max_len, config.resolved_head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.pos = 0
+
+
+def _cache_write(kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, start: int):
+    """Store k, v [B, K, T, hd] at positions start..start+T of one layer's buffers; -> keys, values of 0..start+T."""
+    k_buf, v_buf = kv
+    end = start + k.shape[2]
+    k_buf[:, :, start:end] = k
+    v_buf[:, :, start:end] = v
+    return k_buf[:, :, :end], v_buf[:, :, :end]
+
+
+def _offset_causal_mask(T: int, start: int, device: torch.device) -> torch.Tensor:
+    """[T, start+T] bool: query i sits at position start+i and sees keys 0..start+i. SDPA's is_causal aligns
+    its mask to the top-left corner, which is wrong as soon as there are more keys than queries."""
+    keys = torch.arange(start + T, device=device)
+    return keys <= torch.arange(start, start + T, device=device)[:, None]
+
+
 class LayerNormLinear(nn.Module):
     """RMSNorm followed by a bias-free linear layer (Transformer Engine's LayerNormLinear, plain)."""
 
@@ -111,10 +145,12 @@ class LayerNormLinear(nn.Module):
         self.eps = eps
         self.layer_norm_weight = nn.Parameter(torch.empty(in_features))
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        # The GEMM as an attribute: torchao FP8 training swaps in a float8 one (fp8.py); the weight stays here.
+        self.matmul = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.rms_norm(x, self.layer_norm_weight.shape, self.layer_norm_weight, self.eps)
-        return F.linear(x, self.weight)
+        return self.matmul(x, self.weight)
 
 
 class LayerNormMLP(nn.Module):
@@ -126,11 +162,12 @@ class LayerNormMLP(nn.Module):
         self.layer_norm_weight = nn.Parameter(torch.empty(n_embd))
         self.fc1_weight = nn.Parameter(torch.empty(2 * ffn_dim, n_embd))
         self.fc2_weight = nn.Parameter(torch.empty(n_embd, ffn_dim))
+        self.matmul = F.linear  # as in LayerNormLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.rms_norm(x, self.layer_norm_weight.shape, self.layer_norm_weight, self.eps)
-        gate, up = F.linear(x, self.fc1_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.fc2_weight)
+        gate, up = self.matmul(x, self.fc1_weight).chunk(2, dim=-1)
+        return self.matmul(F.silu(gate) * up, self.fc2_weight)
 
 
 class Attention(nn.Module):
@@ -145,7 +182,11 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
         self.proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+    ) -> torch.Tensor:
+        """kv: this layer's KVCache buffers (None in training); x holds positions start..start+T."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
@@ -157,7 +198,12 @@ class Attention(nn.Module):
         # rotation tables are float32; the result goes back to v's dtype for the attention kernel.
         q = apply_rope(self.q_norm(q.float()), cos, sin).to(v.dtype)
         k = apply_rope(self.k_norm(k.float()), cos, sin).to(v.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if kv is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            k, v = _cache_write(kv, k, v, start)
+            mask = _offset_causal_mask(T, start, x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
@@ -167,19 +213,134 @@ class Block(nn.Module):
         self.attn = Attention(config)
         self.mlp = LayerNormMLP(config.n_embd, config.resolved_ffn_dim, config.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(x, cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+    ) -> torch.Tensor:
+        x = x + self.attn(x, cos, sin, kv, start)
         return x + self.mlp(x)
 
 
-class GPT(nn.Module):
+# ----------------------------------------------------------------------------- Transformer Engine backend
+
+BACKENDS = ("plain", "te")
+TE_INSTALL_HINT = "pip install transformer-engine[pytorch] on a CUDA machine"
+# 2.4 is the first release whose modules accept the empty _extra_state that plain_to_te_state_dict supplies.
+TE_MIN_VERSION = (2, 4)
+# The TE modules of a block, by name; each adds a `<name>._extra_state` entry to the state dict.
+TE_MODULES = ("attn.qkv", "attn.core_attention", "attn.proj", "mlp")
+
+
+def import_te():
+    """transformer_engine.pytorch, imported on first use: it needs CUDA even to import."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"the Transformer Engine backend needs a CUDA GPU: {TE_INSTALL_HINT}")
+    try:
+        import transformer_engine
+        import transformer_engine.pytorch as te
+    except Exception as e:  # ImportError, or OSError / RuntimeError when libcuda or cuDNN is missing
+        raise ValueError(f"cannot import transformer_engine ({type(e).__name__}): {TE_INSTALL_HINT}") from None
+    version = tuple(int(part) for part in transformer_engine.__version__.split(".")[:2])
+    if version < TE_MIN_VERSION:
+        raise ValueError(f"transformer_engine {transformer_engine.__version__} is too old (need >= "
+                         f"{'.'.join(map(str, TE_MIN_VERSION))}): {TE_INSTALL_HINT}")
+    return te
+
+
+def _te_device() -> str:
+    # TE modules allocate on CUDA at construction; under `with torch.device("meta")` (FSDP2) they must not.
+    return "meta" if torch.get_default_device().type == "meta" else "cuda"
+
+
+class TEAttention(nn.Module):
+    """Attention on Transformer Engine modules: Attention's parameters and numerics, FP8-capable GEMMs.
+
+    QK-norm and the rotation run in plain PyTorch between TE's fused norm+QKV GEMM and its attention
+    kernel, exactly as in Attention; TE works in [batch, seq, heads, head_dim] ("bshd") layout.
+    """
+
     def __init__(self, config: ModelConfig):
         super().__init__()
+        te, device = import_te(), _te_device()
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = hd = config.resolved_head_dim
+        qkv_rows = (config.n_head + 2 * config.n_kv_head) * hd
+        self.qkv = te.LayerNormLinear(config.n_embd, qkv_rows, eps=config.norm_eps, bias=False,
+                                      normalization="RMSNorm", device=device)
+        self.q_norm = nn.RMSNorm(hd, eps=config.norm_eps, device=device)
+        self.k_norm = nn.RMSNorm(hd, eps=config.norm_eps, device=device)
+        self.core_attention = te.DotProductAttention(
+            num_attention_heads=config.n_head, kv_channels=hd, num_gqa_groups=config.n_kv_head,
+            attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal",
+        )
+        self.proj = te.Linear(config.n_head * hd, config.n_embd, bias=False, device=device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+    ) -> torch.Tensor:
+        if kv is not None:
+            raise ValueError("KV-cache decoding runs on the plain backend: load te_to_plain_state_dict(...) into GPT")
+        B, T, _ = x.shape
+        H, K, hd = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv(x).split([H * hd, K * hd, K * hd], dim=-1)
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, hd]: broadcast over the heads of bshd
+        q = apply_rope(self.q_norm(q.view(B, T, H, hd).float()), cos, sin).to(v.dtype)
+        k = apply_rope(self.k_norm(k.view(B, T, K, hd).float()), cos, sin).to(v.dtype)
+        y = self.core_attention(q, k, v.view(B, T, K, hd))  # [B, T, H * hd]
+        return self.proj(y)
+
+
+class TEBlock(nn.Module):
+    """Block on Transformer Engine modules; LayerNormMLP's swiglu gates with the first half of fc1, as ours."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        te = import_te()
+        self.attn = TEAttention(config)
+        self.mlp = te.LayerNormMLP(config.n_embd, config.resolved_ffn_dim, eps=config.norm_eps, bias=False,
+                                   normalization="RMSNorm", activation="swiglu", device=_te_device())
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+    ) -> torch.Tensor:
+        x = x + self.attn(x, cos, sin, kv, start)
+        return x + self.mlp(x)
+
+
+def te_to_plain_state_dict(state_dict: dict) -> dict:
+    """A TE-backend state dict -> one the plain backend loads strictly: drop TE's `*._extra_state` entries
+    (FP8 scaling metadata; empty for stateless recipes). Parameter names are the same on both sides."""
+    return {k: v for k, v in state_dict.items() if not k.endswith("._extra_state")}
+
+
+def plain_to_te_state_dict(state_dict: dict) -> dict:
+    """A plain-backend state dict -> one the TE backend loads strictly: add an empty `_extra_state` for
+    every TE module of every block found (TE reads an empty one as "no FP8 metadata yet")."""
+    out = dict(state_dict)
+    for key in state_dict:
+        parts = key.split(".")
+        if len(parts) == 5 and parts[0] == "blocks" and parts[2:] == ["attn", "qkv", "weight"]:
+            for module in TE_MODULES:
+                out.setdefault(f"blocks.{parts[1]}.{module}._extra_state", torch.empty(0, dtype=torch.uint8))
+    return out
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig, backend: str = "plain"):
+        """backend "te": blocks built from Transformer Engine modules (CUDA only; FP8-capable), with the same
+        parameter names and shapes as "plain". The embedding, final norm and lm_head are plain on both."""
+        super().__init__()
         config.validate()
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.config = config
+        self.backend = backend
         vocab, dim = config.padded_vocab_size, config.n_embd
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        block = TEBlock if backend == "te" else Block
+        self.blocks = nn.ModuleList(block(config) for _ in range(config.n_layer))
         self.norm = nn.RMSNorm(dim, eps=config.norm_eps)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         # Non-persistent: derived from the config, so checkpoints stay exactly the parameter contract.
@@ -211,21 +372,27 @@ class GPT(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx [B, T] -> logits [B, T, padded_vocab_size], and the mean float32 cross-entropy if targets given.
 
         The padding columns are ordinary logits. No target ever names them, so training only pushes them
         down and they take a vanishing share of the softmax; samplers should still slice to vocab_size.
         Targets equal to -100 are ignored (F.cross_entropy's default).
+        With a cache (inference), idx holds the positions cache.pos.. and the cache advances past them.
         """
         T = idx.shape[1]
-        if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        start = 0 if cache is None else cache.pos
+        if start + T > self.config.max_seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds max_seq_len {self.config.max_seq_len}")
+        if cache is not None and start + T > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions, {start + T} needed")
+        cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin) if cache is None else block(x, cos, sin, (cache.k[i], cache.v[i]), start)
+        if cache is not None:
+            cache.pos += T
         logits = self.lm_head(self.norm(x))
         if targets is None:
             return logits, None

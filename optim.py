@@ -55,6 +55,9 @@ class OptimConfig:
     ns_dtype: str = "auto"  # auto (bf16 on CUDA, fp32 elsewhere) | bf16 | fp32 | fp64
     # match_rms_adamw makes Muon's update RMS match AdamW's, so AdamW's lr and weight decay carry over.
     muon_scale: str = "match_rms_adamw"  # original | match_rms_adamw
+    # adamw: use torch's fused kernel where the device has one; False forces the foreach path
+    # (bench/ladder.py's baseline for the fused-AdamW rung).
+    fused: bool = True
 
     def validate(self):
         if self.name not in OPTIMIZERS:
@@ -148,7 +151,7 @@ def fused_adamw_available(device_type: str) -> bool:
 
 
 def _build_adamw(roles, cfg, device_type):
-    fused = fused_adamw_available(device_type)
+    fused = cfg.fused and fused_adamw_available(device_type)
     return torch.optim.AdamW(_adamw_groups(roles, cfg.lr, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
                              eps=cfg.eps, fused=fused or None, foreach=None if fused else True)
 

@@ -23,14 +23,18 @@ from dataclasses import dataclass
 import torch
 
 import checkpoint
+from cli import ArgumentParser, UsageError, report_error
 import distributed
 import fp8
 import memory
 from checkpoint import CheckpointError
-from data import DataError, ShardLoader, default_corpus
+from data import DataError, ShardLoader, default_corpus, get_tokenizer
+from export import load_hf
 from model import GPT, ModelConfig, flops_per_token
 from optim import OptimConfig, build_optimizer, describe_param_groups, optimizer_state_bytes
 from progress import Progress
+from resilience import EarlyStopping, LossHealth, StopSignals, fits_by_trying, largest_fitting_batch, micro_batch_for
+from sample import sample_text
 
 # Dense bf16 tensor-core peak per GPU, from the vendors' datasheets. MFU is always quoted
 # against this number (the llm.c / PaLM convention), whatever dtype the run uses.
@@ -49,16 +53,13 @@ PROFILE_WAIT, PROFILE_ACTIVE = 5, 3
 DATA_WAIT_WARN = 0.05  # warn when waiting for batches takes more than this fraction of a step
 
 
-class UsageError(Exception):
-    """A mistake the user can fix from the command line; reported in one line, exit code 2."""
-
-
 @dataclass
 class TrainConfig:
     data: str | None = None
+    from_hf: str | None = None
     out_dir: str = "out"
     vocab_size: int = 50257
-    batch_size: int = 16
+    batch_size: int | str = 16  # or "auto": the largest that fits (CUDA)
     grad_accum: int = 1
     total_batch_tokens: int = 0
     max_steps: int = 150
@@ -79,7 +80,15 @@ class TrainConfig:
     compile: str = "off"
     peak_tflops: float = 0.0
     log_interval: int = 10
+    sample_tokens: int = 0
+    sample_prompt: str = ""
     profile: bool = False
+    max_bad_steps: int = 5
+    on_bad_steps: str = "rollback"
+    rollback_lr_factor: float = 0.5
+    spike_factor: float = 3.0
+    early_stop_patience: int = 0
+    inject_nan_at_step: int = -1
     wandb: bool = False
     wandb_project: str = "pretrain"
     wandb_run_name: str | None = None
@@ -98,13 +107,8 @@ class TrainConfig:
 # ----------------------------------------------------------------------------- flags
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(message)
-
-
 def build_parser():
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     t, m, o = TrainConfig(), ModelConfig(), OptimConfig()
 
     g = p.add_argument_group("data and output")
@@ -115,6 +119,9 @@ def build_parser():
                    help="tokenizer vocabulary size (GPT-2: 50257); padded to a multiple of 128 in the model")
 
     g = p.add_argument_group("model")
+    g.add_argument("--from-hf", default=t.from_hf, metavar="DIR",
+                   help="start from the weights of a Hugging Face Qwen3 directory (export.py writes one); its "
+                        "shape replaces the model flags, --seq-len still applies")
     g.add_argument("--n-layer", type=int, default=4)
     g.add_argument("--n-head", type=int, default=4)
     g.add_argument("--n-kv-head", type=int, default=2, help="key/value heads (GQA); must divide --n-head")
@@ -126,7 +133,9 @@ def build_parser():
     g.add_argument("--untied", action="store_true", help="separate lm_head and embedding weights")
 
     g = p.add_argument_group("batch and length")
-    g.add_argument("--batch-size", type=int, default=t.batch_size, help="micro-batch size (sequences per forward)")
+    g.add_argument("--batch-size", type=batch_size_flag, default=t.batch_size,
+                   help="micro-batch size in sequences, or auto (CUDA): the largest that fits in memory, with "
+                        "--grad-accum derived so that --total-batch-tokens stays exact")
     # These four default to None so that giving both of a contradictory pair can be detected.
     g.add_argument("--grad-accum", type=int, help=f"micro-batches per optimizer step (default {t.grad_accum})")
     g.add_argument("--total-batch-tokens", type=int,
@@ -162,6 +171,9 @@ def build_parser():
     g.add_argument("--keep-ckpts", type=int, default=t.keep_ckpts, help="how many recent checkpoints to keep")
     g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out-dir")
     g.add_argument("--log-interval", type=int, default=t.log_interval, help="steps between progress updates")
+    g.add_argument("--sample-tokens", type=int, default=t.sample_tokens,
+                   help="at each eval, print a sample of this many tokens (0: off)")
+    g.add_argument("--sample-prompt", default=t.sample_prompt, help="prompt for those samples (default: a new document)")
     g.add_argument("--profile", action="store_true",
                    help=f"run torch.profiler over {PROFILE_ACTIVE} steps after {PROFILE_WAIT} warm-up steps; writes "
                         "OUT/trace.json (open in Perfetto or chrome://tracing) and prints the top ops")
@@ -171,6 +183,19 @@ def build_parser():
     g.add_argument("--wandb-tags", default=t.wandb_tags, help="comma-separated tags for the wandb run")
     g.add_argument("--wandb-mode", default=t.wandb_mode, choices=["auto", "online", "offline"],
                    help="auto: online with an API key, offline without")
+
+    g = p.add_argument_group("fault tolerance")
+    g.add_argument("--max-bad-steps", type=int, default=t.max_bad_steps,
+                   help="non-finite steps in a row (each one's update is skipped) before --on-bad-steps acts")
+    g.add_argument("--on-bad-steps", default=t.on_bad_steps, choices=["rollback", "stop"],
+                   help="rollback: reload the newest checkpoint and scale the LR by --rollback-lr-factor; stop: exit")
+    g.add_argument("--rollback-lr-factor", type=float, default=t.rollback_lr_factor)
+    g.add_argument("--spike-factor", type=float, default=t.spike_factor,
+                   help="warn when the loss exceeds this multiple of its running average (0: off)")
+    g.add_argument("--early-stop-patience", type=int, default=t.early_stop_patience,
+                   help="stop after this many evals without a better val loss (0: never)")
+    g.add_argument("--inject-nan-at-step", type=int, default=t.inject_nan_at_step,
+                   help="testing only: poison this step's loss with NaN (-1: never)")
 
     g = p.add_argument_group("distributed (under torchrun)")
     g.add_argument("--dist", default=t.dist, choices=["none", "ddp", "fsdp"],
@@ -203,6 +228,15 @@ def build_parser():
     return p
 
 
+def batch_size_flag(text):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
+
+
 def parse_args(argv=None):
     """Flags -> (TrainConfig, ModelConfig, OptimConfig). Raises UsageError on bad or contradictory flags."""
     a = build_parser().parse_args(argv)
@@ -230,7 +264,11 @@ def parse_args(argv=None):
 
 
 def check_train_config(c, seq_len, optim_name):
-    positive = {"--batch-size": c.batch_size, "--grad-accum": c.grad_accum, "--seq-len": seq_len}
+    if c.batch_size == "auto" and (not c.total_batch_tokens or c.dist == "fsdp"):
+        raise UsageError("--batch-size auto needs --total-batch-tokens (the global batch it keeps), and --dist none "
+                         "or ddp (under FSDP2 a probe that runs out of memory would stall the other ranks)")
+    positive = {"--batch-size": 1 if c.batch_size == "auto" else c.batch_size, "--grad-accum": c.grad_accum,
+                "--seq-len": seq_len}
     for flag, value in positive.items():
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
@@ -244,6 +282,9 @@ def check_train_config(c, seq_len, optim_name):
         raise UsageError("--eval-tokens must be >= 1 when evaluating")
     if c.keep_ckpts < 1:
         raise UsageError(f"--keep-ckpts must be >= 1, got {c.keep_ckpts}")
+    if c.max_bad_steps < 1 or not 0 < c.rollback_lr_factor <= 1 or c.spike_factor < 0 or c.early_stop_patience < 0:
+        raise UsageError("--max-bad-steps must be >= 1, --rollback-lr-factor in (0, 1], "
+                         "--spike-factor and --early-stop-patience >= 0")
     if not 0 <= c.min_lr_ratio <= 1 or not 0 < c.decay_frac <= 1:
         raise UsageError("--min-lr-ratio must be in [0, 1] and --decay-frac in (0, 1]")
     check_dist_combination(c, optim_name)
@@ -372,17 +413,27 @@ def set_rng_state(state):
 
 
 class MetricsLog:
-    """metrics.jsonl, plus wandb when asked for. On resume, lines from steps that were redone are dropped."""
+    """metrics.jsonl, plus wandb when asked for. Lines from steps that are redone (after a resume or a
+    rollback) are dropped, and so is a line torn by a crash mid-write."""
 
     def __init__(self, out_dir, start_step, wandb_run, enabled=True):
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.enabled, self.wandb_run = enabled, wandb_run
-        if not enabled:  # only rank 0 writes
+        self.truncate(start_step)
+
+    def truncate(self, step):
+        """Keep only the records of steps before `step`."""
+        if not self.enabled:  # only rank 0 writes
             return
         kept = []
-        if start_step > 0 and os.path.exists(self.path):
+        if step > 0 and os.path.exists(self.path):
             with open(self.path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] < start_step]
+                for line in f:
+                    try:
+                        if json.loads(line)["step"] < step:
+                            kept.append(line)
+                    except (ValueError, KeyError):
+                        pass
         with open(self.path, "w") as f:
             f.writelines(kept)
 
@@ -426,6 +477,10 @@ def start_wandb(c, config_dict):
         return None, f"off: wandb failed to start ({type(e).__name__}: {str(e).splitlines()[0]})"
 
 
+def progress_message(message):
+    print(message, file=sys.stderr, flush=True)
+
+
 def print_table(rows):
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows), flush=True)
@@ -439,7 +494,8 @@ def evaluate(run):
     """Mean loss over the first eval_tokens of the val split (the same tokens every time, split across ranks)."""
     c, info = run.cfg, run.dist
     loader = ShardLoader(c.data, split="val", batch_size=c.batch_size, seq_len=run.seq_len, shuffle=False,
-                         rank=info.rank, world_size=info.world_size, device=str(run.device), prefetch=0)
+                         rank=info.rank, world_size=info.world_size, device=str(run.device), prefetch=0,
+                         vocab_size=run.model_cfg.vocab_size)
     n_batches = max(1, c.eval_tokens // (c.batch_size * run.seq_len * info.world_size))
     run.model.eval()
     total = torch.zeros((), device=run.device)
@@ -479,6 +535,9 @@ class Run:
     peak_flops: float | None
     timer: "PhaseTimer"
     fp8_recipe: object = None  # Transformer Engine's recipe under --fp8 te
+    lr_scale: float = 1.0  # shrinks with each rollback after non-finite steps
+    health: LossHealth = dataclasses.field(default_factory=LossHealth)
+    early_stop: EarlyStopping = dataclasses.field(default_factory=lambda: EarlyStopping(0))
 
 
     @property
@@ -501,7 +560,9 @@ class Run:
 def setup_fp8(c, model_cfg, device, autocast_dtype):
     """Check the FP8 flags against the model, the batch and this machine; -> TE's recipe (None unless --fp8 te)."""
     try:
-        fp8.check_fp8_config(c.fp8, c.fp8_recipe, c.fp8_attn, model_cfg, c.batch_size, model_cfg.max_seq_len,
+        # An auto batch size is not known yet: checking with 1 demands seq_len % 8 == 0, enough for any size.
+        batch = 1 if c.batch_size == "auto" else c.batch_size
+        fp8.check_fp8_config(c.fp8, c.fp8_recipe, c.fp8_attn, model_cfg, batch, model_cfg.max_seq_len,
                              cuda=device.type == "cuda", have_te=fp8.te_installed(), have_torchao=fp8.torchao_installed())
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -513,6 +574,36 @@ def setup_fp8(c, model_cfg, device, autocast_dtype):
     return fp8.te_recipe(c.fp8_recipe, c.fp8_attn)
 
 
+def auto_batch_size(model, c, optim_cfg, device, autocast_dtype, info):
+    """The largest micro-batch that fits in GPU memory and divides the per-rank batch of --total-batch-tokens.
+
+    Each probe runs a forward and backward at that size while a placeholder holds the optimizer state's
+    estimated bytes (the state only exists after the first step). Ranks agree on the smallest answer.
+    """
+    seq_len = model.config.max_seq_len
+    per_rank = c.total_batch_tokens // (seq_len * info.world_size)
+    reserve = memory.optimizer_state_bytes_estimate(model.config, optim_cfg.name)
+    autocast = torch.autocast("cuda", dtype=autocast_dtype) if autocast_dtype else nullcontext()
+
+    def probe(size):
+        placeholder = torch.empty(reserve, dtype=torch.uint8, device=device)
+        try:
+            x = torch.zeros((size, seq_len), dtype=torch.long, device=device)
+            with autocast:
+                _, loss = model(x, x)
+            loss.backward()
+        finally:
+            del placeholder
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+
+    fitting = largest_fitting_batch(fits_by_trying(probe, (torch.cuda.OutOfMemoryError,)), limit=per_rank)
+    fitting = int(distributed.min_across_ranks(torch.tensor(fitting, device=device), info).item())
+    if fitting == 0:
+        raise UsageError(f"--batch-size auto: not even one sequence of {seq_len} tokens fits in GPU memory")
+    return micro_batch_for(per_rank, fitting)
+
+
 def setup(c, model_cfg, optim_cfg):
     """Build and check everything; every user mistake surfaces here, before the first step."""
     problem = distributed.check_launch(c.dist)
@@ -520,6 +611,8 @@ def setup(c, model_cfg, optim_cfg):
         raise UsageError(problem)
     device, device_reason = resolve_device(c.device)
     autocast_dtype, dtype_reason = resolve_dtype(c.dtype, device)
+    if c.batch_size == "auto" and device.type != "cuda":
+        raise UsageError("--batch-size auto needs CUDA: it searches by catching CUDA out-of-memory errors")
     fp8_recipe = setup_fp8(c, model_cfg, device, autocast_dtype)
     info = distributed.init(c.dist, device.type)
     if device.type == "cuda":
@@ -527,22 +620,35 @@ def setup(c, model_cfg, optim_cfg):
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     if info.is_main:
-        os.makedirs(c.out_dir, exist_ok=True)
+        try:
+            os.makedirs(c.out_dir, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--out-dir {c.out_dir} cannot be created: {e.strerror}") from None
         if not os.access(c.out_dir, os.W_OK):
             raise UsageError(f"--out-dir {c.out_dir} is not writable")
     if c.data is None:  # rank 0 tokenizes the corpus once; the others find it cached
         c.data = default_corpus() if info.is_main else None
         c.data = distributed.broadcast_object(c.data, info)
     seq_len = model_cfg.max_seq_len
-    grad_accum = derive_grad_accum(c, seq_len, info.world_size)
-    max_steps = derive_max_steps(c, c.batch_size * seq_len * grad_accum * info.world_size)
+
+    init_state, init_reason = None, f"random (seed {c.seed})"
+    if c.from_hf:
+        hf_cfg, init_state = load_hf(c.from_hf)
+        model_cfg = dataclasses.replace(hf_cfg, max_seq_len=model_cfg.max_seq_len)
+        init_reason = f"weights of {c.from_hf}"
 
     torch.manual_seed(c.seed)
     random.seed(c.seed)
     model = GPT(model_cfg, backend="te" if c.fp8 == "te" else "plain").to(device)
+    if init_state is not None:  # before torchao, DDP or FSDP2 take the parameters over
+        model.load_state_dict(init_state, strict=c.fp8 != "te")  # TE modules add their own _extra_state
     if c.fp8 == "torchao":
         fp8.convert_to_torchao_float8(model)
     memory.apply_activation_checkpointing(model, c.act_ckpt)  # before DDP / FSDP2 / compile wrap it
+    if c.batch_size == "auto":  # probed on the bare model: a DDP backward would wait on the other ranks
+        c.batch_size = auto_batch_size(model, c, optim_cfg, device, autocast_dtype, info)
+    grad_accum = derive_grad_accum(c, seq_len, info.world_size)
+    max_steps = derive_max_steps(c, c.batch_size * seq_len * grad_accum * info.world_size)
     wrapped = model
     if info.mode == "ddp":
         wrapped = distributed.apply_ddp(model, info, device, c.ddp_bucket_mb)
@@ -551,13 +657,15 @@ def setup(c, model_cfg, optim_cfg):
         wrapped = distributed.apply_fsdp(model, model.blocks, param_dtype, c.reshard_after_forward)
     optimizer = build_optimizer(model, optim_cfg, model.row_blocks(), device.type)
     loader = ShardLoader(c.data, split="train", batch_size=c.batch_size, seq_len=seq_len, rank=info.rank,
-                         world_size=info.world_size, seed=c.seed, device=str(device))
+                         world_size=info.world_size, seed=c.seed, device=str(device), vocab_size=model_cfg.vocab_size)
     if c.eval_interval:  # fail now, not at the first eval, when there is no usable val split
-        ShardLoader(c.data, split="val", batch_size=c.batch_size, seq_len=seq_len, shuffle=False, prefetch=0).close()
+        ShardLoader(c.data, split="val", batch_size=c.batch_size, seq_len=seq_len, shuffle=False, prefetch=0,
+                    vocab_size=model_cfg.vocab_size).close()
 
-    start_step = 0
+    start_step, resumed = 0, None
     if c.resume:
-        start_step = restore(c.out_dir, model, optimizer, loader, model_cfg)
+        resumed = restore(c.out_dir, model, optimizer, loader, model_cfg, warn=progress_message if info.is_main else None)
+        start_step = resumed["step"]
     if start_step >= max_steps:
         raise UsageError(f"nothing to do: already at step {start_step} of {max_steps}")
     if c.profile and max_steps - start_step < PROFILE_WAIT + PROFILE_ACTIVE:
@@ -575,7 +683,12 @@ def setup(c, model_cfg, optim_cfg):
               optimizer=optimizer, scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16),
               loader=loader, metrics=MetricsLog(c.out_dir, start_step, wandb_run, enabled=info.is_main),
               device=device, autocast_dtype=autocast_dtype, grad_accum=grad_accum, max_steps=max_steps,
-              start_step=start_step, peak_flops=peak, fp8_recipe=fp8_recipe)
+              start_step=start_step, peak_flops=peak, fp8_recipe=fp8_recipe,
+              health=LossHealth(c.spike_factor), early_stop=EarlyStopping(c.early_stop_patience))
+    if resumed is not None:
+        run.lr_scale = resumed["lr_scale"]
+        run.health.load_state_dict(resumed["health"])
+        run.early_stop.load_state_dict(resumed["early_stop"])
     if info.is_main:
         print_table([
             ("device", f"{device.type} ({device_reason})"),
@@ -595,6 +708,7 @@ def setup(c, model_cfg, optim_cfg):
             ("data", c.data),
             ("MFU peak", peak_reason),
             ("wandb", wandb_reason),
+            ("init", init_reason),
             ("resume", f"from step {start_step}" if c.resume else "off (fresh run)"),
         ])
     return run
@@ -607,14 +721,16 @@ def state_dict_options(full):
     return StateDictOptions(full_state_dict=full, cpu_offload=full)
 
 
-def restore(out_dir, model, optimizer, loader, model_cfg):
-    """Load the newest checkpoint (either format, any world size) into the live objects; returns its step."""
+def restore(out_dir, model, optimizer, loader, model_cfg, warn):
+    """Load the newest good checkpoint (either format, any world size) into the live objects; -> its meta.
+
+    Damaged checkpoints (checksum mismatch, truncation) are reported and skipped for the one before.
+    """
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    ckpts = checkpoint.list_checkpoints(out_dir)
-    if not ckpts:
-        raise UsageError(f"--resume: no checkpoint in {out_dir}")
-    path = ckpts[-1]
+    path = checkpoint.newest_valid(out_dir, warn or (lambda message: None))
+    if path is None:
+        raise UsageError(f"--resume: no usable checkpoint in {out_dir}")
     meta = checkpoint.load_meta(path)
     if meta["model_config"] != dataclasses.asdict(model_cfg):
         raise UsageError(f"--resume: {path} was trained with a different model config; pass the same model flags")
@@ -627,11 +743,12 @@ def restore(out_dir, model, optimizer, loader, model_cfg):
                    options=state_dict_options(full=not sharded))
     loader.load_state_dict(meta["loader"])
     set_rng_state(meta["rng"])
-    return meta["step"]
+    return meta
 
 
-def save(run, done):
-    """FSDP2 runs write a sharded DCP directory; the others a single file from rank 0."""
+def save(run, done, best=False):
+    """FSDP2 runs write a sharded DCP directory; the others a single file from rank 0. `best`: the copy kept
+    for the best validation loss, which pruning never touches."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     info, out_dir = run.dist, run.cfg.out_dir
@@ -640,8 +757,9 @@ def save(run, done):
     meta = {
         "version": checkpoint.CHECKPOINT_VERSION, "step": done, "loader": run.loader.state_dict(),
         "rng": rng_state(), "model_config": dataclasses.asdict(run.model_cfg), "train_config": dataclasses.asdict(run.cfg),
+        "lr_scale": run.lr_scale, "health": run.health.state_dict(), "early_stop": run.early_stop.state_dict(),
     }
-    path = checkpoint.checkpoint_path(out_dir, done, sharded)
+    path = checkpoint.best_path(out_dir, sharded) if best else checkpoint.checkpoint_path(out_dir, done, sharded)
     if sharded:
         checkpoint.save_sharded({"model": model_sd, "optimizer": optim_sd}, meta, path, info.is_main,
                                 lambda: distributed.barrier(info))
@@ -693,8 +811,13 @@ class PhaseTimer:
         return totals
 
 
-def train_step(run):
-    """One optimizer step over grad_accum micro-batches; returns (mean loss over ranks, grad norm) as tensors."""
+def train_step(run, poison=False):
+    """One optimizer step over grad_accum micro-batches -> (mean loss over ranks, grad norm, finite).
+
+    A non-finite loss or gradient norm skips the update: parameters and optimizer state stay exactly as
+    they were. Every rank sees the same all-reduced loss and norm, so all ranks skip together. `poison`
+    (a test-only flag) makes this step's loss NaN.
+    """
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(run.grad_accum):
         with run.timer("data"):
@@ -702,16 +825,21 @@ def train_step(run):
         with distributed.set_grad_sync(run.wrapped, run.dist, micro == run.grad_accum - 1):
             with run.timer("forward"), run.autocast():
                 _, loss = run.compiled(x, y)
+                if poison:
+                    loss = loss * float("nan")
             loss_sum += loss.detach()
             with run.timer("backward"):
                 run.scaler.scale(loss / run.grad_accum).backward()
     with run.timer("optimizer"):
         run.scaler.unscale_(run.optimizer)
         grad_norm = total_grad_norm(run.model, run.cfg.grad_clip if run.cfg.grad_clip > 0 else float("inf"))
-        run.scaler.step(run.optimizer)
+        loss = distributed.mean_across_ranks(loss_sum / run.grad_accum, run.dist)
+        finite = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))
+        if finite:
+            run.scaler.step(run.optimizer)
         run.scaler.update()
         run.optimizer.zero_grad(set_to_none=True)
-    return distributed.mean_across_ranks(loss_sum / run.grad_accum, run.dist), grad_norm
+    return loss, grad_norm, finite
 
 
 def peak_memory_gib(device):
@@ -754,60 +882,143 @@ def compile_seconds(step_times):
     return step_times[0] - median(step_times[1:]) if len(step_times) > 1 else step_times[0]
 
 
+class TrainingHalted(Exception):
+    """The run stopped itself for a reason the user must act on (e.g. non-finite steps with no way back)."""
+
+
+def rollback(run, progress):
+    """After too many non-finite steps: reload the newest good checkpoint and continue with a lower LR."""
+    c = run.cfg
+    if c.on_bad_steps == "stop":
+        raise TrainingHalted(f"{c.max_bad_steps} non-finite steps in a row (--on-bad-steps stop)")
+    scale = run.lr_scale * c.rollback_lr_factor
+    meta = restore(c.out_dir, run.model, run.optimizer, run.loader, run.model_cfg, warn=progress.write)
+    run.health.load_state_dict(meta["health"])
+    run.early_stop.load_state_dict(meta["early_stop"])
+    run.lr_scale = scale
+    run.metrics.truncate(meta["step"])
+    progress.write(f"rolled back to step {meta['step']} after {c.max_bad_steps} non-finite steps; "
+                   f"LR now x{scale:g} of the schedule")
+    return meta["step"]
+
+
+def shrink_micro_batch(run, loader_state, progress):
+    """After an out-of-memory error mid-step: rewind the step and redo it with a smaller micro-batch and more
+    micro-steps, so the global batch and the data order stay exactly the same."""
+    run.optimizer.zero_grad(set_to_none=True)
+    run.timer.collect()
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()
+    per_rank = run.cfg.batch_size * run.grad_accum
+    smaller = micro_batch_for(per_rank, run.cfg.batch_size // 2)
+    run.loader.load_state_dict(loader_state)
+    run.loader.batch_size = run.cfg.batch_size = smaller
+    run.grad_accum = per_rank // smaller
+    progress.write(f"warning: out of memory; retrying the step with micro-batch {smaller} x {run.grad_accum} "
+                   "micro-steps (same global batch)")
+
+
 def run_loop(run):
+    """Train to max_steps; returns a message when the run stopped early on purpose (signal, early stopping)."""
     c, info = run.cfg, run.dist
     flops_tok = flops_per_token(run.model_cfg, run.seq_len)
     progress = Progress(run.max_steps, "train", unit="step", initial=run.start_step, enabled=info.is_main)
     profiler = start_profiler(run) if c.profile else None
-    data_warned = False
+    signals = StopSignals()
+    data_warned = oom_retried = poisoned = False
     step_times = []
-    for step in range(run.start_step, run.max_steps):
-        t0 = time.perf_counter()
-        mult = lr_multiplier(step, run.max_steps, c.warmup, c.schedule, c.min_lr_ratio, c.decay_frac)
-        for group in run.optimizer.param_groups:
-            group["lr"] = group["base_lr"] * mult
-        loss, grad_norm = train_step(run)
-        train_loss = loss.item()  # the host sync makes the step time below honest on CUDA
-        dt = time.perf_counter() - t0
-        step_times.append(dt)
-        phases = run.timer.collect()
+    step = run.start_step
+    try:
+        while step < run.max_steps:
+            t0 = time.perf_counter()
+            mult = run.lr_scale * lr_multiplier(step, run.max_steps, c.warmup, c.schedule, c.min_lr_ratio, c.decay_frac)
+            for group in run.optimizer.param_groups:
+                group["lr"] = group["base_lr"] * mult
+            loader_state = run.loader.state_dict()
+            poison = step == c.inject_nan_at_step and not poisoned  # once: a rollback must not meet it again
+            try:
+                loss, grad_norm, finite = train_step(run, poison)
+            except torch.cuda.OutOfMemoryError:
+                if oom_retried or info.world_size > 1 or run.cfg.batch_size == 1:
+                    raise
+                oom_retried = True
+                shrink_micro_batch(run, loader_state, progress)
+                continue
+            poisoned = poisoned or poison
+            train_loss = loss.item()  # the host sync makes the step time below honest on CUDA
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            phases = run.timer.collect()
 
-        done = step + 1
-        tokens_per_sec = run.tokens_per_step / dt
-        per_device = tokens_per_sec / info.world_size
-        record = {
-            "step": step, "tokens": done * run.tokens_per_step, "train_loss": train_loss,
-            "lr": run.optim_cfg.lr * mult, "grad_norm": grad_norm.item(),
-            "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": per_device,
-            # per device; equal to the whole job's utilisation of its devices
-            "mfu": flops_tok * per_device / run.peak_flops if run.peak_flops else None,
-            **{f"time_{phase}_ms": 1000 * seconds for phase, seconds in phases.items()},
-            "peak_mem_gib": peak_memory_gib(run.device),
-        }
-        if c.compile != "off" and len(step_times) == min(COMPILE_TIMING_STEPS, run.max_steps - run.start_step):
-            record["compile_s"] = compile_seconds(step_times)
-            progress.write(f"torch.compile: first step {step_times[0]:.1f} s, about {record['compile_s']:.1f} s of it "
-                           f"compilation (first minus the median of the next {len(step_times) - 1} steps)")
-        if step == run.start_step:
-            progress.write(f"optimizer state: {optimizer_state_bytes(run.optimizer) / 2**20:.1f} MiB per rank")
-        elif phases["data"] > DATA_WAIT_WARN * dt and not data_warned:  # step 1 also starts the prefetch thread
-            data_warned = True
-            progress.write(f"warning: step {done} spent {100 * phases['data'] / dt:.0f}% of its time waiting for "
-                           "data (time_data_ms in metrics.jsonl has every step); the loader is a bottleneck")
-        if c.eval_interval and (done % c.eval_interval == 0 or done == run.max_steps):
-            record["val_loss"] = evaluate(run)
-            progress.write(f"step {done}: train loss {train_loss:.4f}, val loss {record['val_loss']:.4f}")
-        run.metrics.log(record)
-        if done % c.log_interval == 0 or done == run.max_steps or step == run.start_step:
-            progress.set_postfix(f"loss {train_loss:.3f}, {tokens_per_sec:,.0f} tok/s")
-        progress.update()
+            done = step + 1
+            tokens_per_sec = run.tokens_per_step / dt
+            per_device = tokens_per_sec / info.world_size
+            spike = run.health.update(train_loss, finite)
+            record = {
+                "step": step, "tokens": done * run.tokens_per_step, "train_loss": train_loss if finite else None,
+                "lr": run.optim_cfg.lr * mult, "grad_norm": grad_norm.item() if finite else None,
+                "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": per_device,
+                # per device; equal to the whole job's utilisation of its devices
+                "mfu": flops_tok * per_device / run.peak_flops if run.peak_flops else None,
+                "loss_ema": run.health.ema, "loss_var": run.health.var, "skipped": not finite,
+                "bad_steps": run.health.bad_total,
+                **{f"time_{phase}_ms": 1000 * seconds for phase, seconds in phases.items()},
+                "peak_mem_gib": peak_memory_gib(run.device),
+            }
+            if not finite:
+                progress.write(f"warning: step {done}: loss {train_loss}, grad norm {grad_norm.item()}: update skipped "
+                               f"({run.health.bad_in_a_row} in a row, {run.health.bad_total} in all)")
+            if spike:
+                progress.write(f"warning: step {done}: loss spike {train_loss:.4f}, {train_loss / run.health.ema:.1f}x "
+                               f"its running average")
+            if c.compile != "off" and len(step_times) == min(COMPILE_TIMING_STEPS, run.max_steps - run.start_step):
+                record["compile_s"] = compile_seconds(step_times)
+                progress.write(f"torch.compile: first step {step_times[0]:.1f} s, about {record['compile_s']:.1f} s of "
+                               f"it compilation (first minus the median of the next {len(step_times) - 1} steps)")
+            if step == run.start_step:
+                progress.write(f"optimizer state: {optimizer_state_bytes(run.optimizer) / 2**20:.1f} MiB per rank")
+            elif phases["data"] > DATA_WAIT_WARN * dt and not data_warned:  # step 1 also starts the prefetch thread
+                data_warned = True
+                progress.write(f"warning: step {done} spent {100 * phases['data'] / dt:.0f}% of its time waiting for "
+                               "data (time_data_ms in metrics.jsonl has every step); the loader is a bottleneck")
+            stop_early = False
+            if c.eval_interval and (done % c.eval_interval == 0 or done == run.max_steps):
+                record["val_loss"] = evaluate(run)
+                improved, stop_early = run.early_stop.update(record["val_loss"])
+                progress.write(f"step {done}: train loss {train_loss:.4f}, val loss {record['val_loss']:.4f}"
+                               + (" (best so far)" if improved else ""))
+                if improved:
+                    save(run, done, best=True)
+                if c.sample_tokens:  # on every rank: under FSDP2 each forward is a collective
+                    text = sample_text(run.model, get_tokenizer(), c.sample_prompt, c.sample_tokens, seed=c.seed)
+                    progress.write(f"sample at step {done}: {text!r}")
+            run.metrics.log(record)
+            if done % c.log_interval == 0 or done == run.max_steps or step == run.start_step:
+                progress.set_postfix(f"loss {train_loss:.3f}, {tokens_per_sec:,.0f} tok/s")
+            progress.update()
+            if profiler is not None:
+                profiler.step()
+            step = done
+
+            if run.health.bad_in_a_row >= c.max_bad_steps:
+                step = rollback(run, progress)
+                continue
+            signalled = distributed.any_across_ranks(signals.requested is not None, run.dist, run.device)
+            if (c.ckpt_interval and done % c.ckpt_interval == 0) or done == run.max_steps or signalled or stop_early:
+                save(run, done)
+            if signalled:
+                return (f"stopped by {signals.requested or 'a signal to another rank'} at step {done}; checkpoint "
+                        f"written. Resume with the same command plus --resume")
+            if stop_early:
+                return (f"early stop at step {done}: val loss has not improved on {run.early_stop.best:.4f} for "
+                        f"{c.early_stop_patience} evals; the best weights are in "
+                        f"{checkpoint.best_path(c.out_dir, info.mode == 'fsdp')}")
+        return None
+    finally:
+        signals.restore()
         if profiler is not None:
-            profiler.step()
-        if (c.ckpt_interval and done % c.ckpt_interval == 0) or done == run.max_steps:
-            save(run, done)
-    if profiler is not None:
-        profiler.stop()
-    progress.close()
+            profiler.stop()
+        progress.close()
 
 
 def memory_report(c, model_cfg, optim_cfg):
@@ -842,14 +1053,20 @@ def main(argv=None):
         # Only setup is guarded: ValueError there is config validation in model.py / optim.py, while an
         # exception inside the loop is a bug and keeps its traceback. Every rank fails alike; rank 0 says why.
         if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr)
+            report_error(e)
         sys.exit(2)
     try:
-        run_loop(run)
+        stopped = run_loop(run)
+    except (CheckpointError, DataError, TrainingHalted) as e:  # a full disk, bad tokens, a run that cannot go on
+        if run.dist.is_main:
+            report_error(e)
+        sys.exit(1 if isinstance(e, TrainingHalted) else 2)
     finally:
         run.loader.close()
         run.metrics.close()
         distributed.shutdown(run.dist)
+    if stopped and run.dist.is_main:
+        print(stopped, file=sys.stderr)
 
 
 if __name__ == "__main__":

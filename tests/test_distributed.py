@@ -83,8 +83,11 @@ def resume_from(src_out, step, dst_out, nproc, *args):
     os.makedirs(dst_out)
     path = checkpoint.list_checkpoints(str(src_out))
     (src,) = [p for p in path if checkpoint.checkpoint_step(p) == step]
-    copy = shutil.copytree if os.path.isdir(src) else shutil.copy
-    copy(src, os.path.join(dst_out, os.path.basename(src)))
+    if os.path.isdir(src):
+        shutil.copytree(src, os.path.join(dst_out, os.path.basename(src)))
+    else:
+        for path in (src, src + checkpoint.DIGEST_SUFFIX):
+            shutil.copy(path, dst_out)
     return train_losses(nproc, dst_out, *args, "--resume")
 
 

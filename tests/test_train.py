@@ -129,7 +129,9 @@ def test_resume_is_bit_identical(tmp_path, tiny_data):
     # Resume a second run from the step-4 checkpoint; its metrics after step 4 were never written.
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
-    shutil.copy(checkpoint.checkpoint_path(str(tmp_path / "full"), 4, sharded=False), resumed_dir)
+    ckpt = checkpoint.checkpoint_path(str(tmp_path / "full"), 4, sharded=False)
+    for path in (ckpt, ckpt + checkpoint.DIGEST_SUFFIX):
+        shutil.copy(path, resumed_dir)
     with open(resumed_dir / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in full[:6])  # steps 4 and 5 are stale: redone on resume
     resumed = tiny_run(tiny_data, resumed_dir, "--max-steps", "8", "--ckpt-interval", "4", "--resume")
@@ -150,7 +152,8 @@ def test_resume_rejects_a_different_model(tmp_path, tiny_data):
 def test_resume_rejects_a_foreign_checkpoint(tmp_path, tiny_data):
     (tmp_path / "ckpt_00000001.pt").write_bytes(b"not a checkpoint")
     result = run_cli("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--resume", "--device", "cpu")
-    assert result.returncode == 2 and "cannot load checkpoint" in result.stderr
+    assert result.returncode == 2
+    assert "skipping checkpoint" in result.stderr and "no usable checkpoint" in result.stderr.splitlines()[-1]
 
 
 def test_keeps_only_the_newest_checkpoints(tmp_path, tiny_data):
@@ -195,3 +198,28 @@ def test_progress_is_plain_lines_when_not_a_terminal(tmp_path, tiny_data):
     assert result.returncode == 0, result.stderr
     assert "\r" not in result.stderr
     assert "train 3/3 step" in result.stderr
+
+
+def test_from_hf_starts_from_the_exported_weights(tmp_path, tiny_data):
+    import torch
+
+    from data import ShardLoader
+    from export import main as export_main
+    from sample import load_model
+
+    gpt2_vocab = ["--vocab-size", "50257"]  # export writes the GPT-2 tokenizer next to the weights
+    tiny_run(tiny_data, tmp_path / "a", "--max-steps", "3", *gpt2_vocab)
+    ckpt = checkpoint.checkpoint_path(str(tmp_path / "a"), 3, sharded=False)
+    assert export_main(["--ckpt", ckpt, "--out", str(tmp_path / "hf")]) == 0
+    records = tiny_run(tiny_data, tmp_path / "b", "--max-steps", "1", "--from-hf", str(tmp_path / "hf"))
+
+    model = load_model(ckpt=ckpt)
+    x, y = next(ShardLoader(tiny_data, batch_size=4, seq_len=32, seed=1337, prefetch=0))
+    with torch.no_grad():
+        _, expected = model(x, y)
+    assert records[0]["train_loss"] == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_sample_at_eval(tmp_path, tiny_data, capsys):
+    tiny_run(tiny_data, tmp_path, "--max-steps", "4", "--sample-tokens", "5", "--sample-prompt", "x")
+    assert capsys.readouterr().err.count("sample at step 4: 'x") == 1

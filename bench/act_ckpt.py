@@ -1,0 +1,83 @@
+"""What each activation-checkpointing mode saves: bytes held for backward, measured and estimated.
+
+    python bench/act_ckpt.py [--out bench/results/act_ckpt_cpu.md]
+
+Measured: memory.saved_tensor_bytes (saved-tensor hooks: the distinct storages autograd keeps from one
+forward to its backward, the model's own parameters excluded) on a fixed model and batch, in fp32 and under
+bf16 autocast, on this machine. Estimated: memory.activation_bytes for the same model, batch and device.
+The last table is the estimate alone for a GPT-2-small-shaped model on CUDA in bf16 (not measured here).
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import memory  # noqa: E402
+from model import GPT, ModelConfig  # noqa: E402
+
+MODEL = ModelConfig(vocab_size=4096, n_layer=4, n_head=4, n_kv_head=2, n_embd=256, max_seq_len=256)
+BATCH = 4
+GPT2_SMALL = ModelConfig(n_layer=12, n_head=12, n_kv_head=4, n_embd=768, max_seq_len=1024)
+GPT2_BATCH = 16
+MIB = 2**20
+
+
+def measured_table(device):
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.max_seq_len), generator=g).to(device)
+    targets = torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.max_seq_len), generator=g).to(device)
+    lines = ["| act-ckpt | fp32 measured | fp32 estimate | bf16 measured | bf16 estimate | bf16 vs none |",
+             "|---|---|---|---|---|---|"]
+    baseline = None
+    for mode in memory.ACT_CKPT_MODES:
+        cells = []
+        for dtype in (None, torch.bfloat16):
+            torch.manual_seed(0)
+            model = memory.apply_activation_checkpointing(GPT(MODEL).to(device), mode)
+            measured = memory.saved_tensor_bytes(model, idx, targets, dtype)
+            estimated, _ = memory.activation_bytes(MODEL, BATCH, MODEL.max_seq_len, mode, dtype, device.type)
+            cells += [f"{measured / MIB:.2f} MiB", f"{estimated / MIB:.2f} MiB ({100 * (estimated / measured - 1):+.1f}%)"]
+        baseline = baseline or measured
+        lines.append(f"| {mode} | " + " | ".join(cells) + f" | {measured / baseline:.2f} |")
+    return "\n".join(lines)
+
+
+def estimate_table():
+    lines = ["| act-ckpt | activations | recomputed in backward (transient) | vs none |", "|---|---|---|---|"]
+    base = None
+    for mode in memory.ACT_CKPT_MODES:
+        held, recompute = memory.activation_bytes(GPT2_SMALL, GPT2_BATCH, GPT2_SMALL.max_seq_len, mode,
+                                                  torch.bfloat16, "cuda")
+        base = base or held
+        lines.append(f"| {mode} | {held / 2**30:.2f} GiB | {recompute / 2**30:.2f} GiB | {held / base:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="also write the tables to this markdown file")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    n_params = sum(memory.param_numels(MODEL).values())
+    text = "\n\n".join([
+        f"Measured on {device.type} (torch {torch.__version__}): {n_params / 1e6:.2f}M-parameter model "
+        f"({MODEL.n_layer} layers, d={MODEL.n_embd}, heads {MODEL.n_head}q/{MODEL.n_kv_head}kv, vocab "
+        f"{MODEL.padded_vocab_size}), batch {BATCH} x {MODEL.max_seq_len} tokens, eager. Bytes autograd holds "
+        "from forward to backward (saved-tensor hooks, distinct storages, parameters excluded):",
+        measured_table(device),
+        f"Estimate only (memory.py, not measured here): GPT-2-small shape ({GPT2_SMALL.n_layer} layers, "
+        f"d={GPT2_SMALL.n_embd}, vocab {GPT2_SMALL.padded_vocab_size}), batch {GPT2_BATCH} x "
+        f"{GPT2_SMALL.max_seq_len}, bf16 autocast on CUDA:",
+        estimate_table(),
+    ])
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"# Activation checkpointing: saved bytes per mode\n\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()

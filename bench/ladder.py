@@ -1,0 +1,379 @@
+"""The optimization ladder: one model and batch through cumulative speed-ups, measured rung by rung.
+
+    python bench/ladder.py [--out bench/results/ladder] [train.py flags]   # the ladder
+    python bench/ladder.py --mfu-sweep [--sizes 124M,350M --batch-sizes 8,16]  # GPU: sizes x batch sizes
+    python bench/ladder.py --projection                                    # H100 MFU projected from FLOPs
+
+Rung k runs everything rung k-1 ran plus one change (torchao FP8 replaces TE's; Muon replaces 8-bit AdamW).
+A rung that cannot run here (no CUDA, no Transformer Engine, head_dim not 128, ...) is reported "n/a" with
+the reason, and later rungs go on without its change; a rung that crashes is reported "failed". No number
+in the table is anything but a measurement on this machine. Each rung is timed with bench/throughput.py's
+measure(): untimed warm-up steps (which contain torch.compile's compilation), then the median tokens/s of
+several timed windows. Writes OUT.md (the table), OUT.png (a bar chart) and OUT.json (the raw numbers).
+Any train.py flag (model shape, batch, --data, --act-ckpt, ...) applies to every rung.
+"""
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fp8  # noqa: E402
+import memory  # noqa: E402
+import throughput  # noqa: E402
+import train  # noqa: E402
+from model import ModelConfig, flops_per_token  # noqa: E402
+
+# The starting point: everything a plain PyTorch loop does without trying.
+BASE = {"dtype": "fp32", "sdpa": "math", "fused": False, "compile": "off", "fp8": "off", "fp8_attn": False,
+        "optimizer": "adamw"}
+# (key, label, change applied on top of the rung before, rung whose change this one needs)
+RUNGS = [
+    ("fp32", "fp32 (eager, math attention, foreach AdamW)", {}, None),
+    ("bf16", "+ bf16 autocast", {"dtype": "bf16"}, None),
+    ("flash", "+ SDPA flash attention", {"sdpa": "flash"}, None),
+    ("fused_adamw", "+ fused AdamW", {"fused": True}, None),
+    ("compile", "+ torch.compile", {"compile": "default"}, None),
+    ("fp8_te", "+ FP8 GEMMs (Transformer Engine)", {"fp8": "te"}, None),
+    ("fp8_attn", "+ FP8 attention (TE)", {"fp8_attn": True}, "fp8_te"),
+    ("torchao", "torchao FP8 instead of TE", {"fp8": "torchao", "fp8_attn": False}, None),
+    ("adamw8bit", "+ 8-bit AdamW", {"optimizer": "adamw8bit"}, None),
+    ("muon", "Muon instead of AdamW", {"optimizer": "muon"}, None),
+]
+# Model and batch when the command line gives none. GPU: GPT-2-small width and depth with head_dim 128, so
+# that the FP8-attention rung can run. CPU: train.py's small default model, a small batch.
+GPU_DEFAULTS = ["--n-layer", "12", "--n-embd", "768", "--n-head", "6", "--n-kv-head", "2", "--seq-len", "1024",
+                "--batch-size", "16"]
+CPU_DEFAULTS = ["--batch-size", "8"]
+# --mfu-sweep presets: GPT-2 small / medium / large shapes with GQA (4 kv heads) and SwiGLU.
+SIZES = {
+    "124M": ["--n-layer", "12", "--n-embd", "768", "--n-head", "12", "--n-kv-head", "4"],
+    "350M": ["--n-layer", "24", "--n-embd", "1024", "--n-head", "16", "--n-kv-head", "4"],
+    "760M": ["--n-layer", "24", "--n-embd", "1536", "--n-head", "16", "--n-kv-head", "4"],
+}
+SWEEP_SETTINGS = {**BASE, "dtype": "bf16", "sdpa": "flash", "fused": True, "compile": "default"}
+# Projection assumptions (see projected_mfu); H100 SXM datasheet figures for the peak and the bandwidth.
+H100_PEAK_BF16 = 989e12
+H100_HBM_BYTES_PER_S = 3.35e12
+GEMM_EFFICIENCY = 0.75
+ATTENTION_EFFICIENCY = 0.5
+ACTIVATION_PASSES = 3
+
+
+def parse_ladder_args(argv):
+    # No abbreviations: train.py's flags pass through, and --batch-size must not be read as --batch-sizes.
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
+    p.add_argument("--out", default=None, help="write OUT.md, OUT.png, OUT.json (default: print only)")
+    p.add_argument("--windows", type=int, default=5, help="timed windows per rung; the table shows their median")
+    p.add_argument("--steps-per-window", type=int, default=5)
+    p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (they include compilation)")
+    p.add_argument("--rungs", default=None, help="comma-separated rung keys to run (default: all): "
+                   + ",".join(key for key, *_ in RUNGS))
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile (later rungs run eager)")
+    p.add_argument("--mfu-sweep", action="store_true", help="tokens/s and MFU over --sizes x --batch-sizes")
+    p.add_argument("--sizes", default=",".join(SIZES), help=f"--mfu-sweep model presets: {', '.join(SIZES)}")
+    p.add_argument("--batch-sizes", default="8,16,32", help="--mfu-sweep micro-batch sizes")
+    p.add_argument("--projection", action="store_true", help="print the projected H100 MFU and exit")
+    args, train_argv = p.parse_known_args(argv)
+    if args.rungs is not None:
+        unknown = set(args.rungs.split(",")) - {key for key, *_ in RUNGS}
+        if unknown:
+            p.error(f"unknown rung(s) {', '.join(sorted(unknown))}")
+    return args, train_argv
+
+
+# ----------------------------------------------------------------------------- one measurement
+
+
+def settings_argv(settings, out_dir):
+    argv = ["--dtype", settings["dtype"], "--compile", settings["compile"], "--fp8", settings["fp8"],
+            "--optimizer", settings["optimizer"], "--out-dir", out_dir, "--eval-interval", "0"]
+    return argv + (["--fp8-attn"] if settings["fp8_attn"] else [])
+
+
+def attention_kernel(sdpa):
+    """math: force SDPA's unfused reference kernel (the baseline); flash: force the flash kernel."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH if sdpa == "math" else SDPBackend.FLASH_ATTENTION)
+
+
+def one_line(e):
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def measure_settings(settings, train_argv, bench, log):
+    """Build train.py's run for these settings and time it. -> a result dict with "status" "ok", "n/a
+    (reason)" or "failed (error)"; the startup table goes to `log`."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        try:
+            c, model_cfg, optim_cfg = train.parse_args([*train_argv, *settings_argv(settings, out_dir)])
+            optim_cfg.fused = settings["fused"]
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            with contextlib.redirect_stdout(log):
+                run = train.setup(c, model_cfg, optim_cfg)
+        except (train.UsageError, train.DataError, ValueError) as e:
+            return {"status": f"n/a ({one_line(e)})"}
+        try:
+            with attention_kernel(settings["sdpa"]):
+                warmup_s, rates = throughput.measure(run, bench.windows, bench.steps_per_window, bench.warmup_steps)
+        except Exception as e:  # a crash in a rung is a result to report, not a reason to stop the ladder
+            return {"status": f"failed ({type(e).__name__}: {one_line(e)})"}
+        finally:
+            run.loader.close()
+            run.metrics.close()
+        tokens_per_s = statistics.median(rates)
+        step_s = run.tokens_per_step / tokens_per_s
+        result = {
+            "status": "ok", "tokens_per_s": tokens_per_s, "rates": rates, "warmup_s": warmup_s,
+            "tokens_per_step": run.tokens_per_step,
+            "compile_s": warmup_s - bench.warmup_steps * step_s if settings["compile"] != "off" else None,
+            "mfu": flops_per_token(model_cfg, run.seq_len) * tokens_per_s / run.peak_flops if run.peak_flops else None,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if run.device.type == "cuda" else None,
+        }
+    del run
+    gc.collect()
+    torch._dynamo.reset()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+# ----------------------------------------------------------------------------- the ladder
+
+
+def run_ladder(bench, train_argv, log, report):
+    """-> list of (key, label, settings, result), one per rung; report(rows so far) after every rung."""
+    wanted = set(bench.rungs.split(",")) if bench.rungs else None
+    current, rows, ran = dict(BASE), [], set()
+    for key, label, change, needs in RUNGS:
+        settings = {**current, **change}
+        if wanted is not None and key not in wanted:
+            result = {"status": "skipped (--rungs)"}
+        elif key == "compile" and bench.no_compile:
+            result = {"status": "skipped (--no-compile)"}
+        elif needs is not None and needs not in ran:
+            result = {"status": f"n/a (needs the {needs} rung, which did not run)"}
+        else:
+            print(f"rung {key}: {label} ...", file=sys.stderr, flush=True)
+            result = measure_settings(settings, train_argv, bench, log)
+        if result["status"] == "ok":  # a rung that did not run leaves its change out of the later ones
+            ran.add(key)
+            current = settings
+        rows.append((key, label, settings, result))
+        report(rows)
+    return rows
+
+
+def fmt_rate(x):
+    return f"{x:,.0f}"
+
+
+def ladder_table(rows):
+    first = rows[0][3].get("tokens_per_s")
+    lines = ["| # | rung | tokens/s | speedup | MFU | peak memory | compile | note |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, (key, label, settings, r) in enumerate(rows, 1):
+        if r["status"] != "ok":
+            lines.append(f"| {i} | {label} | n/a | | | | | {r['status']} |")
+            continue
+        speedup = f"{r['tokens_per_s'] / first:.2f}x" if first else "n/a (rung 1 did not run)"
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        mem = f"{r['peak_mem_gib']:.2f} GiB" if r["peak_mem_gib"] is not None else "n/a"
+        comp = f"{r['compile_s']:.1f} s" if r["compile_s"] is not None else "-"
+        spread = f"{fmt_rate(min(r['rates']))}..{fmt_rate(max(r['rates']))} over {len(r['rates'])} windows"
+        lines.append(f"| {i} | {label} | {fmt_rate(r['tokens_per_s'])} | {speedup} | {mfu} | {mem} | {comp} | {spread} |")
+    return "\n".join(lines)
+
+
+def describe_machine():
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
+    return (f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
+            f"torch {torch.__version__}, no CUDA")
+
+
+def describe_setup(train_argv, bench):
+    c, m, _ = train.parse_args(train_argv)
+    n_params = sum(memory.param_numels(m).values())
+    return (f"model {n_params / 1e6:.2f}M params ({m.n_layer} layers, d={m.n_embd}, heads {m.n_head}q/{m.n_kv_head}kv, "
+            f"head_dim {m.resolved_head_dim}, vocab {m.padded_vocab_size}); batch {c.batch_size} x {m.max_seq_len} "
+            f"tokens x {c.grad_accum if c.grad_accum else 1} micro-steps; timing: {bench.warmup_steps} warm-up steps, "
+            f"median of {bench.windows} windows x {bench.steps_per_window} steps")
+
+
+def write_chart(rows, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    labels = [f"{i}. {label}" for i, (_, label, _, _) in enumerate(rows, 1)]
+    values = [r.get("tokens_per_s", 0.0) for *_, r in rows]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.5))
+    y = list(range(len(rows)))[::-1]
+    ax.barh(y, values, color=["tab:blue" if r["status"] == "ok" else "lightgray" for *_, r in rows])
+    for yi, value, (*_, r) in zip(y, values, rows):
+        text = fmt_rate(value) if r["status"] == "ok" else r["status"].split(" (")[0]
+        ax.text(value, yi, f" {text}", va="center", fontsize=8)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.set_xlabel("tokens/s (median of timed windows)")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlim(0, max(values + [1.0]) * 1.25)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def ladder_main(bench, train_argv, argv):
+    defaults = GPU_DEFAULTS if torch.cuda.is_available() else CPU_DEFAULTS
+    train_argv = [*defaults, *train_argv]  # argparse keeps the last value: the command line wins
+    # The FP8-attention rung pairs current-scaling GEMMs with delayed-scaling attention, which TE reads from
+    # the environment at its first import, in the FP8 GEMM rung before it. No other rung turns FP8 attention
+    # on, and without it the variable does nothing.
+    fp8.set_te_attention_env("current", fp8_attn=True)
+    log = io.StringIO()
+    header = [f"command: `python bench/ladder.py {shlex.join(argv)}`", f"machine: {describe_machine()}",
+              f"setup: {describe_setup(train_argv, bench)}", f"date: {time.strftime('%Y-%m-%d %H:%M')}"]
+    notes = ["A rung marked n/a did not run on this machine, for the reason given; nothing here is projected."]
+    if not torch.cuda.is_available():
+        notes.append("MFU n/a: no datasheet peak FLOP/s for a CPU (train.py --peak-tflops sets one). Peak memory "
+                     "n/a: CPU has no per-rung allocator peak (CUDA reports torch.cuda.max_memory_allocated).")
+    notes.append("compile: the warm-up steps' time minus as many steady steps (torch.compile's compilation; "
+                 "inductor's on-disk cache can shorten repeats).")
+
+    def text(rows):
+        done = "" if len(rows) == len(RUNGS) else f"\n\n(incomplete: {len(rows)} of {len(RUNGS)} rungs so far)"
+        return "\n\n".join(["\n".join(f"- {h}" for h in header), ladder_table(rows) + done, "\n".join(notes)])
+
+    def report(rows):  # after every rung, so that a run cut short still leaves its measurements
+        if not bench.out:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(bench.out)), exist_ok=True)
+        with open(f"{bench.out}.md", "w") as f:
+            f.write(f"# Optimization ladder\n\n{text(rows)}\n")
+        with open(f"{bench.out}.json", "w") as f:
+            json.dump({"header": header, "rungs": [{"key": k, "label": lab, "settings": st, **r}
+                                                   for k, lab, st, r in rows]}, f, indent=1)
+        with open(f"{bench.out}.log", "w") as f:
+            f.write(log.getvalue())
+        write_chart(rows, f"{bench.out}.png", f"Optimization ladder: {describe_machine()}")
+
+    rows = run_ladder(bench, train_argv, log, report)
+    print(text(rows))
+    return rows
+
+
+# ----------------------------------------------------------------------------- MFU sweep
+
+
+def sweep_main(bench, train_argv, argv):
+    sizes, batches = bench.sizes.split(","), [int(b) for b in bench.batch_sizes.split(",")]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        raise train.UsageError(f"unknown --sizes {', '.join(unknown)}; choose from {', '.join(SIZES)}")
+    lines = ["| size | params | batch | tokens/s | MFU | peak memory |", "|---|---|---|---|---|---|"]
+    log = io.StringIO()
+    for size in sizes:
+        model_argv = [*GPU_DEFAULTS, *SIZES[size], *train_argv]
+        _, m, _ = train.parse_args(model_argv)
+        n_params = f"{sum(memory.param_numels(m).values()) / 1e6:.0f}M"
+        for batch in batches:
+            if not torch.cuda.is_available():
+                lines.append(f"| {size} | {n_params} | {batch} | n/a | n/a | n/a (no CUDA GPU here) |")
+                continue
+            print(f"sweep {size} batch {batch} ...", file=sys.stderr, flush=True)
+            r = measure_settings(SWEEP_SETTINGS, [*model_argv, "--batch-size", str(batch)], bench, log)
+            if r["status"] != "ok":
+                status = "OOM" if "out of memory" in r["status"] else r["status"]
+                lines.append(f"| {size} | {n_params} | {batch} | {status} | | |")
+                continue
+            mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+            lines.append(f"| {size} | {n_params} | {batch} | {fmt_rate(r['tokens_per_s'])} | {mfu} | "
+                         f"{r['peak_mem_gib']:.1f} GiB |")
+    text = "\n\n".join([f"- command: `python bench/ladder.py {shlex.join(argv)}`\n- machine: {describe_machine()}\n"
+                        "- settings: bf16 autocast, flash attention, fused AdamW, torch.compile (default mode)",
+                        "\n".join(lines)])
+    print(text)
+    if bench.out:
+        os.makedirs(os.path.dirname(os.path.abspath(bench.out)), exist_ok=True)
+        with open(f"{bench.out}.md", "w") as f:
+            f.write(f"# MFU sweep\n\n{text}\n")
+
+
+# ----------------------------------------------------------------------------- projection
+
+
+def projected_mfu(cfg: ModelConfig, seq_len: int, peak=H100_PEAK_BF16, gemm_eff=GEMM_EFFICIENCY,
+                  attn_eff=ATTENTION_EFFICIENCY, hbm=H100_HBM_BYTES_PER_S, passes=ACTIVATION_PASSES) -> float:
+    """MFU projected from the FLOPs model and the activation model; a projection, not a measurement.
+
+        F      = flops_per_token(cfg, T)                  (model.py: 6 * matmul params + 12 * L * H * hd * T)
+        F_attn = 12 * L * H * hd * T ;  F_mm = F - F_attn
+        A      = activation bytes saved per token, bf16 (memory.py, no checkpointing, fused norms)
+        t      = F_mm / (e_mm * P) + (F_attn / 2) / (e_attn * P) + passes * A / BW     seconds per token
+        MFU    = F / (t * P)
+
+    The GEMMs run at e_mm of peak; causal attention kernels do half of the counted square, at e_attn of
+    peak; every saved activation crosses HBM `passes` times (written in forward, read in backward, its
+    gradient written) without overlapping the GEMMs. The optimizer step, kernel launches and
+    communication are left out: an upper-bound style estimate.
+    """
+    F = flops_per_token(cfg, seq_len)
+    f_attn = 12 * cfg.n_layer * cfg.n_head * cfg.resolved_head_dim * seq_len
+    act = 2
+    per_token = (cfg.n_layer * (memory.attention_bytes_per_token(cfg, act, True) + memory.mlp_bytes_per_token(cfg, act, True))
+                 + memory.head_bytes_per_token(cfg, act, True))
+    t = (F - f_attn) / (gemm_eff * peak) + (f_attn / 2) / (attn_eff * peak) + passes * per_token / hbm
+    return F / (t * peak)
+
+
+def projection_main(train_argv):
+    lines = ["| model | params | seq len | FLOPs/token | projected H100 MFU | projected tokens/s |",
+             "|---|---|---|---|---|---|"]
+    for size, flags in SIZES.items():
+        for seq in (1024, 2048):
+            _, m, _ = train.parse_args([*flags, "--seq-len", str(seq), *train_argv])
+            mfu = projected_mfu(m, seq)
+            f = flops_per_token(m, seq)
+            lines.append(f"| {size} | {sum(memory.param_numels(m).values()) / 1e6:.0f}M | {seq} | {f / 1e9:.2f} G | "
+                         f"{100 * mfu:.1f}% | {mfu * H100_PEAK_BF16 / f:,.0f} |")
+    print(f"Projection, not a measurement: P = {H100_PEAK_BF16 / 1e12:g} TFLOP/s (H100 SXM dense bf16), "
+          f"BW = {H100_HBM_BYTES_PER_S / 1e12:g} TB/s, e_mm = {GEMM_EFFICIENCY}, e_attn = {ATTENTION_EFFICIENCY}, "
+          f"passes = {ACTIVATION_PASSES}.")
+    print(projected_mfu.__doc__)
+    print("\n".join(lines))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    bench, train_argv = parse_ladder_args(argv)
+    try:
+        if bench.projection:
+            projection_main(train_argv)
+        elif bench.mfu_sweep:
+            sweep_main(bench, train_argv, argv)
+        else:
+            ladder_main(bench, train_argv, argv)
+    except (train.UsageError, train.DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

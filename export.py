@@ -1,0 +1,343 @@
+"""Move weights between our checkpoints and Hugging Face transformers' Qwen3ForCausalLM layout.
+
+    python export.py --ckpt out/ckpt_00000150.pt --out hf_model   # write a transformers directory
+    python sample.py --hf hf_model                                  # read it back (load_hf)
+
+The directory holds config.json, model.safetensors (float32, the vocabulary padded as in training),
+generation_config.json (EOT as bos/eos, the padding ids suppressed so transformers' generate never picks
+them), tokenizer_note.txt, and for the GPT-2 tokenizer the transformers tokenizer files (vocab.json,
+merges.txt, tokenizer_config.json), rebuilt offline from tiktoken's ranks.
+
+load_hf(DIR) reads such a directory, or any bias-free Qwen3ForCausalLM directory, back into our names.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+import checkpoint
+from cli import ArgumentParser, UsageError, report_error
+from checkpoint import CheckpointError
+from data import DataError, get_tokenizer
+from model import GPT, VOCAB_MULTIPLE, ModelConfig, te_to_plain_state_dict
+
+# Per-block weights that map one to one: our name -> the Hugging Face name under model.layers.{i}.
+BLOCK_RENAMES = {
+    "attn.qkv.layer_norm_weight": "input_layernorm.weight",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "attn.proj.weight": "self_attn.o_proj.weight",
+    "mlp.layer_norm_weight": "post_attention_layernorm.weight",
+    "mlp.fc2_weight": "mlp.down_proj.weight",
+}
+# Our fused weights -> the Hugging Face weights stacked in them, in row order.
+BLOCK_FUSED = {
+    "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.fc1_weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+BLOCK_PARAMS = ("attn.qkv.layer_norm_weight", "attn.qkv.weight", "attn.q_norm.weight", "attn.k_norm.weight",
+                "attn.proj.weight", "mlp.layer_norm_weight", "mlp.fc1_weight", "mlp.fc2_weight")  # module order
+TOP_RENAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+               "lm_head.weight": "lm_head.weight"}
+# config.json key for the tokenizer's vocabulary size; "vocab_size" is the padded one, the tensors' row count.
+UNPADDED_VOCAB_KEY = "unpadded_vocab_size"
+
+
+def our_names(config: ModelConfig) -> list[str]:
+    """Every parameter name of GPT(config), in the contract's order."""
+    names = ["embed.weight"]
+    for i in range(config.n_layer):
+        names += [f"blocks.{i}.{n}" for n in BLOCK_PARAMS]
+    return names + ["norm.weight", "lm_head.weight"]
+
+
+def hf_names(name: str) -> tuple[str, ...]:
+    """The Hugging Face weight(s) our parameter `name` holds, in row order."""
+    if name in TOP_RENAMES:
+        return (TOP_RENAMES[name],)
+    _, i, rest = name.split(".", 2)
+    prefix = f"model.layers.{i}."
+    if rest in BLOCK_FUSED:
+        return tuple(prefix + n for n in BLOCK_FUSED[rest])
+    return (prefix + BLOCK_RENAMES[rest],)
+
+
+def row_split(name: str, config: ModelConfig) -> list[int]:
+    """Rows of each Hugging Face weight inside a fused weight of ours."""
+    hd, ffn = config.resolved_head_dim, config.resolved_ffn_dim
+    if name.endswith("attn.qkv.weight"):
+        return [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
+    return [ffn, ffn]
+
+
+def check_names(config: ModelConfig, state: dict) -> None:
+    """ValueError (one line) unless state holds exactly the parameters of GPT(config)."""
+    expected = our_names(config)
+    unknown = sorted(set(state) - set(expected))
+    missing = [n for n in expected if n not in state]
+    if unknown or missing:
+        raise ValueError(f"weights do not match the model config: missing {missing[:3]}, unknown {unknown[:3]}")
+
+
+def to_hf(config: ModelConfig, state: dict) -> dict:
+    """Our state dict -> Hugging Face names (views, not copies). A tied lm_head is left out, as transformers
+    does: it rebuilds it from the embedding."""
+    state = te_to_plain_state_dict(state)
+    check_names(config, state)
+    out = {}
+    for name in our_names(config):
+        if name == "lm_head.weight" and config.tie_embeddings:
+            continue
+        targets = hf_names(name)
+        parts = state[name].split(row_split(name, config)) if len(targets) > 1 else (state[name],)
+        out.update(zip(targets, parts))
+    return out
+
+
+def from_hf(config: ModelConfig, hf_state: dict) -> dict:
+    """Hugging Face names -> our state dict. A tied lm_head is the embedding tensor itself."""
+    out = {}
+    for name in our_names(config):
+        if name == "lm_head.weight" and config.tie_embeddings:
+            out[name] = out["embed.weight"]
+            continue
+        sources = hf_names(name)
+        missing = [s for s in sources if s not in hf_state]
+        if missing:
+            raise ValueError(f"Hugging Face weights lack {missing[0]}")
+        out[name] = torch.cat([hf_state[s] for s in sources]) if len(sources) > 1 else hf_state[sources[0]]
+    return out
+
+
+def hf_config(config: ModelConfig, eot: int) -> dict:
+    """config.json for Qwen3ForCausalLM. rope_parameters is transformers 5's form; the top-level rope_theta
+    is what transformers 4 and other readers (vLLM) look for."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": config.padded_vocab_size,
+        UNPADDED_VOCAB_KEY: config.vocab_size,
+        "hidden_size": config.n_embd,
+        "intermediate_size": config.resolved_ffn_dim,
+        "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "head_dim": config.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_theta": config.rope_theta,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "use_cache": True,
+        "bos_token_id": eot,
+        "eos_token_id": eot,
+        "torch_dtype": "float32",
+    }
+
+
+def config_from_hf(d: dict) -> ModelConfig:
+    """ModelConfig from a Qwen3 config.json dict; raises ValueError for a model this code cannot run."""
+    if d.get("model_type") != "qwen3":
+        raise ValueError(f"model_type is {d.get('model_type')!r}, only 'qwen3' can be loaded")
+    rope = d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
+    unsupported = {
+        "attention_bias": d.get("attention_bias", False), "hidden_act": d.get("hidden_act", "silu") != "silu",
+        "use_sliding_window": d.get("use_sliding_window", False), "rope_type": rope.get("rope_type") != "default",
+    }
+    if any(unsupported.values()):
+        raise ValueError(f"unsupported Qwen3 variant: {', '.join(k for k, v in unsupported.items() if v)}")
+    vocab = d.get(UNPADDED_VOCAB_KEY, d["vocab_size"])
+    n_embd, n_head, ffn = d["hidden_size"], d["num_attention_heads"], d["intermediate_size"]
+    config = ModelConfig(
+        vocab_size=vocab, n_layer=d["num_hidden_layers"], n_head=n_head,
+        n_kv_head=d.get("num_key_value_heads") or n_head, n_embd=n_embd,
+        max_seq_len=d["max_position_embeddings"], rope_theta=float(rope["rope_theta"]),
+        norm_eps=d.get("rms_norm_eps", 1e-6), tie_embeddings=d.get("tie_word_embeddings", False),
+    )
+    # Explicit sizes only where they differ from the defaults, so an exported config comes back equal.
+    head_dim = d.get("head_dim") or n_embd // n_head
+    config = dataclasses.replace(
+        config, head_dim=None if head_dim == config.resolved_head_dim else head_dim,
+        ffn_dim=None if ffn == config.resolved_ffn_dim else ffn,
+    )
+    config.validate()
+    if config.padded_vocab_size != d["vocab_size"]:
+        raise ValueError(f"vocab_size {d['vocab_size']} is not {vocab} rounded up to a multiple of {VOCAB_MULTIPLE} "
+                         f"({config.padded_vocab_size})")
+    return config
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ValueError("the safetensors package is needed: pip install safetensors") from None
+    return safetensors.torch
+
+
+def read_checkpoint(path: str) -> tuple[ModelConfig, dict]:
+    """A train.py checkpoint's model config and weights (TE `_extra_state` entries dropped), from a single
+    file or a sharded DCP directory. Raises CheckpointError for a missing, corrupt or foreign one."""
+    meta = checkpoint.load_meta(path)
+    try:
+        config = ModelConfig(**meta["model_config"])
+    except (KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: unreadable model_config ({e})") from None
+    # DCP reads into the tensors it is given; a file needs none.
+    template = {"model": GPT(config).state_dict()} if os.path.isdir(path) else None
+    return config, te_to_plain_state_dict(checkpoint.load_tensors(path, template)["model"])
+
+
+def load_hf(directory: str) -> tuple[ModelConfig, dict]:
+    """A Hugging Face Qwen3ForCausalLM directory -> (ModelConfig, our state dict)."""
+    load_file = _safetensors().load_file
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{directory} is not a Hugging Face model directory (no config.json)")
+    with open(config_path) as f:
+        try:
+            config = config_from_hf(json.load(f))
+        except KeyError as e:
+            raise ValueError(f"{config_path} lacks {e}") from None
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    hf_state = {}
+    for name in files:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"{path} not found")
+        try:
+            hf_state.update(load_file(path))
+        except Exception as e:  # safetensors' own error type differs between its versions
+            raise ValueError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    return config, from_hf(config, hf_state)
+
+
+# ----------------------------------------------------------------------------- tokenizer files
+
+
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's printable stand-in for every byte, the alphabet of vocab.json and merges.txt: printable
+    Latin-1 bytes stand for themselves, the rest take the code points from 256 up, in byte order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """The merge list, in priority order, that reproduces tiktoken's byte-pair ranks.
+
+    tiktoken keeps only the ranks; a token of rank r is the merge of the two parts that BPE, restricted to
+    tokens ranked below r, leaves of its bytes.
+    """
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            candidates = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
+            best, i = min(candidates)
+            if best >= rank:
+                raise ValueError(f"token rank {rank} cannot be built from lower-ranked tokens")
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) == 2:
+            merges.append((parts[0], parts[1]))
+    return merges
+
+
+def write_gpt2_tokenizer(enc, out_dir: str, max_len: int) -> None:
+    """vocab.json, merges.txt and tokenizer_config.json for transformers' GPT2Tokenizer, from the encoding."""
+    ranks = {enc.decode_single_token_bytes(i): i for i in range(enc.eot_token)}
+    chars = _byte_to_char()
+
+    def text(b: bytes) -> str:
+        return "".join(chars[x] for x in b)
+
+    vocab = {text(token): rank for token, rank in ranks.items()}
+    vocab["<|endoftext|>"] = enc.eot_token
+    with open(os.path.join(out_dir, "vocab.json"), "w", encoding="utf-8") as f:
+        json.dump(vocab, f, ensure_ascii=False)
+    with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n")
+        f.writelines(f"{text(a)} {text(b)}\n" for a, b in bpe_merges(ranks))
+    special = "<|endoftext|>"
+    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": special, "eos_token": special,
+                        "unk_token": special, "add_prefix_space": False, "model_max_length": max_len}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump(tokenizer_config, f, indent=2)
+
+
+def tokenizer_note(tokenizer: str, wrote_files: bool) -> str:
+    if wrote_files:
+        return ("Tokenizer: GPT-2 byte-level BPE (tiktoken r50k_base), end of text <|endoftext|> = 50256.\n"
+                "vocab.json and merges.txt were rebuilt from tiktoken's ranks; AutoTokenizer.from_pretrained(DIR)\n"
+                "loads them and gives the same ids as tiktoken.get_encoding('r50k_base').\n"
+                "The embedding has extra rows that pad the vocabulary to a multiple of 128; no token uses them.\n")
+    return (f"Tokenizer: tiktoken encoding {tokenizer!r}; no transformers tokenizer files were written for it.\n"
+            "The embedding has extra rows that pad the vocabulary to a multiple of 128; no token uses them.\n")
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: str = "gpt2") -> None:
+    """Write a Qwen3ForCausalLM directory (see the module docstring) for a model trained with `tokenizer`."""
+    save_file = _safetensors().save_file
+    enc = get_tokenizer(tokenizer)
+    if config.vocab_size != enc.n_vocab:
+        raise ValueError(f"model vocab_size {config.vocab_size} does not match the {tokenizer} tokenizer "
+                         f"({enc.n_vocab} tokens); pass --tokenizer")
+    # Fresh float32 copies: safetensors refuses tensors that share storage, as the views of a fused weight do.
+    weights = {k: v.detach().to("cpu", torch.float32).clone() for k, v in to_hf(config, state).items()}
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config(config, enc.eot_token), f, indent=2)
+    generation = {"bos_token_id": enc.eot_token, "eos_token_id": enc.eot_token,
+                  "suppress_tokens": list(range(config.vocab_size, config.padded_vocab_size))}
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(generation, f, indent=2)
+    gpt2 = enc.name == "r50k_base"
+    if gpt2:
+        write_gpt2_tokenizer(enc, out_dir, config.max_seq_len)
+    with open(os.path.join(out_dir, "tokenizer_note.txt"), "w") as f:
+        f.write(tokenizer_note(tokenizer, gpt2))
+
+
+def main(argv=None) -> int:
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", required=True, metavar="PATH",
+                        help="a checkpoint written by train.py (a .pt file or a sharded directory)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (created if needed)")
+    parser.add_argument("--tokenizer", default="gpt2", help="the tokenizer the model was trained with")
+    try:
+        args = parser.parse_args(argv)
+        config, state = read_checkpoint(args.ckpt)
+        export_hf(config, state, args.out, args.tokenizer)
+    except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
+        return report_error(e)
+    print(f"wrote {args.out}: Qwen3ForCausalLM, {config.n_layer} layers, vocab {config.padded_vocab_size} "
+          f"(padded from {config.vocab_size}), {'tied' if config.tie_embeddings else 'untied'} embeddings")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""Training memory: activation checkpointing, a measurement of what autograd saves, and an estimate.
+
+    apply_activation_checkpointing(model, "selective")        # none | full | selective | alternate
+    saved_tensor_bytes(model, idx, targets, torch.bfloat16)   # measured: bytes held for backward
+    estimate_memory(cfg, batch_size, seq_len, "adamw", "full", torch.bfloat16, "cuda")  # before allocating
+
+The estimate counts, tensor by tensor, what the plain backend's eager forward saves for backward (the same
+tensors saved_tensor_bytes measures; tests/test_memory.py holds the two within 10% of each other). It does
+not model torch.compile (whose partitioner chooses what to save, usually less), the TE backend, or FP8
+(which saves some GEMM inputs in one byte): read it as the eager bf16 upper bound for those.
+"""
+
+import itertools
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from model import ModelConfig, TEBlock, import_te
+
+ACT_CKPT_MODES = ("none", "full", "selective", "alternate")
+FP32 = 4
+INDEX = 8  # int64 token ids and targets
+# bitsandbytes' 8-bit AdamW (0.50): tensors of at least 4096 elements keep two uint8 states plus one float32
+# absmax per 256-element block each; smaller ones, and the embedding / lm_head (optim.FULL_PRECISION_STATE),
+# keep two float32 states; two 256-entry float32 quantisation maps are shared.
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
+BNB_QMAPS = 2 * 256 * FP32
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
+    """Recompute activations in backward instead of keeping them, in place; non-reentrant.
+
+    full       every block keeps only its input; backward re-runs its forward (about +1/3 step FLOPs).
+    alternate  the even-numbered blocks (0, 2, ...) as in full, the others keep everything: about half
+               the saving for half the recompute.
+    selective  the MLP of every block (norm, fc1, SwiGLU, fc2): it holds over half of a block's saved
+               bytes (fc1's output alone is 2 * ffn_dim per token), while attention keeps its tensors; its
+               flash kernel saves only q, k, v, the output and the log-sum-exp, so recomputing the attention
+               core would free little. Costs one MLP forward per block in backward.
+
+    Blocks (or MLPs) are wrapped in torch's checkpoint_wrapper. State-dict keys do not change: the wrapper
+    drops its `_checkpoint_wrapped_module.` prefix on save and restores it on load; named_parameters() of
+    the whole model does show it, and optim.canonical_name strips it. TE blocks use TE's checkpoint, which
+    recomputes under the same FP8 autocast as the forward. Apply after FP8 conversion and before
+    torch.compile / FSDP2 (torchtitan's order).
+    """
+    if mode not in ACT_CKPT_MODES:
+        raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose one of {', '.join(ACT_CKPT_MODES)}")
+    for i, block in enumerate(model.blocks):
+        if mode == "full" or (mode == "alternate" and i % 2 == 0):
+            model.blocks[i] = _checkpoint_wrapper(block, te=isinstance(block, TEBlock))
+        elif mode == "selective":
+            block.mlp = _checkpoint_wrapper(block.mlp, te=isinstance(block, TEBlock))
+    return model
+
+
+def _checkpoint_wrapper(module: nn.Module, te: bool) -> nn.Module:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    if te:
+        return checkpoint_wrapper(module, checkpoint_fn=import_te().checkpoint, use_reentrant=False)
+    return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+
+
+def describe_activation_checkpointing(model: nn.Module) -> str:
+    """The startup-log line, from the wrappers actually in the model."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    blocks = list(model.blocks)
+    whole = [i for i, b in enumerate(blocks) if isinstance(b, CheckpointWrapper)]
+    mlps = [i for i, b in enumerate(blocks) if isinstance(getattr(b, "mlp", None), CheckpointWrapper)]
+    if whole:
+        which = "every block" if len(whole) == len(blocks) else "blocks " + ", ".join(map(str, whole))
+        return f"on, non-reentrant: {which} of {len(blocks)} recomputed in backward"
+    if mlps:
+        return f"on, non-reentrant: the MLP of {len(mlps)} of {len(blocks)} blocks recomputed in backward"
+    return "off"
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def saved_tensor_bytes(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor,
+                       autocast_dtype: torch.dtype | None = None) -> int:
+    """Bytes autograd holds for backward after one forward of (idx, targets): the distinct storages of every
+    tensor saved for backward, except the model's own parameters and buffers (they exist anyway).
+
+    A storage counts once however many views of it are saved. This includes checkpointed blocks' inputs
+    (non-reentrant checkpointing saves them through autograd) and, under autocast, the 16-bit weight copies
+    the GEMMs save. The graph is freed before returning.
+    """
+    own = {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+    storages = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    autocast = torch.autocast(idx.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        _, loss = model(idx, targets)
+    del loss
+    return sum(storages.values())
+
+
+# ----------------------------------------------------------------------------- estimate
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per device. activations: held from forward to backward for one micro-batch; recompute: the
+    extra, transient, bytes of re-running one checkpointed block (or MLP) during backward."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    recompute: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.recompute
+
+
+def param_numels(cfg: ModelConfig) -> dict[str, int]:
+    """Elements of every parameter, by its name in the model (a tied lm_head is the embedding)."""
+    D, hd, F = cfg.n_embd, cfg.resolved_head_dim, cfg.resolved_ffn_dim
+    H, K, V = cfg.n_head, cfg.n_kv_head, cfg.padded_vocab_size
+    numels = {"embed.weight": V * D}
+    for i in range(cfg.n_layer):
+        numels.update({
+            f"blocks.{i}.attn.qkv.layer_norm_weight": D, f"blocks.{i}.attn.qkv.weight": (H + 2 * K) * hd * D,
+            f"blocks.{i}.attn.q_norm.weight": hd, f"blocks.{i}.attn.k_norm.weight": hd,
+            f"blocks.{i}.attn.proj.weight": H * hd * D, f"blocks.{i}.mlp.layer_norm_weight": D,
+            f"blocks.{i}.mlp.fc1_weight": 2 * F * D, f"blocks.{i}.mlp.fc2_weight": D * F,
+        })
+    numels["norm.weight"] = D
+    if not cfg.tie_embeddings:
+        numels["lm_head.weight"] = V * D
+    return numels
+
+
+def optimizer_state_bytes_estimate(cfg: ModelConfig, optimizer: str) -> int:
+    """Optimizer state of the whole model, as optim.optimizer_state_bytes measures it (step counters aside)."""
+    numels = param_numels(cfg)
+    if optimizer == "adamw":
+        return 2 * FP32 * sum(numels.values())
+    if optimizer == "adamw8bit":
+        total = BNB_QMAPS
+        for name, n in numels.items():
+            eight_bit = n >= BNB_MIN_8BIT_SIZE and name not in ("embed.weight", "lm_head.weight")
+            total += 2 * n + 2 * FP32 * math.ceil(n / BNB_BLOCK) if eight_bit else 2 * FP32 * n
+        return total
+    if optimizer == "muon":
+        from optim import MUON_MATRICES
+
+        return sum(FP32 * n if name.endswith(MUON_MATRICES) else 2 * FP32 * n for name, n in numels.items())
+    raise ValueError(f"unknown optimizer {optimizer!r}")
+
+
+def _norm_bytes(width: int, fused: bool) -> int:
+    """An RMSNorm over `width` (float32 in and out): its input and 1/rms; unfused, also the normalized input
+    before the weight multiply (ATen's CPU path decomposes rms_norm; CUDA runs the fused kernel)."""
+    return FP32 * width + FP32 + (0 if fused else FP32 * width)
+
+
+def attention_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
+    """Saved bytes per token of one block's attention half; act is the GEMM dtype's size (2 under 16-bit
+    autocast, 4 in fp32). Flash-style SDPA: q, k, v, the output and a float32 log-sum-exp per head."""
+    D, hd, H, K = cfg.n_embd, cfg.resolved_head_dim, cfg.n_head, cfg.n_kv_head
+    half_precision_copies = FP32 * (H + K) * hd if act != FP32 else 0  # q.float(), k.float() for QK-norm
+    return (_norm_bytes(D, fused_norm)
+            + act * D  # qkv GEMM input
+            + act * (H + 2 * K) * hd  # qkv output: v, and in fp32 also q and k, are views of it
+            + half_precision_copies
+            + FP32 * (H + K) + (0 if fused_norm else FP32 * (H + K) * hd)  # QK-norm over head_dim
+            + act * (H + K) * hd  # rotated q, k
+            + act * H * hd + FP32 * H  # attention output, log-sum-exp
+            + act * H * hd)  # proj GEMM input
+
+
+def mlp_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
+    """Saved bytes per token of one block's MLP: norm, fc1 input, fc1 output [gate; up], silu(gate), fc2 input."""
+    D, F = cfg.n_embd, cfg.resolved_ffn_dim
+    return _norm_bytes(D, fused_norm) + act * D + act * 2 * F + act * F + act * F
+
+
+def head_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
+    """Token ids, targets, final norm, lm_head input, and the float32 log-softmax the loss saves."""
+    return 2 * INDEX + _norm_bytes(cfg.n_embd, fused_norm) + act * cfg.n_embd + FP32 * cfg.padded_vocab_size
+
+
+def _weight_copies(cfg: ModelConfig, act: int) -> tuple[int, int, int]:
+    """Bytes of the 16-bit weight copies autocast makes and the GEMMs save: (attention, MLP, lm_head)."""
+    if act == FP32:
+        return 0, 0, 0
+    D, hd, F = cfg.n_embd, cfg.resolved_head_dim, cfg.resolved_ffn_dim
+    attn = act * ((cfg.n_head + 2 * cfg.n_kv_head) * hd * D + cfg.n_head * hd * D)
+    return attn, act * 3 * F * D, act * cfg.padded_vocab_size * D
+
+
+def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, act_ckpt: str,
+                     autocast_dtype: torch.dtype | None, device_type: str) -> tuple[int, int]:
+    """(bytes saved for backward by one micro-batch's forward, transient bytes of one recomputed region)."""
+    if act_ckpt not in ACT_CKPT_MODES:
+        raise ValueError(f"unknown activation checkpointing mode {act_ckpt!r}; choose one of {', '.join(ACT_CKPT_MODES)}")
+    act = torch.finfo(autocast_dtype).bits // 8 if autocast_dtype is not None else FP32
+    fused = device_type == "cuda"
+    tokens, L = batch_size * seq_len, cfg.n_layer
+    attn = tokens * attention_bytes_per_token(cfg, act, fused)
+    mlp = tokens * mlp_bytes_per_token(cfg, act, fused)
+    block_input = tokens * FP32 * cfg.n_embd  # what a checkpointed region keeps: its input
+    w_attn, w_mlp, w_head = _weight_copies(cfg, act)
+    head = tokens * head_bytes_per_token(cfg, act, fused) + w_head
+    full_block = attn + mlp + w_attn + w_mlp
+    if act_ckpt == "none":
+        return L * full_block + head, 0
+    if act_ckpt == "full":
+        return L * block_input + head, full_block
+    if act_ckpt == "alternate":
+        wrapped = math.ceil(L / 2)
+        return wrapped * block_input + (L - wrapped) * full_block + head, full_block
+    return L * (attn + w_attn + block_input) + head, mlp + w_mlp
+
+
+def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: str, act_ckpt: str,
+                    autocast_dtype: torch.dtype | None, device_type: str, shards: int = 1) -> MemoryEstimate:
+    """Training memory per device before anything is allocated: float32 parameters and gradients, the
+    optimizer's state, and the activations of one micro-batch. shards: FSDP2 world size (parameters,
+    gradients and optimizer state are split across it; activations are not)."""
+    n_params = sum(param_numels(cfg).values())
+    activations, recompute = activation_bytes(cfg, batch_size, seq_len, act_ckpt, autocast_dtype, device_type)
+    return MemoryEstimate(params=FP32 * n_params // shards, grads=FP32 * n_params // shards,
+                          optimizer=optimizer_state_bytes_estimate(cfg, optimizer) // shards,
+                          activations=activations, recompute=recompute)
+
+
+def format_memory_estimates(estimates: dict[str, MemoryEstimate], selected: str) -> str:
+    """A markdown table: one row per activation-checkpointing mode, the selected one marked."""
+    gib = 2**30
+    lines = ["| act-ckpt | params | grads | optimizer | activations | recompute | total |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, e in estimates.items():
+        mark = " (selected)" if mode == selected else ""
+        cells = [e.params, e.grads, e.optimizer, e.activations, e.recompute, e.total]
+        lines.append(f"| {mode}{mark} | " + " | ".join(f"{c / gib:.3f} GiB" for c in cells) + " |")
+    return "\n".join(lines)

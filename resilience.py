@@ -1,0 +1,134 @@
+"""Keeping a long run alive: loss health (non-finite steps, spikes), early stopping, stop signals, and
+finding the largest micro-batch that fits in memory. Plain logic, no model or data: train.py wires it.
+"""
+
+import math
+import os
+import signal
+import sys
+
+
+class LossHealth:
+    """Tracks the training loss: an EMA and variance for the logs, spikes, and runs of non-finite steps.
+
+    A spike is a loss above `spike_factor` times the EMA, once the EMA has seen `warmup` steps (the first
+    steps fall too fast for an average to mean anything). Non-finite steps do not enter the averages.
+    """
+
+    def __init__(self, spike_factor: float = 3.0, beta: float = 0.95, warmup: int = 20):
+        self.spike_factor, self.beta, self.warmup = spike_factor, beta, warmup
+        self.ema, self.var, self.seen = 0.0, 0.0, 0
+        self.bad_in_a_row = 0
+        self.bad_total = 0
+
+    def update(self, loss: float, finite: bool) -> bool:
+        """Record one step; returns True when it is a spike worth a warning."""
+        if not finite:
+            self.bad_in_a_row += 1
+            self.bad_total += 1
+            return False
+        self.bad_in_a_row = 0
+        spike = bool(self.spike_factor) and self.seen >= self.warmup and loss > self.spike_factor * self.ema
+        if self.seen == 0:
+            self.ema = loss
+        else:
+            delta = loss - self.ema
+            self.ema += (1 - self.beta) * delta
+            self.var = self.beta * (self.var + (1 - self.beta) * delta * delta)
+        self.seen += 1
+        return spike
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema, "var": self.var, "seen": self.seen, "bad_in_a_row": self.bad_in_a_row,
+                "bad_total": self.bad_total}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+class EarlyStopping:
+    """Stop when the validation loss has not improved for `patience` evaluations in a row (0: never)."""
+
+    def __init__(self, patience: int):
+        self.patience = patience
+        self.best = math.inf
+        self.evals_since_best = 0
+
+    def update(self, val_loss: float) -> tuple[bool, bool]:
+        """-> (improved, should_stop)."""
+        if val_loss < self.best:
+            self.best, self.evals_since_best = val_loss, 0
+            return True, False
+        self.evals_since_best += 1
+        return False, bool(self.patience) and self.evals_since_best >= self.patience
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "evals_since_best": self.evals_since_best}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.evals_since_best = state["best"], state["evals_since_best"]
+
+
+class StopSignals:
+    """SIGTERM (preemption) and SIGINT (Ctrl-C) ask the run to stop after the current step; a second
+    SIGINT exits at once. train.py checks `requested` between steps, checkpoints and exits 0."""
+
+    def __init__(self):
+        self.requested = None  # the name of the signal that asked
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.requested and signum == signal.SIGINT:
+            print(f"\n{name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
+            os._exit(130)
+        self.requested = name
+        print(f"\n{name}: finishing this step and writing a checkpoint (Ctrl-C again to exit at once)",
+              file=sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def fits_by_trying(attempt, out_of_memory: tuple[type[BaseException], ...]):
+    """A "does it fit" callable from an attempt that raises one of `out_of_memory` when it does not."""
+
+    def fits(size: int) -> bool:
+        try:
+            attempt(size)
+            return True
+        except out_of_memory:
+            return False
+
+    return fits
+
+
+def largest_fitting_batch(fits, limit: int) -> int:
+    """The largest micro-batch size in [1, limit] for which fits(size) is True, assuming fitting is monotone.
+
+    Doubles from 1 until a size fails, then bisects between the last success and that failure, so it asks
+    about O(log limit) sizes. Returns 0 when not even 1 fits.
+    """
+    if limit < 1 or not fits(1):
+        return 0
+    good, bad = 1, None
+    while bad is None and good < limit:
+        trial = min(2 * good, limit)
+        if fits(trial):
+            good = trial
+        else:
+            bad = trial
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def micro_batch_for(global_sequences: int, fitting: int) -> int:
+    """The largest divisor of the per-rank sequences per step that fits, so the global batch stays exact."""
+    return max(b for b in range(1, min(fitting, global_sequences) + 1) if global_sequences % b == 0)

@@ -1,0 +1,201 @@
+"""Generate text from a checkpoint or an exported Hugging Face directory, with a KV cache.
+
+    python sample.py --ckpt out/ckpt_00000150.pt --prompt "def main(" --max-new-tokens 100
+    python sample.py --hf hf_model --greedy
+
+The text streams to the terminal as it is generated. The library side: `generate` (token ids in, token ids
+out) and `sample_text` (a string in, a string out), which train.py calls at eval time.
+"""
+
+import argparse
+import codecs
+import sys
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from checkpoint import CheckpointError
+from cli import ArgumentParser, UsageError, report_error
+from data import DataError, get_tokenizer
+from export import check_names, load_hf, read_checkpoint
+from model import GPT, KVCache
+
+
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """ValueError (one line) for settings that cannot be sampled with."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """logits [..., V] with all but the k largest set to -inf (values tied with the k-th largest stay)."""
+    if k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """logits [..., V] with -inf outside the nucleus: the fewest most likely tokens whose probabilities sum
+    to at least p. The most likely token always stays."""
+    if p >= 1:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop_sorted = probs.cumsum(dim=-1) - probs >= p  # the mass before this token already reaches p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+               generator: torch.Generator | None) -> int:
+    """One token id from logits [V]: argmax at temperature 0, else temperature, then top-k, then top-p (the
+    order transformers applies them in), then a draw."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits / temperature
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    if top_p is not None:
+        logits = top_p_filter(logits, top_p)
+    return int(torch.multinomial(logits.softmax(dim=-1), 1, generator=generator))
+
+
+def _activation_dtype(model: GPT, device: torch.device) -> torch.dtype:
+    """The dtype attention runs in, which the KV cache must store: autocast's when it is on."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return next(model.parameters()).dtype
+
+
+@torch.no_grad()
+def stream(model: GPT, prompt: Iterable[int], max_new_tokens: int, temperature: float = 1.0,
+           top_k: int | None = None, top_p: float | None = None, eot: int | None = None,
+           generator: torch.Generator | None = None) -> Iterator[int]:
+    """Yield up to max_new_tokens token ids that follow prompt, one at a time, stopping at eot (not yielded).
+
+    Logits are cut to the real vocab_size, so padding ids are never drawn. Sampling runs on the CPU in
+    float32: a seeded CPU generator draws the same tokens on every device, given the same logits. A
+    context that outgrows max_seq_len restarts the cache from its most recent half, as the model never
+    saw positions past max_seq_len in training.
+    """
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    tokens = [int(t) for t in prompt]
+    if not tokens:
+        raise ValueError("the prompt must hold at least one token")
+    if max_new_tokens == 0:
+        return
+    config = model.config
+    device = next(model.parameters()).device
+    window = config.max_seq_len
+    cache = KVCache(config, 1, min(window, len(tokens) + max_new_tokens), device, _activation_dtype(model, device))
+    pending = tokens[-window:]  # tokens not yet in the cache
+    for _ in range(max_new_tokens):
+        if cache.pos + len(pending) > cache.max_len:
+            cache.pos = 0
+            pending = tokens[-max(1, window // 2):]
+        logits, _ = model(torch.tensor([pending], device=device), cache=cache)
+        token = next_token(logits[0, -1, : config.vocab_size].float().cpu(), temperature, top_k, top_p, generator)
+        if token == eot:
+            return
+        yield token
+        tokens.append(token)
+        pending = [token]
+
+
+def generate(model: GPT, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, eot: int | None = None,
+             generator: torch.Generator | None = None) -> list[int]:
+    """The new token ids after idx (a list or a 1-D tensor of ids), without the EOT that ended them."""
+    if isinstance(idx, torch.Tensor):
+        idx = idx.flatten().tolist()
+    return list(stream(model, idx, max_new_tokens, temperature, top_k, top_p, eot, generator))
+
+
+def decode_stream(enc, tokens: Iterable[int]) -> Iterator[str]:
+    """Text pieces as tokens arrive. A character whose UTF-8 bytes are split across tokens comes out once
+    it is whole; the pieces join to enc.decode(tokens) (invalid bytes become U+FFFD in both)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for token in tokens:
+        piece = decoder.decode(enc.decode_single_token_bytes(token))
+        if piece:
+            yield piece
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        yield tail
+
+
+def sample_text(model: GPT, enc, prompt: str = "", max_new_tokens: int = 64, temperature: float = 0.8,
+                top_k: int | None = 200, top_p: float | None = None, seed: int = 0) -> str:
+    """prompt plus its continuation, decoded. Draws from its own seeded generator, so calling it leaves
+    the global RNG (and a training run's data order and dropout) untouched. An empty prompt starts a
+    fresh document: it conditions on EOT."""
+    ids = enc.encode_ordinary(prompt) or [enc.eot_token]
+    generator = torch.Generator().manual_seed(seed)
+    new = generate(model, ids, max_new_tokens, temperature, top_k, top_p, enc.eot_token, generator)
+    return prompt + enc.decode(new)
+
+
+def load_model(ckpt: str | None = None, hf: str | None = None, device: torch.device | str = "cpu") -> GPT:
+    """A GPT in eval mode from a train.py checkpoint or from a Hugging Face directory written by export.py."""
+    config, state = read_checkpoint(ckpt) if ckpt is not None else load_hf(hf)
+    check_names(config, state)
+    model = GPT(config)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:  # shapes that contradict the config; the first line only names the model
+        raise ValueError(f"weights do not fit the model config: {str(e).splitlines()[-1].strip()}") from None
+    return model.to(device).eval()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", metavar="PATH", help="a checkpoint written by train.py (file or sharded directory)")
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face directory written by export.py")
+    p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens (0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set with this mass")
+    p.add_argument("--greedy", action="store_true", help="always the most likely token (--temperature 0)")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "mps", "cpu"])
+    p.add_argument("--tokenizer", default="gpt2", help="the tokenizer the model was trained with")
+    return p
+
+
+def main(argv=None) -> int:
+    from train import resolve_device  # here, not at the top: train.py imports this module
+
+    try:
+        a = build_parser().parse_args(argv)
+        temperature = 0.0 if a.greedy else a.temperature
+        top_k = a.top_k or None
+        check_sampling(a.max_new_tokens, temperature, top_k, a.top_p)
+        device, _ = resolve_device(a.device)
+        enc = get_tokenizer(a.tokenizer)
+        model = load_model(a.ckpt, a.hf, device)
+        if model.config.vocab_size != enc.n_vocab:
+            raise ValueError(f"model vocab_size {model.config.vocab_size} does not match the {a.tokenizer} "
+                             f"tokenizer ({enc.n_vocab} tokens); pass --tokenizer")
+    except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
+        return report_error(e)
+    prompt = enc.encode_ordinary(a.prompt) or [enc.eot_token]
+    generator = torch.Generator().manual_seed(a.seed)
+    print(a.prompt, end="", flush=True)
+    tokens = stream(model, prompt, a.max_new_tokens, temperature, top_k, a.top_p, enc.eot_token, generator)
+    for piece in decode_stream(enc, tokens):
+        print(piece, end="", flush=True)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

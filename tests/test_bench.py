@@ -1,0 +1,104 @@
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import optimizers  # noqa: E402
+import plot  # noqa: E402
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(out_dir, steps, loss0, lr):
+    """A metrics.jsonl as train.py writes it: every step, with val_loss every 4 steps."""
+    os.makedirs(out_dir)
+    with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
+        for step in range(steps):
+            record = {"step": step, "tokens": (step + 1) * 256, "train_loss": loss0 - 0.1 * step, "lr": lr,
+                      "grad_norm": 1.0, "tokens_per_sec": 1000.0 + step, "mfu": None}
+            if (step + 1) % 4 == 0:
+                record["val_loss"] = loss0 - 0.1 * step + 0.05
+            f.write(json.dumps(record) + "\n")
+    return str(out_dir)
+
+
+def run_plot(*args):
+    return subprocess.run([sys.executable, os.path.join(REPO, "bench", "plot.py"), *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_plot_cli_overlays_two_runs_into_a_valid_png(tmp_path):
+    a = write_run(tmp_path / "run_a", 12, 5.0, 1e-3)
+    b = write_run(tmp_path / "run_b", 8, 5.5, 3e-3)
+    out = tmp_path / "curves.png"
+    result = run_plot(a, b, "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    data = out.read_bytes()
+    assert data.startswith(PNG_SIGNATURE)
+    # The IHDR chunk follows the signature; a figure with three panels is taller than it is wide.
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert 0 < width < height
+
+
+def test_plot_cli_missing_metrics_is_one_line_and_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plot.main([str(tmp_path / "nowhere"), "--out", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "metrics.jsonl" in err and not (tmp_path / "x.png").exists()
+
+
+def test_read_metrics_keeps_val_loss_only_on_eval_steps(tmp_path):
+    records = plot.read_metrics(write_run(tmp_path / "run", 8, 5.0, 1e-3))
+    assert plot.series(records, "val_loss") == ([1024, 2048], [pytest.approx(4.75), pytest.approx(4.35)])
+
+
+def test_read_metrics_rejects_a_corrupt_line(tmp_path):
+    out_dir = write_run(tmp_path / "run", 4, 5.0, 1e-3)
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write("{not json\n")
+    with pytest.raises(plot.MetricsError, match=r"metrics.jsonl:5: not a JSON line"):
+        plot.read_metrics(out_dir)
+
+
+def test_plot_runs_rejects_an_unknown_panel(tmp_path):
+    with pytest.raises(ValueError, match="unknown panel"):
+        plot.plot_runs({}, str(tmp_path / "x.png"), panels=("loss", "perplexity"))
+
+
+@pytest.mark.parametrize("target, expected", [
+    (3.0, 250.0),  # halfway between the evals at 200 (3.5) and 300 (2.5)
+    (2.5, 300.0),  # exactly on an eval
+    (4.0, 100.0),  # already there at the first eval: no earlier measurement to interpolate from
+    (1.0, None),  # never reached
+])
+def test_tokens_to_reach_interpolates_linearly_between_evals(target, expected):
+    curve = [(100, 4.0), (200, 3.5), (300, 2.5), (400, 2.0)]
+    assert optimizers.tokens_to_reach(curve, target) == expected
+
+
+def test_tokens_to_reach_uses_the_first_crossing_and_skips_diverged_points():
+    assert optimizers.tokens_to_reach([(10, 5.0), (20, 3.0), (30, 4.0), (40, 1.0)], 3.5) == pytest.approx(17.5)
+    assert optimizers.tokens_to_reach([(10, 5.0), (20, math.nan), (30, 3.0)], 4.0) == 30.0
+    assert optimizers.tokens_to_reach([(10, math.inf), (20, math.nan)], 4.0) is None
+
+
+def test_best_lr_ignores_diverged_runs():
+    def run(final):
+        return [{"step": 0, "tokens": 1, "val_loss": 9.0}, {"step": 1, "tokens": 2, "val_loss": final}]
+
+    assert optimizers.best_lr({1e-3: run(4.0), 3e-3: run(3.0), 1e-2: run(math.nan)}) == 3e-3
+    assert optimizers.best_lr({1e-2: run(math.nan)}) is None
+
+
+def test_bench_refuses_train_flags_it_sets_itself():
+    with pytest.raises(optimizers.BenchError, match="--lr is set by this benchmark"):
+        optimizers.parse_bench_args(["--steps", "10", "--lr=1e-3"])
+    _, passed = optimizers.parse_bench_args(["--n-layer", "2", "--steps", "10"])
+    assert passed == ["--n-layer", "2"]

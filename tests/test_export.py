@@ -1,0 +1,197 @@
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import checkpoint
+import export
+from data import get_tokenizer
+from export import config_from_hf, export_hf, from_hf, hf_config, load_hf, our_names, read_checkpoint, to_hf
+from model import GPT, ModelConfig
+from sample import generate
+
+# The GPT-2 vocabulary (export checks it against the tokenizer), otherwise tiny: GQA, head_dim not
+# n_embd // n_head, a small rope_theta so the rotation matters.
+TINY = dict(vocab_size=50257, n_layer=2, n_head=8, n_kv_head=2, n_embd=64, head_dim=16, ffn_dim=96,
+            max_seq_len=32, rope_theta=500.0)
+
+
+def tiny_model(tied: bool, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(**TINY, tie_embeddings=tied)).eval()
+    # Norm weights away from 1 (a swapped or dropped norm would show) and matrices large enough that
+    # attention is far from uniform and greedy argmaxes are far from ties.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def exported(request, tmp_path_factory):
+    model = tiny_model(request.param)
+    out = tmp_path_factory.mktemp("hf")
+    state = model.state_dict()
+    state["blocks.1.mlp._extra_state"] = torch.zeros(0)  # as a Transformer Engine block writes
+    export_hf(model.config, state, str(out))
+    return model, out
+
+
+def test_our_names_are_the_model_parameters():
+    for tied in (True, False):
+        model = tiny_model(tied)
+        assert our_names(model.config) == list(model.state_dict())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_name_mapping_round_trips(tied):
+    model = tiny_model(tied)
+    state = model.state_dict()
+    hf = to_hf(model.config, {**state, "blocks.0.attn.qkv._extra_state": torch.zeros(0)})
+    assert ("lm_head.weight" in hf) == (not tied)
+    assert "model.layers.0.self_attn.k_proj.weight" in hf and "model.layers.1.mlp.gate_proj.weight" in hf
+    back = from_hf(model.config, hf)
+    assert list(back) == list(state)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+
+
+def test_to_hf_rejects_mismatched_weights():
+    model = tiny_model(True)
+    state = model.state_dict()
+    del state["blocks.1.attn.proj.weight"]
+    with pytest.raises(ValueError, match="missing \\['blocks.1.attn.proj.weight'\\]"):
+        to_hf(model.config, state)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"head_dim": None, "ffn_dim": None, "n_head": 4, "tie_embeddings": False}])
+def test_config_round_trips(overrides):
+    config = ModelConfig(**{**TINY, **overrides})
+    assert config_from_hf(hf_config(config, eot=50256)) == config
+
+
+@pytest.mark.parametrize("change", [{"model_type": "llama"}, {"attention_bias": True}, {"hidden_act": "gelu"},
+                                    {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}])
+def test_config_from_hf_rejects_what_we_cannot_run(change):
+    with pytest.raises(ValueError):
+        config_from_hf({**hf_config(ModelConfig(**TINY), eot=50256), **change})
+
+
+def test_transformers_loads_the_export(exported, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, out = exported
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    assert hf.config.tie_word_embeddings == model.config.tie_embeddings
+    assert (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()) == model.config.tie_embeddings
+    assert hf.config.rope_parameters["rope_theta"] == model.config.rope_theta
+    assert hf.config.vocab_size == model.config.padded_vocab_size
+
+    idx = torch.randint(0, model.config.vocab_size, (2, model.config.max_seq_len))
+    with torch.no_grad():
+        expected = hf(input_ids=idx).logits
+        logits, _ = model(idx)
+    rel_err = (logits - expected).abs().max() / expected.abs().max()
+    assert rel_err < 1e-5, f"relative error {rel_err:.2e}"
+
+    # transformers' greedy generate (its generation_config suppresses the padding ids) against ours.
+    prompt = idx[:1, :6]
+    with torch.no_grad():
+        hf_out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=10)
+    hf_new = hf_out[0, 6:].tolist()
+    eot = get_tokenizer().eot_token
+    ours = generate(model, prompt[0], 10, temperature=0, eot=eot)
+    assert hf_new == ours + ([eot] if len(ours) < 10 else [])
+
+
+def test_export_directory_contents(exported):
+    model, out = exported
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "model.safetensors")
+    assert not any(k.endswith("_extra_state") for k in weights)
+    assert all(t.dtype == torch.float32 for t in weights.values())
+    assert weights["model.embed_tokens.weight"].shape == (model.config.padded_vocab_size, model.config.n_embd)
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == config["bos_token_id"] == 50256
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["suppress_tokens"] == list(range(50257, model.config.padded_vocab_size))
+    assert "GPT-2" in (out / "tokenizer_note.txt").read_text()
+
+
+def test_load_hf_round_trips(exported):
+    model, out = exported
+    config, state = load_hf(str(out))
+    assert config == model.config
+    original = model.state_dict()
+    assert list(state) == list(original)
+    assert all(torch.equal(state[k], original[k]) for k in original)
+    if config.tie_embeddings:
+        assert state["lm_head.weight"] is state["embed.weight"]
+
+
+def test_tokenizer_files_match_tiktoken(exported):
+    transformers = pytest.importorskip("transformers")
+    _, out = exported
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    enc = get_tokenizer()
+    assert tok.encode("Hello world") == [15496, 995]
+    text = "Hello world\n\n    def f(x):\treturn x**2  # héllo wörld 日本語 🤖 it's   \r\n<|endoftext|>"
+    ids = enc.encode(text, allowed_special="all")
+    assert tok.encode(text) == ids
+    assert tok.decode(ids) == text
+    assert tok.eos_token_id == enc.eot_token
+
+
+def test_bpe_merges_rebuild_the_ranks():
+    # A toy BPE: "ab" (rank 3) then "abc" (rank 4, built from "ab" + "c"), "bc" ranked after it.
+    ranks = {b"a": 0, b"b": 1, b"c": 2, b"ab": 3, b"abc": 4, b"bc": 5}
+    assert export.bpe_merges(ranks) == [(b"a", b"b"), (b"ab", b"c"), (b"b", b"c")]
+
+
+def write_checkpoint(path, model):
+    state = model.state_dict()
+    state["blocks.0.attn.qkv._extra_state"] = torch.zeros(0)
+    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": state, "optimizer": {},
+                          "loader": {}, "rng": {}, "model_config": dataclasses.asdict(model.config),
+                          "train_config": {}}, str(path))
+
+
+def test_read_checkpoint_drops_extra_state(tmp_path):
+    model = tiny_model(True)
+    write_checkpoint(tmp_path / "ckpt.pt", model)
+    config, state = read_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert config == model.config
+    assert list(state) == list(model.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as intended here
+def test_read_checkpoint_from_a_sharded_directory(tmp_path):
+    model = tiny_model(True)
+    write_checkpoint(tmp_path / "ckpt.pt", model)
+    checkpoint.file_to_dcp(str(tmp_path / "ckpt.pt"), str(tmp_path / "ckpt_dcp"))
+    config, state = read_checkpoint(str(tmp_path / "ckpt_dcp"))
+    original = model.state_dict()
+    assert config == model.config and list(state) == list(original)
+    assert all(torch.equal(state[k], original[k]) for k in original)
+
+
+def test_cli(tmp_path, capsys):
+    model = tiny_model(False)
+    write_checkpoint(tmp_path / "ckpt.pt", model)
+    assert export.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "hf")]) == 0
+    assert "Qwen3ForCausalLM" in capsys.readouterr().out
+    config, _ = load_hf(str(tmp_path / "hf"))
+    assert config == model.config
+    assert export.main(["--ckpt", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_load_hf_errors_are_one_line(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        load_hf(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(hf_config(ModelConfig(**TINY), eot=50256)))
+    with pytest.raises(ValueError, match="model.safetensors not found"):
+        load_hf(str(tmp_path))

@@ -1,0 +1,207 @@
+"""fp8.py: the FP8 constraint check, TE's environment and recipe plumbing, and torchao float8 training
+(which runs on the CPU, so its numerics are checked here against bf16 on the same weights)."""
+
+import os
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import fp8
+import train
+from data import write_shard
+from model import GPT, ModelConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
+HD128 = ModelConfig(vocab_size=256, n_layer=2, n_head=2, n_kv_head=1, n_embd=256, max_seq_len=32)
+ALL_THERE = {"cuda": True, "have_te": True, "have_torchao": True}
+needs_torchao = pytest.mark.skipif(not fp8.torchao_installed(), reason="needs torchao")
+
+
+def check(mode, cfg=CFG, recipe="current", attn=False, batch=4, seq=32, **machine):
+    fp8.check_fp8_config(mode, recipe, attn, cfg, batch, seq, **{**ALL_THERE, **machine})
+
+
+# ----------------------------------------------------------------------------- constraints
+
+
+@pytest.mark.parametrize("mode, kwargs, message", [
+    ("te", {"cuda": False}, r"needs a CUDA GPU: pip install transformer-engine\[pytorch\] on a CUDA machine"),
+    ("te", {"have_te": False}, r"not installed: pip install transformer-engine\[pytorch\]"),
+    ("torchao", {"have_torchao": False}, "pip install torchao"),
+    ("torchao", {"attn": True}, "--fp8-attn needs --fp8 te"),
+    ("off", {"attn": True}, "--fp8-attn needs --fp8 te"),
+    ("te", {"cfg": ModelConfig(n_layer=1, n_head=3, n_kv_head=1, n_embd=72)}, "multiple of 16; n_embd is 72"),
+    ("te", {"cfg": ModelConfig(n_layer=1, n_embd=64, n_head=4, n_kv_head=2, ffn_dim=200)},
+     "multiple of 16; ffn_dim is 200"),
+    ("te", {"batch": 3, "seq": 5}, "batch_size \\* seq_len to be a multiple of 8, got 3 \\* 5 = 15"),
+    ("torchao", {"batch": 3, "seq": 8}, "multiple of 16, got 3 \\* 8 = 24"),
+    ("te", {"attn": True}, "--fp8-attn needs head_dim 128 .*got 16"),
+    ("fp6", {}, "unknown fp8 mode 'fp6'"),
+    ("te", {"recipe": "mxfp8"}, "unknown fp8 recipe 'mxfp8'"),
+])
+def test_fp8_constraint_errors_are_one_line(mode, kwargs, message):
+    with pytest.raises(ValueError, match=message) as e:
+        check(mode, **kwargs)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mode, kwargs", [
+    ("off", {"cuda": False, "have_te": False, "have_torchao": False}),
+    ("te", {"batch": 1, "seq": 8}),
+    ("te", {"cfg": HD128, "attn": True, "recipe": "delayed"}),
+    ("torchao", {"cuda": False, "batch": 2, "seq": 8}),
+])
+def test_fp8_constraints_accept_what_works(mode, kwargs):
+    check(mode, **kwargs)
+
+
+def test_train_refuses_fp8_flags_without_te_at_parse_time():
+    for flags in (["--fp8-attn"], ["--fp8", "torchao", "--fp8-recipe", "delayed"]):
+        with pytest.raises(train.UsageError, match="apply to --fp8 te only"):
+            train.parse_args(flags)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_train_cli_fp8_te_without_cuda_is_exit_2_with_install_hint():
+    result = subprocess.run([sys.executable, "train.py", "--fp8", "te", "--max-steps", "1"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: --fp8 te needs a CUDA GPU: pip install transformer-engine[pytorch] on a CUDA machine"]
+
+
+# ----------------------------------------------------------------------------- Transformer Engine plumbing
+
+
+def test_attention_env_is_set_for_current_scaling_with_fp8_attention(monkeypatch):
+    monkeypatch.delenv(fp8.DPA_RECIPE_ENV, raising=False)
+    monkeypatch.delitem(sys.modules, "transformer_engine", raising=False)
+    fp8.set_te_attention_env("delayed", fp8_attn=True)
+    fp8.set_te_attention_env("current", fp8_attn=False)
+    assert fp8.DPA_RECIPE_ENV not in os.environ  # only current scaling + FP8 attention needs it
+    fp8.set_te_attention_env("current", fp8_attn=True)
+    assert os.environ[fp8.DPA_RECIPE_ENV] == "DelayedScaling"
+
+
+def test_attention_env_refuses_a_conflict_or_a_late_call(monkeypatch):
+    monkeypatch.setenv(fp8.DPA_RECIPE_ENV, "Float8CurrentScaling")
+    with pytest.raises(ValueError, match="needs NVTE_DPA_FP8_RECIPE=DelayedScaling"):
+        fp8.set_te_attention_env("current", fp8_attn=True)
+    monkeypatch.delenv(fp8.DPA_RECIPE_ENV)
+    monkeypatch.setitem(sys.modules, "transformer_engine", types.ModuleType("transformer_engine"))
+    with pytest.raises(ValueError, match="imported before"):
+        fp8.set_te_attention_env("current", fp8_attn=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
+def test_te_recipe_and_autocast_are_lazy_and_refuse_without_cuda():
+    for call in (lambda: fp8.te_recipe("current", False), lambda: fp8.te_autocast(object())):
+        with pytest.raises(ValueError, match=r"pip install transformer-engine\[pytorch\]"):
+            call()
+    assert fp8.fp8_context(None).__enter__() is None  # no recipe: a no-op, TE never imported
+
+
+# ----------------------------------------------------------------------------- torchao
+
+
+def tiny_pair():
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    reference = GPT(CFG)
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+@needs_torchao
+def test_torchao_conversion_keeps_every_parameter_name_and_tensor():
+    model, _ = tiny_pair()
+    params_before = list(model.named_parameters())
+    keys_before = list(model.state_dict())
+    fp8.convert_to_torchao_float8(model)
+    assert [(n, id(p)) for n, p in model.named_parameters()] == [(n, id(p)) for n, p in params_before]
+    assert list(model.state_dict()) == keys_before
+    assert type(model.blocks[0].attn.proj).__name__ == "Float8Linear"
+    assert type(model.lm_head) is torch.nn.Linear  # the lm_head stays out of FP8
+    assert isinstance(model.blocks[1].mlp.matmul, fp8.Float8Matmul)
+    assert "torchao float8" in fp8.describe_fp8(model) and fp8.describe_fp8(GPT(CFG)) == "off"
+
+
+@needs_torchao
+def test_torchao_fp8_forward_backward_within_tolerance_of_bf16():
+    """Stated tolerance: the loss within 0.5% of bf16's, and every parameter's gradient within 0.2 relative
+    L2 error (cosine > 0.98). E4M3 keeps 3 mantissa bits and the E5M2 gradients 2, so elementwise errors
+    of several percent are expected; on this model they come out near 0.1 relative."""
+    model, reference = tiny_pair()
+    fp8.convert_to_torchao_float8(model)
+    idx = torch.randint(0, CFG.vocab_size, (4, CFG.max_seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(idx, idx)
+        _, loss_ref = reference(idx, idx)
+    loss.backward()
+    loss_ref.backward()
+    assert abs(loss.item() - loss_ref.item()) < 5e-3 * loss_ref.item()
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        rel = (p.grad - p_ref.grad).norm() / p_ref.grad.norm()
+        cos = torch.nn.functional.cosine_similarity(p.grad.flatten(), p_ref.grad.flatten(), dim=0)
+        assert rel < 0.2 and cos > 0.98, (name, rel.item(), cos.item())
+
+
+def test_torchao_refuses_the_te_backend():
+    with pytest.raises(ValueError, match="plain backend"):
+        fp8.convert_to_torchao_float8(types.SimpleNamespace(backend="te"))
+
+
+# ----------------------------------------------------------------------------- through train.py
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fp8_data")
+    rng = np.random.default_rng(0)
+    write_shard(root / "train_000000.bin", rng.integers(0, 256, 5000, dtype=np.uint16), vocab_size=256)
+    write_shard(root / "val_000000.bin", rng.integers(0, 256, 2000, dtype=np.uint16), vocab_size=256)
+    return str(root)
+
+
+@needs_torchao
+def test_train_setup_reports_torchao_and_act_ckpt_from_the_model(tiny_data, tmp_path, capsys):
+    flags = ["--data", tiny_data, "--out-dir", str(tmp_path), "--vocab-size", "256", "--n-layer", "2",
+             "--n-embd", "64", "--n-head", "4", "--n-kv-head", "2", "--seq-len", "32", "--batch-size", "4",
+             "--fp8", "torchao", "--act-ckpt", "alternate", "--eval-interval", "0"]
+    run = train.setup(*train.parse_args(flags))
+    try:
+        loss = train.train_step(run)[0]
+    finally:
+        run.loader.close()
+        run.metrics.close()
+    table = capsys.readouterr().out
+    assert "FP8              torchao float8" in table
+    assert "activation ckpt  on, non-reentrant: blocks 0 of 2" in table
+    assert torch.isfinite(loss)
+
+
+def test_train_refuses_fp8_shapes_before_building_anything(tiny_data, tmp_path):
+    flags = ["--data", tiny_data, "--out-dir", str(tmp_path), "--vocab-size", "256", "--n-layer", "1",
+             "--n-embd", "72", "--n-head", "3", "--n-kv-head", "1", "--seq-len", "32", "--fp8", "torchao"]
+    with pytest.raises(train.UsageError, match="multiple of 16; n_embd is 72"):
+        train.setup(*train.parse_args(flags))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fp8.te_installed()), reason="needs CUDA and TE")
+@pytest.mark.parametrize("extra", [[], ["--fp8-attn"], ["--fp8-recipe", "delayed", "--fp8-attn"]])
+def test_train_cli_runs_fp8_te(tiny_data, tmp_path, extra):
+    """Through train.py in a fresh process, so that NVTE_DPA_FP8_RECIPE is set before TE's import."""
+    flags = ["--data", tiny_data, "--out-dir", str(tmp_path), "--vocab-size", "256", "--n-layer", "2",
+             "--n-embd", "256", "--n-head", "2", "--n-kv-head", "1", "--seq-len", "32", "--batch-size", "4",
+             "--max-steps", "3", "--eval-interval", "0", "--dtype", "bf16", "--fp8", "te", *extra]
+    result = subprocess.run([sys.executable, "train.py", *flags], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Transformer Engine, " in result.stdout
+    assert ("FP8 attention" in result.stdout) == ("--fp8-attn" in extra)

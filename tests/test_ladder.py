@@ -1,0 +1,85 @@
+"""bench/ladder.py end to end on the CPU with tiny settings (rungs that need a GPU or a library that is
+missing come out n/a with a reason), the MFU sweep's refusal without CUDA, and the projection's formula."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import fp8
+from data import write_shard
+from model import ModelConfig, flops_per_token
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import ladder  # noqa: E402
+
+TINY = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
+        "--seq-len", "32", "--batch-size", "4"]
+FAST = ["--windows", "1", "--steps-per-window", "1", "--warmup-steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ladder_data")
+    rng = np.random.default_rng(0)
+    write_shard(root / "train_000000.bin", rng.integers(0, 256, 5000, dtype=np.uint16), vocab_size=256)
+    write_shard(root / "val_000000.bin", rng.integers(0, 256, 2000, dtype=np.uint16), vocab_size=256)
+    return str(root)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU ladder")
+def test_ladder_runs_end_to_end_on_cpu(tiny_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(fp8.DPA_RECIPE_ENV, raising=False)  # the ladder sets it; restored afterwards
+    out = str(tmp_path / "ladder")
+    ladder.main([*FAST, "--no-compile", "--out", out, "--data", tiny_data, *TINY])
+    with open(f"{out}.json") as f:
+        rungs = {r["key"]: r for r in json.load(f)["rungs"]}
+    assert list(rungs) == [key for key, *_ in ladder.RUNGS]
+    for key in ("fp32", "bf16", "flash", "fused_adamw", "muon"):
+        assert rungs[key]["status"] == "ok" and rungs[key]["tokens_per_s"] > 0, rungs[key]
+        assert rungs[key]["mfu"] is None and rungs[key]["peak_mem_gib"] is None  # no CPU peak: never invented
+    assert rungs["compile"]["status"] == "skipped (--no-compile)"
+    assert rungs["fp8_te"]["status"].startswith("n/a (--fp8 te needs a CUDA GPU")
+    assert rungs["fp8_attn"]["status"] == "n/a (needs the fp8_te rung, which did not run)"
+    assert rungs["torchao"]["status"] == ("ok" if fp8.torchao_installed() else rungs["torchao"]["status"])
+    assert rungs["muon"]["settings"] == {**ladder.BASE, "dtype": "bf16", "sdpa": "flash", "fused": True,
+                                         "fp8": "torchao" if rungs["torchao"]["status"] == "ok" else "off",
+                                         "optimizer": "muon"}
+    table = open(f"{out}.md").read()
+    assert table.count("\n| ") == 1 + len(ladder.RUNGS)  # header row + one row per rung
+    assert "| 1 | fp32 (eager, math attention, foreach AdamW) |" in table and "| 1.00x |" in table
+    with open(f"{out}.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert "n/a" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_mfu_sweep_without_cuda_reports_na_and_measures_nothing(monkeypatch, capsys):
+    monkeypatch.setattr(ladder, "measure_settings", lambda *a: pytest.fail("measured without CUDA"))
+    ladder.main(["--mfu-sweep", "--sizes", "124M,350M", "--batch-sizes", "8,16"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 124M") or
+            line.startswith("| 350M")]
+    assert len(rows) == 4 and all("n/a (no CUDA GPU here)" in row for row in rows)
+
+
+def test_projection_reduces_to_the_flops_model_when_everything_runs_at_peak():
+    cfg = ModelConfig(n_layer=12, n_embd=768, n_head=12, n_kv_head=4)
+    F = flops_per_token(cfg, 1024)
+    f_attn = 12 * 12 * 12 * 64 * 1024
+    # GEMMs at peak, causal attention at half (it does half the counted work), infinite bandwidth: MFU = 1.
+    assert ladder.projected_mfu(cfg, 1024, gemm_eff=1.0, attn_eff=0.5, hbm=float("inf")) == pytest.approx(1.0)
+    # Only the GEMM term slowed: t = F_mm / (0.5 P) + F_attn / P.
+    expected = F / (2 * (F - f_attn) + f_attn)
+    assert ladder.projected_mfu(cfg, 1024, gemm_eff=0.5, attn_eff=0.5, hbm=float("inf")) == pytest.approx(expected)
+    assert 0 < ladder.projected_mfu(cfg, 1024) < ladder.projected_mfu(cfg, 1024, hbm=float("inf")) < 1
+
+
+def test_ladder_flags_do_not_swallow_train_flags():
+    bench, train_argv = ladder.parse_ladder_args(["--batch-size", "4", "--rungs", "fp32,muon"])
+    assert train_argv == ["--batch-size", "4"] and bench.batch_sizes == "8,16,32"
+    with pytest.raises(SystemExit):
+        ladder.parse_ladder_args(["--rungs", "fp32,warp"])

@@ -1,0 +1,141 @@
+"""memory.py: activation checkpointing changes memory, never gradients or names; the estimate matches what
+autograd actually saves (measured with saved-tensor hooks) and what the optimizers actually allocate."""
+
+import pytest
+import torch
+
+import memory
+import train
+from model import GPT, ModelConfig
+from optim import OptimConfig, build_optimizer, canonical_name, optimizer_state_bytes
+
+CFG = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
+# A second shape: untied, head_dim set explicitly, an explicit ffn_dim, an odd number of layers.
+CFG2 = ModelConfig(vocab_size=1000, n_layer=5, n_head=6, n_kv_head=2, n_embd=96, head_dim=32, ffn_dim=320,
+                   max_seq_len=48, tie_embeddings=False)
+B = 2
+
+
+def batch(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, cfg.vocab_size, (B, cfg.max_seq_len), generator=g),
+            torch.randint(0, cfg.vocab_size, (B, cfg.max_seq_len), generator=g))
+
+
+def model_with(cfg, mode):
+    torch.manual_seed(0)
+    return memory.apply_activation_checkpointing(GPT(cfg), mode)
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "alternate"])
+def test_checkpointing_gives_the_same_loss_and_gradients(mode):
+    idx, targets = batch(CFG)
+    reference, model = model_with(CFG, "none"), model_with(CFG, mode)
+    _, loss_ref = reference(idx, targets)
+    _, loss = model(idx, targets)
+    loss_ref.backward()
+    loss.backward()
+    assert loss.item() == loss_ref.item()
+    grads = {canonical_name(n): p.grad for n, p in model.named_parameters()}
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("mode", memory.ACT_CKPT_MODES)
+def test_checkpointing_keeps_state_dict_names_and_the_optimizer_groups(mode):
+    model = model_with(CFG2, mode)
+    plain = model_with(CFG2, "none")
+    assert list(model.state_dict()) == list(plain.state_dict())
+    GPT(CFG2).load_state_dict(model.state_dict(), strict=True)
+    model.load_state_dict(plain.state_dict(), strict=True)
+    optimizer = build_optimizer(model, OptimConfig(name="muon"), model.row_blocks(), "cpu")
+    names = sorted(n for g in optimizer.param_groups for n in g["names"])
+    assert names == sorted(n for n, _ in plain.named_parameters())
+
+
+def test_checkpointing_wraps_the_modules_its_mode_names():
+    def described(mode):
+        return memory.describe_activation_checkpointing(model_with(CFG2, mode))
+
+    assert described("none") == "off"
+    assert described("full") == "on, non-reentrant: every block of 5 recomputed in backward"
+    assert described("alternate") == "on, non-reentrant: blocks 0, 2, 4 of 5 recomputed in backward"
+    assert described("selective") == "on, non-reentrant: the MLP of 5 of 5 blocks recomputed in backward"
+    with pytest.raises(ValueError, match="unknown activation checkpointing mode 'some'"):
+        memory.apply_activation_checkpointing(GPT(CFG), "some")
+
+
+# ----------------------------------------------------------------------------- the estimate vs measurements
+
+
+@pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["tied", "untied"])
+def test_param_numels_name_every_parameter(cfg):
+    model = GPT(cfg)
+    assert memory.param_numels(cfg) == {n: p.numel() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon"])
+def test_optimizer_state_estimate_matches_the_allocated_state(name):
+    cfg = ModelConfig(vocab_size=1000, n_layer=2, n_head=4, n_kv_head=2, n_embd=128, max_seq_len=16)
+    model = GPT(cfg)
+    optimizer = build_optimizer(model, OptimConfig(name=name), model.row_blocks(), "cpu")
+    idx, targets = batch(cfg)
+    model(idx, targets)[1].backward()
+    optimizer.step()
+    estimate = memory.optimizer_state_bytes_estimate(cfg, name)
+    assert estimate == pytest.approx(optimizer_state_bytes(optimizer), rel=1e-3)  # step counters aside
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", memory.ACT_CKPT_MODES)
+@pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["tied", "untied"])
+def test_activation_estimate_is_within_10_percent_of_saved_tensor_bytes(cfg, mode, dtype):
+    idx, targets = batch(cfg)
+    measured = memory.saved_tensor_bytes(model_with(cfg, mode), idx, targets, dtype)
+    estimated, _ = memory.activation_bytes(cfg, B, cfg.max_seq_len, mode, dtype, "cpu")
+    assert estimated == pytest.approx(measured, rel=0.10)
+
+
+def test_each_mode_saves_what_it_promises():
+    idx, targets = batch(CFG2)
+    saved = {mode: memory.saved_tensor_bytes(model_with(CFG2, mode), idx, targets) for mode in memory.ACT_CKPT_MODES}
+    assert saved["full"] < saved["alternate"] < saved["none"]
+    assert saved["full"] < saved["selective"] < saved["none"]
+
+
+def test_estimate_totals_and_sharding():
+    one = memory.estimate_memory(CFG2, 4, 48, "adamw", "none", torch.bfloat16, "cuda")
+    n = sum(memory.param_numels(CFG2).values())
+    assert (one.params, one.grads, one.optimizer, one.recompute) == (4 * n, 4 * n, 8 * n, 0)
+    four = memory.estimate_memory(CFG2, 4, 48, "adamw", "full", torch.bfloat16, "cuda", shards=4)
+    assert four.params == one.params // 4 and four.optimizer == one.optimizer // 4
+    assert four.activations < one.activations and four.recompute > 0
+    assert one.total == one.params + one.grads + one.optimizer + one.activations
+
+
+def test_estimate_memory_flag_prints_every_mode_and_builds_nothing(monkeypatch, capsys):
+    def no_setup(*_):
+        raise AssertionError("--estimate-memory must not build the run")
+
+    monkeypatch.setattr(train, "setup", no_setup)
+    monkeypatch.setattr(train, "GPT", no_setup)
+    train.main(["--estimate-memory", "--act-ckpt", "full", "--optimizer", "muon", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "optimizer muon" in out
+    for mode in memory.ACT_CKPT_MODES:
+        assert f"| {mode}" in out
+    assert "| full (selected) |" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", memory.ACT_CKPT_MODES)
+def test_activation_estimate_on_cuda_bf16(mode):
+    """On CUDA rms_norm runs ATen's fused kernel, which saves less than the CPU decomposition."""
+    idx, targets = (t.cuda() for t in batch(CFG2))
+    measured = memory.saved_tensor_bytes(model_with(CFG2, mode).cuda(), idx, targets, torch.bfloat16)
+    estimated, _ = memory.activation_bytes(CFG2, B, CFG2.max_seq_len, mode, torch.bfloat16, "cuda")
+    assert estimated == pytest.approx(measured, rel=0.10)

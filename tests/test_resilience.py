@@ -1,0 +1,380 @@
+"""Fault injection: real kills and signals, damaged checkpoints, NaNs, out-of-memory, a full disk, bad input."""
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import train
+from data import write_shard
+from resilience import EarlyStopping, LossHealth, fits_by_trying, largest_fitting_batch, micro_batch_for
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
+         "--seq-len", "32", "--batch-size", "4", "--device", "cpu", "--dtype", "fp32", "--warmup", "2",
+         "--eval-interval", "0"]
+ENV = {**{k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resilience_data")
+    tokens = (np.arange(30000) * 7 % 256).astype(np.uint16)
+    write_shard(root / "train_000000.bin", tokens[:15000], vocab_size=256)
+    write_shard(root / "train_000001.bin", tokens[15000:28000], vocab_size=256)
+    write_shard(root / "val_000000.bin", tokens[28000:], vocab_size=256)
+    return str(root)
+
+
+def losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["train_loss"] for line in f]
+
+
+def start(data_dir, out_dir, *args):
+    return subprocess.Popen([sys.executable, "train.py", "--data", data_dir, "--out-dir", str(out_dir), *MODEL, *args],
+                            cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    """An uninterrupted run in a subprocess, as the interrupted ones are."""
+    out = tmp_path_factory.mktemp("reference")
+    proc = start(data_dir, out, "--max-steps", str(STEPS), "--ckpt-interval", "3")
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    return losses(out)
+
+
+# ----------------------------------------------------------------------------- kills and signals
+
+
+def steps_logged(out_dir):
+    path = os.path.join(out_dir, "metrics.jsonl")
+    return len(open(path).read().splitlines()) if os.path.exists(path) else 0
+
+
+def test_sigkill_at_random_points_then_resume_is_bit_identical(data_dir, reference, tmp_path):
+    rng = random.Random(0)
+    args = ["--max-steps", str(STEPS), "--ckpt-interval", "3"]
+    killed_at, mid_write = [], False
+    for kill in range(5):
+        resume = ["--resume"] if checkpoint.list_checkpoints(str(tmp_path)) else []
+        proc = start(data_dir, tmp_path, *args, *resume)
+        if kill == 2:  # this one lands while a checkpoint is being written
+            while proc.poll() is None and not any(n.endswith(".tmp") for n in os.listdir(tmp_path)):
+                time.sleep(0.0002)
+            mid_write = proc.poll() is None
+        else:  # the others at a random step, a random moment into it
+            # Past the previous kill, so a line left by the killed process cannot satisfy the wait.
+            low = (killed_at[-1] if killed_at else 0) + 2
+            target = rng.randint(low, low + 4)
+            while proc.poll() is None and steps_logged(tmp_path) < target:
+                time.sleep(0.005)
+            time.sleep(rng.uniform(0, 0.1))
+        assert proc.poll() is None, "the run ended before it could be killed"
+        killed_at.append(steps_logged(tmp_path))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    final = start(data_dir, tmp_path, *args, "--resume")
+    assert final.wait(timeout=300) == 0, final.stderr.read()
+    assert mid_write, killed_at
+    assert losses(tmp_path) == reference
+
+
+def test_sigterm_checkpoints_and_exits_0_then_resumes_exactly(data_dir, reference, tmp_path):
+    proc = start(data_dir, tmp_path, "--max-steps", str(STEPS), "--ckpt-interval", "100")
+    metrics = tmp_path / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "--resume" in err.strip().splitlines()[-1]
+    stopped_at = checkpoint.checkpoint_step(checkpoint.list_checkpoints(str(tmp_path))[-1])
+    assert 3 <= stopped_at < STEPS
+    resumed = start(data_dir, tmp_path, "--max-steps", str(STEPS), "--ckpt-interval", "100", "--resume")
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()
+    assert losses(tmp_path) == reference
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+
+def damage_truncate(path, rng):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(rng.randrange(1, size))
+
+
+def damage_flip(path, rng):
+    with open(path, "r+b") as f:
+        f.seek(rng.randrange(os.path.getsize(path)))
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("damage, seed", [(damage_truncate, 1), (damage_truncate, 2), (damage_flip, 3),
+                                          (damage_flip, 4)])
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(damage, seed, data_dir, tmp_path, capsys):
+    args = ["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--ckpt-interval", "2", "--keep-ckpts", "5"]
+    train.main([*args, "--max-steps", "6"])
+    full = losses(tmp_path)
+    newest = checkpoint.list_checkpoints(str(tmp_path))[-1]
+    damage(newest, random.Random(seed))
+    train.main([*args, "--max-steps", "6", "--resume"])
+    err = capsys.readouterr().err
+    assert "skipping checkpoint" in err and os.path.basename(newest) in err
+    assert losses(tmp_path) == full  # resumed from step 4 and redid steps 4 and 5 exactly
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
+    real = checkpoint._write_synced
+    calls = {"n": 0}
+
+    def write_until_the_disk_fills(path, write):
+        if path.endswith(".pt.tmp"):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the second checkpoint: write half, then fail as a full disk does
+                with open(path, "wb") as f:
+                    f.write(b"\0" * 100)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path, write)
+
+    monkeypatch.setattr(checkpoint, "_write_synced", write_until_the_disk_fills)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "6", "--ckpt-interval", "2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "No space left on device" in err[-1] and "previous checkpoints are intact" in err[-1]
+    good = checkpoint.list_checkpoints(str(tmp_path))
+    assert [checkpoint.checkpoint_step(p) for p in good] == [2]
+    checkpoint.verify(good[0])
+    assert not any(n.endswith(".tmp") for n in os.listdir(tmp_path))
+
+
+# ----------------------------------------------------------------------------- NaNs, spikes, rollback
+
+
+def test_an_injected_nan_is_skipped_and_changes_nothing(data_dir, tmp_path):
+    train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "4", "--ckpt-interval", "1",
+                "--keep-ckpts", "10", "--inject-nan-at-step", "2"])
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["skipped"] for r in records] == [False, False, True, False]
+    assert records[2]["train_loss"] is None and records[3]["bad_steps"] == 1
+    before = torch.load(checkpoint.checkpoint_path(str(tmp_path), 2, False), weights_only=True)
+    after = torch.load(checkpoint.checkpoint_path(str(tmp_path), 3, False), weights_only=True)
+    for name in before["model"]:
+        assert torch.equal(before["model"][name], after["model"][name]), name
+    flat = lambda sd: {(k, s): v for k, st in sd["state"].items() for s, v in st.items()}  # noqa: E731
+    for key, value in flat(before["optimizer"]).items():
+        assert torch.equal(value, flat(after["optimizer"])[key]), key
+    assert after["loader"] != before["loader"]  # the poisoned batch was consumed, not replayed
+
+
+def test_too_many_bad_steps_roll_back_with_a_lower_lr(data_dir, tmp_path, capsys):
+    train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "6", "--ckpt-interval", "2",
+                "--inject-nan-at-step", "3", "--max-bad-steps", "1"])
+    err = capsys.readouterr().err
+    assert "rolled back to step 2" in err and "LR now x0.5" in err
+    with open(tmp_path / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["step"] for r in records] == list(range(6))
+    assert not any(r["skipped"] for r in records)  # the bad step's line was dropped with the rollback
+    assert records[5]["lr"] == pytest.approx(0.5 * train.lr_multiplier(5, 6, 2, "cosine", 0.1, 0.2) * 3e-3)
+
+
+def test_too_many_bad_steps_can_stop_the_run(data_dir, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "6",
+                    "--inject-nan-at-step", "1", "--max-bad-steps", "1", "--on-bad-steps", "stop"])
+    assert exit_info.value.code == 1
+    assert "non-finite steps in a row" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_loss_health_tracks_ema_and_flags_spikes():
+    health = LossHealth(spike_factor=2.0, beta=0.5, warmup=3)
+    assert not any(health.update(loss, True) for loss in [4.0, 4.0, 4.0, 4.0])
+    assert health.ema == pytest.approx(4.0) and health.var == pytest.approx(0.0)
+    assert health.update(9.0, True)  # more than 2x the running average
+    assert not health.update(float("nan"), False) and health.bad_in_a_row == 1 and health.bad_total == 1
+    health.update(4.0, True)
+    assert health.bad_in_a_row == 0 and health.bad_total == 1
+
+
+def test_early_stopping_waits_for_patience():
+    stop = EarlyStopping(patience=2)
+    assert stop.update(3.0) == (True, False)
+    assert stop.update(3.1) == (False, False)
+    assert stop.update(2.9) == (True, False)
+    assert stop.update(3.0) == (False, False) and stop.update(3.0) == (False, True)
+    assert EarlyStopping(patience=0).update(1.0) == (True, False)
+
+
+def test_early_stop_ends_the_run_and_keeps_the_best(data_dir, tmp_path, capsys):
+    train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL[:-2], "--max-steps", "40",
+                "--eval-interval", "1", "--eval-tokens", "128", "--early-stop-patience", "1", "--lr", "3e-1"])
+    err = capsys.readouterr().err
+    assert "early stop at step" in err
+    stopped_at = len(losses(tmp_path))
+    assert stopped_at < 40
+    best = torch.load(checkpoint.best_path(str(tmp_path), sharded=False), weights_only=True)
+    assert best["step"] < stopped_at and best["early_stop"]["best"] < float("inf")
+
+
+# ----------------------------------------------------------------------------- out of memory
+
+
+class ByteBudget:
+    """A real allocator stand-in: raises MemoryError once the bytes in use exceed its budget."""
+
+    def __init__(self, budget, fixed, per_sequence):
+        self.budget, self.fixed, self.per_sequence = budget, fixed, per_sequence
+        self.asked = []
+
+    def run_batch(self, size):
+        self.asked.append(size)
+        if self.fixed + size * self.per_sequence > self.budget:
+            raise MemoryError(f"{size} sequences need more than {self.budget} bytes")
+
+
+@pytest.mark.parametrize("budget, expected", [(10_000, 97), (100, 0), (1_000_000, 512), (500, 2)])
+def test_auto_batch_size_finds_the_largest_that_fits(budget, expected):
+    memory = ByteBudget(budget, fixed=300, per_sequence=100)
+    found = largest_fitting_batch(fits_by_trying(memory.run_batch, (MemoryError,)), limit=512)
+    assert found == expected
+    assert len(memory.asked) <= 2 * 10 + 1  # doubling, then bisection: logarithmic in the limit
+
+
+def test_the_micro_batch_divides_the_global_batch():
+    assert micro_batch_for(64, 24) == 16 and micro_batch_for(48, 48) == 48 and micro_batch_for(7, 5) == 1
+
+
+def test_out_of_memory_mid_run_retries_with_a_smaller_micro_batch(data_dir, tmp_path, monkeypatch, capsys):
+    reference_dir = tmp_path / "reference"
+    common = ["--data", data_dir, *MODEL, "--total-batch-tokens", "256", "--max-steps", "4"]
+    train.main([*common, "--out-dir", str(reference_dir), "--batch-size", "4"])
+    original = train.GPT.forward
+    state = {"raised": False}
+
+    def forward_that_runs_out_of_memory_once(self, idx, targets=None, **kw):
+        if idx.shape[0] == 8 and not state["raised"]:
+            state["raised"] = True
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return original(self, idx, targets, **kw)
+
+    monkeypatch.setattr(train.GPT, "forward", forward_that_runs_out_of_memory_once)
+    train.main([*common, "--out-dir", str(tmp_path / "shrunk"), "--batch-size", "8"])
+    assert state["raised"] and "retrying the step with micro-batch 4 x 2" in capsys.readouterr().err
+    np.testing.assert_allclose(losses(tmp_path / "shrunk"), losses(reference_dir), rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- bad input and secrets
+
+
+def bad_inputs(root):
+    """(name, argv) pairs: each must end in one `error:` line and exit code 2."""
+    def shard(name, tokens, vocab=256):
+        d = root / name
+        d.mkdir()
+        write_shard(d / "train_000000.bin", np.asarray(tokens, dtype=np.uint16), vocab_size=vocab)
+        write_shard(d / "val_000000.bin", np.asarray(tokens, dtype=np.uint16), vocab_size=vocab)
+        return d
+
+    good = shard("good", np.arange(2000) % 256)
+    high_ids = shard("high_ids", np.arange(2000) % 1000, vocab=1000)
+    magic = shard("magic", np.arange(2000) % 256)
+    with open(magic / "train_000000.bin", "r+b") as f:
+        f.write(np.int32(12345).tobytes())
+    truncated = shard("truncated", np.arange(2000) % 256)
+    with open(truncated / "train_000000.bin", "r+b") as f:
+        f.truncate(1500)
+    empty = root / "empty"
+    empty.mkdir()
+    not_ours = root / "not_ours"
+    not_ours.mkdir()
+    (not_ours / "ckpt_00000002.pt").write_bytes(b"PK\x03\x04 not a checkpoint")
+    (not_ours / "ckpt_00000002.pt.sha256").write_text("0" * 64)
+    a_file = root / "a_file"
+    a_file.write_text("x")
+    d = ["--data", str(good)]
+    out = ["--out-dir", str(root / "out")]
+    return [
+        ("unknown flag", [*d, *out, "--learning-rate", "1"]),
+        ("bad int", [*d, *out, "--n-layer", "two"]),
+        ("bad choice", [*d, *out, "--schedule", "linear"]),
+        ("max steps and tokens", [*d, *out, "--max-steps", "3", "--max-tokens", "100"]),
+        ("grad accum and total", [*d, *out, "--grad-accum", "2", "--total-batch-tokens", "256"]),
+        ("total not a multiple", [*d, *out, *MODEL, "--total-batch-tokens", "100"]),
+        ("heads", [*d, *out, "--n-head", "6", "--n-kv-head", "4"]),
+        ("embd per head", [*d, *out, "--n-embd", "100", "--n-head", "3", "--n-kv-head", "1"]),
+        ("odd head dim", [*d, *out, *MODEL, "--head-dim", "15"]),
+        ("zero layers", [*d, *out, "--n-layer", "0"]),
+        ("negative seq len", [*d, *out, "--seq-len", "-1"]),
+        ("zero batch", [*d, *out, "--batch-size", "0"]),
+        ("batch auto on cpu", [*d, *out, *MODEL, "--batch-size", "auto", "--total-batch-tokens", "256"]),
+        ("batch auto without a global batch", [*d, *out, "--batch-size", "auto"]),
+        ("negative lr", [*d, *out, *MODEL, "--lr", "-1"]),
+        ("beta out of range", [*d, *out, *MODEL, "--beta2", "1.5"]),
+        ("negative warmup", [*d, *out, "--warmup", "-3"]),
+        ("min lr ratio", [*d, *out, "--min-lr-ratio", "2"]),
+        ("keep ckpts", [*d, *out, "--keep-ckpts", "0"]),
+        ("rollback factor", [*d, *out, "--rollback-lr-factor", "0"]),
+        ("fp16 on cpu", [*d, *out, *MODEL, "--dtype", "fp16"]),
+        ("cuda missing", [*d, *out, "--device", "cuda"]) if not torch.cuda.is_available() else
+        ("mps missing", [*d, *out, "--device", "mps"]),
+        ("fsdp without torchrun", [*d, *out, "--dist", "fsdp"]),
+        ("ddp without torchrun", [*d, *out, "--dist", "ddp"]),
+        ("fp8 attn without te", [*d, *out, "--fp8-attn"]),
+        ("missing data dir", ["--data", str(root / "nowhere"), *out, *MODEL]),
+        ("empty data dir", ["--data", str(empty), *out, *MODEL]),
+        ("data is a file", ["--data", str(a_file), *out, *MODEL]),
+        ("seq len longer than a shard", [*d, *out, *MODEL, "--seq-len", "4096"]),
+        ("wrong magic", ["--data", str(magic), *out, *MODEL]),
+        ("truncated shard", ["--data", str(truncated), *out, *MODEL]),
+        ("token ids above the vocab", ["--data", str(high_ids), *out, *MODEL, "--max-steps", "2"]),
+        ("resume without checkpoints", [*d, "--out-dir", str(empty), *MODEL, "--resume"]),
+        ("checkpoint not ours", [*d, "--out-dir", str(not_ours), *MODEL, "--resume"]),
+        ("out dir under a file", [*d, "--out-dir", str(a_file / "out"), *MODEL]),
+        ("profile too short", [*d, *out, *MODEL, "--max-steps", "3", "--profile"]),
+        ("from-hf missing", [*d, *out, *MODEL, "--from-hf", str(root / "no_hf")]),
+    ]
+
+
+def test_bad_input_gets_one_line_and_exit_2(tmp_path, capsys):
+    cases = bad_inputs(tmp_path)
+    assert len(cases) >= 30
+    for name, argv in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2, (name, err)
+        errors = [line for line in err if line.startswith("error: ")]
+        assert len(errors) == 1 and err[-1] == errors[0], (name, err)
+        assert "Traceback" not in "\n".join(err), name
+
+
+def test_the_wandb_key_never_reaches_logs_or_checkpoints(data_dir, tmp_path, monkeypatch, capsys):
+    secret = "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "2", "--wandb",
+                "--wandb-mode", "offline"])
+    captured = capsys.readouterr()
+    assert secret not in captured.out + captured.err
+    for root, _, files in os.walk(tmp_path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                assert secret.encode() not in f.read(), name

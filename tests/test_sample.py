@@ -1,0 +1,206 @@
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import checkpoint
+import sample
+from data import get_tokenizer
+from model import GPT, KVCache, ModelConfig
+from sample import decode_stream, generate, next_token, sample_text, top_k_filter, top_p_filter
+
+# GQA (4 query heads per kv head), head_dim not n_embd // n_head, a padded vocab, a small rope_theta so
+# that the rotation matters over a short sequence.
+TINY = dict(vocab_size=200, n_layer=2, n_head=8, n_kv_head=2, n_embd=64, head_dim=16, ffn_dim=96,
+            max_seq_len=32, rope_theta=500.0)
+
+
+def tiny_model(seed: int = 0, **overrides) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(**{**TINY, **overrides})).eval()
+    # Larger weights than the init's, so attention is far from uniform and sampling far from flat.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
+    return model
+
+
+@torch.no_grad()
+def test_kv_cache_matches_full_forward():
+    model = tiny_model()
+    idx = torch.randint(0, 200, (2, 32))
+    full, _ = model(idx)
+    cache = KVCache(model.config, batch_size=2)
+    # A prefill, a multi-token chunk at an offset (the case SDPA's is_causal gets wrong), then one at a time.
+    pieces = [model(idx[:, :9], cache=cache)[0], model(idx[:, 9:14], cache=cache)[0]]
+    pieces += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(14, 32)]
+    incremental = torch.cat(pieces, dim=1)
+    assert cache.pos == 32
+    rel_err = (incremental - full).abs().max() / full.abs().max()
+    assert rel_err < 1e-5, f"relative error {rel_err:.2e}"
+
+
+@torch.no_grad()
+def test_kv_cache_rewind_and_training_path():
+    model = tiny_model()
+    idx = torch.randint(0, 200, (1, 12))
+    full, _ = model(idx)
+    cache = KVCache(model.config, batch_size=1, max_len=12)
+    model(torch.randint(0, 200, (1, 12)), cache=cache)
+    cache.pos = 0  # rewinding overwrites the old keys and values
+    again, _ = model(idx, cache=cache)
+    torch.testing.assert_close(again, full, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="KV cache holds 12 positions, 13 needed"):
+        model(idx[:, :1], cache=cache)
+
+
+def test_greedy_generate_matches_uncached_argmax():
+    model = tiny_model()
+    prompt = [5, 17, 42]
+    tokens = generate(model, prompt, 12, temperature=0)
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            logits, _ = model(torch.tensor([seq]))
+            seq.append(int(logits[0, -1, :200].argmax()))
+    assert tokens == seq[3:]
+
+
+def test_generate_past_max_seq_len_restarts_cache():
+    model = tiny_model()
+    prompt = list(range(20))
+    tokens = generate(model, prompt, 30, temperature=0)  # 50 positions, max_seq_len 32
+    assert len(tokens) == 30
+    assert tokens[:12] == generate(model, prompt, 12, temperature=0)  # identical until the cache fills
+
+
+def test_generate_never_samples_padding_and_stops_at_eot():
+    model = tiny_model()
+    # At a huge temperature every column is about equally likely: unsliced, 56 of 256 would be padding.
+    g = torch.Generator().manual_seed(0)
+    assert all(t < 200 for t in generate(model, [1, 2], 30, temperature=1e4, generator=g))
+    first = generate(model, [1, 2], 1, temperature=0)[0]
+    assert generate(model, [1, 2], 10, temperature=0, eot=first) == []
+
+
+def test_top_k_filter():
+    logits = torch.tensor([1.0, 3.0, 2.0, 5.0, 4.0])
+    out = top_k_filter(logits, 2)
+    assert torch.equal(out, torch.tensor([-math.inf, -math.inf, -math.inf, 5.0, 4.0]))
+    assert torch.equal(top_k_filter(logits, 5), logits)
+
+
+def test_top_p_filter():
+    logits = torch.tensor([0.5, 0.3, 0.2]).log()
+    kept = lambda p: torch.isfinite(top_p_filter(logits, p)).tolist()  # noqa: E731
+    assert kept(0.6) == [True, True, False]
+    assert kept(0.5) == [True, False, False]  # the top token alone already holds 0.5
+    assert kept(0.01) == [True, False, False]  # never empty
+    assert kept(1.0) == [True, True, True]
+
+
+def test_filters_match_transformers():
+    generation = pytest.importorskip("transformers.generation.logits_process")
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(0))
+    for k in (1, 7, 50):
+        expected = generation.TopKLogitsWarper(k)(None, logits.clone())
+        assert torch.equal(top_k_filter(logits, k), expected)
+    for p in (0.1, 0.5, 0.9):
+        expected = generation.TopPLogitsWarper(p)(None, logits.clone())
+        assert torch.equal(torch.isfinite(top_p_filter(logits, p)), torch.isfinite(expected))
+
+
+def test_next_token():
+    logits = torch.tensor([0.1, 2.0, 1.9, -1.0])
+    assert next_token(logits, 0, None, None, None) == 1
+    g = torch.Generator().manual_seed(0)
+    assert {next_token(logits, 1.0, 1, None, g) for _ in range(20)} == {1}
+    assert {next_token(logits, 1.0, None, 0.6, g) for _ in range(50)} <= {1, 2}
+
+
+def test_seeded_sampling_is_deterministic():
+    model = tiny_model()
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        return generate(model, [3, 4, 5], 16, temperature=1.0, top_k=50, top_p=0.95, generator=g)
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_decode_stream_joins_split_utf8():
+    enc = get_tokenizer()
+    text = "héllo 日本語 🤖 ok"
+    tokens = enc.encode(text)
+    split = [t for t in tokens if not _is_utf8(enc.decode_single_token_bytes(t))]
+    assert split, "the text should hold a character split across tokens"
+    pieces = list(decode_stream(enc, tokens))
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def _is_utf8(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def gpt2_sized(seed=0) -> GPT:
+    """The GPT-2 vocabulary, so the tokenizer's ids fit; otherwise tiny."""
+    return tiny_model(seed, vocab_size=50257, n_embd=32, head_dim=8, ffn_dim=64, n_head=4)
+
+
+def test_sample_text_is_seeded_and_leaves_global_rng_alone():
+    model, enc = gpt2_sized(), get_tokenizer()
+    before = torch.get_rng_state()
+    a = sample_text(model, enc, "Hello", max_new_tokens=8, seed=3)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert a == sample_text(model, enc, "Hello", max_new_tokens=8, seed=3)
+    assert a.startswith("Hello") and len(a) > len("Hello")
+
+
+def write_checkpoint(path, model):
+    state = model.state_dict()
+    state["blocks.0.attn.qkv._extra_state"] = torch.zeros(0)  # as a Transformer Engine block writes
+    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": state, "optimizer": {},
+                          "loader": {}, "rng": {}, "model_config": dataclasses.asdict(model.config),
+                          "train_config": {}}, str(path))
+
+
+@pytest.mark.parametrize("source", ["ckpt", "hf"])
+def test_cli_prints_text(tmp_path, capsys, source):
+    model = gpt2_sized()
+    path = tmp_path / "ckpt.pt"
+    write_checkpoint(path, model)
+    if source == "hf":
+        from export import export_hf, read_checkpoint
+
+        path = tmp_path / "hf"
+        export_hf(*read_checkpoint(str(tmp_path / "ckpt.pt")), str(path))
+    argv = [f"--{source}", str(path), "--prompt", "Hello", "--max-new-tokens", "12", "--device", "cpu", "--greedy"]
+    assert sample.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Hello") and len(out.strip()) > len("Hello")
+    enc = get_tokenizer()
+    expected = generate(model, enc.encode("Hello"), 12, temperature=0, eot=enc.eot_token)
+    assert out == "Hello" + enc.decode(expected) + "\n"
+
+
+@pytest.mark.parametrize("argv", [["--ckpt", "missing.pt"], ["--hf", "missing_dir"], ["--ckpt", "x", "--top-k", "-1"]])
+def test_cli_errors_exit_2_in_one_line(tmp_path, capsys, argv):
+    argv = [a if not a.startswith("missing") else str(tmp_path / a) for a in argv]
+    assert sample.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_cli_rejects_a_foreign_checkpoint(tmp_path, capsys):
+    path = tmp_path / "foreign.pt"
+    torch.save({"model": {}}, path)
+    assert sample.main(["--ckpt", str(path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "not a checkpoint of this trainer" in err and err.count("\n") == 1
