@@ -122,14 +122,14 @@ def build_parser():
     g.add_argument("--from-hf", default=t.from_hf, metavar="DIR",
                    help="start from the weights of a Hugging Face Qwen3 directory (export.py writes one); its "
                         "shape replaces the model flags, --seq-len still applies")
-    g.add_argument("--n-layer", type=int, default=4)
-    g.add_argument("--n-head", type=int, default=4)
+    g.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    g.add_argument("--n-head", type=int, default=4, help="query heads")
     g.add_argument("--n-kv-head", type=int, default=2, help="key/value heads (GQA); must divide --n-head")
-    g.add_argument("--n-embd", type=int, default=128)
+    g.add_argument("--n-embd", type=int, default=128, help="model width")
     g.add_argument("--head-dim", type=int, default=m.head_dim, help="default: n_embd / n_head")
     g.add_argument("--ffn-dim", type=int, default=m.ffn_dim, help="SwiGLU hidden size (default: see model.py)")
     g.add_argument("--seq-len", type=int, default=128, help="tokens per training sequence")
-    g.add_argument("--rope-theta", type=float, default=m.rope_theta)
+    g.add_argument("--rope-theta", type=float, default=m.rope_theta, help="RoPE base frequency")
     g.add_argument("--untied", action="store_true", help="separate lm_head and embedding weights")
 
     g = p.add_argument_group("batch and length")
@@ -144,14 +144,15 @@ def build_parser():
     g.add_argument("--max-tokens", type=int, help="train for this many tokens instead of --max-steps")
 
     g = p.add_argument_group("optimizer and schedule")
-    g.add_argument("--optimizer", default=o.name, choices=["adamw", "adamw8bit", "muon"])
+    g.add_argument("--optimizer", default=o.name, choices=["adamw", "adamw8bit", "muon"],
+                   help="fused AdamW, bitsandbytes 8-bit AdamW, or Muon for the hidden matrices + AdamW for the rest")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (suits the small default model)")
     g.add_argument("--adam-lr", type=float, default=o.adam_lr,
                    help="peak LR of the AdamW side of a Muon run (embeddings, norms); default: --lr")
     g.add_argument("--weight-decay", type=float, default=o.weight_decay, help="decoupled, matrices only")
-    g.add_argument("--beta1", type=float, default=o.betas[0])
-    g.add_argument("--beta2", type=float, default=o.betas[1])
-    g.add_argument("--muon-momentum", type=float, default=o.momentum)
+    g.add_argument("--beta1", type=float, default=o.betas[0], help="Adam first-moment decay")
+    g.add_argument("--beta2", type=float, default=o.betas[1], help="Adam second-moment decay")
+    g.add_argument("--muon-momentum", type=float, default=o.momentum, help="Muon's Nesterov momentum")
     g.add_argument("--ns-steps", type=int, default=o.ns_steps, help="Newton-Schulz iterations in Muon")
     g.add_argument("--ns-dtype", default=o.ns_dtype, choices=["auto", "bf16", "fp32", "fp64"],
                    help="Newton-Schulz dtype (auto: bf16 on CUDA, fp32 elsewhere)")
@@ -178,8 +179,8 @@ def build_parser():
                    help=f"run torch.profiler over {PROFILE_ACTIVE} steps after {PROFILE_WAIT} warm-up steps; writes "
                         "OUT/trace.json (open in Perfetto or chrome://tracing) and prints the top ops")
     g.add_argument("--wandb", action="store_true", help="log to Weights & Biases (offline when no API key)")
-    g.add_argument("--wandb-project", default=t.wandb_project)
-    g.add_argument("--wandb-run-name", default=t.wandb_run_name)
+    g.add_argument("--wandb-project", default=t.wandb_project, help="wandb project")
+    g.add_argument("--wandb-run-name", default=t.wandb_run_name, help="wandb run name (default: wandb picks one)")
     g.add_argument("--wandb-tags", default=t.wandb_tags, help="comma-separated tags for the wandb run")
     g.add_argument("--wandb-mode", default=t.wandb_mode, choices=["auto", "online", "offline"],
                    help="auto: online with an API key, offline without")
@@ -189,7 +190,8 @@ def build_parser():
                    help="non-finite steps in a row (each one's update is skipped) before --on-bad-steps acts")
     g.add_argument("--on-bad-steps", default=t.on_bad_steps, choices=["rollback", "stop"],
                    help="rollback: reload the newest checkpoint and scale the LR by --rollback-lr-factor; stop: exit")
-    g.add_argument("--rollback-lr-factor", type=float, default=t.rollback_lr_factor)
+    g.add_argument("--rollback-lr-factor", type=float, default=t.rollback_lr_factor,
+                   help="LR multiplier applied at each rollback")
     g.add_argument("--spike-factor", type=float, default=t.spike_factor,
                    help="warn when the loss exceeds this multiple of its running average (0: off)")
     g.add_argument("--early-stop-patience", type=int, default=t.early_stop_patience,
@@ -205,7 +207,7 @@ def build_parser():
                    help="FSDP2: free gathered parameters after forward (less memory, one more all-gather)")
 
     g = p.add_argument_group("system")
-    g.add_argument("--seed", type=int, default=t.seed)
+    g.add_argument("--seed", type=int, default=t.seed, help="initialisation and data order")
     g.add_argument("--device", default=t.device, choices=["auto", "cuda", "mps", "cpu"],
                    help="auto: cuda, then mps, then cpu")
     g.add_argument("--dtype", default=t.dtype, choices=["auto", "bf16", "fp16", "fp32"],

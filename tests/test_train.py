@@ -107,6 +107,7 @@ def test_help_documents_every_flag():
     result = run_cli("--help")
     assert result.returncode == 0
     for action in train.build_parser()._actions:
+        assert action.help, action.option_strings
         for flag in action.option_strings:
             assert flag in result.stdout
 
