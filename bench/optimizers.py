@@ -103,7 +103,7 @@ def parse_bench_args(argv):
     p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
                    help="comma-separated, run in this order (adamw first: the defaults below use its best LR)")
-    p.add_argument("--adamw-lrs", type=parse_lrs, default=[3e-3, 6e-3, 1.2e-2])
+    p.add_argument("--adamw-lrs", type=parse_lrs, default=[1.5e-3, 3e-3, 6e-3, 1.2e-2])
     p.add_argument("--adamw8bit-lrs", type=parse_lrs,
                    help="default: the best AdamW LR of this sweep (does 8-bit state track AdamW where it is tuned?)")
     p.add_argument("--muon-lrs", type=parse_lrs, default=[3e-3, 6e-3, 1.2e-2],
@@ -232,7 +232,7 @@ def report(a, results, adam_lrs, walls, command, hardware, code, loads) -> str:
         f"- command: `{command}`",
         f"- hardware: {hardware}",
         f"- code: {code}",
-        f"- load average (1 min) at start / end: {loads[0]:.1f} / {loads[1]:.1f} "
+        f"- load average (1 min) when this invocation started / ended: {loads[0]:.1f} / {loads[1]:.1f} "
         "(a shared machine: tokens/s depend on what else ran)",
         f"- budget: {a.steps} steps x {tokens_per_step:,} tokens = {budget:,} tokens per run; val loss on the same "
         f"{a.eval_tokens:,} val tokens every {a.eval_every} steps; one seed per run",
@@ -327,8 +327,11 @@ def main(argv=None):
     target = None
     if results.get("adamw") and best_lr(results["adamw"]) is not None:
         target = (final_val_loss(results["adamw"][best_lr(results["adamw"])]), "AdamW's best final val loss")
-    plot_runs(best_runs, png_path, panels=("val_loss",), target=target,
-              title="validation loss, best LR of each optimizer")
+    finals = [final_val_loss(r) for r in best_runs.values()]
+    # Zoomed to where the runs separate: from just under the best final loss to 1.0 above the worst one.
+    ylim = (min(finals) - 0.1, max(finals) + 1.0) if finals else None
+    plot_runs(best_runs, png_path, panels=("val_loss",), target=target, loss_ylim=ylim,
+              title="validation loss, best LR of each optimizer (zoomed; earlier evals are off the top)")
     print()
     print(table)
     print(f"wrote {md_path} and {png_path}")

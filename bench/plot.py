@@ -61,10 +61,11 @@ def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
 
 
 def plot_runs(runs: dict[str, list[dict]], out_png: str, panels=DEFAULT_PANELS, title: str | None = None,
-              target: tuple[float, str] | None = None) -> None:
+              target: tuple[float, str] | None = None, loss_ylim: tuple[float, float] | None = None) -> None:
     """Draw one panel per name in panels (see PANELS), every run overlaid, and save a PNG.
 
     target, as (loss, label), draws a dashed horizontal line on the loss panels: a loss to reach.
+    loss_ylim zooms the loss panels, whose first evals are far above the losses worth comparing.
     """
     unknown = [p for p in panels if p not in PANELS]
     if unknown:
@@ -88,8 +89,11 @@ def plot_runs(runs: dict[str, list[dict]], out_png: str, panels=DEFAULT_PANELS, 
                     name = f"{label} (train)" if faint else label
                     ax.plot(xs, ys, color=colour, linewidth=0.8 if faint else 1.5, alpha=0.45 if faint else 1.0,
                             label=name)
-        if target is not None and "loss" in panel:
-            ax.axhline(target[0], color="black", linestyle="--", linewidth=1, label=target[1])
+        if "loss" in panel:
+            if target is not None:
+                ax.axhline(target[0], color="black", linestyle="--", linewidth=1, label=target[1])
+            if loss_ylim is not None:
+                ax.set_ylim(*loss_ylim)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
         if ax.has_data():
