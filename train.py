@@ -30,7 +30,7 @@ import memory
 from checkpoint import CheckpointError
 from data import DataError, ShardLoader, default_corpus, get_tokenizer
 from export import load_hf
-from model import GPT, ModelConfig, flops_per_token
+from model import GPT, ModelConfig, flops_per_token, plain_to_te_state_dict, te_to_plain_state_dict
 from optim import OptimConfig, build_optimizer, describe_param_groups, optimizer_state_bytes
 from progress import Progress
 from resilience import EarlyStopping, LossHealth, StopSignals, fits_by_trying, largest_fitting_batch, micro_batch_for
@@ -643,7 +643,7 @@ def setup(c, model_cfg, optim_cfg):
     random.seed(c.seed)
     model = GPT(model_cfg, backend="te" if c.fp8 == "te" else "plain").to(device)
     if init_state is not None:  # before torchao, DDP or FSDP2 take the parameters over
-        model.load_state_dict(init_state, strict=c.fp8 != "te")  # TE modules add their own _extra_state
+        model.load_state_dict(plain_to_te_state_dict(init_state) if c.fp8 == "te" else init_state)
     if c.fp8 == "torchao":
         fp8.convert_to_torchao_float8(model)
     memory.apply_activation_checkpointing(model, c.act_ckpt)  # before DDP / FSDP2 / compile wrap it
@@ -675,7 +675,8 @@ def setup(c, model_cfg, optim_cfg):
 
     compiled = wrapped
     if c.compile != "off":
-        compiled = torch.compile(wrapped, mode=None if c.compile == "default" else c.compile)
+        # fullgraph=False: TE modules are dynamo-disabled, so each one is a graph break, not an error.
+        compiled = torch.compile(wrapped, mode=None if c.compile == "default" else c.compile, fullgraph=False)
     peak, peak_reason = peak_flops(device, c.peak_tflops)
     config_dict = {"train": dataclasses.asdict(c), "model": dataclasses.asdict(model_cfg),
                    "optim": dataclasses.asdict(optim_cfg)}
@@ -741,6 +742,9 @@ def restore(out_dir, model, optimizer, loader, model_cfg, warn):
     if sharded:
         template = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer, options=state_dict_options(False))))
     tensors = checkpoint.load_tensors(path, template)
+    if not sharded:  # a file may come from the other backend: TE modules carry _extra_state entries
+        plain = te_to_plain_state_dict(tensors["model"])
+        tensors["model"] = plain_to_te_state_dict(plain) if model.backend == "te" else plain
     set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"],
                    options=state_dict_options(full=not sharded))
     loader.load_state_dict(meta["loader"])

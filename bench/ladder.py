@@ -18,7 +18,6 @@ import contextlib
 import gc
 import io
 import json
-import math
 import os
 import platform
 import shlex
@@ -64,6 +63,8 @@ SIZES = {
     "760M": ["--n-layer", "24", "--n-embd", "1536", "--n-head", "16", "--n-kv-head", "4"],
 }
 SWEEP_SETTINGS = {**BASE, "dtype": "bf16", "sdpa": "flash", "fused": True, "compile": "default"}
+# Environment variables that change the timings, recorded in the table's header when set.
+TIMING_ENV = ("OMP_NUM_THREADS", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "CUDA_VISIBLE_DEVICES")
 # Projection assumptions (see projected_mfu); H100 SXM datasheet figures for the peak and the bandwidth.
 H100_PEAK_BF16 = 989e12
 H100_HBM_BYTES_PER_S = 3.35e12
@@ -105,10 +106,15 @@ def settings_argv(settings, out_dir):
 
 
 def attention_kernel(sdpa):
-    """math: force SDPA's unfused reference kernel (the baseline); flash: force the flash kernel."""
+    """math: force SDPA's unfused reference kernel (the baseline). flash: every fused kernel and never the
+    math one; flash first, and cuDNN or memory-efficient attention where flash cannot take the call (on
+    the CPU, flash is the only fused kernel)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel(SDPBackend.MATH if sdpa == "math" else SDPBackend.FLASH_ATTENTION)
+    if sdpa == "math":
+        return sdpa_kernel(SDPBackend.MATH)
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    return sdpa_kernel(fused, set_priority=True)
 
 
 def one_line(e):
@@ -127,7 +133,7 @@ def measure_settings(settings, train_argv, bench, log):
                 torch.cuda.reset_peak_memory_stats()
             with contextlib.redirect_stdout(log):
                 run = train.setup(c, model_cfg, optim_cfg)
-        except (train.UsageError, train.DataError, ValueError) as e:
+        except (train.UsageError, train.DataError, train.CheckpointError, ValueError) as e:
             return {"status": f"n/a ({one_line(e)})"}
         try:
             with attention_kernel(settings["sdpa"]):
@@ -137,21 +143,22 @@ def measure_settings(settings, train_argv, bench, log):
         finally:
             run.loader.close()
             run.metrics.close()
-        tokens_per_s = statistics.median(rates)
-        step_s = run.tokens_per_step / tokens_per_s
-        result = {
-            "status": "ok", "tokens_per_s": tokens_per_s, "rates": rates, "warmup_s": warmup_s,
-            "tokens_per_step": run.tokens_per_step,
-            "compile_s": warmup_s - bench.warmup_steps * step_s if settings["compile"] != "off" else None,
-            "mfu": flops_per_token(model_cfg, run.seq_len) * tokens_per_s / run.peak_flops if run.peak_flops else None,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if run.device.type == "cuda" else None,
-        }
-    del run
-    gc.collect()
-    torch._dynamo.reset()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return result
+            peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30 if run.device.type == "cuda" else None
+            tokens_per_step, peak = run.tokens_per_step, run.peak_flops
+            del run  # free this rung's model and optimizer before the next one is built
+            gc.collect()
+            torch._dynamo.reset()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    tokens_per_s = statistics.median(rates)
+    return {
+        "status": "ok", "tokens_per_s": tokens_per_s, "rates": rates, "warmup_s": warmup_s,
+        "tokens_per_step": tokens_per_step,
+        "compile_s": warmup_s - bench.warmup_steps * tokens_per_step / tokens_per_s
+        if settings["compile"] != "off" else None,
+        "mfu": flops_per_token(model_cfg, model_cfg.max_seq_len) * tokens_per_s / peak if peak else None,
+        "peak_mem_gib": peak_mem_gib,
+    }
 
 
 # ----------------------------------------------------------------------------- the ladder
@@ -250,6 +257,9 @@ def ladder_main(bench, train_argv, argv):
     log = io.StringIO()
     header = [f"command: `python bench/ladder.py {shlex.join(argv)}`", f"machine: {describe_machine()}",
               f"setup: {describe_setup(train_argv, bench)}", f"date: {time.strftime('%Y-%m-%d %H:%M')}"]
+    env = [f"{k}={os.environ[k]}" for k in TIMING_ENV if k in os.environ]
+    if env:
+        header.append(f"environment: {' '.join(env)}")
     notes = ["A rung marked n/a did not run on this machine, for the reason given; nothing here is projected."]
     if not torch.cuda.is_available():
         notes.append("MFU n/a: no datasheet peak FLOP/s for a CPU (train.py --peak-tflops sets one). Peak memory "
