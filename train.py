@@ -275,6 +275,7 @@ def check_train_config(c, seq_len, optim_name):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1, got {value}")
     non_negative = {"--max-steps": c.max_steps, "--max-tokens": c.max_tokens, "--warmup": c.warmup,
+                    "--sample-tokens": c.sample_tokens,
                     "--eval-interval": c.eval_interval, "--ckpt-interval": c.ckpt_interval,
                     "--total-batch-tokens": c.total_batch_tokens, "--grad-clip": c.grad_clip}
     for flag, value in non_negative.items():
@@ -308,6 +309,8 @@ def check_speed_combination(c):
     """FP8 flags that only make sense together; shapes, dtype and the machine are checked in setup_fp8."""
     if c.fp8 != "te" and (c.fp8_attn or c.fp8_recipe != TrainConfig.fp8_recipe):
         raise UsageError("--fp8-attn and --fp8-recipe apply to --fp8 te only")
+    if c.fp8 == "te" and c.sample_tokens:
+        raise UsageError("--sample-tokens needs the plain backend's KV cache; it does not run with --fp8 te")
 
 
 def derive_grad_accum(c, seq_len, world_size=1):

@@ -339,6 +339,8 @@ def bad_inputs(root):
         ("fsdp without torchrun", [*d, *out, "--dist", "fsdp"]),
         ("ddp without torchrun", [*d, *out, "--dist", "ddp"]),
         ("fp8 attn without te", [*d, *out, "--fp8-attn"]),
+        ("sampling with te", [*d, *out, "--fp8", "te", "--sample-tokens", "8"]),
+        ("negative sample tokens", [*d, *out, "--sample-tokens", "-1"]),
         ("missing data dir", ["--data", str(root / "nowhere"), *out, *MODEL]),
         ("empty data dir", ["--data", str(empty), *out, *MODEL]),
         ("data is a file", ["--data", str(a_file), *out, *MODEL]),
