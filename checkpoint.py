@@ -154,14 +154,13 @@ def verify(path: str) -> None:
             raise CheckpointError(f"{file} is damaged: its sha256 does not match the one recorded when it was written")
 
 
-def newest_valid(out_dir: str, warn) -> str | None:
-    """The newest checkpoint that verifies and loads; each damaged one on the way is reported and skipped
-    (never deleted: the user may want to look at it)."""
+def load_newest(out_dir: str, make_template, warn):
+    """(path, meta, tensors) of the newest checkpoint that verifies and loads, or None. Each damaged one
+    on the way is reported through `warn` and skipped (never deleted: the user may want to look at it)."""
     for path in reversed(list_checkpoints(out_dir)):
         try:
             verify(path)
-            load_meta(path)
-            return path
+            return (path, *load(path, make_template))
         except CheckpointError as e:
             warn(f"warning: skipping checkpoint: {e}")
     return None
@@ -180,30 +179,29 @@ def _check_meta(meta, path: str) -> dict:
     return meta
 
 
-def load_meta(path: str) -> dict:
-    """The meta dict (step, loader, rng, configs) of a checkpoint of either format."""
-    if os.path.isdir(path):
-        return _check_meta(_torch_load(os.path.join(path, META_FILE)), path)
-    state = _torch_load(path)
-    if isinstance(state, dict):
-        state = {k: v for k, v in state.items() if k not in ("model", "optimizer")}
-    return _check_meta(state, path)
+def load(path: str, make_template=None) -> tuple[dict, dict | None]:
+    """(meta, {"model": ..., "optimizer": ...}) of a checkpoint of either format, reading each byte once.
 
-
-def load_tensors(path: str, template: dict) -> dict:
-    """{"model": ..., "optimizer": ...} from a checkpoint of either format.
-
-    A file holds full tensors. A DCP directory is read into `template` (the loading run's own state
-    dicts, sharded or not), which is how it reshards to a different world size.
+    A file holds full tensors. A DCP directory's meta comes first (meta.pt); its shards are then read into
+    make_template(meta), the loading run's own state dicts, sharded or not, which is how DCP reshards to a
+    different world size. Without make_template a directory's tensors are not read (None).
     """
-    if not os.path.isdir(path):
-        state = _torch_load(path)
-        return {"model": state["model"], "optimizer": state["optimizer"]}
-    try:
-        dcp.load(template, checkpoint_id=path)
-    except Exception as e:
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    return template
+    if os.path.isdir(path):
+        meta = _check_meta(_torch_load(os.path.join(path, META_FILE)), path)
+        if make_template is None:
+            return meta, None
+        template = make_template(meta)
+        try:
+            dcp.load(template, checkpoint_id=path)
+        except Exception as e:
+            raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0]}") from None
+        return meta, template
+    state = _torch_load(path)
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"{path} is not a checkpoint of this trainer (format version {CHECKPOINT_VERSION})")
+    tensors = {"model": state.pop("model"), "optimizer": state.pop("optimizer", None)}
+    return _check_meta(state, path), tensors
 
 
 def remove(path: str) -> None:
@@ -218,7 +216,7 @@ def remove(path: str) -> None:
 def dcp_to_file(src_dir: str, dst: str) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    meta = load_meta(src_dir)
+    meta, _ = load(src_dir)
     tmp = f"{dst}.tensors.tmp"
     dcp_to_torch_save(src_dir, tmp)
     tensors = _torch_load(tmp)
@@ -227,8 +225,7 @@ def dcp_to_file(src_dir: str, dst: str) -> None:
 
 
 def file_to_dcp(src: str, dst_dir: str) -> None:
-    meta = load_meta(src)
-    tensors = load_tensors(src, template={})
+    meta, tensors = load(src)
     save_sharded(tensors, meta, dst_dir, is_main=True, barrier=lambda: None)
 
 

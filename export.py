@@ -187,14 +187,15 @@ def _safetensors():
 def read_checkpoint(path: str) -> tuple[ModelConfig, dict]:
     """A train.py checkpoint's model config and weights (TE `_extra_state` entries dropped), from a single
     file or a sharded DCP directory. Raises CheckpointError for a missing, corrupt or foreign one."""
-    meta = checkpoint.load_meta(path)
-    try:
-        config = ModelConfig(**meta["model_config"])
-    except (KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: unreadable model_config ({e})") from None
-    # DCP reads into the tensors it is given; a file needs none.
-    template = {"model": GPT(config).state_dict()} if os.path.isdir(path) else None
-    return config, te_to_plain_state_dict(checkpoint.load_tensors(path, template)["model"])
+    def config_of(meta):
+        try:
+            return ModelConfig(**meta["model_config"])
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"{path}: unreadable model_config ({e})") from None
+
+    # A DCP directory is read into the tensors it is given: the model's own, no optimizer.
+    meta, tensors = checkpoint.load(path, lambda meta: {"model": GPT(config_of(meta)).state_dict()})
+    return config_of(meta), te_to_plain_state_dict(tensors["model"])
 
 
 def load_hf(directory: str) -> tuple[ModelConfig, dict]:

@@ -734,17 +734,21 @@ def restore(out_dir, model, optimizer, loader, model_cfg, warn):
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    path = checkpoint.newest_valid(out_dir, warn or (lambda message: None))
-    if path is None:
+    def check_config(meta):
+        if meta["model_config"] != dataclasses.asdict(model_cfg):
+            raise UsageError(f"--resume: the checkpoint of step {meta['step']} in {out_dir} was trained with a "
+                             "different model config; pass the same model flags")
+
+    def sharded_template(meta):  # a DCP directory is read into this run's own (possibly sharded) state dicts
+        check_config(meta)
+        return dict(zip(("model", "optimizer"), get_state_dict(model, optimizer, options=state_dict_options(False))))
+
+    found = checkpoint.load_newest(out_dir, sharded_template, warn or (lambda message: None))
+    if found is None:
         raise UsageError(f"--resume: no usable checkpoint in {out_dir}")
-    meta = checkpoint.load_meta(path)
-    if meta["model_config"] != dataclasses.asdict(model_cfg):
-        raise UsageError(f"--resume: {path} was trained with a different model config; pass the same model flags")
+    path, meta, tensors = found
+    check_config(meta)
     sharded = os.path.isdir(path)
-    template = None
-    if sharded:
-        template = dict(zip(("model", "optimizer"), get_state_dict(model, optimizer, options=state_dict_options(False))))
-    tensors = checkpoint.load_tensors(path, template)
     if not sharded:  # a file may come from the other backend: TE modules carry _extra_state entries
         plain = te_to_plain_state_dict(tensors["model"])
         tensors["model"] = plain_to_te_state_dict(plain) if model.backend == "te" else plain

@@ -115,7 +115,7 @@ def test_resume_across_world_sizes(data_dir, tmp_path):
         torch.testing.assert_close(converted["model"][name], tensor, rtol=1e-5, atol=1e-6)
     back = str(tmp_path / "back")
     assert checkpoint.main(["to-dcp", as_file, back]) == 0
-    assert checkpoint.load_meta(back)["step"] == 6
+    assert checkpoint.load(back)[0]["step"] == 6
 
 
 @pytest.mark.parametrize("args, message", [

@@ -87,8 +87,10 @@ def test_sigkill_at_random_points_then_resume_is_bit_identical(data_dir, referen
         killed_at.append(steps_logged(tmp_path))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    final = start(data_dir, tmp_path, *args, "--resume")
-    assert final.wait(timeout=300) == 0, final.stderr.read()
+    newest = checkpoint.checkpoint_step(checkpoint.list_checkpoints(str(tmp_path))[-1])
+    if newest < STEPS:  # a kill can land after the final checkpoint, while the process shuts down
+        final = start(data_dir, tmp_path, *args, "--resume")
+        assert final.wait(timeout=300) == 0, final.stderr.read()
     assert mid_write, killed_at
     assert losses(tmp_path) == reference
 
