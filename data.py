@@ -31,9 +31,9 @@ import time
 import numpy as np
 import tiktoken
 import torch
-from tqdm import tqdm
 
 from cli import ArgumentParser, UsageError, report_error
+from progress import Progress
 
 
 class DataError(Exception):
@@ -399,14 +399,15 @@ def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_
         counts[split].append(n)
         pending, n_pending = [buf[n:]], len(buf) - n
 
-    with tqdm(desc=desc, unit="tok", unit_scale=True, mininterval=0.5) as bar:
-        for tokens, docs in _encode(pieces, enc):
-            documents += docs
-            pending.append(tokens)
-            n_pending += len(tokens)
-            bar.update(len(tokens))
-            while n_pending >= split_and_size()[1]:
-                write(*split_and_size())
+    progress = Progress(None, desc, unit="tok", unit_scale=True)
+    for tokens, docs in _encode(pieces, enc):
+        documents += docs
+        pending.append(tokens)
+        n_pending += len(tokens)
+        progress.update(len(tokens))
+        while n_pending >= split_and_size()[1]:
+            write(*split_and_size())
+    progress.close()
     if documents == 0:
         raise DataError(f"no documents found in {desc}")
     split, _ = split_and_size()

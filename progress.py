@@ -16,8 +16,9 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, total: int, desc: str, unit: str = "it", initial: int = 0, enabled: bool = True,
-                 interval: float = 30.0, stream=None):
+    def __init__(self, total: int | None, desc: str, unit: str = "it", initial: int = 0, enabled: bool = True,
+                 interval: float = 30.0, stream=None, unit_scale: bool = False):
+        """total None: an open-ended count (a rate, no ETA)."""
         self.stream = stream or sys.stderr
         self.total, self.desc, self.unit, self.n = total, desc, unit, initial
         self.enabled, self.interval = enabled, interval
@@ -28,7 +29,8 @@ class Progress:
         if enabled and self.stream.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=self.stream)
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=self.stream,
+                            unit_scale=unit_scale)
 
     def set_postfix(self, text: str) -> None:
         self.postfix = text
@@ -48,11 +50,12 @@ class Progress:
     def line(self, now: float) -> str:
         done = self.n - self.start_n
         rate = done / max(now - self.start, 1e-9)
-        parts = [f"{self.desc} {self.n}/{self.total} {self.unit}"]
+        parts = [f"{self.desc} {self.n:,}" + (f"/{self.total:,}" if self.total else "") + f" {self.unit}"]
         if self.postfix:
             parts.append(self.postfix)
-        if done and self.total:
-            parts.append(f"{rate:.2f} {self.unit}/s, eta {_duration((self.total - self.n) / rate)}")
+        if done:
+            eta = f", eta {_duration((self.total - self.n) / rate)}" if self.total else ""
+            parts.append(f"{rate:,.2f} {self.unit}/s{eta}")
         return " | ".join(parts)
 
     def write(self, message: str) -> None:
