@@ -78,6 +78,13 @@ def test_two_ranks_match_one_process(mode, optimizer, data_dir, single_process, 
     assert reference_train[-1] < reference_train[0]  # the runs compared actually trained
 
 
+def test_fsdp_with_activation_checkpointing_matches_one_process(data_dir, single_process, tmp_path):
+    reference_train, _ = single_process("adamw")
+    train, _ = train_losses(2, tmp_path, "--data", data_dir, "--max-steps", "5", "--optimizer", "adamw",
+                            "--lr", "1e-2", "--dist", "fsdp", "--act-ckpt", "full")
+    np.testing.assert_allclose(train, reference_train, rtol=2e-6)
+
+
 def resume_from(src_out, step, dst_out, nproc, *args):
     """Copy checkpoint `step` of one run into a fresh out dir and resume from it to step 6."""
     os.makedirs(dst_out)
