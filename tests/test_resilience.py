@@ -111,6 +111,21 @@ def test_sigterm_checkpoints_and_exits_0_then_resumes_exactly(data_dir, referenc
     assert losses(tmp_path) == reference
 
 
+def test_a_second_ctrl_c_exits_at_once(data_dir, tmp_path):
+    # Wider and longer sequences than MODEL, so that a step lasts long enough for both signals to land in it.
+    proc = start(data_dir, tmp_path, "--max-steps", "200", "--n-embd", "256", "--seq-len", "256", "--batch-size", "8")
+    metrics = tmp_path / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "SIGINT again: exiting now" in err
+    assert checkpoint.list_checkpoints(str(tmp_path)) == []  # no checkpoint: it did not wait for the step
+
+
 # ----------------------------------------------------------------------------- damaged checkpoints
 
 
