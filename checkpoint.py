@@ -71,11 +71,38 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_synced(path: str, write) -> None:
+def _write_synced(path: str, write):
+    """write(f) into a new file at path, flushed to disk; returns what write returned."""
     with open(path, "wb") as f:
-        write(f)
+        result = write(f)
         f.flush()
         os.fsync(f.fileno())
+    return result
+
+
+class _HashingWriter:
+    """A write-only file that hashes what passes through, so a checkpoint need not be read back to be hashed."""
+
+    def __init__(self, f):
+        self.f, self.sha256 = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_hashed(state: dict):
+    """A writer for _write_synced: torch.save into the file, returning the sha256 of the bytes written."""
+
+    def write(f) -> str:
+        writer = _HashingWriter(f)
+        torch.save(state, writer)
+        return writer.sha256.hexdigest()
+
+    return write
 
 
 def _digest(path: str) -> str:
@@ -98,8 +125,8 @@ def save_file(state: dict, path: str) -> None:
     """
     tmp = f"{path}.tmp"
     try:
-        _write_synced(tmp, lambda f: torch.save(state, f))
-        _write_synced(f"{path}{DIGEST_SUFFIX}.tmp", lambda f: f.write(_digest(tmp).encode()))
+        digest = _write_synced(tmp, _save_hashed(state))
+        _write_synced(f"{path}{DIGEST_SUFFIX}.tmp", lambda f: f.write(digest.encode()))
         os.replace(f"{path}{DIGEST_SUFFIX}.tmp", f"{path}{DIGEST_SUFFIX}")
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(path) or ".")

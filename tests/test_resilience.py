@@ -168,7 +168,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypat
                 with open(path, "wb") as f:
                     f.write(b"\0" * 100)
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(path, write)
+        return real(path, write)
 
     monkeypatch.setattr(checkpoint, "_write_synced", write_until_the_disk_fills)
     with pytest.raises(SystemExit) as exit_info:
