@@ -231,6 +231,32 @@ def load(path: str, make_template=None) -> tuple[dict, dict | None]:
     return _check_meta(state, path), tensors
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(src, dst)
+
+
+def link(src: str, dst: str) -> None:
+    """Make dst a second name for the checkpoint at src, without copying its bytes where the filesystem
+    allows: checkpoints are only ever replaced by rename, never modified, so the two names cannot diverge."""
+    tmp = f"{dst}.tmp"
+    if os.path.isdir(src):
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp, copy_function=_link_or_copy)
+        if os.path.exists(dst):
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    else:
+        for suffix in (DIGEST_SUFFIX, ""):  # the checksum first, as save_file does
+            if os.path.exists(f"{tmp}{suffix}"):
+                os.remove(f"{tmp}{suffix}")
+            _link_or_copy(f"{src}{suffix}", f"{tmp}{suffix}")
+            os.replace(f"{tmp}{suffix}", f"{dst}{suffix}")
+    _fsync_dir(os.path.dirname(dst) or ".")
+
+
 def remove(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path)

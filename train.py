@@ -759,9 +759,10 @@ def restore(out_dir, model, optimizer, loader, model_cfg, warn):
     return meta
 
 
-def save(run, done, best=False):
-    """FSDP2 runs write a sharded DCP directory; the others a single file from rank 0. `best`: the copy kept
-    for the best validation loss, which pruning never touches."""
+def save(run, done, regular=True, best=False):
+    """FSDP2 runs write a sharded DCP directory; the others a single file from rank 0. `regular`: the
+    ckpt_N checkpoint, pruned to the newest --keep-ckpts; `best`: the one kept for the best validation loss,
+    which pruning never touches. With both, the state is gathered and written once and best links to it."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     info, out_dir = run.dist, run.cfg.out_dir
@@ -772,13 +773,16 @@ def save(run, done, best=False):
         "rng": rng_state(), "model_config": dataclasses.asdict(run.model_cfg), "train_config": dataclasses.asdict(run.cfg),
         "lr_scale": run.lr_scale, "health": run.health.state_dict(), "early_stop": run.early_stop.state_dict(),
     }
-    path = checkpoint.best_path(out_dir, sharded) if best else checkpoint.checkpoint_path(out_dir, done, sharded)
+    best_path = checkpoint.best_path(out_dir, sharded)
+    path = checkpoint.checkpoint_path(out_dir, done, sharded) if regular else best_path
     if sharded:
         checkpoint.save_sharded({"model": model_sd, "optimizer": optim_sd}, meta, path, info.is_main,
                                 lambda: distributed.barrier(info))
     elif info.is_main:
         checkpoint.save_file({**meta, "model": model_sd, "optimizer": optim_sd}, path)
     if info.is_main:
+        if regular and best:
+            checkpoint.link(path, best_path)
         for old in checkpoint.list_checkpoints(out_dir)[:-run.cfg.keep_ckpts]:
             checkpoint.remove(old)
     distributed.barrier(info)
@@ -994,14 +998,12 @@ def run_loop(run):
                 data_warned = True
                 progress.write(f"warning: step {done} spent {100 * phases['data'] / dt:.0f}% of its time waiting for "
                                "data (time_data_ms in metrics.jsonl has every step); the loader is a bottleneck")
-            stop_early = False
+            stop_early = improved = False
             if c.eval_interval and (done % c.eval_interval == 0 or done == run.max_steps):
                 record["val_loss"] = evaluate(run)
                 improved, stop_early = run.early_stop.update(record["val_loss"])
                 progress.write(f"step {done}: train loss {train_loss:.4f}, val loss {record['val_loss']:.4f}"
                                + (" (best so far)" if improved else ""))
-                if improved:
-                    save(run, done, best=True)
                 if c.sample_tokens:  # on every rank: under FSDP2 each forward is a collective
                     text = sample_text(run.model, get_tokenizer(), c.sample_prompt, c.sample_tokens, seed=c.seed)
                     progress.write(f"sample at step {done}: {text!r}")
@@ -1017,8 +1019,10 @@ def run_loop(run):
                 step = rollback(run, progress)
                 continue
             signalled = distributed.any_across_ranks(signals.requested is not None, run.dist, run.device)
-            if (c.ckpt_interval and done % c.ckpt_interval == 0) or done == run.max_steps or signalled or stop_early:
-                save(run, done)
+            on_interval = bool(c.ckpt_interval) and done % c.ckpt_interval == 0
+            regular = on_interval or done == run.max_steps or signalled or stop_early
+            if regular or improved:
+                save(run, done, regular=regular, best=improved)
             if signalled:
                 return (f"stopped by {signals.requested or 'a signal to another rank'} at step {done}; checkpoint "
                         f"written. Resume with the same command plus --resume")
