@@ -1,4 +1,5 @@
-"""Checkpoints: one file per step for single-device and DDP runs, a sharded DCP directory for FSDP2.
+"""Checkpoints: what a training state is, and how it is stored: one file per step for single-device and DDP
+runs, a sharded DCP directory for FSDP2.
 
     python checkpoint.py to-file out/ckpt_00001000 ckpt.pt   # DCP directory -> single file
     python checkpoint.py to-dcp  ckpt.pt out/ckpt_00001000    # single file -> DCP directory
@@ -12,19 +13,27 @@ loaded the same way, so a checkpoint can never run code.
 
 Writes are atomic (temporary name, fsync, rename) and carry sha256 checksums (ckpt_N.pt.sha256 beside a
 file, checksums.json inside a directory), so a resume can skip a damaged checkpoint for the one before.
+
+The training state (Checkpointer): the model and optimizer; the meta holds the data loader's position, the
+RNG states, the step, the model config and the run's whole config, and the fault-tolerance state
+(resilience.Guard: LR scale, loss health, early stopping). The Checkpointer also decides when to save.
 """
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
+import random
 import shutil
 import sys
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+import distributed
 from cli import ArgumentParser, UsageError, report_error
+from fp8 import plain_to_te_state_dict, te_to_plain_state_dict
 
 CHECKPOINT_VERSION = 1
 META_FILE = "meta.pt"
@@ -280,6 +289,117 @@ def dcp_to_file(src_dir: str, dst: str) -> None:
 def file_to_dcp(src: str, dst_dir: str) -> None:
     meta, tensors = load(src)
     save_sharded(tensors, meta, dst_dir, is_main=True, barrier=lambda: None)
+
+
+# ----------------------------------------------------------------------------- the training state
+
+
+def rng_state() -> dict:
+    return {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def state_dict_options(full: bool):
+    """Full state dicts (gathered to rank 0, on the CPU) for single files; sharded ones for DCP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full, cpu_offload=full)
+
+
+def for_backend(model_sd: dict, backend: str) -> dict:
+    """A model state dict from a file, for a model of `backend`: TE modules carry _extra_state entries that
+    the plain backend does not have, so a file written by either loads into either."""
+    plain = te_to_plain_state_dict(model_sd)
+    return plain_to_te_state_dict(plain) if backend == "te" else plain
+
+
+class Checkpointer:
+    """Saves and restores the training state in out_dir, and decides when to save.
+
+    FSDP2 runs write a sharded DCP directory; the others a single file from rank 0. Both resume any run
+    at any world size. Regular checkpoints are pruned to the newest `keep`; the best (lowest val loss) one
+    is kept apart and never pruned.
+    """
+
+    def __init__(self, out_dir: str, interval: int, keep: int, info: "distributed.DistInfo", model_cfg,
+                 run_config: dict):
+        self.out_dir, self.interval, self.keep, self.info = out_dir, interval, keep, info
+        self.model_cfg, self.run_config = model_cfg, run_config
+        self.sharded = info.mode == "fsdp"
+
+    @property
+    def best_path(self) -> str:
+        return best_path(self.out_dir, self.sharded)
+
+    def due(self, done: int, max_steps: int) -> bool:
+        """Is a regular checkpoint due after `done` steps? On the interval, and always at the end."""
+        return (bool(self.interval) and done % self.interval == 0) or done == max_steps
+
+    def save(self, done: int, model, optimizer, loader, guard, regular: bool = True, best: bool = False) -> None:
+        """`regular`: the ckpt_N checkpoint; `best`: the one kept for the best validation loss. With both,
+        the state is gathered and written once and best links to it."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(full=not self.sharded))
+        meta = {"version": CHECKPOINT_VERSION, "step": done, "loader": loader.state_dict(), "rng": rng_state(),
+                "model_config": dataclasses.asdict(self.model_cfg), "train_config": self.run_config,
+                **guard.state_dict()}
+        path = checkpoint_path(self.out_dir, done, self.sharded) if regular else self.best_path
+        is_main = self.info.is_main
+        if self.sharded:
+            save_sharded({"model": model_sd, "optimizer": optim_sd}, meta, path, is_main,
+                         lambda: distributed.barrier(self.info))
+        elif is_main:
+            save_file({**meta, "model": model_sd, "optimizer": optim_sd}, path)
+        if is_main:
+            if regular and best:
+                link(path, self.best_path)
+            for old in list_checkpoints(self.out_dir)[:-self.keep]:
+                remove(old)
+        distributed.barrier(self.info)
+
+    def restore(self, model, optimizer, loader, warn) -> dict:
+        """Load the newest good checkpoint (either format, any world size) into the live objects; -> its meta,
+        whose fault-tolerance part the caller hands to its Guard. Damaged checkpoints (checksum mismatch,
+        truncation) are reported through `warn` and skipped for the one before."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        def check_config(meta):
+            if meta["model_config"] != dataclasses.asdict(self.model_cfg):
+                raise UsageError(f"--resume: the checkpoint of step {meta['step']} in {self.out_dir} was trained "
+                                 "with a different model config; pass the same model flags")
+
+        def sharded_template(meta):  # a DCP directory is read into this run's own (maybe sharded) state dicts
+            check_config(meta)
+            return dict(zip(("model", "optimizer"), get_state_dict(model, optimizer,
+                                                                   options=state_dict_options(False))))
+
+        found = load_newest(self.out_dir, sharded_template, warn)
+        if found is None:
+            raise UsageError(f"--resume: no usable checkpoint in {self.out_dir}")
+        path, meta, tensors = found
+        check_config(meta)
+        sharded = os.path.isdir(path)
+        if not sharded:
+            tensors["model"] = for_backend(tensors["model"], model.backend)
+        set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"],
+                       options=state_dict_options(full=not sharded))
+        loader.load_state_dict(meta["loader"])
+        set_rng_state(meta["rng"])
+        return meta
+
+
+# ----------------------------------------------------------------------------- command line
 
 
 def main(argv=None) -> int:

@@ -657,6 +657,14 @@ class ShardLoader:
             self._thread.join()
             self._thread = None
 
+    def resize(self, batch_size: int) -> None:
+        """Take batches of `batch_size` sequences from the current position on (the out-of-memory retry's
+        smaller micro-batch); batches already prefetched at the old size are dropped."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.close()
+        self.batch_size = batch_size
+
     def __enter__(self):
         return self
 

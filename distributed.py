@@ -133,3 +133,27 @@ def set_grad_sync(model: torch.nn.Module, info: DistInfo, enabled: bool):
     if info.mode == "fsdp":
         model.set_requires_gradient_sync(enabled)
     return nullcontext()
+
+
+def parallelize(model: torch.nn.Module, info: DistInfo, device: torch.device, autocast_dtype: torch.dtype | None,
+                cfg, compile_mode: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Wrap the model for training -> (wrapped, compiled). The order is fixed here, torchtitan's:
+
+        1. FP8 (fp8.build_model)             swaps modules, so every later wrapper sees the FP8 GEMMs
+        2. activation checkpointing (memory)  wraps blocks; --batch-size auto probes after this, before 3
+        3. DDP or FSDP2 (here)                DDP wraps the root; FSDP2 shards each block, then the root
+        4. torch.compile (here)               compiles the wrapped module, so it traces the collectives too
+
+    `wrapped` is what DDP's no_sync and FSDP2's gradient-sync switch act on; `compiled` is what the forward
+    calls. cfg: config.DistConfig. fullgraph=False: TE modules are dynamo-disabled, so each one is a graph
+    break, not an error.
+    """
+    wrapped = model
+    if info.mode == "ddp":
+        wrapped = apply_ddp(model, info, device, cfg.ddp_bucket_mb)
+    elif info.mode == "fsdp":
+        param_dtype = autocast_dtype if device.type == "cuda" else None
+        wrapped = apply_fsdp(model, model.blocks, param_dtype, cfg.reshard_after_forward)
+    if compile_mode == "off":
+        return wrapped, wrapped
+    return wrapped, torch.compile(wrapped, mode=None if compile_mode == "default" else compile_mode, fullgraph=False)

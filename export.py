@@ -23,7 +23,8 @@ import checkpoint
 from cli import ArgumentParser, UsageError, report_error
 from checkpoint import CheckpointError
 from data import DataError, get_tokenizer
-from model import GPT, VOCAB_MULTIPLE, ModelConfig, te_to_plain_state_dict
+from fp8 import te_to_plain_state_dict
+from model import GPT, VOCAB_MULTIPLE, ModelConfig
 
 # Per-block weights that map one to one: our name -> the Hugging Face name under model.layers.{i}.
 BLOCK_RENAMES = {

@@ -1,12 +1,17 @@
 """FP8 training, two ways: NVIDIA Transformer Engine (TE) modules, or torchao's float8 linears.
 
-    --fp8 te       GPT(config, backend="te") (model.py); each micro-batch's forward runs inside
-                   te_autocast(te_recipe(...)), its backward outside; recipe "current" (default) or "delayed"
-    --fp8 torchao  convert_to_torchao_float8(model) on the plain backend: dynamic tensorwise scaling
+    --fp8 te       GPT(config, block=TEBlock): blocks of Transformer Engine modules; each micro-batch's
+                   forward runs inside autocast(recipe), its backward outside; recipe "current" or "delayed"
+    --fp8 torchao  convert_to_torchao_float8(model) on the plain blocks: dynamic tensorwise scaling
 
-Either way only the block GEMMs run in FP8; the embedding, the final norm and the lm_head stay in the
-autocast dtype (bf16). Parameter names never change, so a checkpoint moves between the paths: torchao and
-plain share state dicts; te <-> plain go through model.te_to_plain_state_dict / plain_to_te_state_dict.
+    recipe = prepare(cfg.fp8, model_cfg, micro_batch, device, autocast_dtype)   # checks, then TE's recipe
+    model = build_model(model_cfg, cfg.fp8, device, init_state)               # the blocks these flags want
+
+This is the only file that reads the FP8 settings (FP8Config) and the only one that knows Transformer
+Engine: model.py stays plain PyTorch and takes its block class as a parameter. Either way only the block
+GEMMs run in FP8; the embedding, the final norm and the lm_head stay in the autocast dtype (bf16).
+Parameter names never change, so a checkpoint moves between the paths: torchao and plain share state
+dicts; te <-> plain go through te_to_plain_state_dict / plain_to_te_state_dict.
 
 TE needs CUDA even to import, so every TE import here is lazy, and check_fp8_config() refuses an impossible
 combination (no GPU, no TE, shapes the FP8 GEMMs or FP8 attention cannot take) with a one-line error before
@@ -17,11 +22,13 @@ import importlib.util
 import os
 import sys
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from model import TE_INSTALL_HINT, LayerNormMLP, ModelConfig, TEBlock, import_te
+from cli import UsageError
+from model import GPT, Block, LayerNormMLP, ModelConfig, apply_rope
 
 FP8_MODES = ("off", "te", "torchao")
 FP8_RECIPES = ("current", "delayed")
@@ -29,6 +36,35 @@ FP8_RECIPES = ("current", "delayed")
 # attention trains only with delayed scaling, so with the current-scaling recipe the attention gets its own.
 DPA_RECIPE_ENV = "NVTE_DPA_FP8_RECIPE"
 FP8_ATTN_HEAD_DIM = 128
+TE_INSTALL_HINT = "pip install transformer-engine[pytorch] on a CUDA machine"
+# 2.4 is the first release whose modules accept the empty _extra_state that plain_to_te_state_dict supplies.
+TE_MIN_VERSION = (2, 4)
+# The TE modules of a block, by name; each adds a `<name>._extra_state` entry to the state dict.
+TE_MODULES = ("attn.qkv", "attn.core_attention", "attn.proj", "mlp")
+
+
+@dataclass
+class FP8Config:
+    mode: str = field(default="off", metadata={
+        "flag": "--fp8", "choices": FP8_MODES,
+        "help": "FP8 block GEMMs: Transformer Engine modules, or torchao float8 linears"})
+    recipe: str = field(default="current", metadata={
+        "flag": "--fp8-recipe", "choices": FP8_RECIPES,
+        "help": "--fp8 te scaling: current (stateless, compile-friendly) or delayed (amax history)"})
+    attn: bool = field(default=False, metadata={
+        "flag": "--fp8-attn", "help": "--fp8 te: FP8 attention too (needs head_dim 128)"})
+
+
+def check_fp8_flags(mode: str, recipe: str, fp8_attn: bool) -> None:
+    """ValueError (one line) for FP8 flags that contradict each other; needs nothing but the flags."""
+    if mode not in FP8_MODES:
+        raise ValueError(f"unknown fp8 mode {mode!r}; choose one of {', '.join(FP8_MODES)}")
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"unknown fp8 recipe {recipe!r}; choose one of {', '.join(FP8_RECIPES)}")
+    if mode != "te" and (fp8_attn or recipe != FP8Config.recipe):
+        which = "--fp8-attn" if fp8_attn else "--fp8-recipe"
+        raise ValueError(f"{which} needs --fp8 te: --fp8-attn and --fp8-recipe apply to --fp8 te only "
+                         "(FP8 attention and the scaling recipes are Transformer Engine's)")
 
 
 def te_installed() -> bool:
@@ -59,12 +95,7 @@ def check_fp8_config(mode: str, recipe: str, fp8_attn: bool, cfg: ModelConfig, b
     GEMM, so batch * seq must be a multiple of 16 there (our reading, not yet checked on a GPU). FP8
     attention (TE's cuDNN kernel on H100) needs head_dim 128.
     """
-    if mode not in FP8_MODES:
-        raise ValueError(f"unknown fp8 mode {mode!r}; choose one of {', '.join(FP8_MODES)}")
-    if recipe not in FP8_RECIPES:
-        raise ValueError(f"unknown fp8 recipe {recipe!r}; choose one of {', '.join(FP8_RECIPES)}")
-    if fp8_attn and mode != "te":
-        raise ValueError("--fp8-attn needs --fp8 te (FP8 attention is Transformer Engine's)")
+    check_fp8_flags(mode, recipe, fp8_attn)
     if mode == "off":
         return
     if mode == "te" and not cuda:
@@ -86,6 +117,106 @@ def check_fp8_config(mode: str, recipe: str, fp8_attn: bool, cfg: ModelConfig, b
 
 
 # ----------------------------------------------------------------------------- Transformer Engine
+
+
+
+def import_te():
+    """transformer_engine.pytorch, imported on first use: it needs CUDA even to import."""
+    if not torch.cuda.is_available():
+        raise ValueError(f"the Transformer Engine backend needs a CUDA GPU: {TE_INSTALL_HINT}")
+    try:
+        import transformer_engine
+        import transformer_engine.pytorch as te
+    except Exception as e:  # ImportError, or OSError / RuntimeError when libcuda or cuDNN is missing
+        raise ValueError(f"cannot import transformer_engine ({type(e).__name__}): {TE_INSTALL_HINT}") from None
+    version = tuple(int(part) for part in transformer_engine.__version__.split(".")[:2])
+    if version < TE_MIN_VERSION:
+        raise ValueError(f"transformer_engine {transformer_engine.__version__} is too old (need >= "
+                         f"{'.'.join(map(str, TE_MIN_VERSION))}): {TE_INSTALL_HINT}")
+    return te
+
+
+def _te_device() -> str:
+    # TE modules allocate on CUDA at construction; under `with torch.device("meta")` (FSDP2) they must not.
+    return "meta" if torch.get_default_device().type == "meta" else "cuda"
+
+
+class TEAttention(nn.Module):
+    """Attention on Transformer Engine modules: Attention's parameters and numerics, FP8-capable GEMMs.
+
+    QK-norm and the rotation run in plain PyTorch between TE's fused norm+QKV GEMM and its attention
+    kernel, exactly as in Attention; TE works in [batch, seq, heads, head_dim] ("bshd") layout.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        te, device = import_te(), _te_device()
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = hd = config.resolved_head_dim
+        qkv_rows = (config.n_head + 2 * config.n_kv_head) * hd
+        self.qkv = te.LayerNormLinear(config.n_embd, qkv_rows, eps=config.norm_eps, bias=False,
+                                      normalization="RMSNorm", device=device)
+        self.q_norm = nn.RMSNorm(hd, eps=config.norm_eps, device=device)
+        self.k_norm = nn.RMSNorm(hd, eps=config.norm_eps, device=device)
+        self.core_attention = te.DotProductAttention(
+            num_attention_heads=config.n_head, kv_channels=hd, num_gqa_groups=config.n_kv_head,
+            attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal",
+        )
+        self.proj = te.Linear(config.n_head * hd, config.n_embd, bias=False, device=device)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+    ) -> torch.Tensor:
+        if kv is not None:
+            raise ValueError("KV-cache decoding runs on the plain backend: load te_to_plain_state_dict(...) into GPT")
+        B, T, _ = x.shape
+        H, K, hd = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv(x).split([H * hd, K * hd, K * hd], dim=-1)
+        cos, sin = cos[:, None], sin[:, None]  # [T, 1, hd]: broadcast over the heads of bshd
+        q = apply_rope(self.q_norm(q.view(B, T, H, hd).float()), cos, sin).to(v.dtype)
+        k = apply_rope(self.k_norm(k.view(B, T, K, hd).float()), cos, sin).to(v.dtype)
+        y = self.core_attention(q, k, v.view(B, T, K, hd))  # [B, T, H * hd]
+        return self.proj(y)
+
+
+class TEBlock(Block):
+    """Block on Transformer Engine modules; LayerNormMLP's swiglu gates with the first half of fc1, as ours.
+    The residual wiring (forward) is Block's; only the modules differ, so Block's constructor is skipped."""
+
+    backend = "te"
+
+    def __init__(self, config: ModelConfig):
+        nn.Module.__init__(self)
+        te = import_te()
+        self.attn = TEAttention(config)
+        self.mlp = te.LayerNormMLP(config.n_embd, config.resolved_ffn_dim, eps=config.norm_eps, bias=False,
+                                   normalization="RMSNorm", activation="swiglu", device=_te_device())
+
+    @staticmethod
+    def checkpoint_fn(*args, **kwargs):
+        """memory.py's activation checkpointing of this block: TE's own checkpoint, which recomputes under
+        the same FP8 autocast as the forward."""
+        return import_te().checkpoint(*args, **kwargs)
+
+
+def te_to_plain_state_dict(state_dict: dict) -> dict:
+    """A TE-backend state dict -> one the plain backend loads strictly: drop TE's `*._extra_state` entries
+    (FP8 scaling metadata; empty for stateless recipes). Parameter names are the same on both sides."""
+    return {k: v for k, v in state_dict.items() if not k.endswith("._extra_state")}
+
+
+def plain_to_te_state_dict(state_dict: dict) -> dict:
+    """A plain-backend state dict -> one the TE backend loads strictly: add an empty `_extra_state` for
+    every TE module of every block found (TE reads an empty one as "no FP8 metadata yet")."""
+    out = dict(state_dict)
+    for key in state_dict:
+        parts = key.split(".")
+        if len(parts) == 5 and parts[0] == "blocks" and parts[2:] == ["attn", "qkv", "weight"]:
+            for module in TE_MODULES:
+                out.setdefault(f"blocks.{parts[1]}.{module}._extra_state", torch.empty(0, dtype=torch.uint8))
+    return out
+
 
 
 def set_te_attention_env(recipe: str, fp8_attn: bool) -> None:
@@ -204,3 +335,38 @@ def describe_fp8(model: nn.Module, fp8_recipe=None) -> str:
         return (f"torchao float8, dynamic tensorwise: qkv, proj, fc1, fc2 of {float8_blocks} blocks; "
                 "embedding, lm_head not FP8")
     return "off"
+
+
+# ----------------------------------------------------------------------------- set-up (what train.py calls)
+
+
+def prepare(cfg: FP8Config, model_cfg: ModelConfig, micro_batch: int | None, device: torch.device,
+            autocast_dtype: torch.dtype | None):
+    """Check the FP8 flags against the model, the batch and this machine, before anything is built; under
+    --fp8 te also point TE's attention at its recipe (before TE's import) -> TE's recipe, or None.
+
+    micro_batch None: chosen later by --batch-size auto; 1 is checked then, which demands seq_len itself
+    meet the token multiple, enough for any size."""
+    try:
+        check_fp8_config(cfg.mode, cfg.recipe, cfg.attn, model_cfg, micro_batch or 1, model_cfg.max_seq_len,
+                         cuda=device.type == "cuda", have_te=te_installed(), have_torchao=torchao_installed())
+        if cfg.mode != "te":
+            return None
+        if autocast_dtype is None:
+            raise ValueError("--fp8 te runs its non-FP8 parts (TE's fused attention) in 16 bits: use --dtype bf16")
+        set_te_attention_env(cfg.recipe, cfg.attn)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return te_recipe(cfg.recipe, cfg.attn)
+
+
+def build_model(model_cfg: ModelConfig, cfg: FP8Config, device: torch.device, init_state: dict | None = None) -> GPT:
+    """The GPT these FP8 settings ask for, on `device`: TE blocks under --fp8 te, plain ones otherwise, with
+    torchao's float8 GEMMs swapped in under --fp8 torchao. init_state (a plain state dict) is loaded before
+    the conversion, while the parameters are still plain tensors."""
+    model = GPT(model_cfg, block=TEBlock if cfg.mode == "te" else Block).to(device)
+    if init_state is not None:
+        model.load_state_dict(plain_to_te_state_dict(init_state) if cfg.mode == "te" else init_state)
+    if cfg.mode == "torchao":
+        convert_to_torchao_float8(model)
+    return model

@@ -1,8 +1,10 @@
-"""Training memory: activation checkpointing, a measurement of what autograd saves, and an estimate.
+"""Training memory: activation checkpointing, a measurement of what autograd saves, an estimate, and the
+search for the largest micro-batch that fits.
 
     apply_activation_checkpointing(model, "selective")        # none | full | selective | alternate
     saved_tensor_bytes(model, idx, targets, torch.bfloat16)   # measured: bytes held for backward
     estimate_memory(cfg, batch_size, seq_len, "adamw", "full", torch.bfloat16, "cuda")  # before allocating
+    auto_batch_size(model, ...)                                # --batch-size auto: probe the GPU
 
 The estimate counts, tensor by tensor, what the plain backend's eager forward saves for backward (the same
 tensors saved_tensor_bytes measures; tests/test_memory.py holds the two within 10% of each other). It does
@@ -12,13 +14,15 @@ not model torch.compile (whose partitioner chooses what to save, usually less), 
 
 import itertools
 import math
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from model import ModelConfig, TEBlock, import_te
+import distributed
+import hardware
+from cli import UsageError
+from model import ModelConfig
 
 ACT_CKPT_MODES = ("none", "full", "selective", "alternate")
 FP32 = 4
@@ -48,24 +52,25 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
     Blocks (or MLPs) are wrapped in torch's checkpoint_wrapper. State-dict keys do not change: the wrapper
     drops its `_checkpoint_wrapped_module.` prefix on save and restores it on load; named_parameters() of
     the whole model does show it, and optim.canonical_name strips it. TE blocks use TE's checkpoint, which
-    recomputes under the same FP8 autocast as the forward. Apply after FP8 conversion and before
-    torch.compile / FSDP2 (torchtitan's order).
+    recomputes under the same FP8 autocast as the forward (a block's `checkpoint_fn`). Apply after FP8
+    conversion and before torch.compile / FSDP2 (torchtitan's order).
     """
     if mode not in ACT_CKPT_MODES:
         raise ValueError(f"unknown activation checkpointing mode {mode!r}; choose one of {', '.join(ACT_CKPT_MODES)}")
     for i, block in enumerate(model.blocks):
+        checkpoint_fn = getattr(block, "checkpoint_fn", None)  # a block that needs its own (fp8.TEBlock)
         if mode == "full" or (mode == "alternate" and i % 2 == 0):
-            model.blocks[i] = _checkpoint_wrapper(block, te=isinstance(block, TEBlock))
+            model.blocks[i] = _checkpoint_wrapper(block, checkpoint_fn)
         elif mode == "selective":
-            block.mlp = _checkpoint_wrapper(block.mlp, te=isinstance(block, TEBlock))
+            block.mlp = _checkpoint_wrapper(block.mlp, checkpoint_fn)
     return model
 
 
-def _checkpoint_wrapper(module: nn.Module, te: bool) -> nn.Module:
+def _checkpoint_wrapper(module: nn.Module, checkpoint_fn) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    if te:
-        return checkpoint_wrapper(module, checkpoint_fn=import_te().checkpoint, use_reentrant=False)
+    if checkpoint_fn is not None:
+        return checkpoint_wrapper(module, checkpoint_fn=checkpoint_fn, use_reentrant=False)
     return checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
 
 
@@ -105,8 +110,7 @@ def saved_tensor_bytes(model: nn.Module, idx: torch.Tensor, targets: torch.Tenso
             storages[storage.data_ptr()] = storage.nbytes()
         return t
 
-    autocast = torch.autocast(idx.device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), hardware.autocast(idx.device, autocast_dtype):
         _, loss = model(idx, targets)
     del loss
     return sum(storages.values())
@@ -254,3 +258,105 @@ def format_memory_estimates(estimates: dict[str, MemoryEstimate], selected: str)
         cells = [e.params, e.grads, e.optimizer, e.activations, e.recompute, e.total]
         lines.append(f"| {mode}{mark} | " + " | ".join(f"{c / gib:.3f} GiB" for c in cells) + " |")
     return "\n".join(lines)
+
+
+def memory_report(cfg) -> str:
+    """--estimate-memory: the estimate for these flags (a config.Config) under every --act-ckpt mode;
+    builds and allocates nothing."""
+    import os
+
+    device, _ = hardware.resolve_device(cfg.speed.device)
+    autocast_dtype, dtype_reason = hardware.resolve_dtype(cfg.speed.dtype, device)
+    model_cfg, batch_size = cfg.model, cfg.data.batch_size
+    shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.dist.dist == "fsdp" else 1
+    estimates = {mode: estimate_memory(model_cfg, batch_size, model_cfg.max_seq_len, cfg.optim.name, mode,
+                                       autocast_dtype, device.type, shards)
+                 for mode in ACT_CKPT_MODES}
+    n_params = sum(param_numels(model_cfg).values())
+    sharding = f", FSDP2 over {shards} ranks" if shards > 1 else ""
+    return "\n".join([
+        f"memory estimate per device: {n_params / 1e6:.2f}M params, optimizer {cfg.optim.name}, "
+        f"micro-batch {batch_size} x {model_cfg.max_seq_len} tokens, {device.type}, {dtype_reason}{sharding}",
+        "",
+        format_memory_estimates(estimates, cfg.speed.act_ckpt),
+        "",
+        "Activations: what the plain backend's eager forward saves for backward (memory.py); torch.compile and",
+        "FP8 usually save less. Not counted: the CUDA context, allocator fragmentation, temporaries.",
+    ])
+
+
+# ----------------------------------------------------------------------------- the largest batch that fits
+
+
+def fits_by_trying(attempt, out_of_memory: tuple[type[BaseException], ...]):
+    """A "does it fit" callable from an attempt that raises one of `out_of_memory` when it does not."""
+
+    def fits(size: int) -> bool:
+        try:
+            attempt(size)
+            return True
+        except out_of_memory:
+            return False
+
+    return fits
+
+
+def largest_fitting_batch(fits, limit: int) -> int:
+    """The largest micro-batch size in [1, limit] for which fits(size) is True, assuming fitting is monotone.
+
+    Doubles from 1 until a size fails, then bisects between the last success and that failure, so it asks
+    about O(log limit) sizes. Returns 0 when not even 1 fits.
+    """
+    if limit < 1 or not fits(1):
+        return 0
+    good, bad = 1, None
+    while bad is None and good < limit:
+        trial = min(2 * good, limit)
+        if fits(trial):
+            good = trial
+        else:
+            bad = trial
+    while bad is not None and bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def micro_batch_for(global_sequences: int, fitting: int) -> int:
+    """The largest divisor of the per-rank sequences per step that fits, so the global batch stays exact."""
+    return max(b for b in range(1, min(fitting, global_sequences) + 1) if global_sequences % b == 0)
+
+
+def auto_batch_size(model: nn.Module, per_rank: int, optimizer: str, device: torch.device,
+                    autocast_dtype: torch.dtype | None, info: "distributed.DistInfo") -> int:
+    """The largest micro-batch that fits in GPU memory and divides `per_rank`, the sequences each rank
+    trains on per step (so the global batch stays exact).
+
+    Each probe runs a forward and backward at that size while a placeholder holds the optimizer state's
+    estimated bytes (the state only exists after the first step). Probe the bare model (activation
+    checkpointing applied, not yet wrapped): a DDP backward would wait on the other ranks. Ranks agree on
+    the smallest answer.
+    """
+    seq_len = model.config.max_seq_len
+    reserve = optimizer_state_bytes_estimate(model.config, optimizer)
+
+    def probe(size):
+        placeholder = torch.empty(reserve, dtype=torch.uint8, device=device)
+        try:
+            x = torch.zeros((size, seq_len), dtype=torch.long, device=device)
+            with hardware.autocast(device, autocast_dtype):
+                _, loss = model(x, x)
+            loss.backward()
+        finally:
+            del placeholder
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+
+    fitting = largest_fitting_batch(fits_by_trying(probe, (torch.cuda.OutOfMemoryError,)), limit=per_rank)
+    fitting = int(distributed.min_across_ranks(torch.tensor(fitting, device=device), info).item())
+    if fitting == 0:
+        raise UsageError(f"--batch-size auto: not even one sequence of {seq_len} tokens fits in GPU memory")
+    return micro_batch_for(per_rank, fitting)

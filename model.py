@@ -12,7 +12,7 @@ pre-MLP norm on the MLP, each as `layer_norm_weight`.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -36,19 +36,25 @@ class ModelConfig:
     Defaults: head_dim = n_embd // n_head; ffn_dim = 8/3 * n_embd rounded up to a multiple of 128. The 8/3
     keeps SwiGLU's three matrices at the parameter count of a 4x GELU MLP's two; the rounding keeps the GEMMs
     tensor-core and FP8 friendly (768 -> 2048, 1024 -> 2816).
+
+    The shape defaults are train.py's small model (7.2M parameters, minutes on a laptop CPU). Each field's
+    metadata is its command-line help: config.py generates train.py's flags from these fields.
     """
 
-    vocab_size: int = 50257
-    n_layer: int = 12
-    n_head: int = 12
-    n_kv_head: int = 4
-    n_embd: int = 768
-    head_dim: int | None = None
-    ffn_dim: int | None = None
-    max_seq_len: int = 1024
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    tie_embeddings: bool = True
+    vocab_size: int = field(default=50257, metadata={
+        "help": "tokenizer vocabulary size (GPT-2: 50257); padded to a multiple of 128 in the model"})
+    n_layer: int = field(default=4, metadata={"help": "transformer blocks"})
+    n_head: int = field(default=4, metadata={"help": "query heads"})
+    n_kv_head: int = field(default=2, metadata={"help": "key/value heads (GQA); must divide --n-head"})
+    n_embd: int = field(default=128, metadata={"help": "model width"})
+    head_dim: int | None = field(default=None, metadata={"help": "per-head width (default: n_embd / n_head)"})
+    ffn_dim: int | None = field(default=None, metadata={
+        "help": "SwiGLU hidden size (default: 8/3 n_embd rounded up to a multiple of 128)"})
+    max_seq_len: int = field(default=128, metadata={"flag": "--seq-len", "help": "tokens per training sequence"})
+    rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base frequency"})
+    norm_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon"})
+    tie_embeddings: bool = field(default=True, metadata={
+        "flag": "--untied", "action": "store_false", "help": "separate lm_head and embedding weights"})
 
     def validate(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "max_seq_len"):
@@ -208,6 +214,11 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
+    """One pre-norm transformer block. Another implementation of the same block (fp8.py's Transformer Engine
+    one) subclasses it, keeps this forward and the parameter names, and sets its own `backend` name."""
+
+    backend = "plain"
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.attn = Attention(config)
@@ -221,119 +232,17 @@ class Block(nn.Module):
         return x + self.mlp(x)
 
 
-# ----------------------------------------------------------------------------- Transformer Engine backend
-
-BACKENDS = ("plain", "te")
-TE_INSTALL_HINT = "pip install transformer-engine[pytorch] on a CUDA machine"
-# 2.4 is the first release whose modules accept the empty _extra_state that plain_to_te_state_dict supplies.
-TE_MIN_VERSION = (2, 4)
-# The TE modules of a block, by name; each adds a `<name>._extra_state` entry to the state dict.
-TE_MODULES = ("attn.qkv", "attn.core_attention", "attn.proj", "mlp")
-
-
-def import_te():
-    """transformer_engine.pytorch, imported on first use: it needs CUDA even to import."""
-    if not torch.cuda.is_available():
-        raise ValueError(f"the Transformer Engine backend needs a CUDA GPU: {TE_INSTALL_HINT}")
-    try:
-        import transformer_engine
-        import transformer_engine.pytorch as te
-    except Exception as e:  # ImportError, or OSError / RuntimeError when libcuda or cuDNN is missing
-        raise ValueError(f"cannot import transformer_engine ({type(e).__name__}): {TE_INSTALL_HINT}") from None
-    version = tuple(int(part) for part in transformer_engine.__version__.split(".")[:2])
-    if version < TE_MIN_VERSION:
-        raise ValueError(f"transformer_engine {transformer_engine.__version__} is too old (need >= "
-                         f"{'.'.join(map(str, TE_MIN_VERSION))}): {TE_INSTALL_HINT}")
-    return te
-
-
-def _te_device() -> str:
-    # TE modules allocate on CUDA at construction; under `with torch.device("meta")` (FSDP2) they must not.
-    return "meta" if torch.get_default_device().type == "meta" else "cuda"
-
-
-class TEAttention(nn.Module):
-    """Attention on Transformer Engine modules: Attention's parameters and numerics, FP8-capable GEMMs.
-
-    QK-norm and the rotation run in plain PyTorch between TE's fused norm+QKV GEMM and its attention
-    kernel, exactly as in Attention; TE works in [batch, seq, heads, head_dim] ("bshd") layout.
-    """
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        te, device = import_te(), _te_device()
-        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
-        self.head_dim = hd = config.resolved_head_dim
-        qkv_rows = (config.n_head + 2 * config.n_kv_head) * hd
-        self.qkv = te.LayerNormLinear(config.n_embd, qkv_rows, eps=config.norm_eps, bias=False,
-                                      normalization="RMSNorm", device=device)
-        self.q_norm = nn.RMSNorm(hd, eps=config.norm_eps, device=device)
-        self.k_norm = nn.RMSNorm(hd, eps=config.norm_eps, device=device)
-        self.core_attention = te.DotProductAttention(
-            num_attention_heads=config.n_head, kv_channels=hd, num_gqa_groups=config.n_kv_head,
-            attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal",
-        )
-        self.proj = te.Linear(config.n_head * hd, config.n_embd, bias=False, device=device)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
-    ) -> torch.Tensor:
-        if kv is not None:
-            raise ValueError("KV-cache decoding runs on the plain backend: load te_to_plain_state_dict(...) into GPT")
-        B, T, _ = x.shape
-        H, K, hd = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.qkv(x).split([H * hd, K * hd, K * hd], dim=-1)
-        cos, sin = cos[:, None], sin[:, None]  # [T, 1, hd]: broadcast over the heads of bshd
-        q = apply_rope(self.q_norm(q.view(B, T, H, hd).float()), cos, sin).to(v.dtype)
-        k = apply_rope(self.k_norm(k.view(B, T, K, hd).float()), cos, sin).to(v.dtype)
-        y = self.core_attention(q, k, v.view(B, T, K, hd))  # [B, T, H * hd]
-        return self.proj(y)
-
-
-class TEBlock(Block):
-    """Block on Transformer Engine modules; LayerNormMLP's swiglu gates with the first half of fc1, as ours.
-    The residual wiring (forward) is Block's; only the modules differ, so Block's constructor is skipped."""
-
-    def __init__(self, config: ModelConfig):
-        nn.Module.__init__(self)
-        te = import_te()
-        self.attn = TEAttention(config)
-        self.mlp = te.LayerNormMLP(config.n_embd, config.resolved_ffn_dim, eps=config.norm_eps, bias=False,
-                                   normalization="RMSNorm", activation="swiglu", device=_te_device())
-
-
-def te_to_plain_state_dict(state_dict: dict) -> dict:
-    """A TE-backend state dict -> one the plain backend loads strictly: drop TE's `*._extra_state` entries
-    (FP8 scaling metadata; empty for stateless recipes). Parameter names are the same on both sides."""
-    return {k: v for k, v in state_dict.items() if not k.endswith("._extra_state")}
-
-
-def plain_to_te_state_dict(state_dict: dict) -> dict:
-    """A plain-backend state dict -> one the TE backend loads strictly: add an empty `_extra_state` for
-    every TE module of every block found (TE reads an empty one as "no FP8 metadata yet")."""
-    out = dict(state_dict)
-    for key in state_dict:
-        parts = key.split(".")
-        if len(parts) == 5 and parts[0] == "blocks" and parts[2:] == ["attn", "qkv", "weight"]:
-            for module in TE_MODULES:
-                out.setdefault(f"blocks.{parts[1]}.{module}._extra_state", torch.empty(0, dtype=torch.uint8))
-    return out
-
-
 class GPT(nn.Module):
-    def __init__(self, config: ModelConfig, backend: str = "plain"):
-        """backend "te": blocks built from Transformer Engine modules (CUDA only; FP8-capable), with the same
-        parameter names and shapes as "plain". The embedding, final norm and lm_head are plain on both."""
+    def __init__(self, config: ModelConfig, block: type[Block] = Block):
+        """block: the class of every transformer block; a subclass of Block with the same parameter names
+        (fp8.TEBlock builds them from Transformer Engine modules). The embedding, final norm and lm_head are
+        plain PyTorch whatever the block."""
         super().__init__()
         config.validate()
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.config = config
-        self.backend = backend
+        self.backend = block.backend
         vocab, dim = config.padded_vocab_size, config.n_embd
         self.embed = nn.Embedding(vocab, dim)
-        block = TEBlock if backend == "te" else Block
         self.blocks = nn.ModuleList(block(config) for _ in range(config.n_layer))
         self.norm = nn.RMSNorm(dim, eps=config.norm_eps)
         self.lm_head = nn.Linear(dim, vocab, bias=False)

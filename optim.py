@@ -17,7 +17,7 @@ optimizer, so one state_dict and one LR schedule cover both.
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -43,21 +43,35 @@ WRAPPER_NAMES = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_modul
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # adamw | adamw8bit | muon
-    lr: float = 3e-4  # peak LR; for muon, the LR of the Muon matrices
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    adam_lr: float | None = None  # muon only: peak LR of the AdamW side (None: lr)
-    momentum: float = 0.95  # muon only, from here down
-    nesterov: bool = True
-    ns_steps: int = 5
-    ns_dtype: str = "auto"  # auto (bf16 on CUDA, fp32 elsewhere) | bf16 | fp32 | fp64
+    """The optimizer. Each field's metadata is its command-line help: config.py generates train.py's flags."""
+
+    name: str = field(default="adamw", metadata={
+        "flag": "--optimizer", "choices": OPTIMIZERS,
+        "help": "fused AdamW, bitsandbytes 8-bit AdamW, or Muon for the hidden matrices + AdamW for the rest"})
+    lr: float = field(default=3e-3, metadata={
+        "help": "peak learning rate; for muon, the Muon matrices' (the default suits the small default model)"})
+    weight_decay: float = field(default=0.1, metadata={"help": "decoupled, matrices only"})
+    beta1: float = field(default=0.9, metadata={"help": "Adam first-moment decay"})
+    beta2: float = field(default=0.95, metadata={"help": "Adam second-moment decay"})
+    eps: float = field(default=1e-8, metadata={"flag": "--adam-eps", "help": "Adam's epsilon"})
+    adam_lr: float | None = field(default=None, metadata={
+        "help": "peak LR of the AdamW side of a Muon run (embeddings, norms); default: --lr"})
+    momentum: float = field(default=0.95, metadata={"flag": "--muon-momentum", "help": "Muon's momentum"})
+    nesterov: bool = field(default=True, metadata={
+        "flag": "--muon-nesterov", "help": "Muon: Nesterov momentum (--no-muon-nesterov: plain momentum)"})
+    ns_steps: int = field(default=5, metadata={"help": "Newton-Schulz iterations in Muon"})
+    ns_dtype: str = field(default="auto", metadata={
+        "choices": ("auto", *NS_DTYPES), "help": "Newton-Schulz dtype (auto: bf16 on CUDA, fp32 elsewhere)"})
     # match_rms_adamw makes Muon's update RMS match AdamW's, so AdamW's lr and weight decay carry over.
-    muon_scale: str = "match_rms_adamw"  # original | match_rms_adamw
-    # adamw: use torch's fused kernel where the device has one; False forces the foreach path
-    # (bench/ladder.py's baseline for the fused-AdamW rung).
-    fused: bool = True
+    muon_scale: str = field(default="match_rms_adamw", metadata={
+        "choices": MUON_SCALES, "help": "Muon update scale: sqrt(max(1,rows/cols)) or 0.2*sqrt(max(rows,cols))"})
+    fused: bool = field(default=True, metadata={
+        "flag": "--fused-adamw", "help": "AdamW: torch's fused kernel where the device has one "
+                                         "(--no-fused-adamw: the foreach path, the ladder's baseline)"})
+
+    @property
+    def betas(self) -> tuple[float, float]:
+        return self.beta1, self.beta2
 
     def validate(self):
         if self.name not in OPTIMIZERS:
@@ -68,8 +82,8 @@ class OptimConfig:
             raise ValueError(f"adam_lr must be positive, got {self.adam_lr}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {tuple(self.betas)}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.betas}")
         if not self.eps > 0:
             raise ValueError(f"eps must be positive, got {self.eps}")
         if not 0 <= self.momentum < 1:
@@ -80,6 +94,32 @@ class OptimConfig:
             raise ValueError(f"unknown ns_dtype {self.ns_dtype!r}; choose one of auto, {', '.join(NS_DTYPES)}")
         if self.muon_scale not in MUON_SCALES:
             raise ValueError(f"unknown muon_scale {self.muon_scale!r}; choose one of {', '.join(MUON_SCALES)}")
+
+
+# ----------------------------------------------------------------------------- LR schedule
+
+
+def lr_multiplier(step: int, max_steps: int, warmup: int, schedule: str, min_lr_ratio: float,
+                  decay_frac: float) -> float:
+    """Fraction of the peak LR at optimizer step `step` (0-based): linear warm-up, then cosine decay to
+    min_lr_ratio, or "wsd": constant, then a linear decay over the last decay_frac of the steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "cosine":
+        progress = min(1.0, (step - warmup + 1) / max(1, max_steps - warmup))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_steps = max(1, round(decay_frac * max_steps))
+    decay_start = max_steps - decay_steps
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    return 1.0 - (1 - min_lr_ratio) * progress
+
+
+def set_lr(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
+    """Every group's LR to its peak ("base_lr") times `multiplier`."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["base_lr"] * multiplier
 
 
 # ----------------------------------------------------------------------------- parameter groups
@@ -152,7 +192,7 @@ def fused_adamw_available(device_type: str) -> bool:
 
 def _build_adamw(roles, cfg, device_type):
     fused = cfg.fused and fused_adamw_available(device_type)
-    return torch.optim.AdamW(_adamw_groups(roles, cfg.lr, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
+    return torch.optim.AdamW(_adamw_groups(roles, cfg.lr, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
                              eps=cfg.eps, fused=fused or None, foreach=None if fused else True)
 
 
@@ -169,7 +209,7 @@ def _build_adamw8bit(roles, cfg):
     manager = bnb.optim.GlobalOptimManager.get_instance()
     for name, p in named:
         manager.override_config(p, key_value_dict={"optim_bits": 32 if name in FULL_PRECISION_STATE else 8})
-    return bnb.optim.AdamW8bit(_adamw_groups(roles, cfg.lr, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
+    return bnb.optim.AdamW8bit(_adamw_groups(roles, cfg.lr, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
                                eps=cfg.eps, weight_decay=0.0)
 
 
@@ -189,7 +229,7 @@ def _build_muon(roles, cfg, row_blocks, device_type):
     groups = [_group("muon", roles["muon"], cfg.lr, cfg.weight_decay, row_blocks=splits)] if roles["muon"] else []
     groups += _adamw_groups(roles, cfg.adam_lr if cfg.adam_lr is not None else cfg.lr, cfg.weight_decay)
     return Muon(groups, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_dtype=ns_dtype,
-                muon_scale=cfg.muon_scale, betas=tuple(cfg.betas), eps=cfg.eps)
+                muon_scale=cfg.muon_scale, betas=cfg.betas, eps=cfg.eps)
 
 
 # ----------------------------------------------------------------------------- Muon

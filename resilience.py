@@ -1,5 +1,5 @@
-"""Keeping a long run alive: loss health (non-finite steps, spikes), early stopping, stop signals, and
-finding the largest micro-batch that fits in memory. Plain logic, no model or data: train.py wires it.
+"""Keeping a long run alive: loss health (non-finite steps, spikes), early stopping and stop signals.
+Plain logic, no model or data: train.py wires it.
 """
 
 import math
@@ -92,43 +92,40 @@ class StopSignals:
             signal.signal(sig, handler)
 
 
-def fits_by_trying(attempt, out_of_memory: tuple[type[BaseException], ...]):
-    """A "does it fit" callable from an attempt that raises one of `out_of_memory` when it does not."""
+class TrainingHalted(Exception):
+    """The run stopped itself for a reason the user must act on (e.g. non-finite steps with no way back)."""
 
-    def fits(size: int) -> bool:
-        try:
-            attempt(size)
-            return True
-        except out_of_memory:
+
+class Guard:
+    """A run's fault-tolerance state and policy: loss health, early stopping, and the LR scale that each
+    rollback lowers. Its state_dict is part of every checkpoint's meta (checkpoint.Checkpointer)."""
+
+    def __init__(self, cfg):
+        """cfg: config.ResilienceConfig."""
+        self.cfg = cfg
+        self.health = LossHealth(cfg.spike_factor)
+        self.early_stop = EarlyStopping(cfg.early_stop_patience)
+        self.lr_scale = 1.0
+
+    def must_roll_back(self) -> bool:
+        """True after --max-bad-steps non-finite steps in a row; raises TrainingHalted under --on-bad-steps stop."""
+        if self.health.bad_in_a_row < self.cfg.max_bad_steps:
             return False
+        if self.cfg.on_bad_steps == "stop":
+            raise TrainingHalted(f"{self.cfg.max_bad_steps} non-finite steps in a row (--on-bad-steps stop)")
+        return True
 
-    return fits
+    def rolled_back(self, meta: dict) -> None:
+        """Take the restored checkpoint's health and early stopping, with the LR scaled down once more."""
+        scale = self.lr_scale * self.cfg.rollback_lr_factor
+        self.load_state_dict(meta)
+        self.lr_scale = scale
 
+    def state_dict(self) -> dict:
+        return {"lr_scale": self.lr_scale, "health": self.health.state_dict(),
+                "early_stop": self.early_stop.state_dict()}
 
-def largest_fitting_batch(fits, limit: int) -> int:
-    """The largest micro-batch size in [1, limit] for which fits(size) is True, assuming fitting is monotone.
-
-    Doubles from 1 until a size fails, then bisects between the last success and that failure, so it asks
-    about O(log limit) sizes. Returns 0 when not even 1 fits.
-    """
-    if limit < 1 or not fits(1):
-        return 0
-    good, bad = 1, None
-    while bad is None and good < limit:
-        trial = min(2 * good, limit)
-        if fits(trial):
-            good = trial
-        else:
-            bad = trial
-    while bad is not None and bad - good > 1:
-        mid = (good + bad) // 2
-        if fits(mid):
-            good = mid
-        else:
-            bad = mid
-    return good
-
-
-def micro_batch_for(global_sequences: int, fitting: int) -> int:
-    """The largest divisor of the per-rank sequences per step that fits, so the global batch stays exact."""
-    return max(b for b in range(1, min(fitting, global_sequences) + 1) if global_sequences % b == 0)
+    def load_state_dict(self, state: dict) -> None:
+        self.lr_scale = state["lr_scale"]
+        self.health.load_state_dict(state["health"])
+        self.early_stop.load_state_dict(state["early_stop"])

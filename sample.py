@@ -18,6 +18,7 @@ from checkpoint import CheckpointError
 from cli import ArgumentParser, UsageError, report_error
 from data import DataError, get_tokenizer
 from export import check_names, load_hf, read_checkpoint
+from hardware import DEVICES, resolve_device
 from model import GPT, KVCache
 
 
@@ -166,14 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set with this mass")
     p.add_argument("--greedy", action="store_true", help="always the most likely token (--temperature 0)")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "mps", "cpu"])
+    p.add_argument("--device", default="auto", choices=DEVICES)
     p.add_argument("--tokenizer", default="gpt2", help="the tokenizer the model was trained with")
     return p
 
 
 def main(argv=None) -> int:
-    from train import resolve_device  # here, not at the top: train.py imports this module
-
     try:
         a = build_parser().parse_args(argv)
         temperature = 0.0 if a.greedy else a.temperature

@@ -1,0 +1,342 @@
+"""train.py's configuration: one dataclass per concern, and the command line generated from them.
+
+    cfg = parse_args(["--n-layer", "12", "--lr", "6e-4"])    # -> Config, validated
+    cfg.model.n_layer, cfg.optim.lr, cfg.schedule.warmup      # one section per concern
+
+A field's default and help text are written once, on the field; its flag is generated from it (`--n-layer`
+for `n_layer`, or the field's metadata "flag"), with the default appended to the help. The sections of the
+library modules live with them (model.ModelConfig, optim.OptimConfig, fp8.FP8Config), so that code which
+uses a model or an optimizer without train.py gets the same defaults; the sections that only a training run
+has live here.
+
+Everything that can be checked from the flags alone is checked in validate() before anything is built, and
+the quantities derived from several flags (grad accumulation, tokens per step, max steps) are defined once,
+in BatchLayout and max_steps(). A Config is not changed after start-up.
+"""
+
+import argparse
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+
+import fp8
+import memory
+from cli import ArgumentParser, UsageError
+from fp8 import FP8Config
+from hardware import DEVICES, DTYPES
+from model import ModelConfig
+from optim import OptimConfig
+
+PROFILE_WAIT, PROFILE_ACTIVE = 5, 3  # torch.profiler: steps skipped, then steps traced (telemetry.py)
+
+
+def option(default, help, **metadata):
+    """A config field: its default, and what its flag needs (help text; optionally flag, choices, type)."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
+def batch_size_flag(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
+
+
+# ----------------------------------------------------------------------------- the sections
+
+
+@dataclass
+class DataConfig:
+    data: str | None = option(None, "directory of train_*.bin / val_*.bin shards (default: the Python stdlib "
+                                    "corpus, tokenized once and cached)")
+    batch_size: int | str = option(16, "micro-batch size in sequences, or auto (CUDA): the largest that fits in "
+                                       "memory, with --grad-accum derived so that --total-batch-tokens stays exact",
+                                   type=batch_size_flag)
+    grad_accum: int = option(1, "micro-batches per optimizer step")
+    total_batch_tokens: int = option(0, "tokens per optimizer step; derives --grad-accum from it (0: off)")
+    seed: int = option(1337, "initialisation and data order")
+
+
+@dataclass
+class ScheduleConfig:
+    max_steps: int = option(150, "optimizer steps to train")
+    max_tokens: int = option(0, "train for this many tokens instead of --max-steps (0: off)")
+    warmup: int = option(15, "linear warm-up steps")
+    schedule: str = option("cosine", "cosine decay, or warmup-stable-decay with a linear decay over the last "
+                                     "--decay-frac", choices=("cosine", "wsd"))
+    min_lr_ratio: float = option(0.1, "final LR as a fraction of peak")
+    decay_frac: float = option(0.2, "wsd: fraction of steps spent decaying")
+    grad_clip: float = option(1.0, "max global grad norm (0: off)")
+
+
+@dataclass
+class EvalConfig:
+    eval_interval: int = option(50, "steps between val-loss evals (0: off)")
+    eval_tokens: int = option(16384, "val tokens per eval")
+    sample_tokens: int = option(0, "at each eval, print a sample of this many tokens (0: off)")
+    sample_prompt: str = option("", "prompt for those samples (default: a new document)")
+
+
+@dataclass
+class CheckpointConfig:
+    out_dir: str = option("out", "checkpoints and metrics.jsonl go here")
+    ckpt_interval: int = option(50, "steps between checkpoints (0: only at the end)")
+    keep_ckpts: int = option(2, "how many recent checkpoints to keep")
+    resume: bool = option(False, "continue from the newest checkpoint in --out-dir")
+    from_hf: str | None = option(None, "start from the weights of a Hugging Face Qwen3 directory (export.py "
+                                       "writes one); its shape replaces the model flags, --seq-len still applies",
+                                 metavar="DIR")
+
+
+@dataclass
+class ResilienceConfig:
+    max_bad_steps: int = option(5, "non-finite steps in a row (each one's update is skipped) before "
+                                   "--on-bad-steps acts")
+    on_bad_steps: str = option("rollback", "rollback: reload the newest checkpoint and scale the LR by "
+                                           "--rollback-lr-factor; stop: exit", choices=("rollback", "stop"))
+    rollback_lr_factor: float = option(0.5, "LR multiplier applied at each rollback")
+    spike_factor: float = option(3.0, "warn when the loss exceeds this multiple of its running average (0: off)")
+    early_stop_patience: int = option(0, "stop after this many evals without a better val loss (0: never)")
+
+
+@dataclass
+class DistConfig:
+    dist: str = option("none", "data parallelism across the processes torchrun starts: DDP, or FSDP2 "
+                               "(fully_shard)", choices=("none", "ddp", "fsdp"))
+    ddp_bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB")
+    reshard_after_forward: bool = option(True, "FSDP2: free gathered parameters after forward (less memory, "
+                                               "one more all-gather)")
+
+
+@dataclass
+class SpeedConfig:
+    device: str = option("auto", "auto: cuda, then mps, then cpu", choices=DEVICES)
+    dtype: str = option("auto", "autocast dtype (auto: bf16 on CUDA that supports it, else fp32); fp16 uses a "
+                                "GradScaler", choices=DTYPES)
+    compile: str = option("off", "torch.compile mode for the model",
+                          choices=("off", "default", "reduce-overhead", "max-autotune"))
+    act_ckpt: str = option("none", "activation checkpointing: every block, every other block, or each "
+                                   "block's MLP", choices=memory.ACT_CKPT_MODES)
+    estimate_memory: bool = option(False, "print the memory estimate for these flags (every --act-ckpt mode) "
+                                          "and exit")
+
+
+@dataclass
+class LogConfig:
+    log_interval: int = option(10, "steps between progress updates")
+    peak_tflops: float = option(0.0, "peak FLOP/s (in TFLOP/s) for MFU (0: the GPU's dense bf16 datasheet "
+                                     "figure)")
+    profile: bool = option(False, f"run torch.profiler over {PROFILE_ACTIVE} steps after {PROFILE_WAIT} warm-up "
+                                  "steps; writes OUT/trace.json (open in Perfetto) and prints the top ops")
+    wandb: bool = option(False, "log to Weights & Biases (offline when no API key)")
+    wandb_project: str = option("pretrain", "wandb project")
+    wandb_run_name: str | None = option(None, "wandb run name (default: wandb picks one)")
+    wandb_tags: str | None = option(None, "comma-separated tags for the wandb run")
+    wandb_mode: str = option("auto", "auto: online with an API key, offline without",
+                             choices=("auto", "online", "offline"))
+
+
+@dataclass
+class Config:
+    """Every setting of a training run, one section per concern; --help lists them in this order."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    speed: SpeedConfig = field(default_factory=SpeedConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+SECTION_TITLES = {
+    "data": "data and batch", "model": "model", "optim": "optimizer", "schedule": "length and schedule",
+    "eval": "evaluation and samples", "ckpt": "checkpoints and output", "resilience": "fault tolerance",
+    "dist": "distributed (under torchrun)", "speed": "device, precision, speed and memory",
+    "fp8": "FP8 (see fp8.py)", "log": "logging and profiling",
+}
+
+
+# ----------------------------------------------------------------------------- the generated parser
+
+
+def flag_name(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def _value_type(cls, f: dataclasses.Field):
+    """The type a flag's text converts to: metadata "type", else the field's annotation (X | None -> X)."""
+    if "type" in f.metadata:
+        return f.metadata["type"]
+    annotation = typing.get_type_hints(cls)[f.name]
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def _add_flag(group, section: str, cls, f: dataclasses.Field) -> None:
+    """One field's flag. Its default is the dataclass's: the parser holds none (SUPPRESS), so a value in the
+    namespace is one the user gave, and the dataclass fills in the rest."""
+    kwargs = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
+    value_type = _value_type(cls, f)
+    if "action" in f.metadata:
+        kwargs["action"] = f.metadata["action"]
+    elif value_type is bool:
+        kwargs["action"] = argparse.BooleanOptionalAction
+    else:
+        kwargs["type"] = value_type
+    if "choices" in f.metadata:
+        kwargs["choices"] = f.metadata["choices"]
+    elif "action" not in kwargs:
+        kwargs["metavar"] = f.metadata.get("metavar", f.name.upper())
+    shown = f.default if "action" not in f.metadata else not f.default
+    kwargs["help"] = f.metadata["help"] + ("" if shown in (None, False, "") else f" (default: {shown})")
+    group.add_argument(flag_name(f), **kwargs)
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    p = ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for section in dataclasses.fields(Config):
+        cls = section.default_factory
+        group = p.add_argument_group(SECTION_TITLES[section.name])
+        for f in dataclasses.fields(cls):
+            _add_flag(group, section.name, cls, f)
+    return p
+
+
+def parse_args(argv=None, description: str | None = None) -> Config:
+    """Flags -> a validated Config. Raises UsageError on bad or contradictory flags."""
+    given = vars(build_parser(description).parse_args(argv))
+    if "data.total_batch_tokens" in given and "data.grad_accum" in given:
+        raise UsageError("give --total-batch-tokens or --grad-accum, not both")
+    if "schedule.max_tokens" in given and "schedule.max_steps" in given:
+        raise UsageError("give --max-tokens or --max-steps, not both")
+    sections = {}
+    for section in dataclasses.fields(Config):
+        values = {key.split(".", 1)[1]: v for key, v in given.items() if key.split(".", 1)[0] == section.name}
+        sections[section.name] = section.default_factory(**values)
+    cfg = Config(**sections)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    """The whole configuration as plain data (for wandb and the checkpoint's record of the run)."""
+    return dataclasses.asdict(cfg)
+
+
+# ----------------------------------------------------------------------------- start-up checks
+
+
+def validate(cfg: Config) -> None:
+    """Every check that needs only the flags; UsageError with one line. Shapes against the machine (FP8,
+    memory) are checked in fp8.prepare and train.setup, still before the first step."""
+    _check_ranges(cfg)
+    _check_combinations(cfg)
+    try:
+        cfg.model.validate()
+        fp8.check_fp8_flags(cfg.fp8.mode, cfg.fp8.recipe, cfg.fp8.attn)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_ranges(cfg: Config) -> None:
+    d, s, e = cfg.data, cfg.schedule, cfg.eval
+    positive = {"--batch-size": 1 if d.batch_size == "auto" else d.batch_size, "--grad-accum": d.grad_accum,
+                "--seq-len": cfg.model.max_seq_len}
+    for name, value in positive.items():
+        if value < 1:
+            raise UsageError(f"{name} must be >= 1, got {value}")
+    non_negative = {"--max-steps": s.max_steps, "--max-tokens": s.max_tokens, "--warmup": s.warmup,
+                    "--sample-tokens": e.sample_tokens, "--eval-interval": e.eval_interval,
+                    "--ckpt-interval": cfg.ckpt.ckpt_interval, "--total-batch-tokens": d.total_batch_tokens,
+                    "--grad-clip": s.grad_clip}
+    for name, value in non_negative.items():
+        if value < 0:
+            raise UsageError(f"{name} must be >= 0, got {value}")
+    if e.eval_interval and e.eval_tokens < 1:
+        raise UsageError("--eval-tokens must be >= 1 when evaluating")
+    if cfg.ckpt.keep_ckpts < 1:
+        raise UsageError(f"--keep-ckpts must be >= 1, got {cfg.ckpt.keep_ckpts}")
+    r = cfg.resilience
+    if r.max_bad_steps < 1 or not 0 < r.rollback_lr_factor <= 1 or r.spike_factor < 0 or r.early_stop_patience < 0:
+        raise UsageError("--max-bad-steps must be >= 1, --rollback-lr-factor in (0, 1], "
+                         "--spike-factor and --early-stop-patience >= 0")
+    if not 0 <= s.min_lr_ratio <= 1 or not 0 < s.decay_frac <= 1:
+        raise UsageError("--min-lr-ratio must be in [0, 1] and --decay-frac in (0, 1]")
+    if cfg.dist.ddp_bucket_mb <= 0:
+        raise UsageError(f"--ddp-bucket-mb must be positive, got {cfg.dist.ddp_bucket_mb}")
+
+
+def _check_combinations(cfg: Config) -> None:
+    """Combinations that cannot work, refused at start-up instead of crashing mid-run."""
+    mode = cfg.dist.dist
+    if cfg.data.batch_size == "auto" and (not cfg.data.total_batch_tokens or mode == "fsdp"):
+        raise UsageError("--batch-size auto needs --total-batch-tokens (the global batch it keeps), and --dist none "
+                         "or ddp (under FSDP2 a probe that runs out of memory would stall the other ranks)")
+    if mode == "fsdp" and cfg.speed.dtype == "fp16":
+        raise UsageError("--dist fsdp with --dtype fp16 is not supported (needs a sharded grad scaler); use bf16")
+    if mode == "fsdp" and cfg.optim.name == "adamw8bit":
+        raise UsageError("--optimizer adamw8bit does not support FSDP2's sharded (DTensor) parameters; "
+                         "use --optimizer adamw or --dist ddp")
+    if cfg.fp8.mode == "te" and cfg.eval.sample_tokens:
+        raise UsageError("--sample-tokens needs the plain backend's KV cache; it does not run with --fp8 te")
+
+
+# ----------------------------------------------------------------------------- derived quantities
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one optimizer step's batch is cut: micro-batches of `micro_batch` sequences of `seq_len` tokens,
+    `grad_accum` of them on each of `world_size` ranks."""
+
+    micro_batch: int
+    seq_len: int
+    grad_accum: int
+    world_size: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Global: all ranks and micro-steps together."""
+        return self.micro_batch * self.seq_len * self.grad_accum * self.world_size
+
+    @property
+    def sequences_per_rank(self) -> int:
+        return self.micro_batch * self.grad_accum
+
+    def with_micro_batch(self, micro_batch: int) -> "BatchLayout":
+        """The same global batch cut into smaller micro-batches (micro_batch must divide sequences_per_rank)."""
+        return dataclasses.replace(self, micro_batch=micro_batch,
+                                   grad_accum=self.sequences_per_rank // micro_batch)
+
+
+def per_rank_sequences(cfg: Config, world_size: int) -> int:
+    """Sequences each rank trains on per step under --total-batch-tokens (what --batch-size auto divides)."""
+    return cfg.data.total_batch_tokens // (cfg.model.max_seq_len * world_size)
+
+
+def batch_layout(cfg: Config, world_size: int = 1, micro_batch: int | None = None) -> BatchLayout:
+    """The layout the flags ask for; micro_batch: the size --batch-size auto found. With
+    --total-batch-tokens, grad_accum is derived so that the global batch is exactly that many tokens."""
+    micro = cfg.data.batch_size if micro_batch is None else micro_batch
+    seq_len = cfg.model.max_seq_len
+    grad_accum = cfg.data.grad_accum
+    if cfg.data.total_batch_tokens:
+        per_micro = micro * seq_len * world_size
+        if cfg.data.total_batch_tokens % per_micro:
+            raise UsageError(f"--total-batch-tokens {cfg.data.total_batch_tokens} is not a multiple of "
+                             f"batch-size * seq-len * world-size = {per_micro}")
+        grad_accum = cfg.data.total_batch_tokens // per_micro
+    return BatchLayout(micro_batch=micro, seq_len=seq_len, grad_accum=grad_accum, world_size=world_size)
+
+
+def max_steps(cfg: Config, tokens_per_step: int) -> int:
+    s = cfg.schedule
+    return math.ceil(s.max_tokens / tokens_per_step) if s.max_tokens else s.max_steps

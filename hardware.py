@@ -1,0 +1,102 @@
+"""The machine: which device and precision to run on, and what it can do (peak FLOP/s, peak memory).
+
+Every entry point (train.py, sample.py, bench/) asks here, so a device or dtype means the same thing
+everywhere. Each decision comes back with its reason, for the start-up table: detected, never assumed.
+"""
+
+import resource
+import sys
+from contextlib import nullcontext
+
+import torch
+
+from cli import UsageError
+
+DEVICES = ("auto", "cuda", "mps", "cpu")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+# Dense bf16 tensor-core peak per GPU, from the vendors' datasheets. MFU is always quoted
+# against this number (the llm.c / PaLM convention), whatever dtype the run uses.
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "4090": 165e12,
+}
+
+
+def resolve_device(requested: str) -> tuple[torch.device, str]:
+    """-> (torch.device, reason). auto: CUDA, then Apple MPS, then the CPU."""
+    has_mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda"), f"auto: CUDA {torch.cuda.get_device_name()}"
+        if has_mps:
+            return torch.device("mps"), "auto: Apple MPS (no CUDA)"
+        return torch.device("cpu"), "auto: no CUDA or MPS found"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available to this torch build")
+    if requested == "mps" and not has_mps:
+        raise UsageError("--device mps: MPS is not available")
+    return torch.device(requested), "requested"
+
+
+def resolve_dtype(requested: str, device: torch.device) -> tuple[torch.dtype | None, str]:
+    """-> (autocast dtype, or None for plain fp32, reason)."""
+    if requested == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            cap = torch.cuda.get_device_capability()
+            return torch.bfloat16, f"bf16 autocast (auto: CUDA sm{cap[0]}{cap[1]} supports bf16)"
+        return None, f"fp32 (auto: {device.type} has no fast bf16 path we trust)"
+    if requested == "bf16":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise UsageError("--dtype bf16: this GPU does not support bf16; use fp16")
+        return torch.bfloat16, "bf16 autocast (requested)"
+    if requested == "fp16":
+        if device.type == "cpu":
+            raise UsageError("--dtype fp16 needs a GPU; use bf16 or fp32 on CPU")
+        return torch.float16, "fp16 autocast + GradScaler (requested)"
+    return None, "fp32 (requested)"
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch's autocast to `dtype` for a forward pass, or a no-op for plain fp32 (dtype None)."""
+    return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def enable_tf32(device: torch.device) -> str:
+    """TF32 matmuls on CUDA (fp32 GEMMs on tensor cores, 10-bit mantissa); -> the start-up table's line."""
+    if device.type != "cuda":
+        return f"off ({device.type})"
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return "on (CUDA)"
+
+
+def peak_flops(device: torch.device, override_tflops: float) -> tuple[float | None, str]:
+    """-> (peak FLOP/s or None, reason)."""
+    if override_tflops:
+        return override_tflops * 1e12, f"{override_tflops:g} TFLOP/s (--peak-tflops)"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        for key, flops in PEAK_BF16_FLOPS.items():
+            if key in name:
+                return flops, f"{flops / 1e12:g} TFLOP/s dense bf16 ({name} datasheet)"
+        return None, f"unknown peak for {name}; set --peak-tflops"
+    return None, f"no datasheet peak for {device.type}; set --peak-tflops"
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory so far: allocated by tensors on CUDA; the process's peak resident set elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB on Linux
+    return peak * (1 if sys.platform == "darwin" else 1024) / 2**30
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so that a host clock measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
