@@ -31,8 +31,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fp8  # noqa: E402
 import memory  # noqa: E402
+import config  # noqa: E402
 import throughput  # noqa: E402
 import train  # noqa: E402
+from checkpoint import CheckpointError  # noqa: E402
+from cli import UsageError  # noqa: E402
+from data import DataError  # noqa: E402
 from model import ModelConfig, flops_per_token  # noqa: E402
 
 # The starting point: everything a plain PyTorch loop does without trying.
@@ -102,7 +106,7 @@ def parse_ladder_args(argv):
 def settings_argv(settings, out_dir):
     argv = ["--dtype", settings["dtype"], "--compile", settings["compile"], "--fp8", settings["fp8"],
             "--optimizer", settings["optimizer"], "--out-dir", out_dir, "--eval-interval", "0"]
-    return argv + (["--fp8-attn"] if settings["fp8_attn"] else [])
+    return argv + (["--fp8-attn"] if settings["fp8_attn"] else []) + ([] if settings["fused"] else ["--no-fused-adamw"])
 
 
 def attention_kernel(sdpa):
@@ -127,13 +131,12 @@ def measure_settings(settings, train_argv, bench, log):
     (reason)" or "failed (error)"; the startup table goes to `log`."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            c, model_cfg, optim_cfg = train.parse_args([*train_argv, *settings_argv(settings, out_dir)])
-            optim_cfg.fused = settings["fused"]
+            cfg = config.parse_args([*train_argv, *settings_argv(settings, out_dir)])
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             with contextlib.redirect_stdout(log):
-                run = train.setup(c, model_cfg, optim_cfg)
-        except (train.UsageError, train.DataError, train.CheckpointError, ValueError) as e:
+                run = train.setup(cfg)
+        except (UsageError, DataError, CheckpointError, ValueError) as e:
             return {"status": f"n/a ({one_line(e)})"}
         try:
             with attention_kernel(settings["sdpa"]):
@@ -141,10 +144,9 @@ def measure_settings(settings, train_argv, bench, log):
         except Exception as e:  # a crash in a rung is a result to report, not a reason to stop the ladder
             return {"status": f"failed ({type(e).__name__}: {one_line(e)})"}
         finally:
-            run.loader.close()
-            run.metrics.close()
+            run.close()
             peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30 if run.device.type == "cuda" else None
-            tokens_per_step, peak = run.tokens_per_step, run.peak_flops
+            tokens_per_step, peak, model_cfg = run.layout.tokens_per_step, run.telemetry.peak_flops, run.model_cfg
             del run  # free this rung's model and optimizer before the next one is built
             gc.collect()
             torch._dynamo.reset()
@@ -216,11 +218,12 @@ def describe_machine():
 
 
 def describe_setup(train_argv, bench):
-    c, m, _ = train.parse_args(train_argv)
+    cfg = config.parse_args(train_argv)
+    m = cfg.model
     n_params = sum(memory.param_numels(m).values())
     return (f"model {n_params / 1e6:.2f}M params ({m.n_layer} layers, d={m.n_embd}, heads {m.n_head}q/{m.n_kv_head}kv, "
-            f"head_dim {m.resolved_head_dim}, vocab {m.padded_vocab_size}); batch {c.batch_size} x {m.max_seq_len} "
-            f"tokens x {c.grad_accum if c.grad_accum else 1} micro-steps; timing: {bench.warmup_steps} warm-up steps, "
+            f"head_dim {m.resolved_head_dim}, vocab {m.padded_vocab_size}); batch {cfg.data.batch_size} x "
+            f"{m.max_seq_len} tokens x {cfg.data.grad_accum} micro-steps; timing: {bench.warmup_steps} warm-up steps, "
             f"median of {bench.windows} windows x {bench.steps_per_window} steps")
 
 
@@ -296,12 +299,12 @@ def sweep_main(bench, train_argv, argv):
     sizes, batches = bench.sizes.split(","), [int(b) for b in bench.batch_sizes.split(",")]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
-        raise train.UsageError(f"unknown --sizes {', '.join(unknown)}; choose from {', '.join(SIZES)}")
+        raise UsageError(f"unknown --sizes {', '.join(unknown)}; choose from {', '.join(SIZES)}")
     lines = ["| size | params | batch | tokens/s | MFU | peak memory |", "|---|---|---|---|---|---|"]
     log = io.StringIO()
     for size in sizes:
         model_argv = [*GPU_DEFAULTS, *SIZES[size], *train_argv]
-        _, m, _ = train.parse_args(model_argv)
+        m = config.parse_args(model_argv).model
         n_params = f"{sum(memory.param_numels(m).values()) / 1e6:.0f}M"
         for batch in batches:
             if not torch.cuda.is_available():
@@ -358,7 +361,7 @@ def projection_main(train_argv):
              "|---|---|---|---|---|---|"]
     for size, flags in SIZES.items():
         for seq in (1024, 2048):
-            _, m, _ = train.parse_args([*flags, "--seq-len", str(seq), *train_argv])
+            m = config.parse_args([*flags, "--seq-len", str(seq), *train_argv]).model
             mfu = projected_mfu(m, seq)
             f = flops_per_token(m, seq)
             lines.append(f"| {size} | {sum(memory.param_numels(m).values()) / 1e6:.0f}M | {seq} | {f / 1e9:.2f} G | "
@@ -380,7 +383,7 @@ def main(argv=None):
             sweep_main(bench, train_argv, argv)
         else:
             ladder_main(bench, train_argv, argv)
-    except (train.UsageError, train.DataError, ValueError) as e:
+    except (UsageError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

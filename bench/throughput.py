@@ -18,7 +18,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import config  # noqa: E402
+import hardware  # noqa: E402
 import train  # noqa: E402
+from cli import UsageError  # noqa: E402
+from data import DataError  # noqa: E402
 from model import flops_per_token  # noqa: E402
 
 
@@ -30,26 +34,21 @@ def parse_bench_args(argv):
     return p.parse_known_args(argv)
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(run, windows, steps_per_window, warmup_steps):
     """-> (warm-up seconds, list of tokens/s per window). The LR stays at its peak: it does not affect speed."""
     t0 = time.perf_counter()
     for _ in range(warmup_steps):
         train.train_step(run)
-    synchronize(run.device)
+    hardware.synchronize(run.device)
     warmup_s = time.perf_counter() - t0
     rates = []
     for _ in range(windows):
-        synchronize(run.device)
+        hardware.synchronize(run.device)
         t0 = time.perf_counter()
         for _ in range(steps_per_window):
             train.train_step(run)
-        synchronize(run.device)
-        rates.append(steps_per_window * run.tokens_per_step / (time.perf_counter() - t0))
+        hardware.synchronize(run.device)
+        rates.append(steps_per_window * run.layout.tokens_per_step / (time.perf_counter() - t0))
     return warmup_s, rates
 
 
@@ -58,25 +57,25 @@ def main(argv=None):
     bench_args, train_argv = parse_bench_args(argv)
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            run = train.setup(*train.parse_args([*train_argv, "--out-dir", out_dir, "--eval-interval", "0"]))
-        except (train.UsageError, train.DataError, ValueError) as e:
+            run = train.setup(config.parse_args([*train_argv, "--out-dir", out_dir, "--eval-interval", "0"]))
+        except (UsageError, DataError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         try:
             warmup_s, rates = measure(run, bench_args.windows, bench_args.steps_per_window, bench_args.warmup_steps)
         finally:
-            run.loader.close()
-            run.metrics.close()
+            run.close()
 
     median = statistics.median(rates)
-    flops = flops_per_token(run.model_cfg, run.seq_len)
-    mfu = f"{100 * flops * median / run.peak_flops:.1f}%" if run.peak_flops else "n/a (no peak known)"
+    flops = flops_per_token(run.model_cfg, run.layout.seq_len)
+    peak = run.telemetry.peak_flops
+    mfu = f"{100 * flops * median / peak:.1f}%" if peak else "n/a (no peak known)"
     device = torch.cuda.get_device_name() if run.device.type == "cuda" else run.device.type
     print()
     print(f"command: python bench/throughput.py {shlex.join(argv)}")
     print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     rows = [
-        ("tokens/step", f"{run.tokens_per_step:,}"),
+        ("tokens/step", f"{run.layout.tokens_per_step:,}"),
         ("warm-up", f"{bench_args.warmup_steps} steps in {warmup_s:.1f} s"),
         ("tokens/s (median)", f"{median:,.0f}"),
         ("tokens/s (min..max)", f"{min(rates):,.0f} .. {max(rates):,.0f} over {len(rates)} windows "

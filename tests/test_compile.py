@@ -8,6 +8,8 @@ kernel autotuning, which need a GPU to mean anything (bench/gpu_check.sh runs th
 import numpy as np
 import pytest
 
+import config
+import telemetry
 import train
 from data import write_shard
 
@@ -21,16 +23,15 @@ def test_compiled_training_steps_match_eager(tmp_path):
              "--act-ckpt", "selective"]
     losses = {}
     for mode in ("off", "default"):
-        run = train.setup(*train.parse_args([*flags, "--compile", mode, "--out-dir", str(tmp_path / mode)]))
+        run = train.setup(config.parse_args([*flags, "--compile", mode, "--out-dir", str(tmp_path / mode)]))
         try:
             losses[mode] = [train.train_step(run)[0].item() for _ in range(3)]
         finally:
-            run.loader.close()
-            run.metrics.close()
+            run.close()
     assert losses["default"] == pytest.approx(losses["off"], rel=1e-5)
     assert losses["off"][2] < losses["off"][0]  # it trains: the same batches, three optimizer steps
 
 
 def test_compile_seconds_is_the_first_step_minus_the_steady_median():
-    assert train.compile_seconds([30.0, 1.0, 2.0, 1.5]) == pytest.approx(28.5)
-    assert train.compile_seconds([4.0]) == 4.0
+    assert telemetry.compile_seconds([30.0, 1.0, 2.0, 1.5]) == pytest.approx(28.5)
+    assert telemetry.compile_seconds([4.0]) == 4.0

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fp8
+import config
 import train
 from data import write_shard
 from model import GPT, ModelConfig
@@ -63,7 +64,7 @@ def test_fp8_constraints_accept_what_works(mode, kwargs):
 def test_train_refuses_fp8_flags_without_te_at_parse_time():
     for flags in (["--fp8-attn"], ["--fp8", "torchao", "--fp8-recipe", "delayed"]):
         with pytest.raises(train.UsageError, match="apply to --fp8 te only"):
-            train.parse_args(flags)
+            config.parse_args(flags)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
@@ -173,12 +174,11 @@ def test_train_setup_reports_torchao_and_act_ckpt_from_the_model(tiny_data, tmp_
     flags = ["--data", tiny_data, "--out-dir", str(tmp_path), "--vocab-size", "256", "--n-layer", "2",
              "--n-embd", "64", "--n-head", "4", "--n-kv-head", "2", "--seq-len", "32", "--batch-size", "4",
              "--fp8", "torchao", "--act-ckpt", "alternate", "--eval-interval", "0"]
-    run = train.setup(*train.parse_args(flags))
+    run = train.setup(config.parse_args(flags))
     try:
         loss = train.train_step(run)[0]
     finally:
-        run.loader.close()
-        run.metrics.close()
+        run.close()
     table = capsys.readouterr().out
     assert "FP8              torchao float8" in table
     assert "activation ckpt  on, non-reentrant: blocks 0 of 2" in table
@@ -189,7 +189,7 @@ def test_train_refuses_fp8_shapes_before_building_anything(tiny_data, tmp_path):
     flags = ["--data", tiny_data, "--out-dir", str(tmp_path), "--vocab-size", "256", "--n-layer", "1",
              "--n-embd", "72", "--n-head", "3", "--n-kv-head", "1", "--seq-len", "32", "--fp8", "torchao"]
     with pytest.raises(train.UsageError, match="multiple of 16; n_embd is 72"):
-        train.setup(*train.parse_args(flags))
+        train.setup(config.parse_args(flags))
 
 
 @pytest.mark.gpu

@@ -4,6 +4,7 @@ autograd actually saves (measured with saved-tensor hooks) and what the optimize
 import pytest
 import torch
 
+import fp8
 import memory
 import train
 from model import GPT, ModelConfig
@@ -121,7 +122,7 @@ def test_estimate_memory_flag_prints_every_mode_and_builds_nothing(monkeypatch, 
         raise AssertionError("--estimate-memory must not build the run")
 
     monkeypatch.setattr(train, "setup", no_setup)
-    monkeypatch.setattr(train, "GPT", no_setup)
+    monkeypatch.setattr(fp8, "GPT", no_setup)  # fp8.build_model builds every training model
     train.main(["--estimate-memory", "--act-ckpt", "full", "--optimizer", "muon", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "optimizer muon" in out

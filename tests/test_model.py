@@ -138,7 +138,7 @@ def test_tied_embedding_shares_storage_and_counts_once():
 
 
 def test_defaults_resolve():
-    c = ModelConfig()
+    c = ModelConfig(n_layer=12, n_head=12, n_kv_head=4, n_embd=768, max_seq_len=1024)  # GPT-2 small
     assert (c.resolved_head_dim, c.resolved_ffn_dim, c.padded_vocab_size) == (64, 2048, 50304)
     assert ModelConfig(n_embd=1024, n_head=16).resolved_ffn_dim == 2816
     assert ModelConfig(n_embd=512, n_head=8).resolved_ffn_dim == 1408

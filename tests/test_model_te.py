@@ -1,11 +1,12 @@
-"""The Transformer Engine backend of model.py: state-dict conversion (CPU), and parity with the plain path
-on the same weights (CUDA with Transformer Engine only: marked gpu, skipped elsewhere)."""
+"""The Transformer Engine blocks of fp8.py in model.py's GPT: state-dict conversion (CPU), and parity with the
+plain path on the same weights (CUDA with Transformer Engine only: marked gpu, skipped elsewhere)."""
 
 import pytest
 import torch
 
 import fp8
-from model import GPT, TE_MODULES, ModelConfig, plain_to_te_state_dict, te_to_plain_state_dict
+from fp8 import TE_MODULES, TEBlock, plain_to_te_state_dict, te_to_plain_state_dict
+from model import GPT, ModelConfig
 
 TINY = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
 # TE's fused kernels want 16-multiples and FP8 attention wants head_dim 128.
@@ -58,15 +59,10 @@ def test_conversion_keeps_existing_extra_state():
     assert plain_to_te_state_dict(te_sd)["blocks.1.attn.qkv._extra_state"] is kept
 
 
-def test_unknown_backend_is_a_one_line_error():
-    with pytest.raises(ValueError, match="unknown backend 'tx'"):
-        GPT(TINY, backend="tx")
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_te_backend_without_cuda_says_how_to_install():
     with pytest.raises(ValueError, match=r"pip install transformer-engine\[pytorch\] on a CUDA machine") as e:
-        GPT(TINY, backend="te")
+        GPT(TINY, block=TEBlock)
     assert "\n" not in str(e.value)
 
 
@@ -77,7 +73,7 @@ def same_weights(cfg):
     """(plain, te) models on CUDA holding the same weights."""
     torch.manual_seed(0)
     plain = GPT(cfg).cuda()
-    te_model = GPT(cfg, backend="te").cuda()
+    te_model = GPT(cfg, block=TEBlock).cuda()
     te_model.load_state_dict(plain_to_te_state_dict(plain.state_dict()), strict=True)
     return plain, te_model
 

@@ -14,9 +14,13 @@ import pytest
 import torch
 
 import checkpoint
+import config
+import model
 import train
 from data import write_shard
-from resilience import EarlyStopping, LossHealth, fits_by_trying, largest_fitting_batch, micro_batch_for
+from memory import fits_by_trying, largest_fitting_batch, micro_batch_for
+from optim import lr_multiplier
+from resilience import EarlyStopping, LossHealth
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
@@ -211,7 +215,7 @@ def test_too_many_bad_steps_roll_back_with_a_lower_lr(data_dir, tmp_path, capsys
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == list(range(6))
     assert not any(r["skipped"] for r in records)  # the bad step's line was dropped with the rollback
-    assert records[5]["lr"] == pytest.approx(0.5 * train.lr_multiplier(5, 6, 2, "cosine", 0.1, 0.2) * 3e-3)
+    assert records[5]["lr"] == pytest.approx(0.5 * lr_multiplier(5, 6, 2, "cosine", 0.1, 0.2) * 3e-3)
 
 
 def test_too_many_bad_steps_can_stop_the_run(data_dir, tmp_path, capsys):
@@ -284,7 +288,7 @@ def test_out_of_memory_mid_run_retries_with_a_smaller_micro_batch(data_dir, tmp_
     reference_dir = tmp_path / "reference"
     common = ["--data", data_dir, *MODEL, "--total-batch-tokens", "256", "--max-steps", "4"]
     train.main([*common, "--out-dir", str(reference_dir), "--batch-size", "4"])
-    original = train.GPT.forward
+    original = model.GPT.forward
     state = {"raised": False}
 
     def forward_that_runs_out_of_memory_once(self, idx, targets=None, **kw):
@@ -293,7 +297,7 @@ def test_out_of_memory_mid_run_retries_with_a_smaller_micro_batch(data_dir, tmp_
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
         return original(self, idx, targets, **kw)
 
-    monkeypatch.setattr(train.GPT, "forward", forward_that_runs_out_of_memory_once)
+    monkeypatch.setattr(model.GPT, "forward", forward_that_runs_out_of_memory_once)
     train.main([*common, "--out-dir", str(tmp_path / "shrunk"), "--batch-size", "8"])
     assert state["raised"] and "retrying the step with micro-batch 4 x 2" in capsys.readouterr().err
     np.testing.assert_allclose(losses(tmp_path / "shrunk"), losses(reference_dir), rtol=1e-6)

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 import checkpoint
+import config
 import train
+from optim import lr_multiplier
 from data import write_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,7 +46,7 @@ def run_cli(*args, cwd=REPO):
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
 def test_lr_schedule_warms_up_then_decays_to_min(schedule):
-    mults = [train.lr_multiplier(s, 100, 10, schedule, 0.1, 0.2) for s in range(100)]
+    mults = [lr_multiplier(s, 100, 10, schedule, 0.1, 0.2) for s in range(100)]
     assert mults[0] == pytest.approx(0.1) and mults[9] == pytest.approx(1.0)
     assert all(a <= b for a, b in zip(mults[:10], mults[1:10]))
     assert all(a >= b for a, b in zip(mults[10:], mults[11:]))
@@ -52,26 +54,26 @@ def test_lr_schedule_warms_up_then_decays_to_min(schedule):
 
 
 def test_wsd_is_flat_until_the_decay_phase():
-    mults = [train.lr_multiplier(s, 100, 10, "wsd", 0.0, 0.2) for s in range(100)]
+    mults = [lr_multiplier(s, 100, 10, "wsd", 0.0, 0.2) for s in range(100)]
     assert mults[10:80] == [1.0] * 70
     assert mults[80] < 1.0 and mults[-1] == 0.0
 
 
 def test_cosine_midpoint():
-    assert train.lr_multiplier(54, 100, 10, "cosine", 0.0, 0.2) == pytest.approx(0.5)
+    assert lr_multiplier(54, 100, 10, "cosine", 0.0, 0.2) == pytest.approx(0.5)
 
 
 def test_total_batch_tokens_derives_grad_accum():
-    c, m, _ = train.parse_args(["--total-batch-tokens", "4096", "--batch-size", "4", "--seq-len", "256"])
-    assert train.derive_grad_accum(c, m.max_seq_len) == 4
-    assert train.derive_grad_accum(c, m.max_seq_len, world_size=2) == 2
+    cfg = config.parse_args(["--total-batch-tokens", "4096", "--batch-size", "4", "--seq-len", "256"])
+    assert config.batch_layout(cfg).grad_accum == 4
+    assert config.batch_layout(cfg, world_size=2).grad_accum == 2
     with pytest.raises(train.UsageError, match="not a multiple"):
-        train.derive_grad_accum(c, m.max_seq_len, world_size=3)
+        config.batch_layout(cfg, world_size=3)
 
 
 def test_max_tokens_derives_max_steps():
-    c, _, _ = train.parse_args(["--max-tokens", "10000"])
-    assert train.derive_max_steps(c, 4096) == math.ceil(10000 / 4096)
+    cfg = config.parse_args(["--max-tokens", "10000"])
+    assert config.max_steps(cfg, 4096) == math.ceil(10000 / 4096)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -84,7 +86,7 @@ def test_max_tokens_derives_max_steps():
 ])
 def test_bad_flags_are_usage_errors(args, message):
     with pytest.raises(train.UsageError, match=message):
-        train.parse_args(args)
+        config.parse_args(args)
 
 
 def test_bad_input_exits_2_with_one_line(tmp_path, tiny_data):
@@ -106,7 +108,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, tiny_data):
 def test_help_documents_every_flag():
     result = run_cli("--help")
     assert result.returncode == 0
-    for action in train.build_parser()._actions:
+    for action in config.build_parser()._actions:
         assert action.help, action.option_strings
         for flag in action.option_strings:
             assert flag in result.stdout
