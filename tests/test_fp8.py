@@ -6,17 +6,15 @@ import subprocess
 import sys
 import types
 
-import numpy as np
 import pytest
 import torch
 
 import fp8
 import config
 import train
-from data import write_shard
+from conftest import REPO, write_tiny_shards
 from model import GPT, ModelConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
 HD128 = ModelConfig(vocab_size=256, n_layer=2, n_head=2, n_kv_head=1, n_embd=256, max_seq_len=32)
 ALL_THERE = {"cuda": True, "have_te": True, "have_torchao": True}
@@ -162,11 +160,8 @@ def test_torchao_refuses_the_te_backend():
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fp8_data")
-    rng = np.random.default_rng(0)
-    write_shard(root / "train_000000.bin", rng.integers(0, 256, 5000, dtype=np.uint16), vocab_size=256)
-    write_shard(root / "val_000000.bin", rng.integers(0, 256, 2000, dtype=np.uint16), vocab_size=256)
-    return str(root)
+    """One train shard of 5,000 random tokens and a val shard of 2,000."""
+    return write_tiny_shards(tmp_path_factory.mktemp("one_shard"), train_tokens=(5000,))
 
 
 @needs_torchao

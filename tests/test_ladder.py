@@ -5,15 +5,13 @@ import json
 import os
 import sys
 
-import numpy as np
 import pytest
 import torch
 
 import fp8
-from data import write_shard
+from conftest import REPO, write_tiny_shards
 from model import ModelConfig, flops_per_token
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import ladder  # noqa: E402
 
@@ -24,11 +22,8 @@ FAST = ["--windows", "1", "--steps-per-window", "1", "--warmup-steps", "1"]
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ladder_data")
-    rng = np.random.default_rng(0)
-    write_shard(root / "train_000000.bin", rng.integers(0, 256, 5000, dtype=np.uint16), vocab_size=256)
-    write_shard(root / "val_000000.bin", rng.integers(0, 256, 2000, dtype=np.uint16), vocab_size=256)
-    return str(root)
+    """One train shard of 5,000 random tokens and a val shard of 2,000."""
+    return write_tiny_shards(tmp_path_factory.mktemp("one_shard"), train_tokens=(5000,))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU ladder")

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import checkpoint
-import config
 import model
 import train
 from data import write_shard
@@ -189,9 +188,10 @@ def test_a_full_disk_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypat
 # ----------------------------------------------------------------------------- NaNs, spikes, rollback
 
 
-def test_an_injected_nan_is_skipped_and_changes_nothing(data_dir, tmp_path):
+def test_an_injected_nan_is_skipped_and_changes_nothing(data_dir, tmp_path, inject_nan):
+    inject_nan(2)
     train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "4", "--ckpt-interval", "1",
-                "--keep-ckpts", "10", "--inject-nan-at-step", "2"])
+                "--keep-ckpts", "10"])
     with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
     assert [r["skipped"] for r in records] == [False, False, True, False]
@@ -206,9 +206,10 @@ def test_an_injected_nan_is_skipped_and_changes_nothing(data_dir, tmp_path):
     assert after["loader"] != before["loader"]  # the poisoned batch was consumed, not replayed
 
 
-def test_too_many_bad_steps_roll_back_with_a_lower_lr(data_dir, tmp_path, capsys):
+def test_too_many_bad_steps_roll_back_with_a_lower_lr(data_dir, tmp_path, capsys, inject_nan):
+    inject_nan(3)
     train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "6", "--ckpt-interval", "2",
-                "--inject-nan-at-step", "3", "--max-bad-steps", "1"])
+                "--max-bad-steps", "1"])
     err = capsys.readouterr().err
     assert "rolled back to step 2" in err and "LR now x0.5" in err
     with open(tmp_path / "metrics.jsonl") as f:
@@ -218,10 +219,11 @@ def test_too_many_bad_steps_roll_back_with_a_lower_lr(data_dir, tmp_path, capsys
     assert records[5]["lr"] == pytest.approx(0.5 * lr_multiplier(5, 6, 2, "cosine", 0.1, 0.2) * 3e-3)
 
 
-def test_too_many_bad_steps_can_stop_the_run(data_dir, tmp_path, capsys):
+def test_too_many_bad_steps_can_stop_the_run(data_dir, tmp_path, capsys, inject_nan):
+    inject_nan(1)
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "6",
-                    "--inject-nan-at-step", "1", "--max-bad-steps", "1", "--on-bad-steps", "stop"])
+                    "--max-bad-steps", "1", "--on-bad-steps", "stop"])
     assert exit_info.value.code == 1
     assert "non-finite steps in a row" in capsys.readouterr().err.strip().splitlines()[-1]
 

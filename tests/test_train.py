@@ -12,22 +12,8 @@ import checkpoint
 import config
 import train
 from optim import lr_multiplier
-from data import write_shard
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY_MODEL = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
-              "--seq-len", "32", "--batch-size", "4"]
-
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    """Random tokens over a 256-entry vocabulary: enough to exercise every code path quickly."""
-    root = tmp_path_factory.mktemp("tiny_data")
-    rng = np.random.default_rng(0)
-    for i in range(3):
-        write_shard(root / f"train_{i:06d}.bin", rng.integers(0, 256, 5000, dtype=np.uint16), vocab_size=256)
-    write_shard(root / "val_000000.bin", rng.integers(0, 256, 2000, dtype=np.uint16), vocab_size=256)
-    return str(root)
+from conftest import REPO, TINY_FLAGS as TINY_MODEL
 
 
 def read_metrics(out_dir):

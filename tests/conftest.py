@@ -1,0 +1,60 @@
+"""Fixtures the test files share: tiny token shards, the tiny model's flags, and a NaN injected into one
+training step (tests poison a step by patching it, so the product carries no test-only flag)."""
+
+import os
+
+import numpy as np
+import pytest
+
+from data import write_shard
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A model and batch small enough for a CPU test to train a few steps in about a second.
+TINY_FLAGS = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
+              "--seq-len", "32", "--batch-size", "4"]
+
+
+def write_tiny_shards(root, train_tokens=(5000, 5000, 5000), val_tokens=2000, seed=0, vocab_size=256) -> str:
+    """Random uint16 tokens below vocab_size, drawn in order (train shards, then val) from one seeded
+    generator, as llm.c shards under root; -> root as a string."""
+    rng = np.random.default_rng(seed)
+    for i, n in enumerate(train_tokens):
+        write_shard(os.path.join(root, f"train_{i:06d}.bin"), rng.integers(0, vocab_size, n, dtype=np.uint16),
+                    vocab_size=vocab_size)
+    write_shard(os.path.join(root, "val_000000.bin"), rng.integers(0, vocab_size, val_tokens, dtype=np.uint16),
+                vocab_size=vocab_size)
+    return str(root)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """Three train shards of 5,000 random tokens and a val shard of 2,000, over a 256-entry vocabulary:
+    enough to exercise every code path quickly."""
+    return write_tiny_shards(tmp_path_factory.mktemp("tiny_data"))
+
+
+@pytest.fixture
+def inject_nan(monkeypatch):
+    """poison(n): the n-th call of train.train_step (0-based: step n of a fresh run) gets a NaN loss, once;
+    a rollback that redoes that step meets a finite one."""
+    import train
+
+    original = train.train_step
+
+    def poison(n):
+        calls = {"count": 0}
+
+        def step(run):
+            index, calls["count"] = calls["count"], calls["count"] + 1
+            if index != n:
+                return original(run)
+            forward = run.compiled
+            run.compiled = lambda x, y: (lambda out: (out[0], out[1] * float("nan")))(forward(x, y))
+            try:
+                return original(run)
+            finally:
+                run.compiled = forward
+
+        monkeypatch.setattr(train, "train_step", step)
+
+    return poison
