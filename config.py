@@ -50,6 +50,8 @@ def batch_size_flag(text: str) -> int | str:
 
 @dataclass
 class DataConfig:
+    """Where the tokens come from and how many one step takes (the loader, BatchLayout)."""
+
     data: str | None = option(None, "directory of train_*.bin / val_*.bin shards (default: the Python stdlib "
                                     "corpus, tokenized once and cached)")
     batch_size: int | str = option(16, "micro-batch size in sequences, or auto (CUDA): the largest that fits in "
@@ -62,6 +64,8 @@ class DataConfig:
 
 @dataclass
 class ScheduleConfig:
+    """How long the run is and the LR over it (optim.lr_multiplier), with gradient clipping."""
+
     max_steps: int = option(150, "optimizer steps to train")
     max_tokens: int = option(0, "train for this many tokens instead of --max-steps (0: off)")
     warmup: int = option(15, "linear warm-up steps")
@@ -74,6 +78,8 @@ class ScheduleConfig:
 
 @dataclass
 class EvalConfig:
+    """Validation and samples; evaluate.Evaluator decides when."""
+
     eval_interval: int = option(50, "steps between val-loss evals (0: off)")
     eval_tokens: int = option(16384, "val tokens per eval")
     sample_tokens: int = option(0, "at each eval, print a sample of this many tokens (0: off)")
@@ -82,6 +88,8 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Where the run writes, what it resumes from; checkpoint.Checkpointer decides when to save."""
+
     out_dir: str = option("out", "checkpoints and metrics.jsonl go here")
     ckpt_interval: int = option(50, "steps between checkpoints (0: only at the end)")
     keep_ckpts: int = option(2, "how many recent checkpoints to keep")
@@ -93,6 +101,8 @@ class CheckpointConfig:
 
 @dataclass
 class ResilienceConfig:
+    """What to do about non-finite steps, spikes and a stalled val loss (resilience.Guard)."""
+
     max_bad_steps: int = option(5, "non-finite steps in a row (each one's update is skipped) before "
                                    "--on-bad-steps acts")
     on_bad_steps: str = option("rollback", "rollback: reload the newest checkpoint and scale the LR by "
@@ -104,6 +114,8 @@ class ResilienceConfig:
 
 @dataclass
 class DistConfig:
+    """Data parallelism under torchrun (distributed.py)."""
+
     dist: str = option("none", "data parallelism across the processes torchrun starts: DDP, or FSDP2 "
                                "(fully_shard)", choices=("none", "ddp", "fsdp"))
     ddp_bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB")
@@ -113,6 +125,8 @@ class DistConfig:
 
 @dataclass
 class SpeedConfig:
+    """Device, precision, compilation and activation memory (hardware.py, distributed.parallelize, memory.py)."""
+
     device: str = option("auto", "auto: cuda, then mps, then cpu", choices=DEVICES)
     dtype: str = option("auto", "autocast dtype (auto: bf16 on CUDA that supports it, else fp32); fp16 uses a "
                                 "GradScaler", choices=DTYPES)
@@ -126,6 +140,8 @@ class SpeedConfig:
 
 @dataclass
 class LogConfig:
+    """What the run reports and where (telemetry.py)."""
+
     log_interval: int = option(10, "steps between progress updates")
     peak_tflops: float = option(0.0, "peak FLOP/s (in TFLOP/s) for MFU (0: the GPU's dense bf16 datasheet "
                                      "figure)")

@@ -224,8 +224,8 @@ class Telemetry:
         return record
 
     def _compile_time(self, record: dict) -> None:
-        times = self.step_times
-        if self.cfg.speed.compile != "off" and len(times) == min(COMPILE_TIMING_STEPS, self.max_steps - self.start_step):
+        times, timed_steps = self.step_times, min(COMPILE_TIMING_STEPS, self.max_steps - self.start_step)
+        if self.cfg.speed.compile != "off" and len(times) == timed_steps:
             record["compile_s"] = compile_seconds(times)
             self.write(f"torch.compile: first step {times[0]:.1f} s, about {record['compile_s']:.1f} s of it "
                        f"compilation (first minus the median of the next {len(times) - 1} steps)")
@@ -248,7 +248,8 @@ class Telemetry:
     def loop(self):
         """The step loop's progress bar and profiler, open while it runs."""
         self.progress = Progress(self.max_steps, "train", unit="step", initial=self.start_step, enabled=self.is_main)
-        self.profiler = start_profiler(self.device, self.cfg.ckpt.out_dir, self.is_main) if self.cfg.log.profile else None
+        if self.cfg.log.profile:
+            self.profiler = start_profiler(self.device, self.cfg.ckpt.out_dir, self.is_main)
         try:
             yield
         finally:
