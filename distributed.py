@@ -126,6 +126,12 @@ def apply_fsdp(model: torch.nn.Module, blocks: torch.nn.ModuleList, param_dtype:
     return model
 
 
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to max_norm and return the global norm; under FSDP2 the norm of the sharded grads is reduced."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
 def set_grad_sync(model: torch.nn.Module, info: DistInfo, enabled: bool):
     """Context for one micro-step: gradients are reduced across ranks only when `enabled` (the last one)."""
     if info.mode == "ddp" and not enabled:

@@ -200,12 +200,6 @@ def startup_rows(run: Run, data_dir, device_reason, dtype_reason, tf32_reason, p
 # ----------------------------------------------------------------------------- the step
 
 
-def total_grad_norm(model, max_norm: float) -> torch.Tensor:
-    """Clip to max_norm and return the global norm; under FSDP2 the norm of the sharded grads is reduced."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
 def train_step(run: Run):
     """One optimizer step over grad_accum micro-batches -> (mean loss over ranks, grad norm, finite).
 
@@ -226,7 +220,7 @@ def train_step(run: Run):
     with timer("optimizer"):
         run.scaler.unscale_(run.optimizer)
         clip = run.cfg.schedule.grad_clip
-        grad_norm = total_grad_norm(run.model, clip if clip > 0 else float("inf"))
+        grad_norm = distributed.clip_grad_norm(run.model, clip if clip > 0 else float("inf"))
         loss = distributed.mean_across_ranks(loss_sum / grad_accum, run.info)
         finite = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))
         if finite:
