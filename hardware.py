@@ -4,7 +4,6 @@ Every entry point (train.py, sample.py, bench/) asks here, so a device or dtype 
 everywhere. Each decision comes back with its reason, for the start-up table: detected, never assumed.
 """
 
-import resource
 import sys
 from contextlib import nullcontext
 
@@ -92,6 +91,8 @@ def peak_memory_gib(device: torch.device) -> float:
     """Peak memory so far: allocated by tensors on CUDA; the process's peak resident set elsewhere."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource  # POSIX only: imported here so that Windows can still import this module
+
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB on Linux
     return peak * (1 if sys.platform == "darwin" else 1024) / 2**30
 

@@ -14,6 +14,7 @@ not model torch.compile (whose partitioner chooses what to save, usually less), 
 
 import itertools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -263,8 +264,6 @@ def format_memory_estimates(estimates: dict[str, MemoryEstimate], selected: str)
 def memory_report(cfg) -> str:
     """--estimate-memory: the estimate for these flags (a config.Config) under every --act-ckpt mode;
     builds and allocates nothing."""
-    import os
-
     device, _ = hardware.resolve_device(cfg.speed.device)
     autocast_dtype, dtype_reason = hardware.resolve_dtype(cfg.speed.dtype, device)
     model_cfg, batch_size = cfg.model, cfg.data.batch_size
