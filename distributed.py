@@ -102,24 +102,32 @@ def apply_ddp(model: torch.nn.Module, info: DistInfo, device: torch.device, buck
     return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_mb)
 
 
+def fsdp_block_policy(param_dtype: torch.dtype | None):
+    """The blocks' mixed precision: parameters all-gathered in param_dtype (bf16) for compute, gradients
+    reduced in fp32; forward inputs are NOT cast (FSDP2 casts them by default), so the residual stream and
+    the RoPE tables stay fp32, as under DDP and on one device, where autocast casts only at the matmuls."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
 def apply_fsdp(model: torch.nn.Module, blocks: torch.nn.ModuleList, param_dtype: torch.dtype | None,
                reshard_after_forward: bool) -> torch.nn.Module:
     """fully_shard each transformer block, then the root (embedding, final norm, lm_head), in place.
 
-    Parameters stay fp32 (the optimizer's master copy); with param_dtype set (bf16 on CUDA) FSDP casts
-    them for compute after the all-gather and reduces gradients in fp32. Each block asks for the next
+    Parameters stay fp32 (the optimizer's master copy). With param_dtype set (the autocast dtype) the blocks
+    compute with it (fsdp_block_policy); the root keeps fp32, so the embedding writes an fp32 residual stream
+    and autocast casts the lm_head at its matmul, exactly as without FSDP, for the price of all-gathering the
+    root in fp32. reshard_after_forward applies to the blocks; the root keeps PyTorch's default, which holds
+    it unsharded from forward to backward, since backward starts with it. Each block asks for the next
     block's all-gather during forward and the previous one's during backward, so communication overlaps
     compute instead of waiting for the implicit prefetch.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else None
-    kwargs = {"reshard_after_forward": reshard_after_forward}
-    if mp is not None:
-        kwargs["mp_policy"] = mp
     for block in blocks:
-        fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=fsdp_block_policy(param_dtype))
+    fully_shard(model)
     for prev, nxt in zip(blocks[:-1], blocks[1:]):
         prev.set_modules_to_forward_prefetch([nxt])
         nxt.set_modules_to_backward_prefetch([prev])
@@ -158,8 +166,7 @@ def parallelize(model: torch.nn.Module, info: DistInfo, device: torch.device, au
     if info.mode == "ddp":
         wrapped = apply_ddp(model, info, device, cfg.ddp_bucket_mb)
     elif info.mode == "fsdp":
-        param_dtype = autocast_dtype if device.type == "cuda" else None
-        wrapped = apply_fsdp(model, model.blocks, param_dtype, cfg.reshard_after_forward)
+        wrapped = apply_fsdp(model, model.blocks, autocast_dtype, cfg.reshard_after_forward)
     if compile_mode == "off":
         return wrapped, wrapped
     return wrapped, torch.compile(wrapped, mode=None if compile_mode == "default" else compile_mode, fullgraph=False)

@@ -18,7 +18,9 @@ combination (no GPU, no TE, shapes the FP8 GEMMs or FP8 attention cannot take) w
 anything is built.
 """
 
+import importlib.metadata
 import importlib.util
+import math
 import os
 import sys
 from contextlib import nullcontext
@@ -28,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from cli import UsageError
-from model import GPT, Block, LayerNormMLP, ModelConfig, apply_rope
+from model import GPT, Block, LayerNormMLP, ModelConfig, RMSNorm, apply_rope
 
 FP8_MODES = ("off", "te", "torchao")
 FP8_RECIPES = ("current", "delayed")
@@ -36,9 +38,19 @@ FP8_RECIPES = ("current", "delayed")
 # attention trains only with delayed scaling, so with the current-scaling recipe the attention gets its own.
 DPA_RECIPE_ENV = "NVTE_DPA_FP8_RECIPE"
 FP8_ATTN_HEAD_DIM = 128
-TE_INSTALL_HINT = "pip install transformer-engine[pytorch] on a CUDA machine"
+# transformer-engine-torch is source-only: with build isolation pip would build it against a fresh torch from
+# the index instead of the installed one (TE's own error message gives the same command).
+TE_INSTALL_HINT = "pip install --no-build-isolation transformer-engine[pytorch] on a CUDA machine"
 # 2.4 is the first release whose modules accept the empty _extra_state that plain_to_te_state_dict supplies.
 TE_MIN_VERSION = (2, 4)
+# FP8 attention with the current-scaling recipe: before 2.8 Float8CurrentScaling asserts fp8_dpa is off and
+# NVTE_DPA_FP8_RECIPE does not exist. The ladder pairs exactly these two, so 2.8 is the floor for --fp8-attn.
+TE_FP8_ATTN_MIN_VERSION = (2, 8)
+# On Hopper the weight-gradient GEMM of an FP8 linear ("NT" layout) has the token count as its inner
+# dimension, and cuBLASLt wants FP8 leading dimensions in multiples of 16 (TE common/gemm/cublaslt_gemm.cu:
+# "Leading dimension requirement on A for FP8 GEMM. Caller must pad."). The forward alone only needs 8, so a
+# count of 8 passes the forward and crashes at the first backward. torchao's torch._scaled_mm wants the same.
+FP8_TOKEN_MULTIPLE = 16
 # The TE modules of a block, by name; each adds a `<name>._extra_state` entry to the state dict.
 TE_MODULES = ("attn.qkv", "attn.core_attention", "attn.proj", "mlp")
 
@@ -71,6 +83,33 @@ def te_installed() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+def te_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed Transformer Engine from its package metadata, as TE itself reads it,
+    so without importing TE (which needs CUDA); None when it is not installed."""
+    try:
+        return parse_version(importlib.metadata.version("transformer_engine"))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """"2.20.2+cu13" -> (2, 20)."""
+    major, minor = text.split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def format_version(version: tuple[int, int]) -> str:
+    return ".".join(map(str, version))
+
+
+def batch_multiple(mode: str, seq_len: int) -> int:
+    """The micro-batch sizes FP8 allows are the multiples of this: the smallest b with b * seq_len a multiple
+    of FP8_TOKEN_MULTIPLE (1 without FP8). --batch-size auto searches only these."""
+    if mode == "off":
+        return 1
+    return FP8_TOKEN_MULTIPLE // math.gcd(seq_len, FP8_TOKEN_MULTIPLE)
+
+
 def torchao_installed() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
@@ -84,33 +123,37 @@ def gemm_dims(cfg: ModelConfig) -> dict[str, int]:
 
 
 def check_fp8_config(mode: str, recipe: str, fp8_attn: bool, cfg: ModelConfig, batch_size: int, seq_len: int,
-                     *, cuda: bool, have_te: bool, have_torchao: bool) -> None:
+                     *, cuda: bool, te: tuple[int, int] | None, have_torchao: bool) -> None:
     """Raise ValueError (one line) when the FP8 flags cannot work on this model, batch and machine.
 
-    Pure: the machine's facts come in as arguments (train.py passes torch.cuda.is_available(), te_installed(),
-    torchao_installed()). The rules: TE asserts that an FP8 GEMM input has its last dim divisible by 16 and
-    the product of the others by 8 (transformer_engine/pytorch/utils.py, assert_dim_for_fp8_exec), so every
-    GEMM dim must be a multiple of 16 and batch * seq a multiple of 8. torchao's float8 GEMMs
-    (torch._scaled_mm) want multiples of 16 too, and the tokens are the inner dim of the weight-gradient
-    GEMM, so batch * seq must be a multiple of 16 there (our reading, not yet checked on a GPU). FP8
-    attention (TE's cuDNN kernel on H100) needs head_dim 128.
+    Pure: the machine's facts come in as arguments (prepare() passes CUDA's presence, te_version() and
+    torchao_installed()). te: the installed Transformer Engine's (major, minor), or None. The rules: TE
+    asserts that an FP8 GEMM input has its last dim divisible by 16 (transformer_engine/pytorch/utils.py,
+    assert_dim_for_fp8_exec), so every block GEMM dim must be a multiple of 16; the tokens of a micro-batch
+    are the inner dim of the weight-gradient GEMM, so batch * seq must be a multiple of FP8_TOKEN_MULTIPLE
+    (16) on either path. FP8 attention (TE's cuDNN kernel on H100) needs head_dim 128 and TE >= 2.8.
     """
     check_fp8_flags(mode, recipe, fp8_attn)
     if mode == "off":
         return
     if mode == "te" and not cuda:
         raise ValueError(f"--fp8 te needs a CUDA GPU: {TE_INSTALL_HINT}")
-    if mode == "te" and not have_te:
+    if mode == "te" and te is None:
         raise ValueError(f"--fp8 te: transformer_engine is not installed: {TE_INSTALL_HINT}")
+    if mode == "te" and te < TE_MIN_VERSION:
+        raise ValueError(f"--fp8 te: transformer_engine {format_version(te)} is too old (need >= "
+                         f"{format_version(TE_MIN_VERSION)}): {TE_INSTALL_HINT}")
+    if fp8_attn and te < TE_FP8_ATTN_MIN_VERSION:
+        raise ValueError(f"--fp8-attn needs transformer_engine >= {format_version(TE_FP8_ATTN_MIN_VERSION)} "
+                         f"(FP8 attention with current scaling), found {format_version(te)}")
     if mode == "torchao" and not have_torchao:
         raise ValueError("--fp8 torchao: torchao is not installed: pip install torchao")
     for name, value in gemm_dims(cfg).items():
         if value % 16:
             raise ValueError(f"FP8 GEMMs need every block matrix dim to be a multiple of 16; {name} is {value}")
-    multiple = 8 if mode == "te" else 16
-    if (batch_size * seq_len) % multiple:
-        raise ValueError(f"--fp8 {mode} needs batch_size * seq_len to be a multiple of {multiple}, got "
-                         f"{batch_size} * {seq_len} = {batch_size * seq_len}")
+    if (batch_size * seq_len) % FP8_TOKEN_MULTIPLE:
+        raise ValueError(f"--fp8 {mode} needs batch_size * seq_len to be a multiple of {FP8_TOKEN_MULTIPLE} "
+                         f"(the FP8 weight-gradient GEMM), got {batch_size} * {seq_len} = {batch_size * seq_len}")
     if fp8_attn and cfg.resolved_head_dim != FP8_ATTN_HEAD_DIM:
         raise ValueError(f"--fp8-attn needs head_dim {FP8_ATTN_HEAD_DIM} (TE's FP8 attention on H100), "
                          f"got {cfg.resolved_head_dim}")
@@ -129,10 +172,9 @@ def import_te():
         import transformer_engine.pytorch as te
     except Exception as e:  # ImportError, or OSError / RuntimeError when libcuda or cuDNN is missing
         raise ValueError(f"cannot import transformer_engine ({type(e).__name__}): {TE_INSTALL_HINT}") from None
-    version = tuple(int(part) for part in transformer_engine.__version__.split(".")[:2])
-    if version < TE_MIN_VERSION:
+    if parse_version(transformer_engine.__version__) < TE_MIN_VERSION:
         raise ValueError(f"transformer_engine {transformer_engine.__version__} is too old (need >= "
-                         f"{'.'.join(map(str, TE_MIN_VERSION))}): {TE_INSTALL_HINT}")
+                         f"{format_version(TE_MIN_VERSION)}): {TE_INSTALL_HINT}")
     return te
 
 
@@ -156,8 +198,8 @@ class TEAttention(nn.Module):
         qkv_rows = (config.n_head + 2 * config.n_kv_head) * hd
         self.qkv = te.LayerNormLinear(config.n_embd, qkv_rows, eps=config.norm_eps, bias=False,
                                       normalization="RMSNorm", device=device)
-        self.q_norm = nn.RMSNorm(hd, eps=config.norm_eps, device=device)
-        self.k_norm = nn.RMSNorm(hd, eps=config.norm_eps, device=device)
+        self.q_norm = RMSNorm(hd, eps=config.norm_eps, device=device)
+        self.k_norm = RMSNorm(hd, eps=config.norm_eps, device=device)
         self.core_attention = te.DotProductAttention(
             num_attention_heads=config.n_head, kv_channels=hd, num_gqa_groups=config.n_kv_head,
             attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal",
@@ -170,14 +212,25 @@ class TEAttention(nn.Module):
     ) -> torch.Tensor:
         if kv is not None:
             raise ValueError("KV-cache decoding runs on the plain backend: load te_to_plain_state_dict(...) into GPT")
-        B, T, _ = x.shape
-        H, K, hd = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.qkv(x).split([H * hd, K * hd, K * hd], dim=-1)
-        cos, sin = cos[:, None], sin[:, None]  # [T, 1, hd]: broadcast over the heads of bshd
-        q = apply_rope(self.q_norm(q.view(B, T, H, hd).float()), cos, sin).to(v.dtype)
-        k = apply_rope(self.k_norm(k.view(B, T, K, hd).float()), cos, sin).to(v.dtype)
-        y = self.core_attention(q, k, v.view(B, T, K, hd))  # [B, T, H * hd]
-        return self.proj(y)
+        q, k, v = bshd_heads(self.qkv(x), self.q_norm, self.k_norm, cos, sin, self.n_head, self.n_kv_head)
+        return self.proj(self.core_attention(q, k, v))  # [B, T, H * hd] in, [B, T, n_embd] out
+
+
+def bshd_heads(qkv: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor,
+               n_head: int, n_kv_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused QKV GEMM's output [B, T, (H + 2K) * hd] -> q, k, v as [B, T, heads, hd] ("bshd"), each
+    contiguous, with QK-norm and the rotation applied exactly as in Attention.
+
+    The three are column slices of one tensor, so as views they are strided. TE's attention copies a strided
+    input in eager mode, and under torch.compile its guard sends the call back to eager (TE 2.20), so each is
+    made contiguous here, once (q and k already are: the norm writes new tensors)."""
+    B, T, width = qkv.shape
+    hd = width // (n_head + 2 * n_kv_head)
+    q, k, v = qkv.split([n_head * hd, n_kv_head * hd, n_kv_head * hd], dim=-1)
+    cos, sin = cos[:, None], sin[:, None]  # [T, 1, hd]: broadcast over the heads of bshd
+    q = apply_rope(q_norm(q.view(B, T, n_head, hd).float()), cos, sin).to(v.dtype)
+    k = apply_rope(k_norm(k.view(B, T, n_kv_head, hd).float()), cos, sin).to(v.dtype)
+    return q.contiguous(), k.contiguous(), v.contiguous().view(B, T, n_kv_head, hd)
 
 
 class TEBlock(Block):
@@ -345,11 +398,12 @@ def prepare(cfg: FP8Config, model_cfg: ModelConfig, micro_batch: int | None, dev
     """Check the FP8 flags against the model, the batch and this machine, before anything is built; under
     --fp8 te also point TE's attention at its recipe (before TE's import) -> TE's recipe, or None.
 
-    micro_batch None: chosen later by --batch-size auto; 1 is checked then, which demands seq_len itself
-    meet the token multiple, enough for any size."""
+    micro_batch None: chosen later by --batch-size auto, which searches only multiples of batch_multiple(),
+    so the smallest of them is the one checked here."""
+    batch = micro_batch or batch_multiple(cfg.mode, model_cfg.max_seq_len)
     try:
-        check_fp8_config(cfg.mode, cfg.recipe, cfg.attn, model_cfg, micro_batch or 1, model_cfg.max_seq_len,
-                         cuda=device.type == "cuda", have_te=te_installed(), have_torchao=torchao_installed())
+        check_fp8_config(cfg.mode, cfg.recipe, cfg.attn, model_cfg, batch, model_cfg.max_seq_len,
+                         cuda=device.type == "cuda", te=te_version(), have_torchao=torchao_installed())
         if cfg.mode != "te":
             return None
         if autocast_dtype is None:

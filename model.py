@@ -143,6 +143,20 @@ def _offset_causal_mask(T: int, start: int, device: torch.device) -> torch.Tenso
     return keys <= torch.arange(start, start + T, device=device)[:, None]
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in x's dtype. Under FSDP2's mixed precision a block's weights arrive in bf16 while the
+    residual stream stays float32 (as under DDP); with mixed dtypes PyTorch falls back from its fused kernel,
+    so the weight is cast to x's dtype instead."""
+    return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameter, same state dict) through rms_norm()."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
 class LayerNormLinear(nn.Module):
     """RMSNorm followed by a bias-free linear layer (Transformer Engine's LayerNormLinear, plain)."""
 
@@ -155,8 +169,7 @@ class LayerNormLinear(nn.Module):
         self.matmul = F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.rms_norm(x, self.layer_norm_weight.shape, self.layer_norm_weight, self.eps)
-        return self.matmul(x, self.weight)
+        return self.matmul(rms_norm(x, self.layer_norm_weight, self.eps), self.weight)
 
 
 class LayerNormMLP(nn.Module):
@@ -171,8 +184,7 @@ class LayerNormMLP(nn.Module):
         self.matmul = F.linear  # as in LayerNormLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.rms_norm(x, self.layer_norm_weight.shape, self.layer_norm_weight, self.eps)
-        gate, up = self.matmul(x, self.fc1_weight).chunk(2, dim=-1)
+        gate, up = self.matmul(rms_norm(x, self.layer_norm_weight, self.eps), self.fc1_weight).chunk(2, dim=-1)
         return self.matmul(F.silu(gate) * up, self.fc2_weight)
 
 
@@ -184,8 +196,8 @@ class Attention(nn.Module):
         self.head_dim = config.resolved_head_dim
         qkv_rows = (config.n_head + 2 * config.n_kv_head) * self.head_dim
         self.qkv = LayerNormLinear(config.n_embd, qkv_rows, config.norm_eps)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=config.norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps)
         self.proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=False)
 
     def forward(
@@ -244,7 +256,7 @@ class GPT(nn.Module):
         vocab, dim = config.padded_vocab_size, config.n_embd
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(block(config) for _ in range(config.n_layer))
-        self.norm = nn.RMSNorm(dim, eps=config.norm_eps)
+        self.norm = RMSNorm(dim, eps=config.norm_eps)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
         # Non-persistent: derived from the config, so checkpoints stay exactly the parameter contract.
         self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.resolved_head_dim), persistent=False)

@@ -9,9 +9,12 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 import checkpoint
+import distributed
 from data import write_shard
+from model import GPT, ModelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # B=4, T=32: 128 tokens per micro-batch. 256 tokens per step is 2 micro-steps on 1 rank, 1 on 2 ranks.
@@ -83,6 +86,56 @@ def test_fsdp_with_activation_checkpointing_matches_one_process(data_dir, single
     train, _ = train_losses(2, tmp_path, "--data", data_dir, "--max-steps", "5", "--optimizer", "adamw",
                             "--lr", "1e-2", "--dist", "fsdp", "--act-ckpt", "full")
     np.testing.assert_allclose(train, reference_train, rtol=2e-6)
+
+
+def fsdp_numerics_worker(rank, world_size, init_file, out_file):
+    """FSDP2 with bf16 block parameters against DDP under bf16 autocast, on the same weights and batch."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
+        sharded, reference = GPT(cfg), GPT(cfg)
+        reference.load_state_dict(sharded.state_dict())
+        block_inputs = []
+        for block in sharded.blocks:
+            block.register_forward_pre_hook(lambda _, args: block_inputs.append([str(a.dtype) for a in args]))
+        distributed.apply_fsdp(sharded, sharded.blocks, torch.bfloat16, reshard_after_forward=True)
+        ddp = torch.nn.parallel.DistributedDataParallel(reference)
+        idx = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), generator=torch.Generator().manual_seed(rank))
+        losses = {}
+        for name, model in (("fsdp", sharded), ("ddp", ddp)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses[name] = model(idx, idx)[1]
+            if name == "fsdp":  # between forward and backward: the root stays gathered, the blocks do not
+                root_gathered = not isinstance(sharded.embed.weight, DTensor)
+                block_sharded = isinstance(sharded.blocks[0].attn.qkv.weight, DTensor)
+            losses[name].backward()
+        grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
+        if rank == 0:
+            torch.save({"losses": {k: v.item() for k, v in losses.items()}, "block_inputs": block_inputs,
+                        "root_gathered": root_gathered, "block_sharded": block_sharded, "grads": grads,
+                        "reference_grads": {n: p.grad for n, p in reference.named_parameters()}}, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_mixed_precision_keeps_ddp_numerics(tmp_path):
+    out_file = tmp_path / "out.pt"
+    mp.spawn(fsdp_numerics_worker, args=(2, str(tmp_path / "rdzv"), str(out_file)), nprocs=2, join=True)
+    out = torch.load(out_file)
+    # The residual stream and the RoPE tables reach every block in fp32, as under DDP (FSDP2's default
+    # cast_forward_inputs would hand them over in bf16).
+    assert out["block_inputs"] == [["torch.float32"] * 3] * 2
+    assert out["root_gathered"] and out["block_sharded"]
+    # The matmuls see the same bf16 operands either way; only the norm weights' gradients pass through bf16.
+    assert out["losses"]["fsdp"] == pytest.approx(out["losses"]["ddp"], rel=1e-6)
+    for name, grad in out["grads"].items():
+        ref = out["reference_grads"][name]
+        assert (grad - ref).norm() <= 5e-3 * ref.norm(), name
 
 
 def resume_from(src_out, step, dst_out, nproc, *args):

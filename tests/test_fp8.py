@@ -17,7 +17,7 @@ from model import GPT, ModelConfig
 
 CFG = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
 HD128 = ModelConfig(vocab_size=256, n_layer=2, n_head=2, n_kv_head=1, n_embd=256, max_seq_len=32)
-ALL_THERE = {"cuda": True, "have_te": True, "have_torchao": True}
+ALL_THERE = {"cuda": True, "te": (2, 20), "have_torchao": True}
 needs_torchao = pytest.mark.skipif(not fp8.torchao_installed(), reason="needs torchao")
 
 
@@ -29,16 +29,21 @@ def check(mode, cfg=CFG, recipe="current", attn=False, batch=4, seq=32, **machin
 
 
 @pytest.mark.parametrize("mode, kwargs, message", [
-    ("te", {"cuda": False}, r"needs a CUDA GPU: pip install transformer-engine\[pytorch\] on a CUDA machine"),
-    ("te", {"have_te": False}, r"not installed: pip install transformer-engine\[pytorch\]"),
+    ("te", {"cuda": False},
+     r"needs a CUDA GPU: pip install --no-build-isolation transformer-engine\[pytorch\] on a CUDA machine"),
+    ("te", {"te": None}, r"not installed: pip install --no-build-isolation transformer-engine\[pytorch\]"),
+    ("te", {"te": (2, 3)}, r"transformer_engine 2.3 is too old \(need >= 2.4\)"),
+    ("te", {"te": (2, 7), "cfg": HD128, "attn": True}, r"--fp8-attn needs transformer_engine >= 2.8 .*found 2.7"),
     ("torchao", {"have_torchao": False}, "pip install torchao"),
     ("torchao", {"attn": True}, "--fp8-attn needs --fp8 te"),
     ("off", {"attn": True}, "--fp8-attn needs --fp8 te"),
     ("te", {"cfg": ModelConfig(n_layer=1, n_head=3, n_kv_head=1, n_embd=72)}, "multiple of 16; n_embd is 72"),
     ("te", {"cfg": ModelConfig(n_layer=1, n_embd=64, n_head=4, n_kv_head=2, ffn_dim=200)},
      "multiple of 16; ffn_dim is 200"),
-    ("te", {"batch": 3, "seq": 5}, "batch_size \\* seq_len to be a multiple of 8, got 3 \\* 5 = 15"),
-    ("torchao", {"batch": 3, "seq": 8}, "multiple of 16, got 3 \\* 8 = 24"),
+    ("te", {"batch": 3, "seq": 5}, "batch_size \\* seq_len to be a multiple of 16 .*got 3 \\* 5 = 15"),
+    # 8 tokens pass TE's forward check but not cuBLASLt's FP8 weight-gradient GEMM: refused up front.
+    ("te", {"batch": 1, "seq": 8}, "multiple of 16 .*got 1 \\* 8 = 8"),
+    ("torchao", {"batch": 3, "seq": 8}, "multiple of 16 .*got 3 \\* 8 = 24"),
     ("te", {"attn": True}, "--fp8-attn needs head_dim 128 .*got 16"),
     ("fp6", {}, "unknown fp8 mode 'fp6'"),
     ("te", {"recipe": "mxfp8"}, "unknown fp8 recipe 'mxfp8'"),
@@ -50,13 +55,36 @@ def test_fp8_constraint_errors_are_one_line(mode, kwargs, message):
 
 
 @pytest.mark.parametrize("mode, kwargs", [
-    ("off", {"cuda": False, "have_te": False, "have_torchao": False}),
-    ("te", {"batch": 1, "seq": 8}),
-    ("te", {"cfg": HD128, "attn": True, "recipe": "delayed"}),
+    ("off", {"cuda": False, "te": None, "have_torchao": False}),
+    ("te", {"batch": 1, "seq": 16}),
+    ("te", {"batch": 2, "seq": 8, "te": (2, 4)}),
+    ("te", {"cfg": HD128, "attn": True, "recipe": "delayed", "te": (2, 8)}),
     ("torchao", {"cuda": False, "batch": 2, "seq": 8}),
 ])
 def test_fp8_constraints_accept_what_works(mode, kwargs):
     check(mode, **kwargs)
+
+
+@pytest.mark.parametrize("seq, multiple", [(1024, 1), (32, 1), (8, 2), (12, 4), (7, 16)])
+def test_batch_multiple_makes_every_fp8_micro_batch_a_16_token_multiple(seq, multiple):
+    assert fp8.batch_multiple("te", seq) == fp8.batch_multiple("torchao", seq) == multiple
+    assert fp8.batch_multiple("off", seq) == 1
+    for batch in range(1, 40):
+        assert ((batch * seq) % fp8.FP8_TOKEN_MULTIPLE == 0) == (batch % multiple == 0)
+
+
+@pytest.mark.parametrize("text, version", [("2.20.2", (2, 20)), ("2.8.0+cu13", (2, 8)), ("3.0rc1", (3, 0))])
+def test_te_version_is_read_from_package_metadata(text, version, monkeypatch):
+    monkeypatch.setattr(fp8.importlib.metadata, "version", lambda name: text)
+    assert fp8.te_version() == version
+
+
+def test_te_version_is_none_when_te_is_absent(monkeypatch):
+    def missing(name):
+        raise fp8.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(fp8.importlib.metadata, "version", missing)
+    assert fp8.te_version() is None
 
 
 def test_train_refuses_fp8_flags_without_te_at_parse_time():
@@ -71,7 +99,8 @@ def test_train_cli_fp8_te_without_cuda_is_exit_2_with_install_hint():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "error: --fp8 te needs a CUDA GPU: pip install transformer-engine[pytorch] on a CUDA machine"]
+        "error: --fp8 te needs a CUDA GPU: pip install --no-build-isolation transformer-engine[pytorch] on a CUDA "
+        "machine"]
 
 
 # ----------------------------------------------------------------------------- Transformer Engine plumbing

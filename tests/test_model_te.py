@@ -61,7 +61,7 @@ def test_conversion_keeps_existing_extra_state():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_te_backend_without_cuda_says_how_to_install():
-    with pytest.raises(ValueError, match=r"pip install transformer-engine\[pytorch\] on a CUDA machine") as e:
+    with pytest.raises(ValueError, match=r"pip install --no-build-isolation transformer-engine\[pytorch\] on a CUDA machine") as e:
         GPT(TINY, block=TEBlock)
     assert "\n" not in str(e.value)
 
