@@ -130,6 +130,8 @@ class SpeedConfig:
     device: str = option("auto", "auto: cuda, then mps, then cpu", choices=DEVICES)
     dtype: str = option("auto", "autocast dtype (auto: bf16 on CUDA that supports it, else fp32); fp16 uses a "
                                 "GradScaler", choices=DTYPES)
+    tf32: bool = option(True, "CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa); --no-tf32 keeps them "
+                              "true fp32")
     compile: str = option("off", "torch.compile mode for the model",
                           choices=("off", "default", "reduce-overhead", "max-autotune"))
     act_ckpt: str = option("none", "activation checkpointing: every block, every other block, or each "

@@ -22,6 +22,7 @@ import importlib.metadata
 import importlib.util
 import math
 import os
+import re
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -93,9 +94,9 @@ def te_version() -> tuple[int, int] | None:
 
 
 def parse_version(text: str) -> tuple[int, int]:
-    """"2.20.2+cu13" -> (2, 20)."""
-    major, minor = text.split(".")[:2]
-    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+    """"2.20.2+cu13" -> (2, 20); "3.0rc1" -> (3, 0)."""
+    major, minor = re.match(r"(\d+)\.(\d+)", text).groups()
+    return int(major), int(minor)
 
 
 def format_version(version: tuple[int, int]) -> str:

@@ -65,13 +65,24 @@ def autocast(device: torch.device, dtype: torch.dtype | None):
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
 
 
-def enable_tf32(device: torch.device) -> str:
-    """TF32 matmuls on CUDA (fp32 GEMMs on tensor cores, 10-bit mantissa); -> the start-up table's line."""
+def tf32_decision(device: torch.device, requested: bool) -> tuple[str | None, str]:
+    """-> (torch.set_float32_matmul_precision's argument, or None to leave it alone; the start-up table's
+    line). Only CUDA has TF32; "highest" is set explicitly when it is off, because the setting is
+    process-wide and one process may build several runs (bench/ladder.py)."""
     if device.type != "cuda":
-        return f"off ({device.type})"
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    return "on (CUDA)"
+        return None, f"off ({device.type} has no TF32)"
+    if requested:
+        return "high", "on (fp32 matmuls on TF32 tensor cores, 10-bit mantissa; --no-tf32 for true fp32)"
+    return "highest", "off (--no-tf32: fp32 matmuls in true fp32)"
+
+
+def set_tf32(device: torch.device, requested: bool) -> str:
+    """Apply tf32_decision; -> the start-up table's line. Under bf16 autocast it touches only what autocast
+    leaves in fp32."""
+    precision, reason = tf32_decision(device, requested)
+    if precision is not None:
+        torch.set_float32_matmul_precision(precision)
+    return reason
 
 
 def peak_flops(device: torch.device, override_tflops: float) -> tuple[float | None, str]:

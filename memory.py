@@ -324,29 +324,38 @@ def largest_fitting_batch(fits, limit: int) -> int:
     return good
 
 
-def micro_batch_for(global_sequences: int, fitting: int) -> int:
-    """The largest divisor of the per-rank sequences per step that fits, so the global batch stays exact."""
-    return max(b for b in range(1, min(fitting, global_sequences) + 1) if global_sequences % b == 0)
+def micro_batch_for(per_rank: int, fitting: int, multiple: int = 1) -> int:
+    """The largest micro-batch that fits, divides the per-rank sequences per step (so the global batch stays
+    exact) and is a multiple of `multiple` (fp8.batch_multiple: FP8's token rule); 0 when there is none."""
+    return max((b for b in range(multiple, min(fitting, per_rank) + 1, multiple) if per_rank % b == 0), default=0)
 
 
-def auto_batch_size(model: nn.Module, per_rank: int, optimizer: str, device: torch.device,
-                    autocast_dtype: torch.dtype | None, info: "distributed.DistInfo") -> int:
-    """The largest micro-batch that fits in GPU memory and divides `per_rank`, the sequences each rank
-    trains on per step (so the global batch stays exact).
+def probe_reserve_bytes(cfg: ModelConfig, optimizer: str, dist_mode: str) -> int:
+    """Memory a batch-size probe must leave free for what exists only once training runs: the optimizer
+    state (allocated at the first step), and under DDP its gradient buckets, a float32 copy of every gradient
+    (gradient_as_bucket_view is off) that the probe of the bare model does not allocate. This is the safety
+    margin: with more than one rank there is no out-of-memory retry, so a tight fit must be right."""
+    buckets = FP32 * sum(param_numels(cfg).values()) if dist_mode == "ddp" else 0
+    return optimizer_state_bytes_estimate(cfg, optimizer) + buckets
 
-    Each probe runs a forward and backward at that size while a placeholder holds the optimizer state's
-    estimated bytes (the state only exists after the first step). Probe the bare model (activation
-    checkpointing applied, not yet wrapped): a DDP backward would wait on the other ranks. Ranks agree on
-    the smallest answer.
+
+def auto_batch_size(model: nn.Module, per_rank: int, multiple: int, reserve: int, forward_context,
+                    device: torch.device, info: "distributed.DistInfo") -> int:
+    """The largest micro-batch that fits in GPU memory, divides `per_rank` (the sequences each rank trains on
+    per step) and is a multiple of `multiple` (FP8's token rule).
+
+    Each probe runs a forward (inside forward_context(): the training step's autocast, TE's FP8 one
+    included) and a backward at that size while a placeholder holds `reserve` bytes (probe_reserve_bytes).
+    Probe the bare model (activation checkpointing applied, not yet wrapped): a DDP backward would wait on
+    the other ranks. Ranks agree on the smallest answer.
     """
     seq_len = model.config.max_seq_len
-    reserve = optimizer_state_bytes_estimate(model.config, optimizer)
 
     def probe(size):
         placeholder = torch.empty(reserve, dtype=torch.uint8, device=device)
         try:
             x = torch.zeros((size, seq_len), dtype=torch.long, device=device)
-            with hardware.autocast(device, autocast_dtype):
+            with forward_context():
                 _, loss = model(x, x)
             loss.backward()
         finally:
@@ -354,8 +363,14 @@ def auto_batch_size(model: nn.Module, per_rank: int, optimizer: str, device: tor
             model.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
 
-    fitting = largest_fitting_batch(fits_by_trying(probe, (torch.cuda.OutOfMemoryError,)), limit=per_rank)
+    fits = fits_by_trying(probe, (torch.cuda.OutOfMemoryError,))
+    fitting = multiple * largest_fitting_batch(lambda units: fits(units * multiple), limit=per_rank // multiple)
     fitting = int(distributed.min_across_ranks(torch.tensor(fitting, device=device), info).item())
     if fitting == 0:
-        raise UsageError(f"--batch-size auto: not even one sequence of {seq_len} tokens fits in GPU memory")
-    return micro_batch_for(per_rank, fitting)
+        raise UsageError(f"--batch-size auto: not even {multiple} sequence(s) of {seq_len} tokens fit in GPU memory")
+    micro = micro_batch_for(per_rank, fitting, multiple)
+    if micro == 0:
+        raise UsageError(f"--batch-size auto: no micro-batch up to {fitting} that FP8 allows (a multiple of "
+                         f"{multiple}) divides the {per_rank} sequences per rank per step; change "
+                         "--total-batch-tokens")
+    return micro

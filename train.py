@@ -61,15 +61,19 @@ class Run:
     checkpointer: Checkpointer
     telemetry: Telemetry
 
-    @contextmanager
     def autocast(self):
-        """For a forward pass only, never the backward: torch's autocast, and TE's FP8 one under --fp8 te."""
-        with hardware.autocast(self.device, self.autocast_dtype), fp8.fp8_context(self.fp8_recipe):
-            yield
+        return forward_context(self.device, self.autocast_dtype, self.fp8_recipe)
 
     def close(self):
         self.loader.close()
         self.telemetry.close()
+
+
+@contextmanager
+def forward_context(device: torch.device, autocast_dtype: torch.dtype | None, fp8_recipe):
+    """For a forward pass only, never the backward: torch's autocast, and TE's FP8 one under --fp8 te."""
+    with hardware.autocast(device, autocast_dtype), fp8.fp8_context(fp8_recipe):
+        yield
 
 
 # ----------------------------------------------------------------------------- setup
@@ -90,12 +94,15 @@ def build_model(cfg: Config, device: torch.device):
     return model, model_cfg, init_reason
 
 
-def build_layout(cfg: Config, model, info, device, autocast_dtype) -> BatchLayout:
-    """The batch layout; --batch-size auto probes the bare model for the largest micro-batch that fits."""
+def build_layout(cfg: Config, model, info, device, autocast_dtype, fp8_recipe) -> BatchLayout:
+    """The batch layout; --batch-size auto probes the bare model, under the training forward's autocast, for
+    the largest micro-batch that fits."""
     micro = None
     if cfg.data.batch_size == "auto":
-        micro = memory.auto_batch_size(model, config.per_rank_sequences(cfg, info.world_size), cfg.optim.name,
-                                       device, autocast_dtype, info)
+        multiple = fp8.batch_multiple(cfg.fp8.mode, model.config.max_seq_len)
+        reserve = memory.probe_reserve_bytes(model.config, cfg.optim.name, info.mode)
+        micro = memory.auto_batch_size(model, config.per_rank_sequences(cfg, info.world_size), multiple, reserve,
+                                       lambda: forward_context(device, autocast_dtype, fp8_recipe), device, info)
     return config.batch_layout(cfg, info.world_size, micro)
 
 
@@ -128,11 +135,11 @@ def setup(cfg: Config) -> Run:
     info = distributed.init(cfg.dist.dist, device.type)
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank if info.mode != "none" else torch.cuda.current_device())
-    tf32_reason = hardware.enable_tf32(device)
+    tf32_reason = hardware.set_tf32(device, cfg.speed.tf32)
     data_dir = prepare_outputs(cfg, info)
 
     model, model_cfg, init_reason = build_model(cfg, device)
-    layout = build_layout(cfg, model, info, device, autocast_dtype)
+    layout = build_layout(cfg, model, info, device, autocast_dtype, fp8_recipe)
     max_steps = config.max_steps(cfg, layout.tokens_per_step)
     wrapped, compiled = distributed.parallelize(model, info, device, autocast_dtype, cfg.dist, cfg.speed.compile)
     optimizer = build_optimizer(model, cfg.optim, model.row_blocks(), device.type)
@@ -248,10 +255,11 @@ def run_loop(run: Run) -> str | None:
                 try:
                     loss, grad_norm, finite = train_step(run)
                 except torch.cuda.OutOfMemoryError:
-                    if oom_retried or run.info.world_size > 1 or run.layout.micro_batch == 1:
+                    smaller = 0 if oom_retried else retry_micro_batch(run)
+                    if not smaller:
                         raise
                     oom_retried = True
-                    shrink_micro_batch(run, loader_state)
+                    shrink_micro_batch(run, loader_state, smaller)
                     continue
                 train_loss = loss.item()  # the host sync makes the step time honest on CUDA
                 record = run.telemetry.step_record(step, train_loss, grad_norm.item(), finite, time.perf_counter() - t0,
@@ -312,14 +320,22 @@ def rollback(run: Run) -> int:
     return meta["step"]
 
 
-def shrink_micro_batch(run: Run, loader_state: dict) -> None:
+def retry_micro_batch(run: Run) -> int:
+    """The micro-batch to redo an out-of-memory step with: at most half, FP8-legal, dividing the global batch;
+    0 for none, or with several ranks (one rank cannot change the layout alone)."""
+    if run.info.world_size > 1:
+        return 0
+    multiple = fp8.batch_multiple(run.cfg.fp8.mode, run.layout.seq_len)
+    return memory.micro_batch_for(run.layout.sequences_per_rank, run.layout.micro_batch // 2, multiple)
+
+
+def shrink_micro_batch(run: Run, loader_state: dict, smaller: int) -> None:
     """After an out-of-memory error mid-step: rewind the step and redo it with a smaller micro-batch and more
     micro-steps, so the global batch and the data order stay exactly the same."""
     run.optimizer.zero_grad(set_to_none=True)
     run.telemetry.timer.collect()
     if run.device.type == "cuda":
         torch.cuda.empty_cache()
-    smaller = memory.micro_batch_for(run.layout.sequences_per_rank, run.layout.micro_batch // 2)
     run.layout = run.layout.with_micro_batch(smaller)
     run.loader.load_state_dict(loader_state)
     run.loader.resize(smaller)

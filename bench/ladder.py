@@ -1,22 +1,25 @@
 """The optimization ladder: one model and batch through cumulative speed-ups, measured rung by rung.
 
-    python bench/ladder.py [--out bench/results/ladder] [train.py flags]   # the ladder
-    python bench/ladder.py --mfu-sweep [--sizes 124M,350M --batch-sizes 8,16]  # GPU: sizes x batch sizes
+    python bench/ladder.py [--out bench/results/ladder] [train.py flags] 2> ladder.log  # the ladder
+    python bench/ladder.py --mfu-sweep [--sizes 124M --seq-lens 1024,2048 --batch-sizes 8,16]  # GPU only
     python bench/ladder.py --projection                                    # H100 MFU projected from FLOPs
 
 Rung k runs everything rung k-1 ran plus one change (torchao FP8 replaces TE's; Muon replaces 8-bit AdamW).
 A rung that cannot run here (no CUDA, no Transformer Engine, head_dim not 128, ...) is reported "n/a" with
-the reason, and later rungs go on without its change; a rung that crashes is reported "failed". No number
-in the table is anything but a measurement on this machine. Each rung is timed with bench/throughput.py's
-measure(): untimed warm-up steps (which contain torch.compile's compilation), then the median tokens/s of
-several timed windows. Writes OUT.md (the table), OUT.png (a bar chart) and OUT.json (the raw numbers).
-Any train.py flag (model shape, batch, --data, --act-ckpt, ...) applies to every rung.
+the reason, and later rungs go on without its change; a rung that crashes, in set-up or while timed, is
+reported "failed" (its traceback goes to stderr) and the ladder goes on. No number in the table is anything
+but a measurement on this machine. Each rung is timed with bench/throughput.py's measure(): untimed warm-up
+steps (which contain torch.compile's compilation), then the median tokens/s of several timed windows.
+After every rung it rewrites OUT.md (the table) and OUT.json (the raw numbers), so a run cut short keeps
+what it measured, and OUT.png (a bar chart) when matplotlib is installed and --no-chart is not given; with
+--budget-s, rungs that would start after that many seconds are skipped, not started. Every rung's start-up
+table goes to stderr. Any train.py flag (model shape, batch, --data, --act-ckpt, ...) applies to every rung.
 """
 
 import argparse
 import contextlib
 import gc
-import io
+import importlib.util
 import json
 import os
 import platform
@@ -25,6 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -40,11 +44,12 @@ from data import DataError  # noqa: E402
 from model import ModelConfig, flops_per_token  # noqa: E402
 
 # The starting point: everything a plain PyTorch loop does without trying.
-BASE = {"dtype": "fp32", "sdpa": "math", "fused": False, "compile": "off", "fp8": "off", "fp8_attn": False,
-        "optimizer": "adamw"}
+BASE = {"dtype": "fp32", "tf32": False, "sdpa": "math", "fused": False, "compile": "off", "fp8": "off",
+        "fp8_attn": False, "optimizer": "adamw"}
 # (key, label, change applied on top of the rung before, rung whose change this one needs)
 RUNGS = [
     ("fp32", "fp32 (eager, math attention, foreach AdamW)", {}, None),
+    ("tf32", "+ TF32 matmuls", {"tf32": True}, None),
     ("bf16", "+ bf16 autocast", {"dtype": "bf16"}, None),
     ("flash", "+ SDPA flash attention", {"sdpa": "flash"}, None),
     ("fused_adamw", "+ fused AdamW", {"fused": True}, None),
@@ -66,7 +71,7 @@ SIZES = {
     "350M": ["--n-layer", "24", "--n-embd", "1024", "--n-head", "16", "--n-kv-head", "4"],
     "760M": ["--n-layer", "24", "--n-embd", "1536", "--n-head", "16", "--n-kv-head", "4"],
 }
-SWEEP_SETTINGS = {**BASE, "dtype": "bf16", "sdpa": "flash", "fused": True, "compile": "default"}
+SWEEP_SETTINGS = {**BASE, "dtype": "bf16", "tf32": True, "sdpa": "flash", "fused": True, "compile": "default"}
 # Environment variables that change the timings, recorded in the table's header when set.
 TIMING_ENV = ("OMP_NUM_THREADS", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "CUDA_VISIBLE_DEVICES")
 # Projection assumptions (see projected_mfu); H100 SXM datasheet figures for the peak and the bandwidth.
@@ -88,8 +93,13 @@ def parse_ladder_args(argv):
     p.add_argument("--rungs", default=None, help="comma-separated rung keys to run (default: all): "
                    + ",".join(key for key, *_ in RUNGS))
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (later rungs run eager)")
-    p.add_argument("--mfu-sweep", action="store_true", help="tokens/s and MFU over --sizes x --batch-sizes")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="skip the rungs (or sweep points) that would start after this many seconds")
+    p.add_argument("--no-chart", action="store_true", help="write no OUT.png")
+    p.add_argument("--mfu-sweep", action="store_true",
+                   help="tokens/s and MFU over --sizes x --seq-lens x --batch-sizes")
     p.add_argument("--sizes", default=",".join(SIZES), help=f"--mfu-sweep model presets: {', '.join(SIZES)}")
+    p.add_argument("--seq-lens", default="1024", help="--mfu-sweep sequence lengths")
     p.add_argument("--batch-sizes", default="8,16,32", help="--mfu-sweep micro-batch sizes")
     p.add_argument("--projection", action="store_true", help="print the projected H100 MFU and exit")
     args, train_argv = p.parse_known_args(argv)
@@ -105,8 +115,9 @@ def parse_ladder_args(argv):
 
 def settings_argv(settings, out_dir):
     argv = ["--dtype", settings["dtype"], "--compile", settings["compile"], "--fp8", settings["fp8"],
-            "--optimizer", settings["optimizer"], "--out-dir", out_dir, "--eval-interval", "0"]
-    return argv + (["--fp8-attn"] if settings["fp8_attn"] else []) + ([] if settings["fused"] else ["--no-fused-adamw"])
+            "--optimizer", settings["optimizer"], "--out-dir", out_dir, "--eval-interval", "0",
+            "--tf32" if settings["tf32"] else "--no-tf32", "--fused-adamw" if settings["fused"] else "--no-fused-adamw"]
+    return argv + (["--fp8-attn"] if settings["fp8_attn"] else [])
 
 
 def attention_kernel(sdpa):
@@ -126,23 +137,31 @@ def one_line(e):
     return text[0] if text else type(e).__name__
 
 
-def measure_settings(settings, train_argv, bench, log):
+def failed(e):
+    """A crash in a rung is a result to report, not a reason to stop the ladder: its traceback to stderr."""
+    traceback.print_exc(file=sys.stderr)
+    return {"status": f"failed ({type(e).__name__}: {one_line(e)})"}
+
+
+def measure_settings(settings, train_argv, bench):
     """Build train.py's run for these settings and time it. -> a result dict with "status" "ok", "n/a
-    (reason)" or "failed (error)"; the startup table goes to `log`."""
+    (reason)" or "failed (error)"; the start-up table goes to stderr."""
     with tempfile.TemporaryDirectory() as out_dir:
         try:
             cfg = config.parse_args([*train_argv, *settings_argv(settings, out_dir)])
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            with contextlib.redirect_stdout(log):
+            with contextlib.redirect_stdout(sys.stderr):
                 run = train.setup(cfg)
         except (UsageError, DataError, CheckpointError, ValueError) as e:
             return {"status": f"n/a ({one_line(e)})"}
+        except Exception as e:
+            return failed(e)
         try:
             with attention_kernel(settings["sdpa"]):
                 warmup_s, rates = throughput.measure(run, bench.windows, bench.steps_per_window, bench.warmup_steps)
-        except Exception as e:  # a crash in a rung is a result to report, not a reason to stop the ladder
-            return {"status": f"failed ({type(e).__name__}: {one_line(e)})"}
+        except Exception as e:
+            return failed(e)
         finally:
             run.close()
             peak_mem_gib = torch.cuda.max_memory_allocated() / 2**30 if run.device.type == "cuda" else None
@@ -166,10 +185,14 @@ def measure_settings(settings, train_argv, bench, log):
 # ----------------------------------------------------------------------------- the ladder
 
 
-def run_ladder(bench, train_argv, log, report):
+def over_budget(bench, started):
+    return bench.budget_s is not None and time.perf_counter() - started > bench.budget_s
+
+
+def run_ladder(bench, train_argv, report):
     """-> list of (key, label, settings, result), one per rung; report(rows so far) after every rung."""
     wanted = set(bench.rungs.split(",")) if bench.rungs else None
-    current, rows, ran = dict(BASE), [], set()
+    current, rows, ran, started = dict(BASE), [], set(), time.perf_counter()
     for key, label, change, needs in RUNGS:
         settings = {**current, **change}
         if wanted is not None and key not in wanted:
@@ -178,9 +201,13 @@ def run_ladder(bench, train_argv, log, report):
             result = {"status": "skipped (--no-compile)"}
         elif needs is not None and needs not in ran:
             result = {"status": f"n/a (needs the {needs} rung, which did not run)"}
+        elif change.get("tf32") and not torch.cuda.is_available():
+            result = {"status": "n/a (TF32 is a CUDA tensor-core mode)"}
+        elif over_budget(bench, started):
+            result = {"status": f"skipped (--budget-s {bench.budget_s:g} spent)"}
         else:
             print(f"rung {key}: {label} ...", file=sys.stderr, flush=True)
-            result = measure_settings(settings, train_argv, bench, log)
+            result = measure_settings(settings, train_argv, bench)
         if result["status"] == "ok":  # a rung that did not run leaves its change out of the later ones
             ran.add(key)
             current = settings
@@ -257,7 +284,6 @@ def ladder_main(bench, train_argv, argv):
     # the environment at its first import, in the FP8 GEMM rung before it. No other rung turns FP8 attention
     # on, and without it the variable does nothing.
     fp8.set_te_attention_env("current", fp8_attn=True)
-    log = io.StringIO()
     header = [f"command: `python bench/ladder.py {shlex.join(argv)}`", f"machine: {describe_machine()}",
               f"setup: {describe_setup(train_argv, bench)}", f"date: {time.strftime('%Y-%m-%d %H:%M')}"]
     env = [f"{k}={os.environ[k]}" for k in TIMING_ENV if k in os.environ]
@@ -283,11 +309,10 @@ def ladder_main(bench, train_argv, argv):
         with open(f"{bench.out}.json", "w") as f:
             json.dump({"header": header, "rungs": [{"key": k, "label": lab, "settings": st, **r}
                                                    for k, lab, st, r in rows]}, f, indent=1)
-        with open(f"{bench.out}.log", "w") as f:
-            f.write(log.getvalue())
-        write_chart(rows, f"{bench.out}.png", f"Optimization ladder: {describe_machine()}")
+        if not bench.no_chart and importlib.util.find_spec("matplotlib") is not None:
+            write_chart(rows, f"{bench.out}.png", f"Optimization ladder: {describe_machine()}")
 
-    rows = run_ladder(bench, train_argv, log, report)
+    rows = run_ladder(bench, train_argv, report)
     print(text(rows))
     return rows
 
@@ -295,38 +320,55 @@ def ladder_main(bench, train_argv, argv):
 # ----------------------------------------------------------------------------- MFU sweep
 
 
+def sweep_row(size, n_params, seq_len, batch, r):
+    if r["status"] != "ok":
+        status = "OOM" if "out of memory" in r["status"] else r["status"]
+        return f"| {size} | {n_params} | {seq_len} | {batch} | {status} | | | |"
+    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+    compile_s = f"{r['compile_s']:.1f} s" if r["compile_s"] is not None else "-"
+    return (f"| {size} | {n_params} | {seq_len} | {batch} | {fmt_rate(r['tokens_per_s'])} | {mfu} | "
+            f"{r['peak_mem_gib']:.1f} GiB | {compile_s} |")
+
+
 def sweep_main(bench, train_argv, argv):
+    """Every --sizes x --seq-lens x --batch-sizes point, one table row each, written as it is measured."""
     sizes, batches = bench.sizes.split(","), [int(b) for b in bench.batch_sizes.split(",")]
+    seq_lens = [int(t) for t in bench.seq_lens.split(",")]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         raise UsageError(f"unknown --sizes {', '.join(unknown)}; choose from {', '.join(SIZES)}")
-    lines = ["| size | params | batch | tokens/s | MFU | peak memory |", "|---|---|---|---|---|---|"]
-    log = io.StringIO()
+    header = (f"- command: `python bench/ladder.py {shlex.join(argv)}`\n- machine: {describe_machine()}\n"
+              f"- date: {time.strftime('%Y-%m-%d %H:%M')}\n- settings: bf16 autocast, TF32, flash attention, "
+              f"fused AdamW, torch.compile (default mode); timing: {bench.warmup_steps} warm-up steps, median of "
+              f"{bench.windows} windows x {bench.steps_per_window} steps")
+    lines = ["| size | params | seq len | batch | tokens/s | MFU | peak memory | compile |",
+             "|---|---|---|---|---|---|---|---|"]
+
+    def report():
+        print(lines[-1], flush=True)
+        if bench.out:
+            os.makedirs(os.path.dirname(os.path.abspath(bench.out)), exist_ok=True)
+            with open(f"{bench.out}.md", "w") as f:
+                f.write(f"# MFU sweep\n\n{header}\n\n" + "\n".join(lines) + "\n")
+
+    print(header, "", *lines, sep="\n")
+    started = time.perf_counter()
     for size in sizes:
-        model_argv = [*GPU_DEFAULTS, *SIZES[size], *train_argv]
-        m = config.parse_args(model_argv).model
-        n_params = f"{sum(memory.param_numels(m).values()) / 1e6:.0f}M"
-        for batch in batches:
-            if not torch.cuda.is_available():
-                lines.append(f"| {size} | {n_params} | {batch} | n/a | n/a | n/a (no CUDA GPU here) |")
-                continue
-            print(f"sweep {size} batch {batch} ...", file=sys.stderr, flush=True)
-            r = measure_settings(SWEEP_SETTINGS, [*model_argv, "--batch-size", str(batch)], bench, log)
-            if r["status"] != "ok":
-                status = "OOM" if "out of memory" in r["status"] else r["status"]
-                lines.append(f"| {size} | {n_params} | {batch} | {status} | | |")
-                continue
-            mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-            lines.append(f"| {size} | {n_params} | {batch} | {fmt_rate(r['tokens_per_s'])} | {mfu} | "
-                         f"{r['peak_mem_gib']:.1f} GiB |")
-    text = "\n\n".join([f"- command: `python bench/ladder.py {shlex.join(argv)}`\n- machine: {describe_machine()}\n"
-                        "- settings: bf16 autocast, flash attention, fused AdamW, torch.compile (default mode)",
-                        "\n".join(lines)])
-    print(text)
-    if bench.out:
-        os.makedirs(os.path.dirname(os.path.abspath(bench.out)), exist_ok=True)
-        with open(f"{bench.out}.md", "w") as f:
-            f.write(f"# MFU sweep\n\n{text}\n")
+        for seq_len in seq_lens:
+            model_argv = [*GPU_DEFAULTS, *SIZES[size], "--seq-len", str(seq_len), *train_argv]
+            m = config.parse_args(model_argv).model
+            n_params = f"{sum(memory.param_numels(m).values()) / 1e6:.0f}M"
+            for batch in batches:
+                if not torch.cuda.is_available():
+                    lines.append(f"| {size} | {n_params} | {seq_len} | {batch} | n/a | | | n/a (no CUDA GPU here) |")
+                elif over_budget(bench, started):
+                    lines.append(f"| {size} | {n_params} | {seq_len} | {batch} | skipped (--budget-s "
+                                 f"{bench.budget_s:g} spent) | | | |")
+                else:
+                    print(f"sweep {size} seq {seq_len} batch {batch} ...", file=sys.stderr, flush=True)
+                    r = measure_settings(SWEEP_SETTINGS, [*model_argv, "--batch-size", str(batch)], bench)
+                    lines.append(sweep_row(size, n_params, seq_len, batch, r))
+                report()
 
 
 # ----------------------------------------------------------------------------- projection

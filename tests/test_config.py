@@ -138,7 +138,7 @@ def test_build_model_applies_fp8_and_activation_checkpointing(tiny_data):
     model, model_cfg, init = train.build_model(cfg, torch.device("cpu"))
     assert model_cfg is cfg.model and init == "random (seed 1337)"
     assert "every block of 2" in train.memory.describe_activation_checkpointing(model)
-    layout = train.build_layout(cfg, model, train.distributed.DistInfo(), torch.device("cpu"), None)
+    layout = train.build_layout(cfg, model, train.distributed.DistInfo(), torch.device("cpu"), None, None)
     assert layout == BatchLayout(micro_batch=16, seq_len=32, grad_accum=1, world_size=1)
 
 

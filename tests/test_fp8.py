@@ -129,7 +129,7 @@ def test_attention_env_refuses_a_conflict_or_a_late_call(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
 def test_te_recipe_and_autocast_are_lazy_and_refuse_without_cuda():
     for call in (lambda: fp8.te_recipe("current", False), lambda: fp8.te_autocast(object())):
-        with pytest.raises(ValueError, match=r"pip install transformer-engine\[pytorch\]"):
+        with pytest.raises(ValueError, match=r"pip install --no-build-isolation transformer-engine\[pytorch\]"):
             call()
     assert fp8.fp8_context(None).__enter__() is None  # no recipe: a no-op, TE never imported
 

@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+import config
 import fp8
 from conftest import REPO, write_tiny_shards
 from model import ModelConfig, flops_per_token
@@ -37,6 +38,7 @@ def test_ladder_runs_end_to_end_on_cpu(tiny_data, tmp_path, monkeypatch, capsys)
     for key in ("fp32", "bf16", "flash", "fused_adamw", "muon"):
         assert rungs[key]["status"] == "ok" and rungs[key]["tokens_per_s"] > 0, rungs[key]
         assert rungs[key]["mfu"] is None and rungs[key]["peak_mem_gib"] is None  # no CPU peak: never invented
+    assert rungs["tf32"]["status"] == "n/a (TF32 is a CUDA tensor-core mode)"
     assert rungs["compile"]["status"] == "skipped (--no-compile)"
     assert rungs["fp8_te"]["status"].startswith("n/a (--fp8 te needs a CUDA GPU")
     assert rungs["fp8_attn"]["status"] == "n/a (needs the fp8_te rung, which did not run)"
@@ -50,6 +52,37 @@ def test_ladder_runs_end_to_end_on_cpu(tiny_data, tmp_path, monkeypatch, capsys)
     with open(f"{out}.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert "n/a" in capsys.readouterr().out
+
+
+def test_rung_one_is_true_fp32_and_tf32_is_a_rung_of_its_own():
+    argv = ladder.settings_argv(ladder.BASE, "/tmp/x")
+    assert "--no-tf32" in argv and "--no-fused-adamw" in argv
+    tf32 = dict(ladder.BASE, **ladder.RUNGS[1][2])
+    assert ladder.RUNGS[1][0] == "tf32" and "--tf32" in ladder.settings_argv(tf32, "/tmp/x")
+    assert config.parse_args(argv).speed.tf32 is False
+
+
+def test_a_rung_that_crashes_in_setup_is_failed_and_the_ladder_goes_on(monkeypatch, capsys):
+    """TE 2.4-2.7 assert in the recipe (not a ValueError); such a rung must not end the ladder."""
+    def setup(cfg):
+        if cfg.optim.name == "muon":
+            raise AssertionError("fp8_dpa is not supported")
+        raise ValueError("--fp8 te needs a CUDA GPU")
+
+    monkeypatch.setattr(ladder.train, "setup", setup)
+    bench, train_argv = ladder.parse_ladder_args([*FAST, "--no-compile", *TINY])
+    rows = ladder.run_ladder(bench, train_argv, lambda rows: None)
+    statuses = {key: r["status"] for key, _, _, r in rows}
+    assert statuses["muon"] == "failed (AssertionError: fp8_dpa is not supported)"
+    assert statuses["fp32"].startswith("n/a (--fp8 te needs a CUDA GPU")
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_rungs_past_the_time_budget_are_skipped_not_started(monkeypatch):
+    monkeypatch.setattr(ladder, "measure_settings", lambda *a: pytest.fail("started past the budget"))
+    bench, train_argv = ladder.parse_ladder_args([*FAST, "--budget-s", "0", *TINY])
+    rows = ladder.run_ladder(bench, train_argv, lambda rows: None)
+    assert rows[0][3]["status"] == "skipped (--budget-s 0 spent)"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")

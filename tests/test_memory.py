@@ -140,3 +140,63 @@ def test_activation_estimate_on_cuda_bf16(mode):
     measured = memory.saved_tensor_bytes(model_with(CFG2, mode).cuda(), idx, targets, torch.bfloat16)
     estimated, _ = memory.activation_bytes(CFG2, B, CFG2.max_seq_len, mode, torch.bfloat16, "cuda")
     assert estimated == pytest.approx(measured, rel=0.10)
+
+
+# ----------------------------------------------------------------------------- --batch-size auto
+
+
+class ProbedModel(torch.nn.Module):
+    """Stands in for the model in auto_batch_size: runs out of CUDA memory above `budget` sequences and
+    records each probe's size and whether it ran inside the forward context."""
+
+    def __init__(self, budget):
+        super().__init__()
+        self.config = ModelConfig(max_seq_len=8)
+        self.weight = torch.nn.Parameter(torch.ones(()))
+        self.budget, self.probes, self.in_context = budget, [], False
+
+    def forward(self, x, y):
+        self.probes.append((x.shape[0], self.in_context))
+        if x.shape[0] > self.budget:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return None, self.weight * x.shape[0]
+
+
+def auto(model, per_rank, multiple, reserve=0):
+    from contextlib import contextmanager
+
+    @contextmanager
+    def forward_context():
+        model.in_context = True
+        yield
+        model.in_context = False
+
+    return memory.auto_batch_size(model, per_rank, multiple, reserve, forward_context, torch.device("cpu"),
+                                  train.distributed.DistInfo())
+
+
+@pytest.mark.parametrize("budget, per_rank, multiple, expected", [
+    (37, 64, 1, 32), (37, 64, 2, 32), (37, 48, 4, 24), (37, 96, 16, 32), (15, 96, 16, None), (40, 36, 8, None)])
+def test_auto_batch_size_probes_only_fp8_legal_sizes_under_the_forward_context(budget, per_rank, multiple, expected):
+    model = ProbedModel(budget)
+    if expected is None:
+        with pytest.raises(train.UsageError, match="--batch-size auto"):
+            auto(model, per_rank, multiple)
+    else:
+        assert auto(model, per_rank, multiple) == expected
+    assert model.probes and all(size % multiple == 0 and inside for size, inside in model.probes)
+
+
+def test_micro_batch_for_keeps_the_fp8_multiple():
+    assert memory.micro_batch_for(96, 40, multiple=16) == 32
+    assert memory.micro_batch_for(48, 40, multiple=16) == 16
+    assert memory.micro_batch_for(40, 40, multiple=16) == 0  # no multiple of 16 divides 40
+    assert memory.micro_batch_for(64, 24) == 16
+
+
+def test_probe_reserves_the_optimizer_state_and_ddp_buckets():
+    n_params = sum(memory.param_numels(CFG).values())
+    state = memory.optimizer_state_bytes_estimate(CFG, "adamw")
+    assert memory.probe_reserve_bytes(CFG, "adamw", "none") == state
+    assert memory.probe_reserve_bytes(CFG, "adamw", "fsdp") == state
+    assert memory.probe_reserve_bytes(CFG, "adamw", "ddp") == state + 4 * n_params

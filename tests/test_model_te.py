@@ -59,6 +59,26 @@ def test_conversion_keeps_existing_extra_state():
     assert plain_to_te_state_dict(te_sd)["blocks.1.attn.qkv._extra_state"] is kept
 
 
+def test_bshd_heads_are_contiguous_and_give_attentions_output():
+    """TEAttention's q, k, v: TE's bshd layout, contiguous (a strided v makes TE copy it, and under compile
+    fall back to eager), and the same heads the plain Attention attends with."""
+    from model import Attention, rope_cos_sin
+
+    torch.manual_seed(0)
+    attn, (B, T) = Attention(TINY), (2, 8)
+    for p in attn.parameters():  # norm weights away from 1, so that a skipped norm would show
+        p.data.normal_(1.0 if p.ndim == 1 else 0.0, 0.3)
+    x = torch.randn(B, T, TINY.n_embd)
+    cos, sin = rope_cos_sin(TINY.resolved_head_dim, T, TINY.rope_theta)
+    q, k, v = fp8.bshd_heads(attn.qkv(x), attn.q_norm, attn.k_norm, cos, sin, TINY.n_head, TINY.n_kv_head)
+    hd = TINY.resolved_head_dim
+    assert q.shape == (B, T, TINY.n_head, hd) and k.shape == v.shape == (B, T, TINY.n_kv_head, hd)
+    assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(attn.proj(y.transpose(1, 2).reshape(B, T, -1)), attn(x, cos, sin))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_te_backend_without_cuda_says_how_to_install():
     with pytest.raises(ValueError, match=r"pip install --no-build-isolation transformer-engine\[pytorch\] on a CUDA machine") as e:
