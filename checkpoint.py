@@ -11,6 +11,12 @@ run can resume from either, at any world size: DCP reshards tensors to the loadi
 single file loads with torch.load(weights_only=True); a DCP directory keeps its meta in meta.pt,
 loaded the same way, so a checkpoint can never run code.
 
+Checkpoints hold the plain backend's parameter contract: Transformer Engine's per-module `_extra_state`
+(FP8 scaling metadata; for delayed scaling, a pickle) is left out when saving and rebuilt empty when a TE
+model loads. So both formats load into either backend, no pickle is ever read, and a DCP template from a
+fresh TE model (whose extra state is empty) matches what was saved. The price: a delayed-scaling run that
+resumes or rolls back starts a new amax history, as at step 0 (current scaling keeps no history).
+
 Writes are atomic (temporary name, fsync, rename) and carry sha256 checksums (ckpt_N.pt.sha256 beside a
 file, checksums.json inside a directory), so a resume can skip a damaged checkpoint for the one before.
 
@@ -317,8 +323,8 @@ def state_dict_options(full: bool):
 
 
 def for_backend(model_sd: dict, backend: str) -> dict:
-    """A model state dict from a file, for a model of `backend`: TE modules carry _extra_state entries that
-    the plain backend does not have, so a file written by either loads into either."""
+    """A model state dict from a checkpoint, for a model of `backend`: TE modules load an empty _extra_state
+    ("no FP8 metadata yet"); the plain backend has none. Older files may still carry TE's; it is dropped."""
     plain = te_to_plain_state_dict(model_sd)
     return plain_to_te_state_dict(plain) if backend == "te" else plain
 
@@ -351,6 +357,7 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(full=not self.sharded))
+        model_sd = te_to_plain_state_dict(model_sd)  # the plain contract: no FP8 scaling pickles (module docstring)
         meta = {"version": CHECKPOINT_VERSION, "step": done, "loader": loader.state_dict(), "rng": rng_state(),
                 "model_config": dataclasses.asdict(self.model_cfg), "train_config": self.run_config,
                 **guard.state_dict()}
@@ -381,8 +388,8 @@ class Checkpointer:
 
         def sharded_template(meta):  # a DCP directory is read into this run's own (maybe sharded) state dicts
             check_config(meta)
-            return dict(zip(("model", "optimizer"), get_state_dict(model, optimizer,
-                                                                   options=state_dict_options(False))))
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(False))
+            return {"model": te_to_plain_state_dict(model_sd), "optimizer": optim_sd}
 
         found = load_newest(self.out_dir, sharded_template, warn)
         if found is None:
@@ -390,8 +397,7 @@ class Checkpointer:
         path, meta, tensors = found
         check_config(meta)
         sharded = os.path.isdir(path)
-        if not sharded:
-            tensors["model"] = for_backend(tensors["model"], model.backend)
+        tensors["model"] = for_backend(tensors["model"], model.backend)
         set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"],
                        options=state_dict_options(full=not sharded))
         loader.load_state_dict(meta["loader"])

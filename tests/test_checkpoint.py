@@ -1,0 +1,121 @@
+"""checkpoint.py: checkpoints hold the plain parameter contract, so a Transformer Engine model whose modules
+carry FP8 scaling state (`_extra_state`, a pickle under delayed scaling) saves and resumes in both formats,
+FSDP2's DCP directories included. TE needs CUDA, so its modules are stood in for by plain ones whose
+extra state behaves as TE's does: a non-empty byte tensor once trained, an empty one when fresh."""
+
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import checkpoint
+import distributed
+from config import ResilienceConfig
+from fp8 import TE_MODULES
+from model import GPT, ModelConfig
+from resilience import Guard
+
+CFG = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
+
+
+def with_extra_state(module: torch.nn.Module, payload: bytes, loaded: list) -> None:
+    """Give `module` TE's extra-state behaviour: get_extra_state -> payload as bytes (empty = fresh);
+    set_extra_state records the size of what it was handed."""
+
+    def get_extra_state(self):
+        return torch.tensor(list(payload), dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        loaded.append(state.numel())
+
+    module.__class__ = type(f"TE{type(module).__name__}", (type(module),),
+                            {"get_extra_state": get_extra_state, "set_extra_state": set_extra_state})
+
+
+def fake_te_gpt(seed: int, payload: bytes, loaded: list) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    model.backend = "te"
+    for block in model.blocks:
+        block.attn.core_attention = torch.nn.Module()  # TE's attention module: no parameters, extra state
+        for name in TE_MODULES:
+            with_extra_state(block.get_submodule(name), payload, loaded)
+    return model
+
+
+class StubLoader:
+    def state_dict(self):
+        return {"position": 7}
+
+    def load_state_dict(self, state):
+        assert state == {"position": 7}
+
+
+def one_step(model):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len), generator=torch.Generator().manual_seed(0))
+    model(idx, idx)[1].backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return optimizer
+
+
+def full(model):
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def save_and_resume(out_dir, info, shard):
+    """Train the fake TE model a step with delayed-scaling-like state, save, resume into a fresh one."""
+    trained = fake_te_gpt(0, b"amax history pickle", [])
+    loaded = []
+    fresh = fake_te_gpt(1, b"", loaded)
+    if shard:
+        for model in (trained, fresh):
+            distributed.apply_fsdp(model, model.blocks, None, reshard_after_forward=True)
+    ckpt = checkpoint.Checkpointer(str(out_dir), 1, 2, info, CFG, {})
+    ckpt.save(1, trained, one_step(trained), StubLoader(), Guard(ResilienceConfig()))
+    meta = ckpt.restore(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2), StubLoader(),
+                        warn=lambda text: pytest.fail(text))
+    return meta, full(trained), full(fresh), loaded
+
+
+def fsdp_worker(rank, world_size, init_file, out_dir, result_file):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        info = distributed.DistInfo(rank=rank, local_rank=rank, world_size=world_size, mode="fsdp")
+        meta, trained, resumed, loaded = save_and_resume(out_dir, info, shard=True)
+        if rank == 0:
+            torch.save({"step": meta["step"], "trained": trained, "resumed": resumed, "loaded": loaded}, result_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_resumed(trained, resumed, loaded):
+    assert set(resumed) == set(trained)
+    for name, tensor in trained.items():
+        assert torch.equal(resumed[name], tensor), name
+    # Every TE module was handed an empty extra state ("no FP8 metadata yet"), never the saved pickle.
+    assert loaded == [0] * CFG.n_layer * len(TE_MODULES)
+
+
+def test_a_te_model_with_fp8_state_resumes_from_a_single_file(tmp_path):
+    meta, trained, resumed, loaded = save_and_resume(tmp_path, distributed.DistInfo(), shard=False)
+    assert meta["step"] == 1
+    check_resumed(trained, resumed, loaded)
+    saved = torch.load(checkpoint.checkpoint_path(str(tmp_path), 1, sharded=False), weights_only=True)
+    assert not [key for key in saved["model"] if key.endswith("._extra_state")]
+
+
+def test_a_te_model_with_fp8_state_resumes_from_fsdp2_dcp(tmp_path):
+    """The DCP template comes from a fresh TE model (empty extra state) while the trained one's is not:
+    saved as it was, DCP's planner would refuse the size mismatch and no checkpoint would load."""
+    result_file = tmp_path / "result.pt"
+    mp.spawn(fsdp_worker, args=(2, str(tmp_path / "rdzv"), str(tmp_path / "out"), str(result_file)), nprocs=2,
+             join=True)
+    result = torch.load(result_file)
+    assert result["step"] == 1
+    check_resumed(result["trained"], result["resumed"], result["loaded"])
