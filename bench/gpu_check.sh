@@ -1,60 +1,97 @@
 #!/usr/bin/env bash
-# Everything that needs a CUDA GPU, in one command that finishes in under 10 minutes:
+# Everything that needs a CUDA GPU, as three commands that each finish well under 10 minutes and write into one
+# folder (7 files at most), each table row by row as it is measured, so a command cut short keeps its rows:
 #
-#     bash bench/gpu_check.sh [OUT_DIR]        # default: bench/results/gpu_check_<date>
+#     bash bench/gpu_check.sh tests  OUT   # environment + pytest -m gpu     -> OUT/tests.md, OUT/tests.log
+#     bash bench/gpu_check.sh ladder OUT   # the optimization ladder         -> OUT/ladder.md, .json, .log
+#     bash bench/gpu_check.sh mfu    OUT   # MFU, 124M at seq 1024 and 2048  -> OUT/mfu.md, OUT/mfu.log
+#     bash bench/gpu_check.sh all    OUT   # the three in a row (about 20 minutes)
 #
-#   1. the CUDA-only tests (pytest -m gpu): TE vs plain parity on the same weights, TE FP8 (both recipes,
-#      FP8 attention) through train.py, the activation estimate against CUDA's saved tensors;
-#   2. the optimization ladder (bench/ladder.py) on its GPU defaults: 12 layers, d=768, head_dim 128,
-#      batch 16 x 1024;
-#   3. one MFU-sweep point (124M preset, batch 16).
-#
-# Each step has its own time limit and the script carries on after a failure; SUMMARY.md collects the
-# exit codes and the tables. Needs: a CUDA build of torch, pip install -r requirements-gpu.txt.
+# tests: TE vs plain parity on the same weights, TE FP8 (both recipes, FP8 attention) through train.py, the
+# activation estimate against CUDA's saved tensors. ladder: bench/ladder.py on its GPU defaults (12 layers,
+# d=768, head_dim 128, batch 16 x 1024). mfu: the 124M preset at batch 8 and 16 for each sequence length.
+# Each command has a hard time limit, and the ladder and the sweep start no new measurement after their
+# --budget-s, so the limit is a backstop. Offline machines: TIKTOKEN_CACHE_DIR points at the GPT-2 BPE file
+# that ../shared/gpu's kit installs (the ladder's default corpus is tokenized with it).
+# Needs: a CUDA build of torch; pip install -r requirements-gpu.txt (or the kit).
 set -u
 cd "$(dirname "$0")/.."
-OUT=${1:-bench/results/gpu_check_$(date +%Y%m%d_%H%M%S)}
+WHAT=${1:-}
+OUT=${2:-bench/results/gpu_check_$(date +%Y%m%d)}
+PY=${PY:-python3}
+case "$WHAT" in tests | ladder | mfu | all) ;; *)
+    echo "usage: bash bench/gpu_check.sh tests|ladder|mfu|all [OUT_DIR]" >&2
+    exit 2
+    ;;
+esac
 mkdir -p "$OUT"
-SUMMARY="$OUT/SUMMARY.md"
+if [ -z "${TIKTOKEN_CACHE_DIR:-}" ]; then
+    for dir in "$HOME/.cache/pretrain/tiktoken" /tmp/gpu-kit/tiktoken .gpu/rest/tiktoken; do
+        if [ -d "$dir" ]; then export TIKTOKEN_CACHE_DIR=$dir && break; fi
+    done
+fi
 
-step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT/NAME.log, record the exit code
-    local name=$1 limit=$2
+limited() { # limited SECONDS LOG COMMAND...: run with a hard time limit, all output to LOG; -> a status line
+    local limit=$1 log=$2
     shift 2
-    echo "== $name (limit ${limit}s): $*" | tee -a "$SUMMARY"
     local start=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" > "$log" 2>&1
     local rc=$?
-    echo "   exit $rc after $((SECONDS - start)) s (log: $OUT/$name.log)" | tee -a "$SUMMARY"
-    return 0
+    local why=""
+    [ $rc = 124 ] && why=" (killed at the ${limit} s limit)"
+    echo "exit $rc after $((SECONDS - start)) s$why: \`$*\`"
 }
 
-{
-    echo "# GPU check, $(date '+%Y-%m-%d %H:%M')"
-    echo
+environment() {
     echo '```'
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
-    python -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'device', torch.cuda.get_device_name())" 2>&1
-    python -c "import transformer_engine as t; print('transformer_engine', t.__version__)" 2>&1 | tail -1
-    python -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
-    python -c "import bitsandbytes as b; print('bitsandbytes', b.__version__)" 2>&1 | tail -1
-    echo '```'
-    echo
-} > "$SUMMARY"
-
-step pytest_gpu 180 python -m pytest -m gpu -v -rs tests
-step ladder 300 python bench/ladder.py --windows 3 --steps-per-window 5 --warmup-steps 3 --out "$OUT/ladder"
-step mfu_sweep 100 python bench/ladder.py --mfu-sweep --sizes 124M --batch-sizes 16 --windows 3 \
-    --steps-per-window 5 --warmup-steps 3 --out "$OUT/mfu_sweep"
-
-{
-    echo
-    echo "## pytest -m gpu"
-    echo '```'
-    tail -n 25 "$OUT/pytest_gpu.log"
-    echo '```'
-    for table in ladder mfu_sweep; do
-        echo
-        if [ -f "$OUT/$table.md" ]; then cat "$OUT/$table.md"; else echo "## $table: no table (see $OUT/$table.log)"; fi
+    $PY -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'cuDNN', torch.backends.cudnn.version())" 2>&1 | tail -1
+    for module in transformer_engine torchao bitsandbytes; do
+        $PY -c "import importlib.metadata as m; print('$module', m.version('$module'))" 2>/dev/null || echo "$module: not installed"
     done
-} >> "$SUMMARY"
-echo "results: $SUMMARY"
+    echo "TIKTOKEN_CACHE_DIR=${TIKTOKEN_CACHE_DIR:-unset}"
+    echo '```'
+}
+
+run_tests() { # pytest -v writes one line per test as it finishes
+    {
+        echo "# GPU tests, $(date '+%Y-%m-%d %H:%M')"
+        echo
+        environment
+        echo
+    } > "$OUT/tests.md"
+    local status
+    status=$(limited 420 "$OUT/tests.log" $PY -m pytest -m gpu -v -rs -p no:cacheprovider tests)
+    {
+        echo "$status"
+        echo
+        echo '```'
+        grep -iE "passed|failed|error|skipped" "$OUT/tests.log" | tail -n 40
+        echo '```'
+    } >> "$OUT/tests.md"
+    echo "tests: $status"
+}
+
+run_ladder() { # ladder.py rewrites ladder.md and ladder.json after every rung; its stderr has the start-up tables
+    local status
+    status=$(limited 480 "$OUT/ladder.log" $PY bench/ladder.py --windows 3 --steps-per-window 5 --warmup-steps 3 \
+        --budget-s 330 --no-chart --out "$OUT/ladder")
+    echo "$status" >> "$OUT/ladder.md"
+    echo "ladder: $status"
+}
+
+run_mfu() { # the sweep rewrites mfu.md after every point
+    local status
+    status=$(limited 420 "$OUT/mfu.log" $PY bench/ladder.py --mfu-sweep --sizes 124M --seq-lens 1024,2048 \
+        --batch-sizes 8,16 --windows 3 --steps-per-window 5 --warmup-steps 3 --budget-s 300 --out "$OUT/mfu")
+    echo "$status" >> "$OUT/mfu.md"
+    echo "mfu: $status"
+}
+
+case "$WHAT" in
+tests) run_tests ;;
+ladder) run_ladder ;;
+mfu) run_mfu ;;
+all) run_tests && run_ladder && run_mfu ;;
+esac
+echo "results in $OUT: $(ls "$OUT" | tr '\n' ' ')"

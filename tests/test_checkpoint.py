@@ -10,7 +10,9 @@ import torch.multiprocessing as mp
 
 import checkpoint
 import distributed
+import fp8
 from config import ResilienceConfig
+from conftest import REPO
 from fp8 import TE_MODULES
 from model import GPT, ModelConfig
 from resilience import Guard
@@ -119,3 +121,22 @@ def test_a_te_model_with_fp8_state_resumes_from_fsdp2_dcp(tmp_path):
     result = torch.load(result_file)
     assert result["step"] == 1
     check_resumed(result["trained"], result["resumed"], result["loaded"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fp8.te_installed()), reason="needs CUDA and TE")
+def test_fsdp2_te_delayed_scaling_saves_and_resumes_through_train(tiny_data, tmp_path):
+    """The real thing on one GPU: FSDP2 (one rank, NCCL) over TE blocks with delayed scaling, whose extra
+    state is a pickle, writes a DCP checkpoint and resumes from it."""
+    flags = ["--data", tiny_data, "--out-dir", str(tmp_path), "--vocab-size", "256", "--n-layer", "2",
+             "--n-embd", "256", "--n-head", "2", "--n-kv-head", "1", "--seq-len", "32", "--batch-size", "4",
+             "--eval-interval", "0", "--dtype", "bf16", "--fp8", "te", "--fp8-recipe", "delayed", "--dist", "fsdp",
+             "--ckpt-interval", "2"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py"]
+    first = subprocess.run([*torchrun, *flags, "--max-steps", "2"], cwd=REPO, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = subprocess.run([*torchrun, *flags, "--max-steps", "4", "--resume"], cwd=REPO, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "from step 2" in resumed.stdout and "skipping checkpoint" not in resumed.stderr

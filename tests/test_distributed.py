@@ -138,6 +138,18 @@ def test_fsdp_mixed_precision_keeps_ddp_numerics(tmp_path):
         assert (grad - ref).norm() <= 5e-3 * ref.norm(), name
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fsdp2_bf16_on_one_gpu_matches_a_single_device_run(data_dir, tmp_path):
+    """NCCL, bf16 parameters in the blocks: the same losses as autocast alone (the first step exactly: the
+    norm weights, the only ones FSDP2 rounds differently, start at 1.0, which bf16 holds exactly)."""
+    cuda = ["--data", data_dir, "--max-steps", "3", "--device", "cuda", "--dtype", "bf16"]
+    reference, _ = train_losses(None, tmp_path / "single", *cuda)
+    sharded, _ = train_losses(1, tmp_path / "fsdp", *cuda, "--dist", "fsdp")
+    assert sharded[0] == pytest.approx(reference[0], rel=1e-6)
+    np.testing.assert_allclose(sharded, reference, rtol=1e-2)
+
+
 def resume_from(src_out, step, dst_out, nproc, *args):
     """Copy checkpoint `step` of one run into a fresh out dir and resume from it to step 6."""
     os.makedirs(dst_out)

@@ -27,3 +27,16 @@ def test_set_tf32_leaves_a_cpu_process_alone():
     before = torch.get_float32_matmul_precision()
     assert hardware.set_tf32(torch.device("cpu"), True) == "off (cpu has no TF32)"
     assert torch.get_float32_matmul_precision() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_no_tf32_really_runs_fp32_matmuls_on_cuda():
+    a = torch.randn(512, 512, device="cuda")
+    exact = (a.double() @ a.double()).float()
+    errors = {}
+    for requested in (False, True):
+        hardware.set_tf32(torch.device("cuda"), requested)
+        errors[requested] = ((a @ a) - exact).abs().max().item()
+    hardware.set_tf32(torch.device("cuda"), True)
+    assert errors[False] < errors[True] / 10  # TF32 keeps 10 mantissa bits, fp32 23

@@ -155,6 +155,19 @@ def test_te_fp8_attention_runs_with_head_dim_128():
 
 
 @needs_te
+def test_te_attention_receives_contiguous_q_k_v():
+    _, te_model = same_weights(TE_CFG)
+    seen = []
+    for block in te_model.blocks:
+        block.attn.core_attention.register_forward_pre_hook(
+            lambda _, args: seen.append([a.is_contiguous() for a in args]))
+    idx = torch.randint(0, TE_CFG.vocab_size, (2, TE_CFG.max_seq_len), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        te_model(idx, idx)
+    assert seen == [[True, True, True]] * TE_CFG.n_layer
+
+
+@needs_te
 def test_te_backend_refuses_kv_cache_decoding():
     from model import KVCache
 
