@@ -92,6 +92,7 @@ def fsdp_worker(rank, world_size, init_file, out_dir, result_file):
         meta, trained, resumed, loaded = save_and_resume(out_dir, info, shard=True)
         if rank == 0:
             torch.save({"step": meta["step"], "trained": trained, "resumed": resumed, "loaded": loaded}, result_file)
+        dist.barrier()  # neither rank tears down gloo while the other still works
     finally:
         dist.destroy_process_group()
 

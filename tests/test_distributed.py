@@ -119,6 +119,8 @@ def fsdp_numerics_worker(rank, world_size, init_file, out_file):
             torch.save({"losses": {k: v.item() for k, v in losses.items()}, "block_inputs": block_inputs,
                         "root_gathered": root_gathered, "block_sharded": block_sharded, "grads": grads,
                         "reference_grads": {n: p.grad for n, p in reference.named_parameters()}}, out_file)
+        dist.barrier()  # neither rank tears down gloo (or DDP's reducer) while the other still works
+        del ddp, sharded
     finally:
         dist.destroy_process_group()
 
