@@ -7,9 +7,14 @@ runs, a sharded DCP directory for FSDP2.
 Both formats hold the same thing: the model and optimizer state dicts keyed by parameter name
 (torch.distributed.checkpoint.state_dict's layout, the same for a plain, DDP or FSDP2 model), plus a
 few plain entries (format version, step, data-loader position, RNG, configs): the "meta" part. So any
-run can resume from either, at any world size: DCP reshards tensors to the loading run's layout. A
-single file loads with torch.load(weights_only=True); a DCP directory keeps its meta in meta.pt,
-loaded the same way, so a checkpoint can never run code.
+run can resume from either, at any world size: DCP reshards tensors to the loading run's layout.
+
+A checkpoint can never run code. A single file loads with torch.load(weights_only=True); a DCP directory
+keeps its meta in meta.pt, loaded the same way. DCP itself unpickles its `.metadata` file and its
+non-tensor entries with no restriction, so here `.metadata` goes through an allow-list of DCP's own
+metadata classes (_MetadataUnpickler) and every non-tensor entry must load under weights_only first
+(_WeightsOnlyBytes). Every reader (resume, sample.py, export.py, the converters) verifies the checksums
+first.
 
 Checkpoints hold the plain backend's parameter contract: Transformer Engine's per-module `_extra_state`
 (FP8 scaling metadata; for delayed scaling, a pickle) is left out when saving and rebuilt empty when a TE
@@ -30,12 +35,16 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 import sys
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
 import distributed
 from cli import ArgumentParser, UsageError, report_error
@@ -178,6 +187,8 @@ def save_sharded(tensors: dict, meta: dict, path: str, is_main: bool, barrier) -
 
 def verify(path: str) -> None:
     """CheckpointError unless every byte of the checkpoint is what was written (truncation, flipped bytes)."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
     if os.path.isdir(path):
         try:
             with open(os.path.join(path, CHECKSUMS_FILE)) as f:
@@ -201,18 +212,88 @@ def load_newest(out_dir: str, make_template, warn):
     on the way is reported through `warn` and skipped (never deleted: the user may want to look at it)."""
     for path in reversed(list_checkpoints(out_dir)):
         try:
-            verify(path)
             return (path, *load(path, make_template))
         except CheckpointError as e:
             warn(f"warning: skipping checkpoint: {e}")
     return None
 
 
+def _load_error(path: str, e: BaseException) -> CheckpointError:
+    if isinstance(e, CheckpointException):  # DCP's wrapper of the ranks' errors: report the first one
+        e = next(iter(e.failures.values()))[0]
+    first_line = (str(e).strip().splitlines() or [""])[0]
+    return CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}" + (f": {first_line}" if first_line else ""))
+
+
 def _torch_load(path: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise _load_error(path, e) from None
+
+
+# What a DCP `.metadata` pickle may name: DCP's metadata records, torch.Size, dtypes and layouts, and the
+# path DCP records as the checkpoint id. Nothing here runs code when called with pickled arguments.
+_METADATA_GLOBALS = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """pickle with an allow-list, in the spirit of torch.load(weights_only=True), for DCP's `.metadata`."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                   torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
+
+
+def read_dcp_metadata(directory: str):
+    """A DCP directory's `.metadata`, through _MetadataUnpickler."""
+    with open(os.path.join(directory, ".metadata"), "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, with `.metadata` read through _MetadataUnpickler (DCP's own uses plain pickle)."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        metadata = read_dcp_metadata(os.fspath(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class _WeightsOnlyBytes:
+    """A DCP load-planner mixin: a non-tensor entry (DCP unpickles those with weights_only=False) must load
+    with weights_only=True first; the same bytes then unpickle to the same plain data either way."""
+
+    def load_bytes(self, read_item, value):
+        try:
+            torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            detail = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line), "")
+            raise pickle.UnpicklingError(f"entry {read_item.dest_index.fqn} is not plain data and could run code "
+                                         f"when loaded; refused. {detail}".strip()) from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+class _SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
+    pass
+
+
+class _SafeWholeLoadPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+    """Reads everything a directory holds into an empty state dict (dcp_to_file)."""
 
 
 def _check_meta(meta, path: str) -> dict:
@@ -222,28 +303,42 @@ def _check_meta(meta, path: str) -> dict:
 
 
 def load(path: str, make_template=None) -> tuple[dict, dict | None]:
-    """(meta, {"model": ..., "optimizer": ...}) of a checkpoint of either format, reading each byte once.
+    """(meta, {"model": ..., "optimizer": ...}) of a checkpoint of either format, verified first (verify).
 
     A file holds full tensors. A DCP directory's meta comes first (meta.pt); its shards are then read into
     make_template(meta), the loading run's own state dicts, sharded or not, which is how DCP reshards to a
     different world size. Without make_template a directory's tensors are not read (None).
     """
+    verify(path)
     if os.path.isdir(path):
         meta = _check_meta(_torch_load(os.path.join(path, META_FILE)), path)
         if make_template is None:
             return meta, None
         template = make_template(meta)
-        try:
-            dcp.load(template, checkpoint_id=path)
-        except Exception as e:
-            raise CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}: "
-                                  f"{str(e).splitlines()[0]}") from None
+        _dcp_load(template, path, _SafeLoadPlanner())
         return meta, template
     state = _torch_load(path)
     if not isinstance(state, dict) or "model" not in state:
         raise CheckpointError(f"{path} is not a checkpoint of this trainer (format version {CHECKPOINT_VERSION})")
     tensors = {"model": state.pop("model"), "optimizer": state.pop("optimizer", None)}
     return _check_meta(state, path), tensors
+
+
+def _dcp_load(state_dict: dict, path: str, planner, load=None) -> None:
+    """dcp.load (or `load`) with the safe reader and `planner`; any failure is one CheckpointError line. The
+    metadata is checked first, because DCP logs a traceback of its own when it cannot read it."""
+    try:
+        read_dcp_metadata(path)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            (load or dcp.load)(state_dict, storage_reader=_SafeReader(path), planner=planner,
+                               no_dist=not _dist_ready())
+    except (Exception, CheckpointException) as e:
+        raise _load_error(path, e) from None
+
+
+def _dist_ready() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -282,13 +377,13 @@ def remove(path: str) -> None:
 
 
 def dcp_to_file(src_dir: str, dst: str) -> None:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    # As torch's own dcp_to_torch_save, with the safe reader and planner: the public dcp.load fills a copy of
+    # the state dict it is given, so an empty one (read everything) comes back empty.
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     meta, _ = load(src_dir)
-    tmp = f"{dst}.tensors.tmp"
-    dcp_to_torch_save(src_dir, tmp)
-    tensors = _torch_load(tmp)
-    os.remove(tmp)
+    tensors = {}
+    _dcp_load(tensors, src_dir, _SafeWholeLoadPlanner(), load=_load_state_dict)
     save_file({**meta, "model": tensors["model"], "optimizer": tensors["optimizer"]}, dst)
 
 

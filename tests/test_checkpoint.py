@@ -1,8 +1,15 @@
 """checkpoint.py: checkpoints hold the plain parameter contract, so a Transformer Engine model whose modules
 carry FP8 scaling state (`_extra_state`, a pickle under delayed scaling) saves and resumes in both formats,
 FSDP2's DCP directories included. TE needs CUDA, so its modules are stood in for by plain ones whose
-extra state behaves as TE's does: a non-empty byte tensor once trained, an empty one when fresh."""
+extra state behaves as TE's does: a non-empty byte tensor once trained, an empty one when fresh. Loading
+never runs code and always verifies: planted pickles and damaged files are refused with one line."""
 
+import dataclasses
+import json
+import os
+import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -141,3 +148,92 @@ def test_fsdp2_te_delayed_scaling_saves_and_resumes_through_train(tiny_data, tmp
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "from step 2" in resumed.stdout and "skipping checkpoint" not in resumed.stderr
+
+
+# ----------------------------------------------------------------------------- loading is safe and verified
+
+
+class RunsCode:
+    """Pickles to a call of os.system: what an attacker would plant in a checkpoint."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def saved_file(tmp_path):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    state = {"version": checkpoint.CHECKPOINT_VERSION, "step": 3, "model_config": dataclasses.asdict(CFG),
+             "model": model.state_dict(), "optimizer": one_step(model).state_dict()}
+    path = str(tmp_path / "ckpt.pt")
+    checkpoint.save_file(state, path)
+    return path
+
+
+def rewrite_checksums(directory):
+    """What an attacker who can write the directory does after planting a file: fresh, valid checksums."""
+    digests = {name: checkpoint._digest(os.path.join(directory, name)) for name in sorted(os.listdir(directory))
+               if name != checkpoint.CHECKSUMS_FILE}
+    with open(os.path.join(directory, checkpoint.CHECKSUMS_FILE), "w") as f:
+        json.dump(digests, f)
+
+
+def one_error_line(result):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_a_dcp_metadata_pickle_that_runs_code_is_refused(tmp_path):
+    evil, marker = str(tmp_path / "evil"), tmp_path / "pwned"
+    assert checkpoint.main(["to-dcp", saved_file(tmp_path), evil]) == 0
+    with open(os.path.join(evil, ".metadata"), "wb") as f:
+        pickle.dump(RunsCode(marker), f)
+    rewrite_checksums(evil)
+    with pytest.raises(checkpoint.CheckpointError, match="posix.system is not allowed in checkpoint metadata"):
+        checkpoint.load(evil, lambda meta: {"model": GPT(CFG).state_dict()})
+    result = subprocess.run([sys.executable, "sample.py", "--ckpt", evil, "--max-new-tokens", "2"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert "not allowed in checkpoint metadata" in one_error_line(result)
+    assert not marker.exists()
+
+
+def test_a_dcp_entry_that_runs_code_is_refused_by_the_converter(tmp_path, capsys):
+    """DCP unpickles non-tensor entries with weights_only=False; to-file reads every entry."""
+    evil, marker = str(tmp_path / "evil"), tmp_path / "pwned"
+    checkpoint.save_sharded({"model": GPT(CFG).state_dict(), "optimizer": {}, "extra": RunsCode(marker)},
+                            {"version": checkpoint.CHECKPOINT_VERSION, "step": 1}, evil, True, lambda: None)
+    assert not marker.exists()  # saving pickles the object, it does not call it
+    assert checkpoint.main(["to-file", evil, str(tmp_path / "out.pt")]) == 2
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
+    assert "entry extra is not plain data and could run code" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["flip", "empty"])
+def test_every_reader_verifies_the_checksum_first(damage, tmp_path, capsys):
+    path = saved_file(tmp_path)
+    with open(path, "r+b") as f:
+        if damage == "flip":
+            f.seek(os.path.getsize(path) // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x40]))
+        else:
+            f.truncate(0)
+    if damage == "empty":  # a 0-byte file with a matching checksum: not damaged, just not a checkpoint
+        with open(path + checkpoint.DIGEST_SUFFIX, "w") as f:
+            f.write(checkpoint._digest(path))
+    expected = "is damaged" if damage == "flip" else "cannot load checkpoint"
+    with pytest.raises(checkpoint.CheckpointError, match=expected):
+        checkpoint.load(path)
+    assert checkpoint.main(["to-dcp", path, str(tmp_path / "dcp")]) == 2
+    assert not (tmp_path / "dcp").exists()
+    assert expected in capsys.readouterr().err
+    result = subprocess.run([sys.executable, "sample.py", "--ckpt", path, "--max-new-tokens", "2"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert expected in one_error_line(result)

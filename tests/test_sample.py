@@ -200,7 +200,7 @@ def test_cli_errors_exit_2_in_one_line(tmp_path, capsys, argv):
 
 def test_cli_rejects_a_foreign_checkpoint(tmp_path, capsys):
     path = tmp_path / "foreign.pt"
-    torch.save({"model": {}}, path)
+    checkpoint.save_file({"model": {}}, str(path))  # with a valid checksum: intact, just not ours
     assert sample.main(["--ckpt", str(path), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "not a checkpoint of this trainer" in err and err.count("\n") == 1
