@@ -424,6 +424,15 @@ def for_backend(model_sd: dict, backend: str) -> dict:
     return plain_to_te_state_dict(plain) if backend == "te" else plain
 
 
+def prunable(checkpoints: list[str], written: int, keep: int) -> list[str]:
+    """Which of `checkpoints` (oldest first) to delete once step `written` is safely on disk: the oldest of
+    those before it, so that `keep` remain counting the new one. Never one after it: a checkpoint with a
+    higher step is not this run's past (a damaged one skipped at resume, say), and deleting by step number
+    alone would delete each new checkpoint as soon as it is written."""
+    older = [path for path in checkpoints if checkpoint_step(path) < written]
+    return older[:max(len(older) - (keep - 1), 0)]
+
+
 class Checkpointer:
     """Saves and restores the training state in out_dir, and decides when to save.
 
@@ -466,8 +475,9 @@ class Checkpointer:
         if is_main:
             if regular and best:
                 link(path, self.best_path)
-            for old in list_checkpoints(self.out_dir)[:-self.keep]:
-                remove(old)
+            if regular:
+                for old in prunable(list_checkpoints(self.out_dir), done, self.keep):
+                    remove(old)
         distributed.barrier(self.info)
 
     def restore(self, model, optimizer, loader, warn) -> dict:

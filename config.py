@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import fp8
 import memory
+import rundir
 from cli import ArgumentParser, UsageError
 from fp8 import FP8Config
 from hardware import DEVICES, DTYPES
@@ -93,7 +94,11 @@ class CheckpointConfig:
     out_dir: str = option("out", "checkpoints and metrics.jsonl go here")
     ckpt_interval: int = option(50, "steps between checkpoints (0: only at the end)")
     keep_ckpts: int = option(2, "how many recent checkpoints to keep")
-    resume: bool = option(False, "continue from the newest checkpoint in --out-dir")
+    resume: str = option("off", "continue from the newest good checkpoint in --out-dir; auto: if there is one, "
+                                "else start fresh (for restart scripts)", choices=rundir.RESUME_MODES, nargs="?",
+                         const="on")
+    overwrite: bool = option(False, "a fresh run may replace what an earlier run left in --out-dir (checkpoints, "
+                                    "best, metrics.jsonl); without it such a directory is refused")
     from_hf: str | None = option(None, "start from the weights of a Hugging Face Qwen3 directory (export.py "
                                        "writes one); its shape replaces the model flags, --seq-len still applies",
                                  metavar="DIR")
@@ -209,6 +214,8 @@ def _add_flag(group, section: str, cls, f: dataclasses.Field) -> None:
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
         kwargs["type"] = value_type
+    if "nargs" in f.metadata:  # an optional value: the bare flag means `const`
+        kwargs["nargs"], kwargs["const"] = f.metadata["nargs"], f.metadata["const"]
     if "choices" in f.metadata:
         kwargs["choices"] = f.metadata["choices"]
     elif "action" not in kwargs:
@@ -303,6 +310,8 @@ def _check_combinations(cfg: Config) -> None:
     if mode == "fsdp" and cfg.optim.name == "adamw8bit":
         raise UsageError("--optimizer adamw8bit does not support FSDP2's sharded (DTensor) parameters; "
                          "use --optimizer adamw or --dist ddp")
+    if cfg.ckpt.overwrite and cfg.ckpt.resume == "on":
+        raise UsageError("--overwrite replaces an earlier run and --resume continues it: give one of them")
     if cfg.fp8.mode == "te" and cfg.eval.sample_tokens:
         raise UsageError("--sample-tokens needs the plain backend's KV cache; it does not run with --fp8 te")
 

@@ -34,6 +34,7 @@ from export import load_hf
 from model import ModelConfig, flops_per_token
 from optim import build_optimizer, describe_param_groups, lr_multiplier, set_lr
 from resilience import Guard, StopSignals, TrainingHalted
+from rundir import RunLock, claim
 from telemetry import Telemetry, message, print_table, start_wandb
 
 
@@ -60,6 +61,7 @@ class Run:
     evaluator: Evaluator
     checkpointer: Checkpointer
     telemetry: Telemetry
+    lock: RunLock | None  # rank 0's hold on --out-dir
 
     def autocast(self):
         return forward_context(self.device, self.autocast_dtype, self.fp8_recipe)
@@ -67,6 +69,8 @@ class Run:
     def close(self):
         self.loader.close()
         self.telemetry.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 @contextmanager
@@ -106,19 +110,21 @@ def build_layout(cfg: Config, model, info, device, autocast_dtype, fp8_recipe) -
     return config.batch_layout(cfg, info.world_size, micro)
 
 
-def prepare_outputs(cfg: Config, info) -> str:
-    """Check --out-dir on rank 0; -> the data directory (rank 0 tokenizes the default corpus once, the
-    other ranks find it cached)."""
+def prepare_outputs(cfg: Config, info) -> tuple[str, bool, RunLock | None]:
+    """Claim --out-dir on rank 0 (rundir.claim: the lock, fresh or resume, --overwrite) -> (the data directory,
+    whether to resume, the lock). Rank 0 tokenizes the default corpus once; the other ranks find it cached.
+    Every rank gets rank 0's answers, or its error."""
+    answer, lock = None, None
     if info.is_main:
         try:
-            os.makedirs(cfg.ckpt.out_dir, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"--out-dir {cfg.ckpt.out_dir} cannot be created: {e.strerror}") from None
-        if not os.access(cfg.ckpt.out_dir, os.W_OK):
-            raise UsageError(f"--out-dir {cfg.ckpt.out_dir} is not writable")
-    if cfg.data.data is not None:
-        return cfg.data.data
-    return distributed.broadcast_object(default_corpus() if info.is_main else None, info)
+            lock, resume = claim(cfg.ckpt)
+            answer = (cfg.data.data or default_corpus(), resume)
+        except (UsageError, DataError) as e:
+            answer = e
+    answer = distributed.broadcast_object(answer, info)
+    if isinstance(answer, Exception):
+        raise answer
+    return (*answer, lock)
 
 
 def setup(cfg: Config) -> Run:
@@ -135,10 +141,20 @@ def setup(cfg: Config) -> Run:
     info = distributed.init(cfg.dist.dist, device.type)
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank if info.mode != "none" else torch.cuda.current_device())
-    tf32_reason = hardware.set_tf32(device, cfg.speed.tf32)
-    data_dir = prepare_outputs(cfg, info)
+    reasons = {"device": device_reason, "dtype": dtype_reason, "tf32": hardware.set_tf32(device, cfg.speed.tf32)}
+    data_dir, resume, lock = prepare_outputs(cfg, info)
+    try:
+        return build_run(cfg, info, device, autocast_dtype, fp8_recipe, data_dir, resume, lock, reasons)
+    except BaseException:
+        if lock is not None:  # a run built in this process later (bench/ladder.py, tests) may claim it again
+            lock.release()
+        raise
 
-    model, model_cfg, init_reason = build_model(cfg, device)
+
+def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: str, resume: bool, lock,
+              reasons: dict) -> Run:
+    """The model, its wrappers, the optimizer, the data and the components, restored when resuming."""
+    model, model_cfg, reasons["init"] = build_model(cfg, device)
     layout = build_layout(cfg, model, info, device, autocast_dtype, fp8_recipe)
     max_steps = config.max_steps(cfg, layout.tokens_per_step)
     wrapped, compiled = distributed.parallelize(model, info, device, autocast_dtype, cfg.dist, cfg.speed.compile)
@@ -152,7 +168,7 @@ def setup(cfg: Config) -> Run:
     checkpointer = Checkpointer(cfg.ckpt.out_dir, cfg.ckpt.ckpt_interval, cfg.ckpt.keep_ckpts, info, model_cfg,
                                 config.to_dict(cfg))
     guard, start_step = Guard(cfg.resilience), 0
-    if cfg.ckpt.resume:
+    if resume:
         meta = checkpointer.restore(model, optimizer, loader, warn=message if info.is_main else lambda _: None)
         guard.load_state_dict(meta)
         start_step = meta["step"]
@@ -161,31 +177,29 @@ def setup(cfg: Config) -> Run:
     if cfg.log.profile and max_steps - start_step < PROFILE_WAIT + PROFILE_ACTIVE:
         raise UsageError(f"--profile needs at least {PROFILE_WAIT + PROFILE_ACTIVE} steps to run")
 
-    peak, peak_reason = hardware.peak_flops(device, cfg.log.peak_tflops)
-    wandb_run, wandb_reason = (start_wandb(cfg.log, cfg.ckpt.out_dir, cfg.ckpt.resume, config.to_dict(cfg))
-                               if info.is_main else (None, ""))
+    peak, reasons["peak"] = hardware.peak_flops(device, cfg.log.peak_tflops)
+    wandb_run, reasons["wandb"] = (start_wandb(cfg.log, cfg.ckpt.out_dir, resume, config.to_dict(cfg))
+                                   if info.is_main else (None, ""))
     telemetry = Telemetry(cfg, info.is_main, device, start_step, max_steps, flops_per_token(model_cfg, layout.seq_len),
                           peak, wandb_run, optimizer)
     run = Run(cfg=cfg, model_cfg=model_cfg, info=info, device=device, autocast_dtype=autocast_dtype,
               fp8_recipe=fp8_recipe, model=model, wrapped=wrapped, compiled=compiled, optimizer=optimizer,
               scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16), loader=loader,
               layout=layout, max_steps=max_steps, start_step=start_step, guard=guard, evaluator=evaluator,
-              checkpointer=checkpointer, telemetry=telemetry)
+              checkpointer=checkpointer, telemetry=telemetry, lock=lock)
     if info.is_main:
-        print_table(startup_rows(run, data_dir, device_reason, dtype_reason, tf32_reason, peak_reason, wandb_reason,
-                                 init_reason))
+        print_table(startup_rows(run, data_dir, reasons))
     return run
 
 
-def startup_rows(run: Run, data_dir, device_reason, dtype_reason, tf32_reason, peak_reason, wandb_reason,
-                 init_reason) -> list[tuple[str, str]]:
+def startup_rows(run: Run, data_dir: str, reasons: dict) -> list[tuple[str, str]]:
     """The start-up table: what is active and why, each detected rather than assumed."""
     cfg, m, info, layout = run.cfg, run.model_cfg, run.info, run.layout
     return [
-        ("device", f"{run.device.type} ({device_reason})"),
+        ("device", f"{run.device.type} ({reasons['device']})"),
         ("distributed", f"{info.mode}, {info.world_size} processes" if info.mode != "none" else "off (single process)"),
-        ("precision", dtype_reason),
-        ("TF32 matmuls", tf32_reason),
+        ("precision", reasons["dtype"]),
+        ("TF32 matmuls", reasons["tf32"]),
         ("model", f"{run.model.num_params() / 1e6:.2f}M params, {m.n_layer} layers, d={m.n_embd}, "
                   f"heads {m.n_head}q/{m.n_kv_head}kv, vocab {m.padded_vocab_size}"),
         ("optimizer", describe_param_groups(run.optimizer)),
@@ -197,10 +211,10 @@ def startup_rows(run: Run, data_dir, device_reason, dtype_reason, tf32_reason, p
         ("schedule", f"{cfg.schedule.schedule}, peak lr {cfg.optim.lr:g}, warmup {cfg.schedule.warmup}, "
                      f"{run.max_steps} steps"),
         ("data", data_dir),
-        ("MFU peak", peak_reason),
-        ("wandb", wandb_reason),
-        ("init", init_reason),
-        ("resume", f"from step {run.start_step}" if cfg.ckpt.resume else "off (fresh run)"),
+        ("MFU peak", reasons["peak"]),
+        ("wandb", reasons["wandb"]),
+        ("init", f"the checkpoint of step {run.start_step}" if run.start_step else reasons["init"]),
+        ("resume", f"from step {run.start_step}" if run.start_step else f"off (fresh run; --resume {cfg.ckpt.resume})"),
     ]
 
 

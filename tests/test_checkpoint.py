@@ -237,3 +237,30 @@ def test_every_reader_verifies_the_checksum_first(damage, tmp_path, capsys):
     result = subprocess.run([sys.executable, "sample.py", "--ckpt", path, "--max-new-tokens", "2"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
     assert expected in one_error_line(result)
+
+
+# ----------------------------------------------------------------------------- pruning
+
+
+def test_pruning_keeps_the_newest_and_never_touches_later_steps():
+    paths = [f"d/ckpt_{s:08d}.pt" for s in (3, 6, 9, 99)]
+    assert checkpoint.prunable(paths, 9, keep=2) == ["d/ckpt_00000003.pt"]
+    assert checkpoint.prunable(paths, 9, keep=1) == ["d/ckpt_00000003.pt", "d/ckpt_00000006.pt"]
+    assert checkpoint.prunable(paths, 3, keep=1) == []
+    assert checkpoint.prunable(paths, 12, keep=5) == []
+
+
+def test_a_damaged_later_checkpoint_does_not_make_new_ones_disappear(tiny_data, tmp_path):
+    from conftest import TINY_FLAGS
+
+    flags = ["--out-dir", str(tmp_path), *TINY_FLAGS, "--data", tiny_data, "--eval-interval", "0",
+             "--ckpt-interval", "3", "--keep-ckpts", "1"]
+    first = subprocess.run([sys.executable, "train.py", *flags, "--max-steps", "3"], cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    (tmp_path / "ckpt_00000099.pt").write_bytes(b"damaged")
+    resumed = subprocess.run([sys.executable, "train.py", *flags, "--max-steps", "9", "--resume"], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "skipping checkpoint" in resumed.stderr, resumed.stderr
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt_") and n.endswith(".pt")) == [
+        "ckpt_00000009.pt", "ckpt_00000099.pt"]

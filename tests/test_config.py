@@ -65,7 +65,9 @@ def test_help_shows_the_default_from_the_field():
     (["--batch-size", "auto", "--total-batch-tokens", "4096"], "data", "batch_size", "auto"),
     (["--fp8-attn", "--fp8", "te"], "fp8", "attn", True),
     (["--no-reshard-after-forward"], "dist", "reshard_after_forward", False),
-    (["--resume"], "ckpt", "resume", True),
+    (["--resume"], "ckpt", "resume", "on"),
+    (["--resume", "auto"], "ckpt", "resume", "auto"),
+    (["--overwrite"], "ckpt", "overwrite", True),
     (["--head-dim", "32"], "model", "head_dim", 32),
 ])
 def test_flags_land_in_their_section(argv, section, name, value):

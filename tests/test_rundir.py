@@ -1,0 +1,92 @@
+"""rundir.py: one run per --out-dir (an flock that a killed run does not leave behind), and no fresh run on
+top of an old one unless --resume, --resume auto or --overwrite says what to do."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import rundir
+from cli import UsageError
+from conftest import REPO, TINY_FLAGS
+
+
+@pytest.mark.parametrize("outputs, has_ckpt, resume, overwrite, expected", [
+    ([], False, "off", False, False),
+    ([], False, "auto", False, False),
+    (["d/ckpt_00000003.pt"], True, "auto", False, True),
+    (["d/metrics.jsonl"], False, "auto", False, False),  # a restart before the first checkpoint starts over
+    (["d/ckpt_00000003.pt"], True, "on", False, True),
+    (["d/ckpt_00000003.pt", "d/metrics.jsonl"], True, "off", True, False),
+    (["d/ckpt_00000003.pt", "d/metrics.jsonl"], True, "off", False, None),
+    (["d/best.pt"], False, "off", False, None),
+])
+def test_decide_resume(outputs, has_ckpt, resume, overwrite, expected):
+    if expected is None:
+        with pytest.raises(UsageError, match=r"--out-dir d already holds a run \(.*\): pass --resume .*--overwrite"):
+            rundir.decide_resume(outputs, has_ckpt, resume, overwrite)
+    else:
+        assert rundir.decide_resume(outputs, has_ckpt, resume, overwrite) is expected
+
+
+HOLD = "import sys, time, rundir; rundir.RunLock(sys.argv[1]); print('locked', flush=True); time.sleep(60)"
+
+
+def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_leaves_no_lock(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(UsageError, match=rf"is in use by another run \(pid {holder.pid}\)"):
+            rundir.RunLock(str(tmp_path))
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    lock = rundir.RunLock(str(tmp_path))  # the kernel dropped the dead process's lock
+    lock.release()
+
+
+def train(out_dir, *flags):
+    return subprocess.run([sys.executable, "train.py", "--out-dir", str(out_dir), *TINY_FLAGS, *flags], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def one_error_line(result):
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def test_a_fresh_run_refuses_a_used_out_dir_until_told_what_to_do(tiny_data, tmp_path):
+    common = ["--data", tiny_data, "--ckpt-interval", "2", "--eval-interval", "0"]
+    assert train(tmp_path, *common, "--max-steps", "4").returncode == 0
+    before = sorted(os.listdir(tmp_path))
+    assert "already holds a run" in one_error_line(train(tmp_path, *common, "--max-steps", "2"))
+    assert sorted(os.listdir(tmp_path)) == before  # nothing touched
+    resumed = train(tmp_path, *common, "--max-steps", "6", "--resume", "auto")
+    assert resumed.returncode == 0 and "from step 4" in resumed.stdout
+    replaced = train(tmp_path, *common, "--max-steps", "2", "--overwrite")
+    assert replaced.returncode == 0
+    assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".pt")) == ["ckpt_00000002.pt"]
+
+
+def test_resume_auto_starts_fresh_when_there_is_nothing_to_resume(tiny_data, tmp_path):
+    result = train(tmp_path, "--data", tiny_data, "--max-steps", "2", "--eval-interval", "0", "--resume", "auto")
+    assert result.returncode == 0 and "off (fresh run; --resume auto)" in result.stdout
+
+
+def test_two_runs_in_one_out_dir_cannot_overlap(tiny_data, tmp_path):
+    first = subprocess.Popen([sys.executable, "train.py", "--out-dir", str(tmp_path), *TINY_FLAGS, "--data", tiny_data,
+                              "--max-steps", "100000", "--eval-interval", "0"], cwd=REPO, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not os.path.exists(tmp_path / "metrics.jsonl") and time.time() < deadline:
+            time.sleep(0.2)
+        second = train(tmp_path, "--data", tiny_data, "--max-steps", "2", "--resume", "auto")
+        assert f"is in use by another run (pid {first.pid})" in one_error_line(second)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
