@@ -113,6 +113,8 @@ class ResilienceConfig:
     on_bad_steps: str = option("rollback", "rollback: reload the newest checkpoint and scale the LR by "
                                            "--rollback-lr-factor; stop: exit", choices=("rollback", "stop"))
     rollback_lr_factor: float = option(0.5, "LR multiplier applied at each rollback")
+    max_rollbacks: int = option(3, "rollbacks in one run before it stops (exit 1): a run that diverges again "
+                                   "after this many needs a lower --lr, not another rollback")
     spike_factor: float = option(3.0, "warn when the loss exceeds this multiple of its running average (0: off)")
     early_stop_patience: int = option(0, "stop after this many evals without a better val loss (0: never)")
 
@@ -290,9 +292,10 @@ def _check_ranges(cfg: Config) -> None:
     if cfg.ckpt.keep_ckpts < 1:
         raise UsageError(f"--keep-ckpts must be >= 1, got {cfg.ckpt.keep_ckpts}")
     r = cfg.resilience
-    if r.max_bad_steps < 1 or not 0 < r.rollback_lr_factor <= 1 or r.spike_factor < 0 or r.early_stop_patience < 0:
+    if (r.max_bad_steps < 1 or not 0 < r.rollback_lr_factor <= 1 or r.spike_factor < 0 or r.early_stop_patience < 0
+            or r.max_rollbacks < 0):
         raise UsageError("--max-bad-steps must be >= 1, --rollback-lr-factor in (0, 1], "
-                         "--spike-factor and --early-stop-patience >= 0")
+                         "--spike-factor, --early-stop-patience and --max-rollbacks >= 0")
     if not 0 <= s.min_lr_ratio <= 1 or not 0 < s.decay_frac <= 1:
         raise UsageError("--min-lr-ratio must be in [0, 1] and --decay-frac in (0, 1]")
     if cfg.dist.ddp_bucket_mb <= 0:

@@ -98,7 +98,11 @@ class TrainingHalted(Exception):
 
 class Guard:
     """A run's fault-tolerance state and policy: loss health, early stopping, and the LR scale that each
-    rollback lowers. Its state_dict is part of every checkpoint's meta (checkpoint.Checkpointer)."""
+    rollback lowers. Its state_dict is part of every checkpoint's meta (checkpoint.Checkpointer).
+
+    A checkpoint is never written inside a streak of non-finite steps (may_checkpoint): the weights that
+    produced the streak would be what the next rollback restores, and the rollbacks would never end. And
+    a run gets --max-rollbacks of them: one that diverges again after that needs a lower --lr."""
 
     def __init__(self, cfg):
         """cfg: config.ResilienceConfig."""
@@ -106,26 +110,36 @@ class Guard:
         self.health = LossHealth(cfg.spike_factor)
         self.early_stop = EarlyStopping(cfg.early_stop_patience)
         self.lr_scale = 1.0
+        self.rollbacks = 0
+
+    def may_checkpoint(self) -> bool:
+        return self.health.bad_in_a_row == 0
 
     def must_roll_back(self) -> bool:
-        """True after --max-bad-steps non-finite steps in a row; raises TrainingHalted under --on-bad-steps stop."""
+        """True after --max-bad-steps non-finite steps in a row; raises TrainingHalted under --on-bad-steps stop
+        or once --max-rollbacks are spent."""
         if self.health.bad_in_a_row < self.cfg.max_bad_steps:
             return False
+        streak = f"{self.cfg.max_bad_steps} non-finite steps in a row"
         if self.cfg.on_bad_steps == "stop":
-            raise TrainingHalted(f"{self.cfg.max_bad_steps} non-finite steps in a row (--on-bad-steps stop)")
+            raise TrainingHalted(f"{streak} (--on-bad-steps stop)")
+        if self.rollbacks >= self.cfg.max_rollbacks:
+            raise TrainingHalted(f"{streak} after {self.rollbacks} rollback(s) (--max-rollbacks "
+                                 f"{self.cfg.max_rollbacks}): the run diverges; restart it with a lower --lr")
         return True
 
     def rolled_back(self, meta: dict) -> None:
         """Take the restored checkpoint's health and early stopping, with the LR scaled down once more."""
-        scale = self.lr_scale * self.cfg.rollback_lr_factor
+        scale, rollbacks = self.lr_scale * self.cfg.rollback_lr_factor, self.rollbacks + 1
         self.load_state_dict(meta)
-        self.lr_scale = scale
+        self.lr_scale, self.rollbacks = scale, rollbacks
 
     def state_dict(self) -> dict:
-        return {"lr_scale": self.lr_scale, "health": self.health.state_dict(),
+        return {"lr_scale": self.lr_scale, "rollbacks": self.rollbacks, "health": self.health.state_dict(),
                 "early_stop": self.early_stop.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.lr_scale = state["lr_scale"]
+        self.rollbacks = state.get("rollbacks", 0)  # checkpoints from before --max-rollbacks
         self.health.load_state_dict(state["health"])
         self.early_stop.load_state_dict(state["early_stop"])

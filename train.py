@@ -284,6 +284,8 @@ def run_loop(run: Run) -> str | None:
                 run.telemetry.log(record)
                 if run.guard.must_roll_back():
                     step = rollback(run)
+                    if stop_requested(run, signals):  # the checkpoint just restored is where a resume starts
+                        return f"stopped by {signals.requested or 'a signal to another rank'} after a rollback"
                     continue
                 stopped = save_if_due(run, step, improved, stop_early, signals)
                 if stopped:
@@ -309,14 +311,21 @@ def evaluate_if_due(run: Run, record: dict, done: int) -> tuple[bool, bool]:
     return improved, stop_early
 
 
+def stop_requested(run: Run, signals: StopSignals) -> bool:
+    return distributed.any_across_ranks(signals.requested is not None, run.info, run.device)
+
+
 def save_if_due(run: Run, done: int, improved: bool, stop_early: bool, signals: StopSignals) -> str | None:
-    """Checkpoint when due, when the best val loss improved, or before stopping; -> why the run stops, if it does."""
-    signalled = distributed.any_across_ranks(signals.requested is not None, run.info, run.device)
-    regular = run.checkpointer.due(done, run.max_steps) or signalled or stop_early
-    if regular or improved:
+    """Checkpoint when due, when the best val loss improved, or before stopping, but never inside a streak of
+    non-finite steps (resilience.Guard); -> why the run stops, if it does."""
+    signalled = stop_requested(run, signals)
+    allowed = run.guard.may_checkpoint()
+    regular = allowed and (run.checkpointer.due(done, run.max_steps) or signalled or stop_early)
+    if regular or (allowed and improved):
         run.checkpointer.save(done, run.model, run.optimizer, run.loader, run.guard, regular=regular, best=improved)
     if signalled:
-        return (f"stopped by {signals.requested or 'a signal to another rank'} at step {done}; checkpoint written. "
+        saved = "checkpoint written" if regular else "no checkpoint inside a streak of non-finite steps"
+        return (f"stopped by {signals.requested or 'a signal to another rank'} at step {done}; {saved}. "
                 "Resume with the same command plus --resume")
     if stop_early:
         return (f"early stop at step {done}: val loss has not improved on {run.guard.early_stop.best:.4f} for "
@@ -326,7 +335,11 @@ def save_if_due(run: Run, done: int, improved: bool, stop_early: bool, signals: 
 
 def rollback(run: Run) -> int:
     """After too many non-finite steps: reload the newest good checkpoint and continue with a lower LR."""
-    meta = run.checkpointer.restore(run.model, run.optimizer, run.loader, warn=run.telemetry.write)
+    try:
+        meta = run.checkpointer.restore(run.model, run.optimizer, run.loader, warn=run.telemetry.write)
+    except UsageError:
+        raise TrainingHalted(f"{run.cfg.resilience.max_bad_steps} non-finite steps in a row and no checkpoint to "
+                             "roll back to yet; restart with a lower --lr") from None
     run.guard.rolled_back(meta)
     run.telemetry.rewind(meta["step"])
     run.telemetry.write(f"rolled back to step {meta['step']} after {run.cfg.resilience.max_bad_steps} non-finite "

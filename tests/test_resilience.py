@@ -189,6 +189,28 @@ def test_a_full_disk_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypat
 
 
 def test_an_injected_nan_is_skipped_and_changes_nothing(data_dir, tmp_path, inject_nan):
+    import config
+
+    run = train.setup(config.parse_args(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL]))
+    try:
+        train.train_step(run)  # a finite step first, so that the optimizer has state to keep
+        before = {k: v.clone() for k, v in run.model.state_dict().items()}
+        optimizer_before = {(id(p), k): v.clone() for p, st in run.optimizer.state.items() for k, v in st.items()}
+        loader_before = run.loader.state_dict()
+        inject_nan(0)
+        loss, _, finite = train.train_step(run)
+        assert not finite and not torch.isfinite(loss)
+        for name, value in run.model.state_dict().items():
+            assert torch.equal(value, before[name]), name
+        for p, st in run.optimizer.state.items():
+            for k, v in st.items():
+                assert torch.equal(v, optimizer_before[(id(p), k)]), k
+        assert run.loader.state_dict() != loader_before  # the poisoned batch was consumed, not replayed
+    finally:
+        run.close()
+
+
+def test_a_skipped_step_is_logged_and_never_checkpointed(data_dir, tmp_path, inject_nan):
     inject_nan(2)
     train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "4", "--ckpt-interval", "1",
                 "--keep-ckpts", "10"])
@@ -196,14 +218,8 @@ def test_an_injected_nan_is_skipped_and_changes_nothing(data_dir, tmp_path, inje
         records = [json.loads(line) for line in f]
     assert [r["skipped"] for r in records] == [False, False, True, False]
     assert records[2]["train_loss"] is None and records[3]["bad_steps"] == 1
-    before = torch.load(checkpoint.checkpoint_path(str(tmp_path), 2, False), weights_only=True)
-    after = torch.load(checkpoint.checkpoint_path(str(tmp_path), 3, False), weights_only=True)
-    for name in before["model"]:
-        assert torch.equal(before["model"][name], after["model"][name]), name
-    flat = lambda sd: {(k, s): v for k, st in sd["state"].items() for s, v in st.items()}  # noqa: E731
-    for key, value in flat(before["optimizer"]).items():
-        assert torch.equal(value, flat(after["optimizer"])[key]), key
-    assert after["loader"] != before["loader"]  # the poisoned batch was consumed, not replayed
+    # Step 3 ended a streak of one non-finite step: no checkpoint of it; step 4 was finite again.
+    assert [checkpoint.checkpoint_step(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [1, 2, 4]
 
 
 def test_too_many_bad_steps_roll_back_with_a_lower_lr(data_dir, tmp_path, capsys, inject_nan):
@@ -217,6 +233,60 @@ def test_too_many_bad_steps_roll_back_with_a_lower_lr(data_dir, tmp_path, capsys
     assert [r["step"] for r in records] == list(range(6))
     assert not any(r["skipped"] for r in records)  # the bad step's line was dropped with the rollback
     assert records[5]["lr"] == pytest.approx(0.5 * lr_multiplier(5, 6, 2, "cosine", 0.1, 0.2) * 3e-3)
+
+
+class Diverging:
+    """A run whose every step from the n-th on is non-finite: a real divergence, not a bad batch."""
+
+    def __init__(self, monkeypatch, n):
+        original, self.calls = train.train_step, 0
+
+        def step(run):
+            self.calls += 1
+            loss, norm, finite = original(run)
+            return (loss, norm, finite) if self.calls <= n else (loss * float("nan"), norm, False)
+
+        monkeypatch.setattr(train, "train_step", step)
+
+
+def test_rollbacks_are_capped_and_stop_with_exit_1(data_dir, tmp_path, capsys, monkeypatch):
+    Diverging(monkeypatch, 2)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "50", "--ckpt-interval",
+                    "2", "--max-bad-steps", "2", "--max-rollbacks", "2"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("rolled back to step 2") == 2
+    assert "after 2 rollback(s) (--max-rollbacks 2): the run diverges" in err.strip().splitlines()[-1]
+    # Nothing was checkpointed inside the streaks: step 2 is still the newest.
+    assert [checkpoint.checkpoint_step(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [2]
+
+
+def test_sigterm_is_obeyed_on_the_rollback_path(data_dir, tmp_path, capsys, monkeypatch):
+    diverging = Diverging(monkeypatch, 2)
+    bad_step = train.train_step
+
+    def step(run):
+        if diverging.calls == 3:  # inside the first bad streak
+            os.kill(os.getpid(), signal.SIGTERM)
+        return bad_step(run)
+
+    monkeypatch.setattr(train, "train_step", step)
+    train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "50", "--ckpt-interval", "2",
+                "--max-bad-steps", "2"])
+    err = capsys.readouterr().err
+    assert "rolled back to step 2" in err and err.strip().endswith("stopped by SIGTERM after a rollback")
+    assert diverging.calls == 4
+
+
+def test_a_divergence_before_the_first_checkpoint_stops_cleanly(data_dir, tmp_path, capsys, monkeypatch):
+    Diverging(monkeypatch, 0)
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "50",
+                    "--max-bad-steps", "2"])
+    assert exit_info.value.code == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "error: 2 non-finite steps in a row and no checkpoint to roll back to yet; restart with a lower --lr"
 
 
 def test_too_many_bad_steps_can_stop_the_run(data_dir, tmp_path, capsys, inject_nan):
