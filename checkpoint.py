@@ -424,6 +424,12 @@ def for_backend(model_sd: dict, backend: str) -> dict:
     return plain_to_te_state_dict(plain) if backend == "te" else plain
 
 
+def tokens_trained(meta: dict, tokens_per_step: int) -> int:
+    """Tokens trained up to a checkpoint. Counted by the run, since the batch may change across a resume;
+    checkpoints from before that count recorded none, and their batch had never changed."""
+    return meta.get("tokens", meta["step"] * tokens_per_step)
+
+
 def prunable(checkpoints: list[str], written: int, keep: int) -> list[str]:
     """Which of `checkpoints` (oldest first) to delete once step `written` is safely on disk: the oldest of
     those before it, so that `keep` remain counting the new one. Never one after it: a checkpoint with a
@@ -455,14 +461,16 @@ class Checkpointer:
         """Is a regular checkpoint due after `done` steps? On the interval, and always at the end."""
         return (bool(self.interval) and done % self.interval == 0) or done == max_steps
 
-    def save(self, done: int, model, optimizer, loader, guard, regular: bool = True, best: bool = False) -> None:
+    def save(self, done: int, model, optimizer, loader, guard, tokens: int, regular: bool = True,
+             best: bool = False) -> None:
         """`regular`: the ckpt_N checkpoint; `best`: the one kept for the best validation loss. With both,
-        the state is gathered and written once and best links to it."""
+        the state is gathered and written once and best links to it. tokens: trained so far, all ranks."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(full=not self.sharded))
         model_sd = te_to_plain_state_dict(model_sd)  # the plain contract: no FP8 scaling pickles (module docstring)
-        meta = {"version": CHECKPOINT_VERSION, "step": done, "loader": loader.state_dict(), "rng": rng_state(),
+        meta = {"version": CHECKPOINT_VERSION, "step": done, "tokens": tokens, "loader": loader.state_dict(),
+                "rng": rng_state(),
                 "model_config": dataclasses.asdict(self.model_cfg), "train_config": self.run_config,
                 **guard.state_dict()}
         path = checkpoint_path(self.out_dir, done, self.sharded) if regular else self.best_path

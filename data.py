@@ -222,6 +222,10 @@ def read_shard(path) -> np.ndarray:
 # Documents: every source becomes a stream of (text, starts_a_document) pieces
 
 TEXT_CHUNK_CHARS = 1 << 20  # a large text file is read and tokenized this many characters at a time
+SNIFF_BYTES = 8192  # the start of a file that decides whether it is text
+# Signatures of compressed formats. No text file starts with one, and their bytes would tokenize as noise.
+COMPRESSED = {"gzip": rb"\x1f\x8b", "bzip2": rb"BZh[1-9]1AY&SY", "xz": rb"\xfd7zXZ\x00", "zstd": rb"\x28\xb5\x2f\xfd",
+              "zip": rb"PK\x03\x04"}
 ENCODE_CHARS_PER_THREAD = 4 << 20  # characters handed to each tokenizer thread per batch
 HF_PREFIX = "hf:"
 
@@ -238,12 +242,25 @@ def _safe_cut(text: str, start: int = 0) -> int:
     return 0
 
 
+def _count_in_file(path: str, pattern: bytes, block: int = 1 << 24) -> int:
+    """How often pattern occurs in the file's bytes, read a block at a time."""
+    count, tail = 0, b""
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            count += (tail + chunk).count(pattern)
+            tail = (tail + chunk)[1 - len(pattern):]  # too short to hold a whole match, so none counts twice
+    return count
+
+
 def _text_pieces(path: str):
-    """One text file as one document, read in pieces so a huge file never sits in memory whole."""
+    """One text file as one document, read in pieces so a huge file never sits in memory whole. Invalid UTF-8
+    becomes U+FFFD, with one warning for the file."""
     starts = True
     rest = ""
+    replacements = 0  # U+FFFD read: one per invalid sequence, and those the file really holds
     with open(path, encoding="utf-8", errors="replace") as f:
         while chunk := f.read(TEXT_CHUNK_CHARS):
+            replacements += chunk.count("\ufffd")
             rest += chunk
             cut = _safe_cut(rest, start=max(len(rest) - len(chunk) - 1, 0))  # the older part has no cut
             if cut:
@@ -251,6 +268,10 @@ def _text_pieces(path: str):
                 starts, rest = False, rest[cut:]
     if rest:
         yield rest, starts
+    if replacements:  # rare, so only then is the file read again, to tell the two apart
+        invalid = replacements - _count_in_file(path, "\ufffd".encode())
+        if invalid:
+            print(f"warning: {path}: {invalid:,} invalid UTF-8 sequences replaced with U+FFFD", file=sys.stderr)
 
 
 def _text_of(record, where: str) -> str:
@@ -295,11 +316,18 @@ def _file_pieces(paths):
             yield from _text_pieces(path)
 
 
-def _looks_like_text(path: str) -> bool:
-    if path.endswith((".jsonl", ".parquet")):
-        return True
+def _not_text(path: str) -> str | None:
+    """Why path cannot be tokenized (it is compressed, or binary), or None when it can."""
+    if path.endswith(".parquet"):
+        return None
     with open(path, "rb") as f:
-        return b"\0" not in f.read(8192)
+        head = f.read(SNIFF_BYTES)
+    compressed = next((name for name, signature in COMPRESSED.items() if re.match(signature, head)), None)
+    if compressed:
+        return f"{compressed}-compressed; compressed input is not supported, decompress it first"
+    if b"\0" in head:
+        return f"a binary file (NUL bytes in its first {SNIFF_BYTES} bytes), not UTF-8 text"
+    return None
 
 
 def _files_under(directory: str) -> list[str]:
@@ -308,7 +336,7 @@ def _files_under(directory: str) -> list[str]:
     for root, dirs, names in os.walk(directory):
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         found += [os.path.join(root, n) for n in names if not n.startswith(".")]
-    return sorted(p for p in found if _looks_like_text(p))
+    return sorted(p for p in found if _not_text(p) is None)
 
 
 def _hf_pieces(source: str):
@@ -338,6 +366,9 @@ def _source_pieces(source):
     source = os.fspath(source)
     if os.path.isdir(source) or os.path.isfile(source) or any(c in source for c in "*?["):
         matches = [source] if os.path.exists(source) else sorted(glob.glob(source, recursive=True))
+        for path in matches:  # a file named or globbed must be text; a directory's other files are skipped
+            if not os.path.isdir(path) and (why := _not_text(path)):
+                raise DataError(f"{path}: {why}")
         files = [f for m in matches for f in (_files_under(m) if os.path.isdir(m) else [m])]
         if not files:
             raise DataError(f"no text, .jsonl or .parquet files found in {source}")

@@ -6,13 +6,15 @@
 The directory holds config.json, model.safetensors (float32, the vocabulary padded as in training),
 generation_config.json (EOT as bos/eos, the padding ids suppressed so transformers' generate never picks
 them), tokenizer_note.txt, and for the GPT-2 tokenizer the transformers tokenizer files (vocab.json,
-merges.txt, tokenizer_config.json), rebuilt offline from tiktoken's ranks.
+merges.txt, tokenizer_config.json), rebuilt offline from tiktoken's ranks. A directory that already holds a
+model is refused unless --overwrite, which removes the earlier export's files (a stale shard index included).
 
 load_hf(DIR) reads such a directory, or any bias-free Qwen3ForCausalLM directory, back into our names.
 """
 
 import argparse
 import dataclasses
+import glob
 import json
 import os
 import sys
@@ -46,6 +48,21 @@ TOP_RENAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "mode
                "lm_head.weight": "lm_head.weight"}
 # config.json key for the tokenizer's vocabulary size; "vocab_size" is the padded one, the tensors' row count.
 UNPADDED_VOCAB_KEY = "unpadded_vocab_size"
+# The JSON type of each config.json entry config_from_hf reads (null counts as absent), checked so that a
+# wrong one is a one-line error rather than a TypeError inside ModelConfig.
+HF_CONFIG_TYPES = {
+    "an integer": ("vocab_size", UNPADDED_VOCAB_KEY, "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"),
+    "a number": ("rms_norm_eps", "rope_theta"),
+    "true or false": ("tie_word_embeddings",),
+    "an object": ("rope_parameters",),
+}
+JSON_TYPES = {"an integer": int, "a number": (int, float), "true or false": bool, "an object": dict}
+# What an export writes, and what transformers would read along with it (another exporter's sharded weights,
+# a fast tokenizer): an export into a directory holding any of these must replace them all, or refuse.
+EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                "tokenizer_note.txt", "vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
+SHARD_PATTERN = "model-*.safetensors"
 
 
 def our_names(config: ModelConfig) -> list[str]:
@@ -99,6 +116,26 @@ def to_hf(config: ModelConfig, state: dict) -> dict:
     return out
 
 
+def check_hf_weights(config: ModelConfig, hf_state: dict) -> None:
+    """ValueError (one line) unless hf_state holds the Hugging Face weights of GPT(config) at their shapes (a
+    tied lm_head may be there too: it is not read). Checked here, so that a mismatch is this line rather than a
+    load_state_dict error in whatever builds the model."""
+    with torch.device("meta"):  # shapes only, no memory
+        expected = {k: v.shape for k, v in to_hf(config, GPT(config).state_dict()).items()}
+    missing = [k for k in expected if k not in hf_state]
+    unknown = sorted(set(hf_state) - set(expected) - {TOP_RENAMES["lm_head.weight"]})
+
+    def dims(shape):
+        return "x".join(map(str, shape))
+
+    shapes = [f"{k} {dims(hf_state[k].shape)} (config: {dims(shape)})" for k, shape in expected.items()
+              if k in hf_state and hf_state[k].shape != shape]
+    problems = [f"{what} {', '.join(items[:3])}{', ...' if len(items) > 3 else ''}"
+                for what, items in (("missing", missing), ("unknown", unknown), ("wrong shape", shapes)) if items]
+    if problems:
+        raise ValueError(f"weights do not match the config: {'; '.join(problems)}")
+
+
 def from_hf(config: ModelConfig, hf_state: dict) -> dict:
     """Hugging Face names -> our state dict. A tied lm_head is the embedding tensor itself."""
     out = {}
@@ -145,11 +182,24 @@ def hf_config(config: ModelConfig, eot: int) -> dict:
     }
 
 
+def check_json_types(d: dict, types: dict) -> None:
+    """ValueError (one line) for the first entry of d that is not of its type in types ({type: keys})."""
+    for kind, keys in types.items():
+        for key in keys:
+            value = d.get(key)
+            # JSON's true and false are Python ints too, but not numbers here.
+            if value is not None and (not isinstance(value, JSON_TYPES[kind])
+                                      or isinstance(value, bool) != (kind == "true or false")):
+                raise ValueError(f"{key} must be {kind}, got {json.dumps(value)}")
+
+
 def config_from_hf(d: dict) -> ModelConfig:
     """ModelConfig from a Qwen3 config.json dict; raises ValueError for a model this code cannot run."""
     if d.get("model_type") != "qwen3":
         raise ValueError(f"model_type is {d.get('model_type')!r}, only 'qwen3' can be loaded")
+    check_json_types(d, HF_CONFIG_TYPES)
     rope = d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
+    check_json_types(rope, {"a number": ("rope_theta",)})
     unsupported = {
         "attention_bias": d.get("attention_bias", False), "hidden_act": d.get("hidden_act", "silu") != "silu",
         "use_sliding_window": d.get("use_sliding_window", False), "rope_type": rope.get("rope_type") != "default",
@@ -207,9 +257,14 @@ def load_hf(directory: str) -> tuple[ModelConfig, dict]:
         raise ValueError(f"{directory} is not a Hugging Face model directory (no config.json)")
     with open(config_path) as f:
         try:
-            config = config_from_hf(json.load(f))
+            d = json.load(f)
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
+            config = config_from_hf(d)
         except KeyError as e:
             raise ValueError(f"{config_path} lacks {e}") from None
+        except ValueError as e:  # also invalid JSON
+            raise ValueError(f"{config_path}: {e}") from None
     index_path = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         with open(index_path) as f:
@@ -225,6 +280,10 @@ def load_hf(directory: str) -> tuple[ModelConfig, dict]:
             hf_state.update(load_file(path))
         except Exception as e:  # safetensors' own error type differs between its versions
             raise ValueError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    try:
+        check_hf_weights(config, hf_state)
+    except ValueError as e:
+        raise ValueError(f"{directory}: {e}") from None
     return config, from_hf(config, hf_state)
 
 
@@ -300,15 +359,30 @@ def tokenizer_note(tokenizer: str, wrote_files: bool) -> str:
 # ----------------------------------------------------------------------------- export
 
 
-def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: str = "gpt2") -> None:
-    """Write a Qwen3ForCausalLM directory (see the module docstring) for a model trained with `tokenizer`."""
+def export_files(out_dir: str) -> list[str]:
+    """The paths of out_dir that belong to an earlier export (EXPORT_FILES and weight shards)."""
+    paths = [os.path.join(out_dir, name) for name in EXPORT_FILES]
+    shards = glob.glob(os.path.join(glob.escape(out_dir), SHARD_PATTERN))
+    return [p for p in paths if os.path.exists(p)] + sorted(shards)
+
+
+def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: str = "gpt2",
+              overwrite: bool = False) -> None:
+    """Write a Qwen3ForCausalLM directory (see the module docstring) for a model trained with `tokenizer`.
+    An earlier export in out_dir is an error, or with overwrite is removed first (other files stay)."""
     save_file = _safetensors().save_file
     enc = get_tokenizer(tokenizer)
     if config.vocab_size != enc.n_vocab:
         raise ValueError(f"model vocab_size {config.vocab_size} does not match the {tokenizer} tokenizer "
                          f"({enc.n_vocab} tokens); pass --tokenizer")
+    earlier = export_files(out_dir)
+    if earlier and not overwrite:
+        raise ValueError(f"{out_dir} already holds model files ({os.path.basename(earlier[0])}, ...); pass "
+                         f"--overwrite to replace them, or choose another directory")
     # Fresh float32 copies: safetensors refuses tensors that share storage, as the views of a fused weight do.
     weights = {k: v.detach().to("cpu", torch.float32).clone() for k, v in to_hf(config, state).items()}
+    for path in earlier:
+        os.remove(path)
     os.makedirs(out_dir, exist_ok=True)
     save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -330,10 +404,12 @@ def main(argv=None) -> int:
                         help="a checkpoint written by train.py (a .pt file or a sharded directory)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory (created if needed)")
     parser.add_argument("--tokenizer", default="gpt2", help="the tokenizer the model was trained with")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace a model already in DIR (its weights, config and tokenizer files)")
     try:
         args = parser.parse_args(argv)
         config, state = read_checkpoint(args.ckpt)
-        export_hf(config, state, args.out, args.tokenizer)
+        export_hf(config, state, args.out, args.tokenizer, args.overwrite)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
     print(f"wrote {args.out}: Qwen3ForCausalLM, {config.n_layer} layers, vocab {config.padded_vocab_size} "

@@ -9,6 +9,7 @@ out) and `sample_text` (a string in, a string out), which train.py calls at eval
 
 import argparse
 import codecs
+import math
 import sys
 from collections.abc import Iterable, Iterator
 
@@ -22,16 +23,28 @@ from hardware import DEVICES, resolve_device
 from model import GPT, KVCache
 
 
+# Below this, sampling is greedy anyway (at 1e-4 a logit gap of 0.01 already means odds of e^100), and far
+# below it logits / temperature overflows float32 and the draw fails; 0 is the greedy setting.
+MIN_TEMPERATURE = 1e-4
+SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
     """ValueError (one line) for settings that cannot be sampled with."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+    if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
+        raise ValueError(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got {temperature}")
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def check_seed(seed: int) -> None:
+    """ValueError (one line) for a seed torch cannot take."""
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {seed}")
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -178,6 +191,7 @@ def main(argv=None) -> int:
         temperature = 0.0 if a.greedy else a.temperature
         top_k = a.top_k or None
         check_sampling(a.max_new_tokens, temperature, top_k, a.top_p)
+        check_seed(a.seed)
         device, _ = resolve_device(a.device)
         enc = get_tokenizer(a.tokenizer)
         model = load_model(a.ckpt, a.hf, device)

@@ -57,7 +57,8 @@ class MetricsLog:
         self.truncate(start_step)
 
     def truncate(self, step: int) -> None:
-        """Keep only the records of steps before `step`."""
+        """Keep only the records of steps before `step`. The kept lines go to a new file that then replaces
+        the old one, so a crash at any moment leaves one or the other whole."""
         if not self.enabled:  # only rank 0 writes
             return
         kept = []
@@ -69,8 +70,12 @@ class MetricsLog:
                             kept.append(line)
                     except (ValueError, KeyError):
                         pass
-        with open(self.path, "w") as f:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
             f.writelines(kept)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -178,8 +183,11 @@ class Telemetry:
     metrics.jsonl / wandb, the profiler's steps. `write` prints a line above the progress bar."""
 
     def __init__(self, cfg, is_main: bool, device: torch.device, start_step: int, max_steps: int,
-                 flops_per_token: float, peak_flops: float | None, wandb_run, optimizer: torch.optim.Optimizer):
+                 flops_per_token: float, peak_flops: float | None, wandb_run, optimizer: torch.optim.Optimizer,
+                 start_tokens: int = 0):
+        """start_tokens: tokens trained before start_step (a resumed run's checkpoint says how many)."""
         self.cfg, self.device, self.start_step, self.max_steps = cfg, device, start_step, max_steps
+        self.tokens = start_tokens  # counted step by step: the batch may change across a resume
         self.optimizer = optimizer  # its state's size is reported once it exists, after the first step
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.is_main = is_main
@@ -193,13 +201,14 @@ class Telemetry:
         """The metrics.jsonl line of one step; prints the warnings it calls for (skipped update, spike,
         slow data) and, once, the compilation time."""
         self.step_times.append(seconds)
+        self.tokens += layout.tokens_per_step
         phases = self.timer.collect()
         tokens_per_sec = layout.tokens_per_step / seconds
         per_device = tokens_per_sec / world_size
         spike = health.update(loss, finite)
         self.last_loss = loss
         record = {
-            "step": step, "tokens": (step + 1) * layout.tokens_per_step, "train_loss": loss if finite else None,
+            "step": step, "tokens": self.tokens, "train_loss": loss if finite else None,
             "lr": lr, "grad_norm": grad_norm if finite else None,
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": per_device,
             # per device; equal to the whole job's utilisation of its devices
@@ -240,9 +249,11 @@ class Telemetry:
         if self.profiler is not None:
             self.profiler.step()
 
-    def rewind(self, step: int) -> None:
-        """Forget the records from `step` on: they will be redone (after a rollback)."""
+    def rewind(self, step: int, tokens: int) -> None:
+        """Forget the records from `step` on: they will be redone (after a rollback from a checkpoint holding
+        `tokens`)."""
         self.metrics.truncate(step)
+        self.tokens = tokens
 
     @contextmanager
     def loop(self):

@@ -25,7 +25,7 @@ import distributed
 import fp8
 import hardware
 import memory
-from checkpoint import CheckpointError, Checkpointer
+from checkpoint import CheckpointError, Checkpointer, tokens_trained
 from cli import UsageError, report_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, BatchLayout, Config
 from data import DataError, ShardLoader, default_corpus
@@ -167,11 +167,11 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
 
     checkpointer = Checkpointer(cfg.ckpt.out_dir, cfg.ckpt.ckpt_interval, cfg.ckpt.keep_ckpts, info, model_cfg,
                                 config.to_dict(cfg))
-    guard, start_step = Guard(cfg.resilience), 0
+    guard, start_step, start_tokens = Guard(cfg.resilience), 0, 0
     if resume:
         meta = checkpointer.restore(model, optimizer, loader, warn=message if info.is_main else lambda _: None)
         guard.load_state_dict(meta)
-        start_step = meta["step"]
+        start_step, start_tokens = meta["step"], tokens_trained(meta, layout.tokens_per_step)
     if start_step >= max_steps:
         raise UsageError(f"nothing to do: already at step {start_step} of {max_steps}")
     if cfg.log.profile and max_steps - start_step < PROFILE_WAIT + PROFILE_ACTIVE:
@@ -181,7 +181,7 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
     wandb_run, reasons["wandb"] = (start_wandb(cfg.log, cfg.ckpt.out_dir, resume, config.to_dict(cfg))
                                    if info.is_main else (None, ""))
     telemetry = Telemetry(cfg, info.is_main, device, start_step, max_steps, flops_per_token(model_cfg, layout.seq_len),
-                          peak, wandb_run, optimizer)
+                          peak, wandb_run, optimizer, start_tokens)
     run = Run(cfg=cfg, model_cfg=model_cfg, info=info, device=device, autocast_dtype=autocast_dtype,
               fp8_recipe=fp8_recipe, model=model, wrapped=wrapped, compiled=compiled, optimizer=optimizer,
               scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16), loader=loader,
@@ -322,7 +322,8 @@ def save_if_due(run: Run, done: int, improved: bool, stop_early: bool, signals: 
     allowed = run.guard.may_checkpoint()
     regular = allowed and (run.checkpointer.due(done, run.max_steps) or signalled or stop_early)
     if regular or (allowed and improved):
-        run.checkpointer.save(done, run.model, run.optimizer, run.loader, run.guard, regular=regular, best=improved)
+        run.checkpointer.save(done, run.model, run.optimizer, run.loader, run.guard, run.telemetry.tokens,
+                              regular=regular, best=improved)
     if signalled:
         saved = "checkpoint written" if regular else "no checkpoint inside a streak of non-finite steps"
         return (f"stopped by {signals.requested or 'a signal to another rank'} at step {done}; {saved}. "
@@ -341,7 +342,7 @@ def rollback(run: Run) -> int:
         raise TrainingHalted(f"{run.cfg.resilience.max_bad_steps} non-finite steps in a row and no checkpoint to "
                              "roll back to yet; restart with a lower --lr") from None
     run.guard.rolled_back(meta)
-    run.telemetry.rewind(meta["step"])
+    run.telemetry.rewind(meta["step"], tokens_trained(meta, run.layout.tokens_per_step))
     run.telemetry.write(f"rolled back to step {meta['step']} after {run.cfg.resilience.max_bad_steps} non-finite "
                         f"steps; LR now x{run.guard.lr_scale:g} of the schedule")
     return meta["step"]
@@ -350,10 +351,9 @@ def rollback(run: Run) -> int:
 def retry_micro_batch(run: Run) -> int:
     """The micro-batch to redo an out-of-memory step with: at most half, FP8-legal, dividing the global batch;
     0 for none, or with several ranks (one rank cannot change the layout alone)."""
-    if run.info.world_size > 1:
-        return 0
     multiple = fp8.batch_multiple(run.cfg.fp8.mode, run.layout.seq_len)
-    return memory.micro_batch_for(run.layout.sequences_per_rank, run.layout.micro_batch // 2, multiple)
+    smaller = memory.micro_batch_for(run.layout.sequences_per_rank, run.layout.micro_batch // 2, multiple)
+    return smaller if run.info.world_size == 1 else 0
 
 
 def shrink_micro_batch(run: Run, loader_state: dict, smaller: int) -> None:

@@ -83,7 +83,7 @@ def save_and_resume(out_dir, info, shard):
         for model in (trained, fresh):
             distributed.apply_fsdp(model, model.blocks, None, reshard_after_forward=True)
     ckpt = checkpoint.Checkpointer(str(out_dir), 1, 2, info, CFG, {})
-    ckpt.save(1, trained, one_step(trained), StubLoader(), Guard(ResilienceConfig()))
+    ckpt.save(1, trained, one_step(trained), StubLoader(), Guard(ResilienceConfig()), tokens=64)
     meta = ckpt.restore(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2), StubLoader(),
                         warn=lambda text: pytest.fail(text))
     return meta, full(trained), full(fresh), loaded

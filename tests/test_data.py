@@ -1,3 +1,4 @@
+import gzip
 import hashlib
 import json
 import os
@@ -243,9 +244,13 @@ def test_prepare_hugging_face_dataset_streams_the_train_split(gpt2, tmp_path, mo
     _check(gpt2[0], tmp_path / "hf", DOCS)
 
 
-@pytest.mark.parametrize("case", ["missing", "mistyped-path", "empty-dir", "glob", "out-under-file",
-                                  "existing-shards", "too-few-tokens", "no-text-field"])
-def test_prepare_errors(gpt2, tmp_path, monkeypatch, case):
+@pytest.mark.parametrize("case, words", [
+    ("missing", "not found"), ("mistyped-path", "not found"), ("empty-dir", "no text"), ("glob", "no text"),
+    ("out-under-file", "cannot create"), ("existing-shards", "already holds shards"),
+    ("too-few-tokens", "lower --val-tokens"), ("no-text-field", "doc.jsonl:2"),
+    ("binary", "image.png: a binary file"), ("binary-in-glob", "image.png: a binary file"),
+    ("compressed", "docs.jsonl.gz: gzip-compressed; compressed input is not supported")])
+def test_prepare_errors(gpt2, tmp_path, monkeypatch, case, words):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "doc.txt").write_text(DOCS[0])
     (tmp_path / "empty").mkdir()
@@ -268,11 +273,34 @@ def test_prepare_errors(gpt2, tmp_path, monkeypatch, case):
     elif case == "no-text-field":
         (tmp_path / "doc.jsonl").write_text('{"text": "ok"}\n{"body": "no"}\n')
         source = "doc.jsonl"
+    elif case.startswith("binary"):
+        (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+        source = "image.png" if case == "binary" else "*.*"
+    elif case == "compressed":
+        (tmp_path / "docs.jsonl.gz").write_bytes(gzip.compress(b'{"text": "ok"}\n'))
+        source = "docs.jsonl.gz"
     with pytest.raises(DataError) as e:
         data.prepare(source, out, val_tokens=10_000 if case == "too-few-tokens" else 1)
-    assert "\n" not in str(e.value)
-    if case == "no-text-field":
-        assert "doc.jsonl:2" in str(e.value)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_invalid_utf8_is_replaced_with_one_warning_per_file(gpt2, tmp_path, monkeypatch, capsys):
+    # Four invalid sequences (the last a character cut short), and one U+FFFD that is really in the file.
+    raw = b"caf\xe9 ok\n" + "\ufffd is fine\n".encode() + b"\xff\xfe end \xe2\x82\n"
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_bytes(raw * 3)
+    (tmp_path / "src" / "b.txt").write_text(DOCS[0])
+    monkeypatch.setattr(data, "TEXT_CHUNK_CHARS", 8)  # counted across many pieces
+    data.prepare(tmp_path / "src", tmp_path / "out", val_tokens=1)
+    _check(gpt2[0], tmp_path / "out", [(raw * 3).decode(errors="replace"), DOCS[0]])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [f"warning: {tmp_path / 'src' / 'a.txt'}: 12 invalid UTF-8 sequences replaced with U+FFFD"]
+
+
+def test_count_in_file_across_blocks(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" + b"abc" * 4 + b"ab")
+    assert all(data._count_in_file(str(path), b"abc", block) == 4 for block in range(1, 16))
 
 
 # ----------------------------------------------------------------------------------------------------------

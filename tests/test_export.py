@@ -77,11 +77,16 @@ def test_config_from_hf_rejects_what_we_cannot_run(change):
         config_from_hf({**hf_config(ModelConfig(**TINY), eot=50256), **change})
 
 
-def test_transformers_loads_the_export(exported, monkeypatch):
+def load_transformers(out, monkeypatch):
+    """The directory as transformers loads it, offline."""
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+def test_transformers_loads_the_export(exported, monkeypatch):
     model, out = exported
-    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf = load_transformers(out, monkeypatch)
     assert type(hf).__name__ == "Qwen3ForCausalLM"
     assert hf.config.tie_word_embeddings == model.config.tie_embeddings
     assert (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()) == model.config.tie_embeddings
@@ -189,9 +194,59 @@ def test_cli(tmp_path, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
-def test_load_hf_errors_are_one_line(tmp_path):
-    with pytest.raises(ValueError, match="no config.json"):
+def test_cli_refuses_an_earlier_export_unless_told_to_overwrite(tmp_path, capsys, monkeypatch):
+    old, new = tiny_model(True, seed=1), tiny_model(False)
+    write_checkpoint(tmp_path / "old.pt", old)
+    write_checkpoint(tmp_path / "new.pt", new)
+    out = tmp_path / "hf"
+    assert export.main(["--ckpt", str(tmp_path / "old.pt"), "--out", str(out)]) == 0
+    # Make it a sharded export, as transformers writes a large model: loaders read the index, if there is one.
+    shard = "model-00001-of-00001.safetensors"
+    (out / "model.safetensors").rename(out / shard)
+    weight_map = {k: shard for k in to_hf(old.config, old.state_dict())}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "notes.txt").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    argv = ["--ckpt", str(tmp_path / "new.pt"), "--out", str(out)]
+    assert export.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--overwrite" in err and err.count("\n") == 1
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing touched
+
+    assert export.main(argv + ["--overwrite"]) == 0
+    assert not (out / shard).exists() and not (out / "model.safetensors.index.json").exists()
+    assert (out / "notes.txt").read_text() == "mine"
+    hf = load_transformers(out, monkeypatch)
+    assert type(hf).__name__ == "Qwen3ForCausalLM" and not hf.config.tie_word_embeddings  # the new config
+    idx = torch.randint(0, new.config.vocab_size, (1, 16))
+    with torch.no_grad():
+        expected, _ = new(idx)
+        torch.testing.assert_close(hf(input_ids=idx).logits, expected, rtol=0, atol=1e-4)
+
+
+def _hf_dir(directory, case):
+    """A Hugging Face directory of the tiny model, spoilt as `case` says."""
+    model = tiny_model(True)
+    if case != "no-weights":
+        weights = {k: v.clone() for k, v in to_hf(model.config, model.state_dict()).items()}
+        export._safetensors().save_file(weights, str(directory / "model.safetensors"))
+    config = hf_config(model.config, eot=50256)
+    config = {"config-list": [config], "string-int": {**config, "num_hidden_layers": "2"},
+              "wrong-shape": {**config, "hidden_size": 128}, "missing-layer": {**config, "num_hidden_layers": 3},
+              "extra-layer": {**config, "num_hidden_layers": 1}}.get(case, config)
+    if case != "no-config":
+        (directory / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("case, words", [
+    ("no-config", "no config.json"), ("no-weights", "model.safetensors not found"),
+    ("config-list", "config.json: not a JSON object"),
+    ("string-int", 'config.json: num_hidden_layers must be an integer, got "2"'),
+    ("wrong-shape", "wrong shape model.embed_tokens.weight 50304x64 (config: 50304x128)"),
+    ("missing-layer", "missing model.layers.2."), ("extra-layer", "unknown model.layers.1.")])
+def test_load_hf_errors_are_one_line(tmp_path, case, words):
+    _hf_dir(tmp_path, case)
+    with pytest.raises(ValueError) as e:
         load_hf(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps(hf_config(ModelConfig(**TINY), eot=50256)))
-    with pytest.raises(ValueError, match="model.safetensors not found"):
-        load_hf(str(tmp_path))
+    assert words in str(e.value) and "\n" not in str(e.value)

@@ -119,6 +119,23 @@ def test_next_token():
     assert {next_token(logits, 1.0, None, 0.6, g) for _ in range(50)} <= {1, 2}
 
 
+def test_sampling_limits():
+    model, g = tiny_model(), torch.Generator().manual_seed(0)
+    assert len(generate(model, [1, 2], 4, temperature=sample.MIN_TEMPERATURE, generator=g)) == 4  # no overflow
+    for temperature in (math.nan, math.inf, sample.MIN_TEMPERATURE / 2):
+        with pytest.raises(ValueError, match="temperature"):
+            generate(model, [1, 2], 4, temperature=temperature, generator=g)
+    low, high = sample.SEED_RANGE  # torch's own range: the seeds at the ends work, the ones past them do not
+    for seed in (low, high):
+        sample.check_seed(seed)
+        torch.Generator().manual_seed(seed)
+    for seed in (low - 1, high + 1):
+        with pytest.raises(ValueError, match="seed must be in"):
+            sample.check_seed(seed)
+        with pytest.raises((ValueError, RuntimeError)):
+            torch.Generator().manual_seed(seed)
+
+
 def test_seeded_sampling_is_deterministic():
     model = tiny_model()
 
@@ -190,12 +207,17 @@ def test_cli_prints_text(tmp_path, capsys, source):
     assert out == "Hello" + enc.decode(expected) + "\n"
 
 
-@pytest.mark.parametrize("argv", [["--ckpt", "missing.pt"], ["--hf", "missing_dir"], ["--ckpt", "x", "--top-k", "-1"]])
-def test_cli_errors_exit_2_in_one_line(tmp_path, capsys, argv):
+@pytest.mark.parametrize("argv, words", [
+    (["--ckpt", "missing.pt"], "missing.pt"), (["--hf", "missing_dir"], "missing_dir"),
+    (["--ckpt", "x", "--top-k", "-1"], "top_k"), (["--ckpt", "x", "--temperature", "-1"], "temperature"),
+    (["--ckpt", "x", "--temperature", "nan"], "temperature"), (["--ckpt", "x", "--temperature", "inf"], "temperature"),
+    (["--ckpt", "x", "--temperature", "1e-45"], "temperature"),
+    (["--ckpt", "x", "--seed", str(2**64)], "seed"), (["--ckpt", "x", "--seed", str(-2**63 - 1)], "seed")])
+def test_cli_errors_exit_2_in_one_line(tmp_path, capsys, argv, words):
     argv = [a if not a.startswith("missing") else str(tmp_path / a) for a in argv]
     assert sample.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1
+    assert err.startswith("error: ") and words in err and err.count("\n") == 1
 
 
 def test_cli_rejects_a_foreign_checkpoint(tmp_path, capsys):

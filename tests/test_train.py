@@ -131,6 +131,28 @@ def test_resume_is_bit_identical(tmp_path, tiny_data):
         assert a.get("val_loss") == b.get("val_loss")
 
 
+def test_logged_tokens_count_what_was_trained_across_a_resume_with_another_batch(tmp_path, tiny_data):
+    first = tiny_run(tiny_data, tmp_path, "--max-steps", "2", "--ckpt-interval", "2")  # 4 x 32 tokens a step
+    assert [r["tokens"] for r in first] == [128, 256]
+    resumed = tiny_run(tiny_data, tmp_path, "--max-steps", "4", "--resume", "--batch-size", "2")  # 2 x 32
+    assert [r["tokens"] for r in resumed] == [128, 256, 320, 384]
+
+
+def test_metrics_survive_a_crash_while_rewritten_at_resume(tmp_path, monkeypatch):
+    import telemetry
+
+    lines = [json.dumps({"step": s, "train_loss": 1.0}) + "\n" for s in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines))
+
+    def killed(*_):
+        raise KeyboardInterrupt  # the process dies between writing the kept lines and putting them in place
+
+    monkeypatch.setattr(telemetry.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        telemetry.MetricsLog(str(tmp_path), start_step=2, wandb_run=None)
+    assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines)
+
+
 def test_resume_rejects_a_different_model(tmp_path, tiny_data):
     tiny_run(tiny_data, tmp_path, "--max-steps", "2")
     result = run_cli("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--n-layer", "3",
