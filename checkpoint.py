@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 
 import distributed
 from cli import ArgumentParser, UsageError, report_error
+from data import data_change
 from fp8 import plain_to_te_state_dict, te_to_plain_state_dict
 
 CHECKPOINT_VERSION = 1
@@ -448,9 +449,12 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: str, interval: int, keep: int, info: "distributed.DistInfo", model_cfg,
-                 run_config: dict):
+                 run_config: dict, data_id: list, allow_data_change: bool = False):
+        """data_id: data.fingerprint of the training shards, saved with every checkpoint; a resume on other
+        shards is refused unless allow_data_change."""
         self.out_dir, self.interval, self.keep, self.info = out_dir, interval, keep, info
         self.model_cfg, self.run_config = model_cfg, run_config
+        self.data_id, self.allow_data_change = data_id, allow_data_change
         self.sharded = info.mode == "fsdp"
 
     @property
@@ -470,7 +474,7 @@ class Checkpointer:
         model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(full=not self.sharded))
         model_sd = te_to_plain_state_dict(model_sd)  # the plain contract: no FP8 scaling pickles (module docstring)
         meta = {"version": CHECKPOINT_VERSION, "step": done, "tokens": tokens, "loader": loader.state_dict(),
-                "rng": rng_state(),
+                "data": self.data_id, "rng": rng_state(),
                 "model_config": dataclasses.asdict(self.model_cfg), "train_config": self.run_config,
                 **guard.state_dict()}
         path = checkpoint_path(self.out_dir, done, self.sharded) if regular else self.best_path
@@ -509,6 +513,7 @@ class Checkpointer:
             raise UsageError(f"--resume: no usable checkpoint in {self.out_dir}")
         path, meta, tensors = found
         check_config(meta)
+        self.check_resumable(meta, tensors)
         sharded = os.path.isdir(path)
         tensors["model"] = for_backend(tensors["model"], model.backend)
         set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"],
@@ -516,6 +521,17 @@ class Checkpointer:
         loader.load_state_dict(meta["loader"])
         set_rng_state(meta["rng"])
         return meta
+
+    def check_resumable(self, meta: dict, tensors: dict) -> None:
+        """UsageError for a checkpoint that would resume something else than it saved: no optimizer state (a
+        weights-only file: the optimizer would silently start over), or other training shards."""
+        if not (tensors.get("optimizer") or {}).get("state"):
+            raise UsageError(f"--resume: the checkpoint of step {meta['step']} in {self.out_dir} has no optimizer "
+                             "state; to start from its weights, export them (export.py) and use --from-hf")
+        change = data_change(meta.get("data"), self.data_id)
+        if change and not self.allow_data_change:
+            raise UsageError(f"--resume: the training shards differ from the checkpoint's: {change}; pass "
+                             "--allow-data-change to resume on them anyway")
 
 
 # ----------------------------------------------------------------------------- command line

@@ -59,6 +59,8 @@ class DataConfig:
                                        "memory, with --grad-accum derived so that --total-batch-tokens stays exact",
                                    type=batch_size_flag)
     grad_accum: int = option(1, "micro-batches per optimizer step")
+    allow_data_change: bool = option(False, "--resume on shards that differ from the ones the checkpoint trained "
+                                            "on (without it such a resume is refused)")
     total_batch_tokens: int = option(0, "tokens per optimizer step; derives --grad-accum from it (0: off)")
     seed: int = option(1337, "initialisation and data order")
 
@@ -244,6 +246,8 @@ def parse_args(argv=None, description: str | None = None) -> Config:
         raise UsageError("give --total-batch-tokens or --grad-accum, not both")
     if "schedule.max_tokens" in given and "schedule.max_steps" in given:
         raise UsageError("give --max-tokens or --max-steps, not both")
+    if given.get("schedule.max_tokens", 1) < 1:  # 0 is the field's "unset", not a length a user can ask for
+        raise UsageError(f"--max-tokens must be >= 1, got {given['schedule.max_tokens']}")
     sections = {}
     for section in dataclasses.fields(Config):
         values = {key.split(".", 1)[1]: v for key, v in given.items() if key.split(".", 1)[0] == section.name}
@@ -273,22 +277,35 @@ def validate(cfg: Config) -> None:
         raise UsageError(str(e)) from None
 
 
+def _check_finite(cfg: Config) -> None:
+    """Every float flag: nan and inf pass every comparison below unnoticed (nan < 0 is False)."""
+    for section in dataclasses.fields(cfg):
+        values = getattr(cfg, section.name)
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"{flag_name(f)} must be a finite number, got {value}")
+
+
 def _check_ranges(cfg: Config) -> None:
+    _check_finite(cfg)
     d, s, e = cfg.data, cfg.schedule, cfg.eval
     positive = {"--batch-size": 1 if d.batch_size == "auto" else d.batch_size, "--grad-accum": d.grad_accum,
-                "--seq-len": cfg.model.max_seq_len}
+                "--seq-len": cfg.model.max_seq_len, "--log-interval": cfg.log.log_interval}
     for name, value in positive.items():
         if value < 1:
             raise UsageError(f"{name} must be >= 1, got {value}")
     non_negative = {"--max-steps": s.max_steps, "--max-tokens": s.max_tokens, "--warmup": s.warmup,
                     "--sample-tokens": e.sample_tokens, "--eval-interval": e.eval_interval,
                     "--ckpt-interval": cfg.ckpt.ckpt_interval, "--total-batch-tokens": d.total_batch_tokens,
-                    "--grad-clip": s.grad_clip}
+                    "--grad-clip": s.grad_clip, "--peak-tflops": cfg.log.peak_tflops, "--seed": d.seed}
     for name, value in non_negative.items():
         if value < 0:
             raise UsageError(f"{name} must be >= 0, got {value}")
     if e.eval_interval and e.eval_tokens < 1:
         raise UsageError("--eval-tokens must be >= 1 when evaluating")
+    if d.seed >= 2**63:
+        raise UsageError(f"--seed must be < 2**63, got {d.seed}")
     if cfg.ckpt.keep_ckpts < 1:
         raise UsageError(f"--keep-ckpts must be >= 1, got {cfg.ckpt.keep_ckpts}")
     r = cfg.resilience

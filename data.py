@@ -546,6 +546,55 @@ def default_corpus(cache_dir=None, tokenizer: str = "gpt2") -> str:
 # Loader
 
 
+def split_paths(data_dir: str, split: str) -> list[str]:
+    """The shard files of a split, in order; DataError when there are none."""
+    if not os.path.isdir(data_dir):
+        raise DataError(f"data directory {data_dir} does not exist")
+    paths = sorted(glob.glob(os.path.join(glob.escape(data_dir), f"{split}_*.bin")))
+    if not paths:
+        raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}")
+    return paths
+
+
+def fingerprint(paths: list[str], block: int = 1 << 16) -> list[list]:
+    """What tells one set of shards from another, cheaply: each shard's name, size and token count, and a
+    hash of its first and last `block` bytes (reading whole shards would cost minutes on a large corpus)."""
+    found = []
+    for path in paths:
+        size, digest = os.path.getsize(path), hashlib.sha256()
+        with open(path, "rb") as f:
+            digest.update(f.read(block))
+            f.seek(max(size - block, 0))
+            digest.update(f.read(block))
+        found.append([os.path.basename(path), size, digest.hexdigest()[:16]])
+    return found
+
+
+def data_change(saved: list | None, current: list) -> str | None:
+    """How the shards a checkpoint trained on differ from these, in a few words; None when they do not (or
+    the checkpoint predates fingerprints)."""
+    if saved is None or saved == current:
+        return None
+    names = {name for name, *_ in saved} ^ {name for name, *_ in current}
+    if names:
+        return f"shards added or removed ({', '.join(sorted(names)[:3])})"
+    changed = [a[0] for a, b in zip(saved, current) if a != b]
+    return f"shard contents differ ({', '.join(changed[:3])})"
+
+
+def check_split(data_dir: str, split: str, seq_len: int) -> list[np.ndarray]:
+    """The split's shards (memory maps: cheap), each checked to hold at least one sequence; a run calls this
+    before it builds a model, so that a sequence too long for the data is refused before anything that size
+    is allocated."""
+    shards = []
+    for path in split_paths(data_dir, split):
+        shard = read_shard(path)
+        if len(shard) < seq_len + 1:
+            raise DataError(f"{path}: shard has {len(shard):,} tokens, fewer than seq_len + 1 = {seq_len + 1:,}")
+        shards.append(shard)
+    return shards
+
+
 class ShardLoader:
     """Yields (x, y) int64 batches of shape [batch_size, seq_len] from data_dir/{split}_*.bin; y is x shifted
     left by one token. Iterates forever, epoch after epoch.
@@ -570,15 +619,8 @@ class ShardLoader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
         data_dir = os.fspath(data_dir)
-        if not os.path.isdir(data_dir):
-            raise DataError(f"data directory {data_dir} does not exist")
-        paths = sorted(glob.glob(os.path.join(glob.escape(data_dir), f"{split}_*.bin")))
-        if not paths:
-            raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}")
-        self.shards = [read_shard(p) for p in paths]
-        for path, shard in zip(paths, self.shards):
-            if len(shard) < seq_len + 1:
-                raise DataError(f"{path}: shard has {len(shard):,} tokens, fewer than seq_len + 1 = {seq_len + 1:,}")
+        paths = split_paths(data_dir, split)
+        self.shards = check_split(data_dir, split, seq_len)
         self.data_dir, self.split = data_dir, split
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.seed, self.shuffle, self.prefetch, self.vocab_size = seed, shuffle, prefetch, vocab_size

@@ -9,6 +9,7 @@ cadence the Evaluator decides itself.
 import torch
 
 import distributed
+from cli import UsageError
 from data import ShardLoader, get_tokenizer
 from progress import Progress
 from sample import sample_text
@@ -33,9 +34,16 @@ class Evaluator:
                            vocab_size=self.vocab_size)
 
     def check(self, micro_batch: int, seq_len: int) -> None:
-        """Fail at start-up, not at the first eval, when there is no usable val split (DataError)."""
+        """Fail at start-up, not at the first eval: no usable val split (DataError), or a sample prompt whose
+        GPT-2 token ids the model's vocabulary cannot hold (an empty one starts from the end-of-text id)."""
         if self.cfg.eval_interval:
             self._loader(micro_batch, seq_len, ranks=False).close()
+        if self.cfg.sample_tokens:
+            enc = get_tokenizer()
+            top = max(enc.encode_ordinary(self.cfg.sample_prompt) or [enc.eot_token])
+            if top >= self.vocab_size:
+                raise UsageError(f"--sample-prompt {self.cfg.sample_prompt!r} starts sampling from GPT-2 token id "
+                                 f"{top}, beyond --vocab-size {self.vocab_size}; give a prompt within it")
 
     @torch.no_grad()
     def val_loss(self, forward, model: torch.nn.Module, autocast, micro_batch: int, seq_len: int) -> float:

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 import distributed
+import fp8
 import hardware
 from cli import UsageError
 from model import ModelConfig
@@ -328,6 +329,36 @@ def micro_batch_for(per_rank: int, fitting: int, multiple: int = 1) -> int:
     """The largest micro-batch that fits, divides the per-rank sequences per step (so the global batch stays
     exact) and is a multiple of `multiple` (fp8.batch_multiple: FP8's token rule); 0 when there is none."""
     return max((b for b in range(multiple, min(fitting, per_rank) + 1, multiple) if per_rank % b == 0), default=0)
+
+
+def retry_micro_batch(layout, fp8_mode: str) -> int:
+    """The micro-batch to redo an out-of-memory step with (a config.BatchLayout's): at most half, FP8-legal,
+    dividing the global batch; 0 for none, or with several ranks (one cannot change the layout alone)."""
+    multiple = fp8.batch_multiple(fp8_mode, layout.seq_len)
+    smaller = micro_batch_for(layout.sequences_per_rank, layout.micro_batch // 2, multiple)
+    return smaller if layout.world_size == 1 else 0
+
+
+def device_capacity_bytes(device: torch.device) -> int | None:
+    """The device's memory: the GPU's, or the machine's RAM for the CPU; None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no sysconf (Windows)
+        return None
+
+
+def check_fits(cfg: ModelConfig, optimizer: str, device: torch.device, shards: int = 1) -> None:
+    """UsageError when parameters, gradients, optimizer state and the rotary tables alone exceed the device's
+    memory: refused at start-up, not by the allocator halfway through building the model."""
+    capacity = device_capacity_bytes(device)
+    e = estimate_memory(cfg, 1, cfg.max_seq_len, optimizer, "full", None, device.type, shards)
+    fixed = e.params + e.grads + e.optimizer + 2 * FP32 * cfg.max_seq_len * cfg.resolved_head_dim
+    if capacity is not None and fixed > capacity:
+        raise UsageError(f"this model needs {fixed / 2**30:,.1f} GiB for its parameters, gradients and optimizer "
+                         f"state alone; the {device.type} device has {capacity / 2**30:,.1f} GiB "
+                         "(--estimate-memory shows the parts)")
 
 
 def probe_reserve_bytes(cfg: ModelConfig, optimizer: str, dist_mode: str) -> int:

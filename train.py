@@ -28,7 +28,7 @@ import memory
 from checkpoint import CheckpointError, Checkpointer, tokens_trained
 from cli import UsageError, report_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, BatchLayout, Config
-from data import DataError, ShardLoader, default_corpus
+from data import DataError, ShardLoader, check_split, default_corpus, fingerprint
 from evaluate import Evaluator
 from export import load_hf
 from model import ModelConfig, flops_per_token
@@ -154,6 +154,9 @@ def setup(cfg: Config) -> Run:
 def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: str, resume: bool, lock,
               reasons: dict) -> Run:
     """The model, its wrappers, the optimizer, the data and the components, restored when resuming."""
+    check_split(data_dir, "train", cfg.model.max_seq_len)  # refused before anything that size is allocated
+    if not cfg.ckpt.from_hf:
+        memory.check_fits(cfg.model, cfg.optim.name, device, info.world_size if info.mode == "fsdp" else 1)
     model, model_cfg, reasons["init"] = build_model(cfg, device)
     layout = build_layout(cfg, model, info, device, autocast_dtype, fp8_recipe)
     max_steps = config.max_steps(cfg, layout.tokens_per_step)
@@ -166,7 +169,7 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
     evaluator.check(layout.micro_batch, layout.seq_len)
 
     checkpointer = Checkpointer(cfg.ckpt.out_dir, cfg.ckpt.ckpt_interval, cfg.ckpt.keep_ckpts, info, model_cfg,
-                                config.to_dict(cfg))
+                                config.to_dict(cfg), fingerprint(loader.paths), cfg.data.allow_data_change)
     guard, start_step, start_tokens = Guard(cfg.resilience), 0, 0
     if resume:
         meta = checkpointer.restore(model, optimizer, loader, warn=message if info.is_main else lambda _: None)
@@ -269,7 +272,7 @@ def run_loop(run: Run) -> str | None:
                 try:
                     loss, grad_norm, finite = train_step(run)
                 except torch.cuda.OutOfMemoryError:
-                    smaller = 0 if oom_retried else retry_micro_batch(run)
+                    smaller = 0 if oom_retried else memory.retry_micro_batch(run.layout, run.cfg.fp8.mode)
                     if not smaller:
                         raise
                     oom_retried = True
@@ -346,14 +349,6 @@ def rollback(run: Run) -> int:
     run.telemetry.write(f"rolled back to step {meta['step']} after {run.cfg.resilience.max_bad_steps} non-finite "
                         f"steps; LR now x{run.guard.lr_scale:g} of the schedule")
     return meta["step"]
-
-
-def retry_micro_batch(run: Run) -> int:
-    """The micro-batch to redo an out-of-memory step with: at most half, FP8-legal, dividing the global batch;
-    0 for none, or with several ranks (one rank cannot change the layout alone)."""
-    multiple = fp8.batch_multiple(run.cfg.fp8.mode, run.layout.seq_len)
-    smaller = memory.micro_batch_for(run.layout.sequences_per_rank, run.layout.micro_batch // 2, multiple)
-    return smaller if run.info.world_size == 1 else 0
 
 
 def shrink_micro_batch(run: Run, loader_state: dict, smaller: int) -> None:

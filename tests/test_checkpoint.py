@@ -82,7 +82,7 @@ def save_and_resume(out_dir, info, shard):
     if shard:
         for model in (trained, fresh):
             distributed.apply_fsdp(model, model.blocks, None, reshard_after_forward=True)
-    ckpt = checkpoint.Checkpointer(str(out_dir), 1, 2, info, CFG, {})
+    ckpt = checkpoint.Checkpointer(str(out_dir), 1, 2, info, CFG, {}, data_id=[["train_000000.bin", 10, "ab"]])
     ckpt.save(1, trained, one_step(trained), StubLoader(), Guard(ResilienceConfig()), tokens=64)
     meta = ckpt.restore(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2), StubLoader(),
                         warn=lambda text: pytest.fail(text))
@@ -264,3 +264,38 @@ def test_a_damaged_later_checkpoint_does_not_make_new_ones_disappear(tiny_data, 
     assert resumed.returncode == 0 and "skipping checkpoint" in resumed.stderr, resumed.stderr
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt_") and n.endswith(".pt")) == [
         "ckpt_00000009.pt", "ckpt_00000099.pt"]
+
+
+# ----------------------------------------------------------------------------- what a resume refuses
+
+
+def run_train(out_dir, data, *flags):
+    from conftest import TINY_FLAGS
+
+    return subprocess.run([sys.executable, "train.py", "--out-dir", str(out_dir), "--data", str(data), *TINY_FLAGS,
+                           "--eval-interval", "0", *flags], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_a_checkpoint_without_optimizer_state_is_refused(tiny_data, tmp_path):
+    assert run_train(tmp_path, tiny_data, "--max-steps", "2").returncode == 0
+    path = checkpoint.checkpoint_path(str(tmp_path), 2, sharded=False)
+    state = torch.load(path, weights_only=True)
+    del state["optimizer"]
+    checkpoint.save_file(state, path)  # hand-made, with a valid checksum
+    refused = run_train(tmp_path, tiny_data, "--max-steps", "4", "--resume")
+    assert "has no optimizer state" in one_error_line(refused)
+
+
+def test_resuming_on_other_shards_is_refused_unless_allowed(tmp_path):
+    from conftest import write_tiny_shards
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, other = write_tiny_shards(tmp_path / "a"), write_tiny_shards(tmp_path / "b", seed=1)  # same sizes
+    out = tmp_path / "out"
+    assert run_train(out, first, "--max-steps", "2").returncode == 0
+    refused = run_train(out, other, "--max-steps", "4", "--resume")
+    assert "the training shards differ from the checkpoint's: shard contents differ" in one_error_line(refused)
+    allowed = run_train(out, other, "--max-steps", "4", "--resume", "--allow-data-change")
+    assert allowed.returncode == 0, allowed.stderr
+    assert run_train(out, first, "--max-steps", "6", "--resume", "--allow-data-change").returncode == 0

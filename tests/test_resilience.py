@@ -403,6 +403,16 @@ def bad_inputs(root):
     (not_ours / "ckpt_00000002.pt.sha256").write_text("0" * 64)
     a_file = root / "a_file"
     a_file.write_text("x")
+    used = root / "used"  # an earlier run's outputs
+    used.mkdir()
+    (used / "metrics.jsonl").write_text("")
+    zero = root / "zero"  # a 0-byte checkpoint whose checksum matches
+    zero.mkdir()
+    (zero / "ckpt_00000002.pt").write_bytes(b"")
+    (zero / "ckpt_00000002.pt.sha256").write_text("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
+    hf_list = root / "hf_list"
+    hf_list.mkdir()
+    (hf_list / "config.json").write_text("[]")
     d = ["--data", str(good)]
     out = ["--out-dir", str(root / "out")]
     return [
@@ -446,6 +456,21 @@ def bad_inputs(root):
         ("out dir under a file", [*d, "--out-dir", str(a_file / "out"), *MODEL]),
         ("profile too short", [*d, *out, *MODEL, "--max-steps", "3", "--profile"]),
         ("from-hf missing", [*d, *out, *MODEL, "--from-hf", str(root / "no_hf")]),
+        ("from-hf config a list", [*d, *out, *MODEL, "--from-hf", str(hf_list)]),
+        ("max tokens zero", [*d, *out, "--max-tokens", "0"]),
+        ("negative peak tflops", [*d, *out, "--peak-tflops", "-5"]),
+        ("nan grad clip", [*d, *out, "--grad-clip", "nan"]),
+        ("infinite lr", [*d, *out, "--lr", "inf"]),
+        ("log interval zero", [*d, *out, "--log-interval", "0"]),
+        ("negative seed", [*d, *out, "--seed", "-1"]),
+        ("seed too large", [*d, *out, "--seed", str(2**70)]),
+        ("negative max rollbacks", [*d, *out, "--max-rollbacks", "-1"]),
+        ("sample prompt beyond the vocab", [*d, *out, *MODEL, "--sample-tokens", "4"]),
+        ("width beyond memory", [*d, *out, *MODEL, "--n-embd", "16777216", "--n-head", "1", "--n-kv-head", "1"]),
+        ("seq len beyond the data", [*d, *out, *MODEL, "--seq-len", "100000000"]),
+        ("fresh run into a used out dir", [*d, "--out-dir", str(used), *MODEL]),
+        ("overwrite and resume", [*d, *out, "--overwrite", "--resume"]),
+        ("zero-byte checkpoint", [*d, "--out-dir", str(zero), *MODEL, "--resume"]),
     ]
 
 
