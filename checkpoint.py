@@ -537,6 +537,23 @@ class Checkpointer:
 # ----------------------------------------------------------------------------- command line
 
 
+def check_conversion(direction: str, src: str, dst: str) -> None:
+    """CheckpointError (one line) for a conversion that cannot be done: a source of the wrong format, or a
+    destination that exists or has no parent directory."""
+    if not os.path.exists(src):
+        raise CheckpointError(f"checkpoint {src} does not exist")
+    wants_dir = direction == "to-file"
+    if os.path.isdir(src) != wants_dir:
+        raise CheckpointError(f"{direction} converts a {'sharded (DCP) directory' if wants_dir else 'single file'}; "
+                              f"{src} is a {'file' if wants_dir else 'directory'}"
+                              f" (use {'to-dcp' if wants_dir else 'to-file'})")
+    if os.path.exists(dst):
+        raise CheckpointError(f"{dst} already exists")
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"cannot write {dst}: directory {parent} does not exist")
+
+
 def main(argv=None) -> int:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("direction", choices=["to-file", "to-dcp"])
@@ -544,8 +561,7 @@ def main(argv=None) -> int:
     parser.add_argument("dst")
     try:
         args = parser.parse_args(argv)
-        if os.path.exists(args.dst):
-            raise CheckpointError(f"{args.dst} already exists")
+        check_conversion(args.direction, args.src, args.dst)
         (dcp_to_file if args.direction == "to-file" else file_to_dcp)(args.src, args.dst)
     except (UsageError, CheckpointError) as e:
         return report_error(e)

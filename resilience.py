@@ -70,6 +70,20 @@ class EarlyStopping:
         self.best, self.evals_since_best = state["best"], state["evals_since_best"]
 
 
+def stop_at_once_during_startup() -> None:
+    """SIGTERM or SIGINT before the step loop (which installs StopSignals): one line, then exit 128 + the
+    signal's number, as a shell expects. Nothing has been trained yet, so there is nothing to save."""
+
+    def handle(signum, frame):
+        name = signal.Signals(signum).name
+        print(f"\n{name} during start-up: stopping before the first step (nothing to save)", file=sys.stderr,
+              flush=True)
+        sys.exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handle)
+
+
 class StopSignals:
     """SIGTERM (preemption) and SIGINT (Ctrl-C) ask the run to stop after the current step; a second
     SIGINT exits at once. train.py checks `requested` between steps, checkpoints and exits 0."""

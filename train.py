@@ -33,7 +33,7 @@ from evaluate import Evaluator
 from export import load_hf
 from model import ModelConfig, flops_per_token
 from optim import build_optimizer, describe_param_groups, lr_multiplier, set_lr
-from resilience import Guard, StopSignals, TrainingHalted
+from resilience import Guard, StopSignals, TrainingHalted, stop_at_once_during_startup
 from rundir import RunLock, claim
 from telemetry import Telemetry, message, print_table, start_wandb
 
@@ -366,6 +366,7 @@ def shrink_micro_batch(run: Run, loader_state: dict, smaller: int) -> None:
 
 
 def main(argv=None):
+    stop_at_once_during_startup()
     try:
         cfg = config.parse_args(argv, description=__doc__)
         if cfg.speed.estimate_memory:

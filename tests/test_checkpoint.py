@@ -299,3 +299,20 @@ def test_resuming_on_other_shards_is_refused_unless_allowed(tmp_path):
     allowed = run_train(out, other, "--max-steps", "4", "--resume", "--allow-data-change")
     assert allowed.returncode == 0, allowed.stderr
     assert run_train(out, first, "--max-steps", "6", "--resume", "--allow-data-change").returncode == 0
+
+
+def test_the_converter_refuses_what_it_cannot_convert_in_one_line(tmp_path, capsys):
+    path = saved_file(tmp_path)
+    directory = str(tmp_path / "dcp")
+    assert checkpoint.main(["to-dcp", path, directory]) == 0
+    cases = [
+        (["to-file", path, str(tmp_path / "a.pt")], "to-file converts a sharded (DCP) directory"),
+        (["to-dcp", directory, str(tmp_path / "b")], "to-dcp converts a single file"),
+        (["to-file", directory, str(tmp_path / "no" / "such" / "c.pt")], "does not exist"),
+        (["to-dcp", path, directory], "already exists"),
+        (["to-file", str(tmp_path / "missing"), str(tmp_path / "d.pt")], "does not exist"),
+    ]
+    for argv, message in cases:
+        assert checkpoint.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and message in err, (argv, err)

@@ -498,3 +498,19 @@ def test_the_wandb_key_never_reaches_logs_or_checkpoints(data_dir, tmp_path, mon
         for name in files:
             with open(os.path.join(root, name), "rb") as f:
                 assert secret.encode() not in f.read(), name
+
+
+def test_a_signal_during_startup_is_one_line_and_the_shell_exit_code(capsys):
+    from resilience import stop_at_once_during_startup
+
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        stop_at_once_during_startup()
+        with pytest.raises(SystemExit) as exit_info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs at the next bytecode boundary
+        assert exit_info.value.code == 128 + signal.SIGTERM
+        assert capsys.readouterr().err.strip() == "SIGTERM during start-up: stopping before the first step (nothing to save)"
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
