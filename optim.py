@@ -236,22 +236,57 @@ def _build_muon(roles, cfg, row_blocks, device_type):
 
 
 def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """Approximately orthogonalise g (push its singular values towards 1) with the quintic iteration.
+    """Approximately orthogonalise g (push its singular values towards 1) with the quintic iteration; g is
+    one matrix [rows, cols] or a stack of same-shape ones [n, rows, cols], each orthogonalised on its own.
 
     The coefficients trade exact convergence for speed: singular values end up roughly in
     [0.7, 1.2] rather than at 1, which does not hurt training. Wide orientation keeps X X^T small.
     """
     a, b, c = NS_COEFFICIENTS
     x = g.to(dtype)
-    tall = x.shape[0] > x.shape[1]
+    single = x.ndim == 2
+    if single:
+        x = x[None]
+    tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
-    x = x / (x.norm() + NS_EPS)  # Frobenius norm bounds the spectral norm, so the iteration starts in range
+    # The Frobenius norm bounds the spectral norm, so the iteration starts in range.
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + NS_EPS)
     for _ in range(steps):
         gram = x @ x.mT
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x.mT if tall else x
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    x = x.mT if tall else x
+    return x[0] if single else x
+
+
+def orthogonalize_blocks(blocks: list[torch.Tensor], steps: int, dtype: torch.dtype, world_size: int = 1,
+                         rank: int = 0) -> list[torch.Tensor]:
+    """newton_schulz of every matrix in `blocks`, with same-shape ones stacked into one batched call.
+
+    With world_size > 1 (torch.distributed initialised), rank r orthogonalises only the r-th share of each
+    stack (padded with zero matrices to a multiple of world_size; NS maps zero to zero) and an all-gather
+    hands every rank all the results: each rank does 1/world_size of the work instead of all of it. The
+    stacks and shares follow the order of `blocks`, so every rank must pass the same shapes in the same order.
+    """
+    by_shape: dict[tuple, list[int]] = {}
+    for i, block in enumerate(blocks):
+        by_shape.setdefault(tuple(block.shape), []).append(i)
+    out: list[torch.Tensor] = [None] * len(blocks)
+    for indices in by_shape.values():
+        stack = torch.stack([blocks[i] for i in indices])
+        if world_size > 1:
+            share = -(-len(indices) // world_size)
+            padded = torch.cat([stack, stack.new_zeros(share * world_size - len(indices), *stack.shape[1:])])
+            mine = newton_schulz(padded[rank * share:(rank + 1) * share], steps, dtype).contiguous()
+            gathered = [torch.empty_like(mine) for _ in range(world_size)]
+            torch.distributed.all_gather(gathered, mine)
+            result = torch.cat(gathered)[:len(indices)]
+        else:
+            result = newton_schulz(stack, steps, dtype)
+        for i, ortho in zip(indices, result):
+            out[i] = ortho
+    return out
 
 
 def muon_scale_factor(rows: int, cols: int, mode: str) -> float:
@@ -299,16 +334,19 @@ class Muon(torch.optim.Optimizer):
     """Muon for groups of kind "muon", AdamW for groups of kind "adamw", in one optimizer.
 
     Muon groups carry "row_blocks": for each parameter, the row sizes to orthogonalise separately.
-    Works on plain tensors (one device, DDP: every rank runs the same step on averaged grads) and
-    on FSDP2's Shard(0) DTensors: each rank gathers the full momentum-corrected matrix, orthogonalises
-    the blocks that overlap its rows, and applies its rows. State stays sharded like the parameters.
+    Works on plain tensors (one device, DDP: every rank has the same averaged grads) and on FSDP2's
+    Shard(0) DTensors (each rank gathers the full momentum-corrected matrix and applies its own rows;
+    state stays sharded like the parameters). Every block of every matrix is orthogonalised in one
+    batched call per shape (orthogonalize_blocks); under torch.distributed with split_across_ranks each
+    rank computes 1/world_size of them and all-gathers the rest, instead of every rank repeating it all.
     """
 
     def __init__(self, params, *, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="fp32",
-                 muon_scale="match_rms_adamw", betas=(0.9, 0.95), eps=1e-8):
+                 muon_scale="match_rms_adamw", betas=(0.9, 0.95), eps=1e-8, split_across_ranks=True):
         defaults = dict(lr=1e-3, weight_decay=0.0, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, muon_scale=muon_scale, betas=betas, eps=eps, kind="adamw")
         super().__init__(params, defaults)
+        self.split_across_ranks = split_across_ranks
         for group in self.param_groups:
             if group["kind"] != "muon":
                 continue
@@ -325,37 +363,49 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             if group["kind"] == "muon":
-                for p, split in zip(group["params"], group["row_blocks"]):
-                    if p.grad is not None:
-                        self._muon_update(p, split, group)
+                self._muon_step(group)
             else:
                 for p in group["params"]:
                     if p.grad is not None:
                         self._adamw_update(p, group)
         return loss
 
-    def _muon_update(self, p, split, group):
+    def _ranks(self) -> tuple[int, int]:
+        dist = torch.distributed
+        if self.split_across_ranks and dist.is_available() and dist.is_initialized():
+            return dist.get_world_size(), dist.get_rank()
+        return 1, 0
+
+    def _momentum(self, p, group) -> torch.Tensor:
+        """Update p's momentum; -> the full (gathered, under FSDP2) Nesterov-corrected update matrix."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad)
         grad, buf = _local(p.grad), _local(state["momentum_buffer"])
-        beta = group["momentum"]
-        buf.lerp_(grad, 1 - beta)
-        update = grad.lerp(buf, beta) if group["nesterov"] else buf
-        full = _full_matrix(update, p)
+        buf.lerp_(grad, 1 - group["momentum"])
+        update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+        return _full_matrix(update, p)
 
-        param, lr = _local(p), group["lr"]
-        first = _first_local_row(p)
-        last = first + param.shape[0]
-        param.mul_(1 - lr * group["weight_decay"])
-        start = 0
-        for rows in split:
-            lo, hi = max(start, first), min(start + rows, last)
+    def _muon_step(self, group):
+        todo = [(p, split) for p, split in zip(group["params"], group["row_blocks"]) if p.grad is not None]
+        blocks, where = [], []  # where[k]: (index into todo, first row) of blocks[k]
+        for i, (p, split) in enumerate(todo):
+            full, start = self._momentum(p, group), 0
+            for rows in split:
+                blocks.append(full[start:start + rows])
+                where.append((i, start))
+                start += rows
+        orthos = orthogonalize_blocks(blocks, group["ns_steps"], NS_DTYPES[group["ns_dtype"]], *self._ranks())
+        lr = group["lr"]
+        for p, _ in todo:
+            _local(p).mul_(1 - lr * group["weight_decay"])
+        for (i, start), ortho in zip(where, orthos):
+            p = todo[i][0]
+            param, first = _local(p), _first_local_row(p)
+            lo, hi = max(start, first), min(start + ortho.shape[0], first + param.shape[0])
             if lo < hi:  # this block overlaps this rank's rows
-                ortho = newton_schulz(full[start:start + rows], group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
-                scale = muon_scale_factor(rows, full.shape[1], group["muon_scale"])
+                scale = muon_scale_factor(ortho.shape[0], ortho.shape[1], group["muon_scale"])
                 param[lo - first:hi - first].add_(ortho[lo - start:hi - start], alpha=-lr * scale)
-            start += rows
 
     def _adamw_update(self, p, group):
         state = self.state[p]

@@ -473,3 +473,12 @@ def test_groups_real_model():
     model(idx, idx)[1].backward()
     opt.step()
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_batched_newton_schulz_equals_one_matrix_at_a_time():
+    g = torch.Generator().manual_seed(0)
+    blocks = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in
+              [(8, 4), (4, 8), (8, 4), (6, 6), (8, 4), (4, 8)]]
+    batched = optim.orthogonalize_blocks(blocks, 5, torch.float64)
+    for block, ortho in zip(blocks, batched):
+        torch.testing.assert_close(ortho, optim.newton_schulz(block, 5, torch.float64), rtol=0, atol=1e-12)
