@@ -4,7 +4,9 @@ Every entry point (train.py, sample.py, bench/) asks here, so a device or dtype 
 everywhere. Each decision comes back with its reason, for the start-up table: detected, never assumed.
 """
 
+import functools
 import sys
+import time
 from contextlib import nullcontext
 
 import torch
@@ -12,6 +14,9 @@ import torch
 from cli import UsageError
 
 DEVICES = ("auto", "cuda", "mps", "cpu")
+CPU_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+CPU_PROBE_SIZE = 1024
+CPU_BF16_MIN_SPEEDUP = 1.3
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 # Dense bf16 tensor-core peak per GPU, from the vendors' datasheets. MFU is always quoted
 # against this number (the llm.c / PaLM convention), whatever dtype the run uses.
@@ -42,12 +47,57 @@ def resolve_device(requested: str) -> tuple[torch.device, str]:
     return torch.device(requested), "requested"
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_bf16_speedup(size: int = CPU_PROBE_SIZE, repeats: int = 3) -> float:
+    """fp32 time over bf16 time of one size x size matmul on this CPU, best of `repeats` each (a ~0.2 s probe,
+    once per process): native bf16 instructions are only worth using if the GEMM library really uses them."""
+    def best(dtype):
+        a = torch.randn(size, size).to(dtype)
+        a @ a  # warm-up: thread pool, kernel selection
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            a @ a
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best(torch.float32) / best(torch.bfloat16)
+
+
+def cpu_bf16_decision(flags: set[str], speedup) -> tuple[torch.dtype | None, str]:
+    """--dtype auto on a CPU: bf16 autocast when the CPU has native bf16 (avx512_bf16 or AMX) and a probe
+    matmul confirms it is at least CPU_BF16_MIN_SPEEDUP x faster than fp32; speedup() runs that probe, only
+    when the flags allow. Pure apart from calling speedup."""
+    native = sorted(flags & CPU_BF16_FLAGS)
+    if not native:
+        return None, "fp32 (auto: this CPU has no native bf16: neither avx512_bf16 nor amx_bf16)"
+    measured = speedup()
+    found = f"CPU has {', '.join(native)}; a {CPU_PROBE_SIZE}x{CPU_PROBE_SIZE} bf16 matmul ran {measured:.1f}x fp32's rate"
+    if measured < CPU_BF16_MIN_SPEEDUP:
+        return None, f"fp32 (auto: {found}, under {CPU_BF16_MIN_SPEEDUP}x)"
+    return torch.bfloat16, f"bf16 autocast (auto: {found})"
+
+
 def resolve_dtype(requested: str, device: torch.device) -> tuple[torch.dtype | None, str]:
     """-> (autocast dtype, or None for plain fp32, reason)."""
     if requested == "auto":
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             cap = torch.cuda.get_device_capability()
             return torch.bfloat16, f"bf16 autocast (auto: CUDA sm{cap[0]}{cap[1]} supports bf16)"
+        if device.type == "cpu":
+            return cpu_bf16_decision(cpu_flags(), cpu_bf16_speedup)
         return None, f"fp32 (auto: {device.type} has no fast bf16 path we trust)"
     if requested == "bf16":
         if device.type == "cuda" and not torch.cuda.is_bf16_supported():

@@ -40,3 +40,24 @@ def test_no_tf32_really_runs_fp32_matmuls_on_cuda():
         errors[requested] = ((a @ a) - exact).abs().max().item()
     hardware.set_tf32(torch.device("cuda"), True)
     assert errors[False] < errors[True] / 10  # TF32 keeps 10 mantissa bits, fp32 23
+
+
+@pytest.mark.parametrize("flags, speedup, chosen, reason", [
+    ({"avx2"}, None, None, "fp32 (auto: this CPU has no native bf16"),
+    ({"avx512_bf16", "avx2"}, 2.5, torch.bfloat16, "bf16 autocast (auto: CPU has avx512_bf16; a 1024x1024 bf16 "
+                                                   "matmul ran 2.5x fp32's rate)"),
+    ({"amx_bf16"}, 1.1, None, "fp32 (auto: CPU has amx_bf16; a 1024x1024 bf16 matmul ran 1.1x fp32's rate, under"),
+])
+def test_cpu_picks_bf16_only_when_detected_and_measured_faster(flags, speedup, chosen, reason):
+    def probe():
+        assert speedup is not None, "probed a CPU without native bf16"
+        return speedup
+
+    dtype, line = hardware.cpu_bf16_decision(flags, probe)
+    assert dtype == chosen and line.startswith(reason)
+
+
+def test_the_cpu_decision_is_what_this_machine_detects():
+    dtype, reason = hardware.resolve_dtype("auto", torch.device("cpu"))
+    assert (dtype is torch.bfloat16) == reason.startswith("bf16") and "auto" in reason
+    assert hardware.resolve_dtype("fp32", torch.device("cpu"))[0] is None  # what determinism tests pin
