@@ -1,10 +1,12 @@
-"""Training throughput: tokens/s and MFU of train.py's own step, median over timed windows.
+"""Training throughput, and where the time goes: tokens/s and MFU of train.py's own step (median over timed
+windows), the split of the timed steps into data, forward, backward and optimizer, the peak memory, and the
+loss path's share of the activation bytes.
 
     python bench/throughput.py [--windows 5 --steps-per-window 5 --warmup-steps 3] [any train.py flags]
 
 Every train.py flag is accepted and means the same thing, so a row of this table is exactly what
 `python train.py` with those flags would run. Warm-up steps (compilation, allocator growth) are
-timed separately and excluded from the medians.
+timed separately and excluded from the medians and the split.
 """
 
 import argparse
@@ -20,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 import hardware  # noqa: E402
+import memory  # noqa: E402
 import train  # noqa: E402
 from cli import UsageError  # noqa: E402
 from data import DataError  # noqa: E402
@@ -41,6 +44,7 @@ def measure(run, windows, steps_per_window, warmup_steps):
         train.train_step(run)
     hardware.synchronize(run.device)
     warmup_s = time.perf_counter() - t0
+    run.telemetry.timer.collect()  # from here on the phase timer holds the timed steps only
     rates = []
     for _ in range(windows):
         hardware.synchronize(run.device)
@@ -50,6 +54,23 @@ def measure(run, windows, steps_per_window, warmup_steps):
         hardware.synchronize(run.device)
         rates.append(steps_per_window * run.layout.tokens_per_step / (time.perf_counter() - t0))
     return warmup_s, rates
+
+
+def phase_split(phases: dict[str, float]) -> str:
+    total = sum(phases.values())
+    return ", ".join(f"{name} {100 * seconds / total:.0f}%" for name, seconds in phases.items())
+
+
+def loss_share(run) -> str:
+    """The estimate (memory.py) of what one micro-batch's loss path (final norm, lm_head, cross-entropy)
+    saves for backward, against all the activations it saves."""
+    cfg, layout = run.model_cfg, run.layout
+    act = torch.finfo(run.autocast_dtype).bits // 8 if run.autocast_dtype is not None else memory.FP32
+    fused = run.device.type == "cuda"
+    head = layout.micro_batch * layout.seq_len * memory.head_bytes_per_token(cfg, act, fused)
+    total, _ = memory.activation_bytes(cfg, layout.micro_batch, layout.seq_len, run.cfg.speed.act_ckpt,
+                                       run.autocast_dtype, run.device.type)
+    return f"{head / 2**20:,.1f} MiB of {total / 2**20:,.1f} MiB per micro-batch ({100 * head / total:.0f}%)"
 
 
 def main(argv=None):
@@ -63,6 +84,7 @@ def main(argv=None):
             sys.exit(2)
         try:
             warmup_s, rates = measure(run, bench_args.windows, bench_args.steps_per_window, bench_args.warmup_steps)
+            phases = run.telemetry.timer.collect()
         finally:
             run.close()
 
@@ -82,6 +104,10 @@ def main(argv=None):
                                 f"of {bench_args.steps_per_window} steps"),
         ("model FLOPs/token", f"{flops / 1e6:,.1f} M"),
         ("MFU", mfu),
+        ("time split", phase_split(phases)),
+        ("peak memory", f"{hardware.peak_memory_gib(run.device):.2f} GiB "
+                        f"({'allocated by tensors' if run.device.type == 'cuda' else 'resident set of the process'})"),
+        ("loss path's activations", loss_share(run)),
     ]
     width = max(len(k) for k, _ in rows)
     print("| " + "metric".ljust(width) + " | value |")
