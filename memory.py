@@ -201,17 +201,23 @@ def mlp_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
 
 
 def head_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
-    """Token ids, targets, final norm, lm_head input, and the float32 log-softmax the loss saves."""
-    return 2 * INDEX + _norm_bytes(cfg.n_embd, fused_norm) + act * cfg.n_embd + FP32 * cfg.padded_vocab_size
+    """Token ids, final norm, and the float32 gradient of the lm_head input that model.linear_cross_entropy
+    computes in its forward and keeps (the logits themselves are never kept: see loss_head_bytes)."""
+    return INDEX + _norm_bytes(cfg.n_embd, fused_norm) + FP32 * cfg.n_embd
 
 
-def _weight_copies(cfg: ModelConfig, act: int) -> tuple[int, int, int]:
-    """Bytes of the 16-bit weight copies autocast makes and the GEMMs save: (attention, MLP, lm_head)."""
+def loss_head_bytes(cfg: ModelConfig) -> int:
+    """Per micro-batch, whatever its size: the float32 lm_head weight gradient the fused loss keeps."""
+    return FP32 * cfg.padded_vocab_size * cfg.n_embd
+
+
+def _weight_copies(cfg: ModelConfig, act: int) -> tuple[int, int]:
+    """Bytes of the 16-bit weight copies autocast makes and the block GEMMs save: (attention, MLP)."""
     if act == FP32:
-        return 0, 0, 0
+        return 0, 0
     D, hd, F = cfg.n_embd, cfg.resolved_head_dim, cfg.resolved_ffn_dim
     attn = act * ((cfg.n_head + 2 * cfg.n_kv_head) * hd * D + cfg.n_head * hd * D)
-    return attn, act * 3 * F * D, act * cfg.padded_vocab_size * D
+    return attn, act * 3 * F * D
 
 
 def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, act_ckpt: str,
@@ -225,8 +231,8 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, act_ckpt: 
     attn = tokens * attention_bytes_per_token(cfg, act, fused)
     mlp = tokens * mlp_bytes_per_token(cfg, act, fused)
     block_input = tokens * FP32 * cfg.n_embd  # what a checkpointed region keeps: its input
-    w_attn, w_mlp, w_head = _weight_copies(cfg, act)
-    head = tokens * head_bytes_per_token(cfg, act, fused) + w_head
+    w_attn, w_mlp = _weight_copies(cfg, act)
+    head = tokens * head_bytes_per_token(cfg, act, fused) + loss_head_bytes(cfg)
     full_block = attn + mlp + w_attn + w_mlp
     if act_ckpt == "none":
         return L * full_block + head, 0

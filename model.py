@@ -2,7 +2,9 @@
 
 Pre-norm RMSNorm, grouped-query attention with a fused QKV projection, per-head RMSNorm on q and k (QK-norm)
 before rotary embeddings (rotate-half convention), causal SDPA, a SwiGLU MLP with a fused [gate; up]
-projection, a final RMSNorm and an lm_head that may share the embedding matrix. No biases anywhere.
+projection, a final RMSNorm and an lm_head that may share the embedding matrix. No biases anywhere. Given
+targets, the lm_head and the cross-entropy run fused, chunk by chunk (linear_cross_entropy), so training never
+holds the full logits.
 
 The numerics match Hugging Face transformers' Qwen3ForCausalLM (tests/test_model.py checks the logits).
 
@@ -21,6 +23,15 @@ import torch.nn.functional as F
 VOCAB_MULTIPLE = 128
 FFN_MULTIPLE = 128
 INIT_STD = 0.02
+IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it add nothing to the loss or its count
+# Tokens per chunk of the fused lm_head + cross-entropy. At GPT-2's loss shape (16 x 1024 tokens, d=768,
+# V=50,304, bf16) the unfused loss holds bf16 logits (1.5 GiB), their fp32 copy (3.1 GiB), the saved fp32
+# log-softmax (3.1 GiB) and as much again for the gradients; a chunk of 1024 tokens holds at most its bf16
+# logits or gradient (98 MiB) beside their fp32 copy (196 MiB), plus the bf16 weight (74 MiB), one chunk's
+# weight gradient (74 MiB) and the fp32 gradients kept for backward (147 MiB for the weight, 48 MiB for the
+# hidden states): about 0.62 GiB, under 1/8 of the unfused forward's 7.7 GiB. Larger chunks buy little: the
+# [1024, d] x [d, V] GEMMs are already large.
+LOSS_CHUNK_TOKENS = 1024
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -150,6 +161,105 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
 
 
+def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype nn.Linear's matmul would run in on x: autocast's where it is on for x's device, else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_grad: bool):
+    """One chunk: x [C, D] and weight [V, D] in the GEMM dtype, targets [C].
+
+    -> (the summed float32 cross-entropy of its non-ignored tokens, and with_grad, the gradient of that sum
+    w.r.t. the logits, softmax minus one-hot, zero on ignored rows, in the GEMM dtype; else None).
+    The softmax is computed in the float32 logits' own storage: one [C, V] float32 buffer serves both.
+    """
+    logits = F.linear(x, weight).float()
+    lse = logits.logsumexp(dim=-1)
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, 0)[:, None]  # ignored rows gather column 0, then count for nothing
+    loss = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0).sum()
+    if not with_grad:
+        return loss, None
+    grad = logits.sub_(lse[:, None]).exp_()
+    grad.scatter_add_(1, safe, torch.full_like(lse[:, None], -1.0))
+    grad.masked_fill_(~valid[:, None], 0.0)
+    return loss, grad.to(x.dtype)
+
+
+def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                           with_grad: bool):
+    """x [N, D], weight [V, D], targets [N] -> (mean cross-entropy of F.linear(x, weight), and with_grad
+    its float32 gradients w.r.t. x and weight; else None, None), chunk tokens at a time.
+
+    Each chunk's gradient is its softmax minus one-hot, entries in [-1, 1], rounded to the GEMM dtype before
+    any scaling: under fp16 that is as safe as the reference's loss-scaled gradient, and one chunk's weight
+    GEMM sums at most `chunk` such rows. The 1/count of the mean is applied in float32 at the end.
+    """
+    dtype = _gemm_dtype(x)
+    w = weight.to(dtype)
+    count = (targets != IGNORE_INDEX).sum()
+    loss = torch.zeros((), dtype=torch.float32, device=x.device)
+    grad_x = torch.empty(x.shape, dtype=torch.float32, device=x.device) if with_grad else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grad else None
+    for start in range(0, x.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        x_chunk = x[rows].to(dtype)
+        chunk_loss, grad_logits = _chunk_loss_and_grad(x_chunk, w, targets[rows], with_grad)
+        loss = loss + chunk_loss
+        if with_grad:
+            grad_x[rows] = grad_logits @ w
+            grad_w += grad_logits.t() @ x_chunk
+    if not with_grad:
+        return loss / count, None, None
+    return loss / count, grad_x.div_(count), grad_w.div_(count)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of F.linear(x, weight) whose backward needs neither x nor weight: the forward
+    computes both gradients as it goes, and the backward scales them by grad_output.
+
+    Why this design rather than recomputing each chunk's logits in backward: the head keeps its three
+    GEMMs (logits, grad x, grad weight), where recomputing would add a fourth, a third more of the head's
+    FLOPs (about 10% of a GPT-2-small step); what it keeps for backward, the float32 gradients ([N, D] and
+    [V, D]), is small next to [N, V]; and the backward has no GEMM to run, so no autocast state to restore
+    and no weight to hold or re-gather. The price: the gradient work is done even if no backward follows,
+    which is why linear_cross_entropy only calls this when autograd will want it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, chunk):
+        loss, grad_x, grad_w = _chunked_loss_and_grads(x, weight, targets, chunk, with_grad=True)
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.dtypes = x.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_x, grad_w = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        # Out of place: the saved gradients must survive a backward with retain_graph=True.
+        return (grad_x * grad_loss).to(x_dtype), (grad_w * grad_loss).to(w_dtype), None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
+    """F.cross_entropy(F.linear(x, weight).float(), targets) without ever holding all the logits.
+
+    x [..., D], weight [V, D], targets [...] (x's leading dims). The same mean float32 cross-entropy
+    (log-softmax over all V columns; targets equal to IGNORE_INDEX left out of the sum and the count) and the
+    same gradients w.r.t. x and weight, computed `chunk` tokens at a time, so the [N, V] logits, their
+    float32 copy and their gradient never exist at once. The GEMMs run in the dtype nn.Linear's would
+    (autocast's, when on). Without autograd (torch.no_grad, or nothing requiring grad) no gradient is
+    computed.
+    """
+    x, targets = x.flatten(0, -2), targets.flatten()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(x, weight, targets, chunk)
+    return _chunked_loss_and_grads(x, weight, targets, chunk, with_grad=False)[0]
+
+
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm (same parameter, same state dict) through rms_norm()."""
 
@@ -245,6 +355,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    loss_chunk_tokens = LOSS_CHUNK_TOKENS  # tokens per chunk of the fused lm_head + loss (linear_cross_entropy)
+
     def __init__(self, config: ModelConfig, block: type[Block] = Block):
         """block: the class of every transformer block; a subclass of Block with the same parameter names
         (fp8.TEBlock builds them from Transformer Engine modules). The embedding, final norm and lm_head are
@@ -288,12 +400,15 @@ class GPT(nn.Module):
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """idx [B, T] -> logits [B, T, padded_vocab_size], and the mean float32 cross-entropy if targets given.
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """idx [B, T] -> (logits [B, T, padded_vocab_size], None), or with targets [B, T] (None, the mean
+        float32 cross-entropy).
 
-        The padding columns are ordinary logits. No target ever names them, so training only pushes them
-        down and they take a vanishing share of the softmax; samplers should still slice to vocab_size.
-        Targets equal to -100 are ignored (F.cross_entropy's default).
+        With targets the logits are never materialised: linear_cross_entropy fuses the lm_head with the loss,
+        chunk by chunk, so at GPT-2's vocabulary the step does not hold gigabytes of logits. Call without
+        targets for logits. The padding columns are ordinary logits. No target ever names them, so training
+        only pushes them down and they take a vanishing share of the softmax; samplers should still slice to
+        vocab_size. Targets equal to -100 are ignored (F.cross_entropy's default).
         With a cache (inference), idx holds the positions cache.pos.. and the cache advances past them.
         """
         T = idx.shape[1]
@@ -308,11 +423,10 @@ class GPT(nn.Module):
             x = block(x, cos, sin) if cache is None else block(x, cos, sin, (cache.k[i], cache.v[i]), start)
         if cache is not None:
             cache.pos += T
-        logits = self.lm_head(self.norm(x))
+        x = self.norm(x)
         if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        return logits, loss
+            return self.lm_head(x), None
+        return None, linear_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunk_tokens)
 
     def row_blocks(self) -> dict[str, list[int]]:
         """Row split of each fused weight, by parameter name: qkv into [Q, K, V], fc1 into [gate, up]."""

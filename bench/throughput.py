@@ -67,7 +67,8 @@ def loss_share(run) -> str:
     cfg, layout = run.model_cfg, run.layout
     act = torch.finfo(run.autocast_dtype).bits // 8 if run.autocast_dtype is not None else memory.FP32
     fused = run.device.type == "cuda"
-    head = layout.micro_batch * layout.seq_len * memory.head_bytes_per_token(cfg, act, fused)
+    head = (layout.micro_batch * layout.seq_len * memory.head_bytes_per_token(cfg, act, fused)
+            + memory.loss_head_bytes(cfg))
     total, _ = memory.activation_bytes(cfg, layout.micro_batch, layout.seq_len, run.cfg.speed.act_ckpt,
                                        run.autocast_dtype, run.device.type)
     return f"{head / 2**20:,.1f} MiB of {total / 2**20:,.1f} MiB per micro-batch ({100 * head / total:.0f}%)"

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, ModelConfig, flops_per_token
+import model as model_module
+from model import GPT, ModelConfig, flops_per_token, linear_cross_entropy
 
 # GQA with 4 query heads per kv head, a head_dim that is not n_embd // n_head, a vocab that needs padding
 # and a small rope_theta so that the rotation is far from the identity over a short sequence.
@@ -195,18 +196,130 @@ def test_row_blocks_split_fused_weights():
     assert blocks["blocks.0.mlp.fc1_weight"] == [96, 96]
 
 
-def test_loss_is_float32_cross_entropy_under_autocast():
-    model = tiny_model()
-    idx = torch.randint(0, 200, (2, 16))
-    targets = torch.randint(0, 200, (2, 16))
-    logits, loss = model(idx, targets)
-    assert logits.shape == (2, 16, 256)
-    torch.testing.assert_close(loss, F.cross_entropy(logits.view(-1, 256), targets.view(-1)))
-    assert model(idx)[1] is None
+# ----------------------------------------------------------------------------- the fused lm_head + loss
+
+
+def targets_with_ignored(shape=(2, 32), vocab=200, seed=1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    targets = torch.randint(0, vocab, shape, generator=g)
+    targets[0, :5] = -100
+    targets[-1, ::3] = -100
+    return targets
+
+
+def reference_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The unfused loss: the full logits of the no-targets path, then F.cross_entropy in float32."""
+    logits, _ = model(idx)
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+def loss_and_grads(model: GPT, loss_fn) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn()
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_close_relative(actual: torch.Tensor, expected: torch.Tensor, tol: float, name: str = ""):
+    """Max error within tol of the expected tensor's largest entry: bf16 rounds every entry relative to its
+    own size, so small entries of a gradient carry large relative errors however good the whole is."""
+    err = (actual - expected).abs().max() / expected.abs().max()
+    assert err < tol, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 100])  # one token, a non-divisor of the 33 tokens, all in one chunk
+def test_linear_cross_entropy_matches_f_cross_entropy(chunk):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 11, 16, generator=g).requires_grad_()
+    weight = (0.5 * torch.randn(64, 16, generator=g)).requires_grad_()
+    targets = targets_with_ignored((3, 11), vocab=64)
+    loss = linear_cross_entropy(x, weight, targets, chunk)
+    (2.5 * loss).backward()  # a grad_output other than 1
+    grads = x.grad, weight.grad
+    x.grad = weight.grad = None
+    expected = F.cross_entropy(F.linear(x, weight).float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+    (2.5 * expected).backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grads[0], x.grad)
+    torch.testing.assert_close(grads[1], weight.grad)
+
+
+def test_linear_cross_entropy_backward_can_run_twice():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 8, generator=g).requires_grad_()
+    weight = torch.randn(32, 8, generator=g).requires_grad_()
+    loss = linear_cross_entropy(x, weight, torch.randint(0, 32, (9,), generator=g), chunk=4)
+    loss.backward(retain_graph=True)
+    first = x.grad.clone(), weight.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(x.grad, 2 * first[0])
+    torch.testing.assert_close(weight.grad, 2 * first[1])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fused_loss_and_gradients_match_the_unfused_reference(tied):
+    model = tiny_model(tie_embeddings=tied)
+    model.loss_chunk_tokens = 7  # 64 tokens: nine chunks of 7 and one of 1
+    idx, targets = torch.randint(0, 200, (2, 32)), targets_with_ignored()
+    expected, expected_grads = loss_and_grads(model, lambda: reference_loss(model, idx, targets))
+    assert model(idx, targets)[0] is None  # the logits are never materialised
+    loss, grads = loss_and_grads(model, lambda: model(idx, targets)[1])
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_fused_loss_under_bf16_autocast_matches_the_unfused_bf16_reference(tied):
+    model = tiny_model(tie_embeddings=tied)
+    model.loss_chunk_tokens = 7
+    idx, targets = torch.randint(0, 200, (2, 32)), targets_with_ignored()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits_bf16, loss_bf16 = model(idx, targets)
-    assert logits_bf16.dtype == torch.bfloat16 and loss_bf16.dtype == torch.float32
-    assert abs(loss_bf16.item() - loss.item()) < 0.05
+        expected, expected_grads = loss_and_grads(model, lambda: reference_loss(model, idx, targets))
+        loss, grads = loss_and_grads(model, lambda: model(idx, targets)[1])
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
+    for name, grad in grads.items():
+        assert grad.dtype == torch.float32, name
+        assert_close_relative(grad, expected_grads[name], 3e-2, name)
+    assert abs(loss.item() - model(idx, targets)[1].item()) < 0.05  # and near the fp32 loss
+
+
+def test_no_grad_loss_computes_no_gradients(monkeypatch):
+    model = tiny_model().eval()
+    model.loss_chunk_tokens = 7
+    idx, targets = torch.randint(0, 200, (2, 32)), targets_with_ignored()
+    with_grad = []
+    chunk_loss = model_module._chunk_loss_and_grad
+
+    def spy(x, weight, chunk_targets, grad):
+        with_grad.append(grad)
+        return chunk_loss(x, weight, chunk_targets, grad)
+
+    monkeypatch.setattr(model_module, "_chunk_loss_and_grad", spy)
+    with torch.no_grad():
+        logits, loss = model(idx, targets)
+        expected = reference_loss(model, idx, targets)
+    assert logits is None and loss.grad_fn is None
+    assert with_grad == [False] * 10
+    torch.testing.assert_close(loss, expected)
+    assert model(idx)[1] is None
+    model(idx, targets)[1].backward()
+    assert with_grad[10:] == [True] * 10
+
+
+@pytest.mark.slow
+def test_fused_loss_compiles_in_one_graph():
+    model = tiny_model(n_layer=1)
+    model.loss_chunk_tokens = 7
+    idx, targets = torch.randint(0, 200, (2, 32)), targets_with_ignored()
+    expected, expected_grads = loss_and_grads(model, lambda: reference_loss(model, idx, targets))
+    compiled = torch.compile(model, fullgraph=True)  # fullgraph: a graph break is an error
+    loss, grads = loss_and_grads(model, lambda: compiled(idx, targets)[1])
+    torch.testing.assert_close(loss, expected)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_rejects_sequence_longer_than_max_seq_len():
