@@ -9,10 +9,10 @@ Each document is preceded by the end-of-text token, as in llm.c and modded-nanog
     python data.py --input corpus.txt --out data/mine          # then: python train.py --data data/mine
 """
 
+import collections
 import functools
 import glob
 import hashlib
-import itertools
 import json
 import os
 import platform
@@ -27,6 +27,7 @@ import tarfile
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import tiktoken
@@ -226,7 +227,8 @@ SNIFF_BYTES = 8192  # the start of a file that decides whether it is text
 # Signatures of compressed formats. No text file starts with one, and their bytes would tokenize as noise.
 COMPRESSED = {"gzip": rb"\x1f\x8b", "bzip2": rb"BZh[1-9]1AY&SY", "xz": rb"\xfd7zXZ\x00", "zstd": rb"\x28\xb5\x2f\xfd",
               "zip": rb"PK\x03\x04"}
-ENCODE_CHARS_PER_THREAD = 4 << 20  # characters handed to each tokenizer thread per batch
+ENCODE_CHARS_PER_THREAD = 4 << 20  # characters read but not yet taken back encoded, per tokenizer thread
+ENCODE_BATCH_CHARS = 1 << 16  # characters a tokenizer thread encodes as one task: small, so threads end together
 HF_PREFIX = "hf:"
 
 
@@ -262,6 +264,8 @@ def _text_pieces(path: str):
         while chunk := f.read(TEXT_CHUNK_CHARS):
             replacements += chunk.count("\ufffd")
             rest += chunk
+            if len(chunk) < TEXT_CHUNK_CHARS:
+                break  # a text read returns fewer characters only at the end of the file: the last piece
             cut = _safe_cut(rest, start=max(len(rest) - len(chunk) - 1, 0))  # the older part has no cut
             if cut:
                 yield rest[:cut], starts
@@ -383,40 +387,78 @@ def _source_pieces(source):
 # Tokenizing into shards
 
 
-def _encode(pieces, enc: tiktoken.Encoding):
-    """(tokens, documents) per batch of pieces: the EOT token before each document, all cores encoding."""
-    threads = os.cpu_count() or 1
-    dtype = TOKEN_DTYPES[shard_version(enc.n_vocab)]
+def _ids(enc: tiktoken.Encoding, text: str) -> np.ndarray:
+    """enc.encode_ordinary(text) as uint32, straight from tiktoken's buffer (tiktoken >= 0.9): no Python int
+    per token, which costs about a tenth of the encoding itself, with the GIL held."""
+    try:
+        return enc.encode_to_numpy(text, disallowed_special=())
+    except UnicodeEncodeError:  # lone surrogates (JSON escapes can make them): replaced as encode_ordinary does
+        return enc.encode_to_numpy(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"),
+                                   disallowed_special=())
 
-    def encode(batch):
-        ids = enc.encode_ordinary_batch([text for text, _ in batch], num_threads=threads)
-        parts = []
-        for (_, starts), piece_ids in zip(batch, ids):
-            if starts:
-                parts.append((enc.eot_token,))
-            parts.append(piece_ids)
-        tokens = np.fromiter(itertools.chain.from_iterable(parts), dtype=dtype)
-        return tokens, sum(starts for _, starts in batch)
 
-    batch, chars = [], 0
+def _tokens(enc: tiktoken.Encoding, batch: list, dtype: np.dtype) -> np.ndarray:
+    """The tokens of a batch of (text, starts_a_document) pieces in the shard dtype, the EOT token before each
+    document. Runs in a tokenizer thread; numpy copies once, and casts on the way (ids fit the dtype)."""
+    eot = np.array([enc.eot_token], dtype=np.uint32)
+    parts = []
+    for text, starts in batch:
+        if starts:
+            parts.append(eot)
+        parts.append(_ids(enc, text))
+    return np.concatenate(parts, dtype=dtype, casting="unsafe")
+
+
+def _batches(pieces, chars: int):
+    """Consecutive pieces grouped into lists of about `chars` characters (a piece is never split); empty
+    documents are dropped, as they would add only a lone EOT."""
+    batch, n = [], 0
     for text, starts in pieces:
         if not text and starts:
-            continue  # an empty document would add only a lone EOT
+            continue
         batch.append((text, starts))
-        chars += len(text)
-        if chars >= threads * ENCODE_CHARS_PER_THREAD:
-            yield encode(batch)
-            batch, chars = [], 0
+        n += len(text)
+        if n >= chars:
+            yield batch
+            batch, n = [], 0
     if batch:
-        yield encode(batch)
+        yield batch
+
+
+def _encode(pieces, enc: tiktoken.Encoding):
+    """(tokens, documents) per batch of pieces, in order, all cores encoding while this thread reads ahead.
+
+    Small batches go to a pool of tokenizer threads (tiktoken releases the GIL while it encodes), with up to
+    ENCODE_CHARS_PER_THREAD characters per thread in flight: reading the next pieces and whatever the caller
+    does with a result (writing a shard) overlap with encoding, the threads finish together rather than
+    waiting on the longest text of a large batch, and memory stays bounded."""
+    threads = os.cpu_count() or 1
+    dtype = TOKEN_DTYPES[shard_version(enc.n_vocab)]
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenizer")
+    in_flight, chars = collections.deque(), 0  # (future, documents, characters) in submission order
+    try:
+        for batch in _batches(pieces, ENCODE_BATCH_CHARS):
+            n = sum(len(text) for text, _ in batch)
+            in_flight.append((pool.submit(_tokens, enc, batch, dtype), sum(starts for _, starts in batch), n))
+            chars += n
+            while chars > threads * ENCODE_CHARS_PER_THREAD:
+                future, documents, n = in_flight.popleft()
+                chars -= n
+                yield future.result(), documents
+        for future, documents, _ in in_flight:
+            yield future.result(), documents
+    finally:  # also on an error or a stop: no thread outlives the call
+        pool.shutdown(cancel_futures=True)
 
 
 def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_tokens: int, desc: str) -> dict:
-    """Tokenize pieces into out_dir: the first val_tokens tokens to val_000000.bin, the rest to train_*.bin."""
+    """Tokenize pieces into out_dir: the first val_tokens tokens to val_000000.bin, the rest to train_*.bin.
+    A shard is written (and fsync'ed) by a writer thread while the next one is being encoded, one at a time."""
     t0 = time.time()
     pending, n_pending = [], 0
     counts = {"val": [], "train": []}  # tokens per shard written
     documents = 0
+    writer, writing = ThreadPoolExecutor(1, thread_name_prefix="shard-writer"), None
 
     def split_and_size():
         if val_tokens and not counts["val"]:
@@ -424,30 +466,39 @@ def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_
         return "train", shard_tokens
 
     def write(split, n):
-        nonlocal pending, n_pending
+        nonlocal pending, n_pending, writing
+        if writing is not None:
+            writing.result()  # the previous shard is on disk (or its error is raised here), its memory free
         buf = np.concatenate(pending)
-        write_shard(os.path.join(out_dir, f"{split}_{len(counts[split]):06d}.bin"), buf[:n], enc.n_vocab)
+        path = os.path.join(out_dir, f"{split}_{len(counts[split]):06d}.bin")
+        writing = writer.submit(write_shard, path, buf[:n], enc.n_vocab)
         counts[split].append(n)
         pending, n_pending = [buf[n:]], len(buf) - n
 
     progress = Progress(None, desc, unit="tok", unit_scale=True)
-    for tokens, docs in _encode(pieces, enc):
-        documents += docs
-        pending.append(tokens)
-        n_pending += len(tokens)
-        progress.update(len(tokens))
-        while n_pending >= split_and_size()[1]:
-            write(*split_and_size())
-    progress.close()
-    if documents == 0:
-        raise DataError(f"no documents found in {desc}")
-    split, _ = split_and_size()
-    if split == "val" or (n_pending == 0 and not counts["train"]):
-        total = n_pending + sum(counts["val"])
-        raise DataError(f"{desc} has only {total:,} tokens, not more than --val-tokens {val_tokens:,}; "
-                        f"lower --val-tokens")
-    if n_pending:
-        write("train", n_pending)
+    encoded = _encode(pieces, enc)
+    try:
+        for tokens, docs in encoded:
+            documents += docs
+            pending.append(tokens)
+            n_pending += len(tokens)
+            progress.update(len(tokens))
+            while n_pending >= split_and_size()[1]:
+                write(*split_and_size())
+        progress.close()
+        if documents == 0:
+            raise DataError(f"no documents found in {desc}")
+        split, _ = split_and_size()
+        if split == "val" or (n_pending == 0 and not counts["train"]):
+            total = n_pending + sum(counts["val"])
+            raise DataError(f"{desc} has only {total:,} tokens, not more than --val-tokens {val_tokens:,}; "
+                            f"lower --val-tokens")
+        if n_pending:
+            write("train", n_pending)
+        writing.result()
+    finally:  # no thread is left encoding or writing, even after an error (callers may delete out_dir)
+        encoded.close()
+        writer.shutdown()
     stats = {"documents": documents, "tokens": sum(counts["val"]) + sum(counts["train"]),
              "val_tokens": sum(counts["val"]), "train_tokens": sum(counts["train"]),
              "train_shards": len(counts["train"]), "seconds": round(time.time() - t0, 3)}

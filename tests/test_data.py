@@ -6,6 +6,7 @@ import random
 import struct
 import subprocess
 import sys
+import threading
 import types
 
 import numpy as np
@@ -208,6 +209,13 @@ def test_text_pieces_keep_every_tiktoken_pre_tokenization(tmp_path, monkeypatch)
             assert regex.findall(pattern, text) == [t for p in pieces for t in regex.findall(pattern, p)], name
 
 
+def test_a_text_file_within_one_read_is_one_piece(tmp_path):
+    # Cutting costs a backwards scan for a safe newline; a file that the first read takes whole needs none.
+    text = "def f():\n    return 1\n\nx = f()\n" * 50
+    (tmp_path / "m.py").write_text(text)
+    assert list(data._text_pieces(str(tmp_path / "m.py"))) == [(text, True)]
+
+
 def test_prepare_directory_recursive_and_glob(gpt2, tmp_path):
     src = tmp_path / "src"
     (src / "b").mkdir(parents=True)
@@ -295,6 +303,60 @@ def test_invalid_utf8_is_replaced_with_one_warning_per_file(gpt2, tmp_path, monk
     _check(gpt2[0], tmp_path / "out", [(raw * 3).decode(errors="replace"), DOCS[0]])
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert warnings == [f"warning: {tmp_path / 'src' / 'a.txt'}: 12 invalid UTF-8 sequences replaced with U+FFFD"]
+
+
+def _reference_shards(enc, docs, shard_tokens, val_tokens):
+    """The shard files prepare must write, made the plain way: encode_ordinary per document, the EOT token
+    before each non-empty one, the first val_tokens tokens to val, the rest in train shards of shard_tokens."""
+    tokens = np.array([t for doc in docs if doc for t in [EOT] + enc.encode_ordinary(doc)], dtype="<u2")
+    splits = {"val_000000.bin": tokens[:val_tokens]}
+    for i, start in enumerate(range(val_tokens, len(tokens), shard_tokens)):
+        splits[f"train_{i:06d}.bin"] = tokens[start:start + shard_tokens]
+    return {name: struct.pack("<256i", 20240520, 1, len(t), *[0] * 253) + t.tobytes() for name, t in splits.items()}
+
+
+@pytest.mark.parametrize("batch_chars, chars_in_flight", [(40, 100), (None, None)])
+def test_prepare_shards_are_byte_identical_to_a_plain_reference(gpt2, tmp_path, monkeypatch, batch_chars,
+                                                                 chars_in_flight):
+    # Pipelined encoding (small batches, many in flight, written by another thread) changes nothing on disk.
+    rng = random.Random(1)
+    words = ["the", " cat", "Über", "日本語", "\n", "  ", "\t", "'s", "42", ".", "<|endoftext|>", "\ud800", "é"]
+    docs = ["".join(rng.choice(words) for _ in range(rng.randrange(0, 300))) for _ in range(60)]  # JSON: surrogates
+    docs[5] = ""  # an empty document: skipped
+    book = "".join(rng.choice(["word", " ", "\n", ".\n", "x\ny", "ü"]) for _ in range(5000))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "src" / "b.txt").write_text(book, encoding="utf-8")
+    monkeypatch.setattr(data, "TEXT_CHUNK_CHARS", 64)  # the book in many pieces
+    if batch_chars:
+        monkeypatch.setattr(data, "ENCODE_BATCH_CHARS", batch_chars)
+        monkeypatch.setattr(data, "ENCODE_CHARS_PER_THREAD", chars_in_flight)
+    data.prepare(tmp_path / "src", tmp_path / "out", shard_tokens=997, val_tokens=300)
+    written = {p.name: p.read_bytes() for p in (tmp_path / "out").glob("*.bin")}
+    expected = _reference_shards(gpt2[0], docs + [book], shard_tokens=997, val_tokens=300)
+    assert len(expected) > 5 and written == expected
+
+
+@pytest.mark.parametrize("failing", ["reader", "writer"])
+def test_prepare_error_midway_leaves_no_thread_running(gpt2, tmp_path, monkeypatch, failing):
+    # default_corpus deletes its directory after an error: nothing may still be encoding or writing into it.
+    lines = [json.dumps({"text": DOCS[0] * 5})] * 200 + ['{"body": "no text"}']
+    (tmp_path / "doc.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(data, "ENCODE_BATCH_CHARS", 100)
+    monkeypatch.setattr(data, "ENCODE_CHARS_PER_THREAD", 200)
+    written, real_write_shard = [], data.write_shard
+
+    def write_shard(path, tokens, vocab_size):
+        if failing == "writer" and len(written) == 10:
+            raise DataError("disk full")
+        written.append(path)
+        real_write_shard(path, tokens, vocab_size)
+
+    monkeypatch.setattr(data, "write_shard", write_shard)
+    with pytest.raises(DataError, match="doc.jsonl:201" if failing == "reader" else "disk full"):
+        data.prepare(tmp_path / "doc.jsonl", tmp_path / "out", shard_tokens=100, val_tokens=10)
+    assert len(written) >= 10  # shards were being written when it failed
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("tokenizer", "shard-writer"))]
 
 
 def test_count_in_file_across_blocks(tmp_path):
