@@ -33,6 +33,7 @@ RNG states, the step, the model config and the run's whole config, and the fault
 import argparse
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -275,18 +276,20 @@ class _SafeReader(FileSystemReader):
 
 
 class _WeightsOnlyBytes:
-    """A DCP load-planner mixin: a non-tensor entry (DCP unpickles those with weights_only=False) must load
-    with weights_only=True first; the same bytes then unpickle to the same plain data either way."""
+    """A DCP load-planner mixin: a non-tensor entry (DCP unpickles those with weights_only=False) is loaded
+    with weights_only=True here, and DCP is handed that plain data saved anew, never the file's own bytes."""
 
     def load_bytes(self, read_item, value):
         try:
-            torch.load(value, weights_only=True)
+            data = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
             detail = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line), "")
             raise pickle.UnpicklingError(f"entry {read_item.dest_index.fqn} is not plain data and could run code "
                                          f"when loaded; refused. {detail}".strip()) from None
-        value.seek(0)
-        super().load_bytes(read_item, value)
+        clean = io.BytesIO()
+        torch.save(data, clean)
+        clean.seek(0)
+        super().load_bytes(read_item, clean)
 
 
 class _SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):

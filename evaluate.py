@@ -9,6 +9,7 @@ cadence the Evaluator decides itself.
 import torch
 
 import distributed
+import hardware
 from cli import UsageError
 from data import ShardLoader, get_tokenizer
 from progress import Progress
@@ -65,9 +66,12 @@ class Evaluator:
         loader.close()
         return distributed.mean_across_ranks(total / n_batches, self.info).item()
 
-    def sample(self, model: torch.nn.Module) -> str | None:
+    def sample(self, model: torch.nn.Module, autocast_dtype: torch.dtype | None = None) -> str | None:
         """A sample of --sample-tokens after --sample-prompt, or None when sampling is off. Call it on every
-        rank: under FSDP2 each forward is a collective."""
+        rank: under FSDP2 each forward is a collective. It runs under the training's autocast: FSDP2's blocks
+        hold 16-bit weights while the residual stream is float32."""
         if not self.cfg.sample_tokens:
             return None
-        return sample_text(model, get_tokenizer(), self.cfg.sample_prompt, self.cfg.sample_tokens, seed=self.seed)
+        with hardware.autocast(self.device, autocast_dtype):
+            return sample_text(model, get_tokenizer(), self.cfg.sample_prompt, self.cfg.sample_tokens,
+                               seed=self.seed)

@@ -387,6 +387,10 @@ def auto_batch_size(model: nn.Module, per_rank: int, multiple: int, reserve: int
     the other ranks. Ranks agree on the smallest answer.
     """
     seq_len = model.config.max_seq_len
+    if per_rank < multiple:
+        raise UsageError(f"--batch-size auto: FP8 needs micro-batches of a multiple of {multiple} sequences of "
+                         f"{seq_len} tokens, more than the {per_rank} each rank trains on per step; raise "
+                         "--total-batch-tokens")
 
     def probe(size):
         placeholder = torch.empty(reserve, dtype=torch.uint8, device=device)

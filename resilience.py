@@ -142,18 +142,25 @@ class Guard:
                                  f"{self.cfg.max_rollbacks}): the run diverges; restart it with a lower --lr")
         return True
 
+    def unfinished_streak(self) -> str | None:
+        """What to tell the user when the run ends inside a streak of non-finite steps (no final checkpoint)."""
+        if self.may_checkpoint():
+            return None
+        return (f"the run ended inside a streak of {self.health.bad_in_a_row} non-finite steps; no final "
+                "checkpoint was written (the newest one is from before the streak)")
+
     def rolled_back(self, meta: dict) -> None:
         """Take the restored checkpoint's health and early stopping, with the LR scaled down once more."""
-        scale, rollbacks = self.lr_scale * self.cfg.rollback_lr_factor, self.rollbacks + 1
+        scale = self.lr_scale * self.cfg.rollback_lr_factor
         self.load_state_dict(meta)
-        self.lr_scale, self.rollbacks = scale, rollbacks
+        self.lr_scale = scale
+        self.rollbacks += 1  # counted per process: a restart (with a lower --lr, say) gets its own
 
     def state_dict(self) -> dict:
-        return {"lr_scale": self.lr_scale, "rollbacks": self.rollbacks, "health": self.health.state_dict(),
+        return {"lr_scale": self.lr_scale, "health": self.health.state_dict(),
                 "early_stop": self.early_stop.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.lr_scale = state["lr_scale"]
-        self.rollbacks = state.get("rollbacks", 0)  # checkpoints from before --max-rollbacks
         self.health.load_state_dict(state["health"])
         self.early_stop.load_state_dict(state["early_stop"])

@@ -11,7 +11,9 @@ user says what to do: --resume continues it, --overwrite removes it first, --res
 it has a checkpoint and starts fresh otherwise (what a restart script or a cluster scheduler wants).
 """
 
+import errno
 import os
+import sys
 
 from checkpoint import best_path, list_checkpoints, remove
 from cli import UsageError
@@ -34,7 +36,11 @@ class RunLock:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # a filesystem without flock (some NFS, Lustre)
+                print(f"warning: --out-dir {out_dir} cannot be locked ({e.strerror}); make sure no other run "
+                      "writes to it", file=sys.stderr)
+                return
             holder = os.read(self.fd, 32).decode(errors="replace").strip() or "unknown"
             os.close(self.fd)
             raise UsageError(f"--out-dir {out_dir} is in use by another run (pid {holder}); wait for it to end "
@@ -80,9 +86,9 @@ def remove_outputs(outputs: list[str]) -> None:
         remove(path)
 
 
-def claim(ckpt_cfg) -> tuple[RunLock, bool]:
-    """Create and lock --out-dir, decide fresh or resume, clear it under --overwrite -> (lock, resume).
-    ckpt_cfg: config.CheckpointConfig."""
+def claim(ckpt_cfg) -> tuple[RunLock, bool, list[str]]:
+    """Create and lock --out-dir, decide fresh or resume -> (lock, resume, what --overwrite replaces: the
+    caller removes it once the run has passed its start-up checks). ckpt_cfg: config.CheckpointConfig."""
     out_dir = ckpt_cfg.out_dir
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -97,6 +103,4 @@ def claim(ckpt_cfg) -> tuple[RunLock, bool]:
     except UsageError:
         lock.release()
         raise
-    if not resume and ckpt_cfg.overwrite:
-        remove_outputs(outputs)
-    return lock, resume
+    return lock, resume, outputs if not resume and ckpt_cfg.overwrite else []

@@ -34,7 +34,7 @@ from export import load_hf
 from model import ModelConfig, flops_per_token
 from optim import build_optimizer, describe_param_groups, lr_multiplier, set_lr
 from resilience import Guard, StopSignals, TrainingHalted, stop_at_once_during_startup
-from rundir import RunLock, claim
+from rundir import RunLock, claim, remove_outputs
 from telemetry import Telemetry, message, print_table, start_wandb
 
 
@@ -110,27 +110,28 @@ def build_layout(cfg: Config, model, info, device, autocast_dtype, fp8_recipe) -
     return config.batch_layout(cfg, info.world_size, micro)
 
 
-def prepare_outputs(cfg: Config, info) -> tuple[str, bool, RunLock | None]:
-    """Claim --out-dir on rank 0 (rundir.claim: the lock, fresh or resume, --overwrite) -> (the data directory,
-    whether to resume, the lock). Rank 0 tokenizes the default corpus once; the other ranks find it cached.
-    Every rank gets rank 0's answers, or its error."""
-    answer, lock = None, None
+def prepare_outputs(cfg: Config, info) -> tuple[str, bool, RunLock | None, list[str]]:
+    """Claim --out-dir on rank 0 (rundir.claim: the lock, fresh or resume) -> (the data directory, whether to
+    resume, the lock, what --overwrite will replace). Rank 0 tokenizes the default corpus once; the other
+    ranks find it cached. Every rank gets rank 0's answers or its error, so none waits on a rank that failed."""
+    answer, lock, replaced, failure = None, None, [], None
     if info.is_main:
         try:
-            lock, resume = claim(cfg.ckpt)
+            lock, resume, replaced = claim(cfg.ckpt)
             answer = (cfg.data.data or default_corpus(), resume)
-        except (UsageError, DataError) as e:
-            answer = e
+        except Exception as e:  # a bug keeps its traceback on rank 0; the other ranks get one line
+            failure, answer = e, e if isinstance(e, (UsageError, DataError)) else UsageError(f"rank 0: {e!r}")
+            if lock is not None:
+                lock.release()
     answer = distributed.broadcast_object(answer, info)
     if isinstance(answer, Exception):
-        raise answer
-    return (*answer, lock)
+        raise failure or answer
+    return (*answer, lock, replaced)
 
 
 def setup(cfg: Config) -> Run:
     """Build and check everything; every user mistake surfaces here, before the first step."""
-    problem = distributed.check_launch(cfg.dist.dist)
-    if problem:
+    if problem := distributed.check_launch(cfg.dist.dist):
         raise UsageError(problem)
     device, device_reason = hardware.resolve_device(cfg.speed.device)
     autocast_dtype, dtype_reason = hardware.resolve_dtype(cfg.speed.dtype, device)
@@ -139,16 +140,20 @@ def setup(cfg: Config) -> Run:
         raise UsageError("--batch-size auto needs CUDA: it searches by catching CUDA out-of-memory errors")
     fp8_recipe = fp8.prepare(cfg.fp8, cfg.model, None if auto_batch else cfg.data.batch_size, device, autocast_dtype)
     info = distributed.init(cfg.dist.dist, device.type)
+    # A CPU's auto dtype comes from a timing probe, which ranks sharing a host could answer differently.
+    autocast_dtype, dtype_reason = distributed.broadcast_object((autocast_dtype, dtype_reason), info)
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank if info.mode != "none" else torch.cuda.current_device())
     reasons = {"device": device_reason, "dtype": dtype_reason, "tf32": hardware.set_tf32(device, cfg.speed.tf32)}
-    data_dir, resume, lock = prepare_outputs(cfg, info)
+    data_dir, resume, lock, replaced = prepare_outputs(cfg, info)
     try:
-        return build_run(cfg, info, device, autocast_dtype, fp8_recipe, data_dir, resume, lock, reasons)
+        run = build_run(cfg, info, device, autocast_dtype, fp8_recipe, data_dir, resume, lock, reasons)
     except BaseException:
         if lock is not None:  # a run built in this process later (bench/ladder.py, tests) may claim it again
             lock.release()
         raise
+    remove_outputs(replaced)  # --overwrite: only once this run has passed every start-up check
+    return run
 
 
 def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: str, resume: bool, lock,
@@ -293,7 +298,7 @@ def run_loop(run: Run) -> str | None:
                 stopped = save_if_due(run, step, improved, stop_early, signals)
                 if stopped:
                     return stopped
-        return None
+        return run.guard.unfinished_streak()
     finally:
         signals.restore()
 
@@ -308,7 +313,7 @@ def evaluate_if_due(run: Run, record: dict, done: int) -> tuple[bool, bool]:
     improved, stop_early = run.guard.early_stop.update(record["val_loss"])
     write(f"step {done}: train loss {run.telemetry.last_loss:.4f}, val loss {record['val_loss']:.4f}"
           + (" (best so far)" if improved else ""))
-    text = run.evaluator.sample(run.model)
+    text = run.evaluator.sample(run.model, run.autocast_dtype)
     if text is not None:
         write(f"sample at step {done}: {text!r}")
     return improved, stop_early
@@ -322,9 +327,8 @@ def save_if_due(run: Run, done: int, improved: bool, stop_early: bool, signals: 
     """Checkpoint when due, when the best val loss improved, or before stopping, but never inside a streak of
     non-finite steps (resilience.Guard); -> why the run stops, if it does."""
     signalled = stop_requested(run, signals)
-    allowed = run.guard.may_checkpoint()
-    regular = allowed and (run.checkpointer.due(done, run.max_steps) or signalled or stop_early)
-    if regular or (allowed and improved):
+    regular = run.guard.may_checkpoint() and (run.checkpointer.due(done, run.max_steps) or signalled or stop_early)
+    if regular or improved:  # skipped steps leave the weights as they were, so a new best is still good
         run.checkpointer.save(done, run.model, run.optimizer, run.loader, run.guard, run.telemetry.tokens,
                               regular=regular, best=improved)
     if signalled:

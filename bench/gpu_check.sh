@@ -40,6 +40,7 @@ limited() { # limited SECONDS LOG COMMAND...: run with a hard time limit, all ou
     local why=""
     [ $rc = 124 ] && why=" (killed at the ${limit} s limit)"
     echo "exit $rc after $((SECONDS - start)) s$why: \`$*\`"
+    return $rc
 }
 
 environment() {
@@ -62,6 +63,7 @@ run_tests() { # pytest -v writes one line per test as it finishes
     } > "$OUT/tests.md"
     local status
     status=$(limited 420 "$OUT/tests.log" $PY -m pytest -m gpu -v -rs -p no:cacheprovider tests)
+    local rc=$?
     {
         echo "$status"
         echo
@@ -70,28 +72,35 @@ run_tests() { # pytest -v writes one line per test as it finishes
         echo '```'
     } >> "$OUT/tests.md"
     echo "tests: $status"
+    return $rc
 }
 
 run_ladder() { # ladder.py rewrites ladder.md and ladder.json after every rung; its stderr has the start-up tables
     local status
     status=$(limited 480 "$OUT/ladder.log" $PY bench/ladder.py --windows 3 --steps-per-window 5 --warmup-steps 3 \
         --budget-s 330 --no-chart --out "$OUT/ladder")
+    local rc=$?
     echo "$status" >> "$OUT/ladder.md"
     echo "ladder: $status"
+    return $rc
 }
 
 run_mfu() { # the sweep rewrites mfu.md after every point
     local status
     status=$(limited 420 "$OUT/mfu.log" $PY bench/ladder.py --mfu-sweep --sizes 124M --seq-lens 1024,2048 \
         --batch-sizes 8,16 --windows 3 --steps-per-window 5 --warmup-steps 3 --budget-s 300 --out "$OUT/mfu")
+    local rc=$?
     echo "$status" >> "$OUT/mfu.md"
     echo "mfu: $status"
+    return $rc
 }
 
 case "$WHAT" in
 tests) run_tests ;;
 ladder) run_ladder ;;
 mfu) run_mfu ;;
-all) run_tests && run_ladder && run_mfu ;;
+all) run_tests; r1=$?; run_ladder; r2=$?; run_mfu; r3=$?; (exit $((r1 | r2 | r3))) ;;
 esac
+rc=$?
 echo "results in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+exit $rc

@@ -200,3 +200,10 @@ def test_probe_reserves_the_optimizer_state_and_ddp_buckets():
     assert memory.probe_reserve_bytes(CFG, "adamw", "none") == state
     assert memory.probe_reserve_bytes(CFG, "adamw", "fsdp") == state
     assert memory.probe_reserve_bytes(CFG, "adamw", "ddp") == state + 4 * n_params
+
+
+def test_auto_batch_size_says_when_the_layout_leaves_no_fp8_legal_size():
+    model = ProbedModel(budget=1000)
+    with pytest.raises(train.UsageError, match="more than the 8 each rank trains on per step; raise --total-batch"):
+        auto(model, per_rank=8, multiple=16)
+    assert model.probes == []

@@ -90,3 +90,15 @@ def test_two_runs_in_one_out_dir_cannot_overlap(tiny_data, tmp_path):
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()
+
+
+def test_a_filesystem_without_flock_warns_and_runs(tmp_path, monkeypatch, capsys):
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    rundir.RunLock(str(tmp_path)).release()
+    assert "cannot be locked (No locks available)" in capsys.readouterr().err

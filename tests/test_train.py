@@ -234,3 +234,20 @@ def test_from_hf_starts_from_the_exported_weights(tmp_path, tiny_data):
 def test_sample_at_eval(tmp_path, tiny_data, capsys):
     tiny_run(tiny_data, tmp_path, "--max-steps", "4", "--sample-tokens", "5", "--sample-prompt", "x")
     assert capsys.readouterr().err.count("sample at step 4: 'x") == 1
+
+
+def test_samples_run_under_the_training_autocast(tiny_data):
+    """Under FSDP2 the blocks hold bf16 weights while the residual stream is fp32: without the training's
+    autocast the sample's first matmul would mix dtypes."""
+    import torch
+
+    from evaluate import Evaluator
+    from model import GPT, ModelConfig
+
+    cfg = config.parse_args(["--sample-tokens", "3", "--sample-prompt", "x"]).eval
+    model = GPT(ModelConfig(vocab_size=256, n_layer=1, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32))
+    model.blocks.to(torch.bfloat16)  # as FSDP2's mixed precision hands them to the forward
+    evaluator = Evaluator(cfg, tiny_data, train.distributed.DistInfo(), torch.device("cpu"), 256, seed=0)
+    with pytest.raises(RuntimeError):
+        evaluator.sample(model)
+    assert evaluator.sample(model, torch.bfloat16).startswith("x")
