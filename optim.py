@@ -32,6 +32,9 @@ MUON_SCALES = ("original", "match_rms_adamw")
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
+# Full fp32 matrices Muon gathers and orthogonalises together: big enough to batch a few layers' blocks,
+# small enough that FSDP2's sharding still bounds the optimizer's peak memory.
+MUON_BUCKET_BYTES = 256 * 2**20
 
 # Suffixes of the hidden matrices Muon owns (model.py's parameter-name contract).
 MUON_MATRICES = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1_weight", "mlp.fc2_weight")
@@ -260,6 +263,21 @@ def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tens
     return x[0] if single else x
 
 
+def muon_buckets(todo: list, max_bytes: int) -> list[list]:
+    """Consecutive runs of (param, split) pairs whose full fp32 matrices add up to at most max_bytes (a
+    larger matrix is a bucket of its own). Muon gathers and orthogonalises one bucket at a time, so under
+    FSDP2 a rank holds a bucket's full matrices, not the whole model's; every rank cuts the same buckets."""
+    buckets, size = [[]], 0
+    for p, split in todo:
+        nbytes = 4 * p.numel()
+        if buckets[-1] and size + nbytes > max_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((p, split))
+        size += nbytes
+    return [b for b in buckets if b]
+
+
 def orthogonalize_blocks(blocks: list[torch.Tensor], steps: int, dtype: torch.dtype, world_size: int = 1,
                          rank: int = 0) -> list[torch.Tensor]:
     """newton_schulz of every matrix in `blocks`, with same-shape ones stacked into one batched call.
@@ -388,6 +406,11 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group):
         todo = [(p, split) for p, split in zip(group["params"], group["row_blocks"]) if p.grad is not None]
+        for bucket in muon_buckets(todo, MUON_BUCKET_BYTES):
+            self._muon_bucket(bucket, group)
+
+    def _muon_bucket(self, todo, group):
+        """Momentum, Newton-Schulz and the update for a bucket of (param, row split) pairs."""
         blocks, where = [], []  # where[k]: (index into todo, first row) of blocks[k]
         for i, (p, split) in enumerate(todo):
             full, start = self._momentum(p, group), 0

@@ -482,3 +482,20 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time():
     batched = optim.orthogonalize_blocks(blocks, 5, torch.float64)
     for block, ortho in zip(blocks, batched):
         torch.testing.assert_close(ortho, optim.newton_schulz(block, 5, torch.float64), rtol=0, atol=1e-12)
+
+
+def test_muon_buckets_bound_the_gathered_bytes_and_keep_the_order():
+    params = [(torch.empty(n), [n]) for n in (10, 20, 30, 100, 5)]
+    buckets = optim.muon_buckets(params, max_bytes=4 * 40)
+    assert [[p.numel() for p, _ in b] for b in buckets] == [[10, 20], [30], [100], [5]]
+    assert [pair for b in buckets for pair in b] == params
+
+
+def test_muon_in_small_buckets_matches_one_bucket(monkeypatch):
+    make = lambda: ToyGPT(vocab=7, d=4, h=3, k=1, hd=3, f=5, n_layer=2, tied=False).double()  # noqa: E731
+    whole, bucketed = make(), make()
+    run_muon(whole, batches(3, vocab=7))
+    monkeypatch.setattr(optim, "MUON_BUCKET_BYTES", 1)  # every matrix a bucket of its own
+    run_muon(bucketed, batches(3, vocab=7))
+    for (name, p), q in zip(whole.named_parameters(), bucketed.parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-12, msg=name)
