@@ -54,9 +54,9 @@ class RunLock:
             self.fd = None
 
 
-def run_outputs(out_dir: str) -> list[str]:
-    """The paths of what a run leaves in out_dir: its checkpoints (either format), best, metrics.jsonl."""
-    found = list_checkpoints(out_dir)
+def run_outputs(out_dir: str, checkpoints: list[str]) -> list[str]:
+    """The paths of what a run leaves in out_dir: its checkpoints (list_checkpoints), best, metrics.jsonl."""
+    found = list(checkpoints)
     for sharded in (False, True):
         if os.path.exists(best_path(out_dir, sharded)):
             found.append(best_path(out_dir, sharded))
@@ -98,8 +98,9 @@ def claim(ckpt_cfg) -> tuple[RunLock, bool, list[str]]:
         raise UsageError(f"--out-dir {out_dir} is not writable")
     lock = RunLock(out_dir)
     try:
-        outputs = run_outputs(out_dir)
-        resume = decide_resume(outputs, bool(list_checkpoints(out_dir)), ckpt_cfg.resume, ckpt_cfg.overwrite)
+        checkpoints = list_checkpoints(out_dir)
+        outputs = run_outputs(out_dir, checkpoints)
+        resume = decide_resume(outputs, bool(checkpoints), ckpt_cfg.resume, ckpt_cfg.overwrite)
     except UsageError:
         lock.release()
         raise
