@@ -4,7 +4,12 @@ No usage dump and no traceback; a traceback means a bug in this repository.
 """
 
 import argparse
+import os
 import sys
+import time
+
+# How long a rank other than 0 waits before exiting on a start-up error (report_startup_error).
+STARTUP_ERROR_GRACE_S = 1.0
 
 
 class UsageError(Exception):
@@ -19,4 +24,14 @@ class ArgumentParser(argparse.ArgumentParser):
 def report_error(error) -> int:
     """Print the one-line error; returns the exit code for it."""
     print(f"error: {error}", file=sys.stderr)
+    return 2
+
+
+def report_startup_error(error) -> int:
+    """report_error for a program torchrun may start as several ranks that all fail alike: rank 0 prints.
+    The others wait a moment before their exit, because torchrun stops every rank as soon as one exits,
+    which could cut rank 0 off before it has said why."""
+    if os.environ.get("RANK", "0") == "0":
+        return report_error(error)
+    time.sleep(STARTUP_ERROR_GRACE_S)
     return 2

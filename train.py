@@ -11,7 +11,6 @@ the data (data.py) and the components that decide their own cadence: Evaluator (
 them whether it is due.
 """
 
-import os
 import random
 import sys
 import time
@@ -26,7 +25,7 @@ import fp8
 import hardware
 import memory
 from checkpoint import CheckpointError, Checkpointer, tokens_trained
-from cli import UsageError, report_error
+from cli import UsageError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, BatchLayout, Config
 from data import DataError, ShardLoader, check_split, default_corpus, fingerprint
 from evaluate import Evaluator
@@ -380,9 +379,7 @@ def main(argv=None):
     except (UsageError, DataError, CheckpointError, ValueError) as e:
         # Only setup is guarded: ValueError there is config validation in model.py / optim.py, while an
         # exception inside the loop is a bug and keeps its traceback. Every rank fails alike; rank 0 says why.
-        if os.environ.get("RANK", "0") == "0":
-            report_error(e)
-        sys.exit(2)
+        sys.exit(report_startup_error(e))
     try:
         stopped = run_loop(run)
     except (CheckpointError, DataError, TrainingHalted) as e:  # a full disk, bad tokens, a run that cannot go on
