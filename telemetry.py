@@ -19,9 +19,11 @@ from statistics import median
 
 import torch
 
+import fp8
+import memory
 from config import PROFILE_ACTIVE, PROFILE_WAIT
 from hardware import peak_memory_gib
-from optim import optimizer_state_bytes
+from optim import describe_param_groups, optimizer_state_bytes
 from progress import Progress
 
 DATA_WAIT_WARN = 0.05  # warn when waiting for batches takes more than this fraction of a step
@@ -32,6 +34,32 @@ COMPILE_TIMING_STEPS = 6
 def print_table(rows: list[tuple[str, str]]) -> None:
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows), flush=True)
+
+
+def startup_rows(run, data_dir: str, reasons: dict) -> list[tuple[str, str]]:
+    """The start-up table of a train.Run: what is active and why, each detected rather than assumed."""
+    cfg, m, info, layout = run.cfg, run.model_cfg, run.info, run.layout
+    return [
+        ("device", f"{run.device.type} ({reasons['device']})"),
+        ("distributed", f"{info.mode}, {info.world_size} processes" if info.mode != "none" else "off (single process)"),
+        ("precision", reasons["dtype"]),
+        ("TF32 matmuls", reasons["tf32"]),
+        ("model", f"{run.model.num_params() / 1e6:.2f}M params, {m.n_layer} layers, d={m.n_embd}, "
+                  f"heads {m.n_head}q/{m.n_kv_head}kv, vocab {m.padded_vocab_size}"),
+        ("optimizer", describe_param_groups(run.optimizer)),
+        ("torch.compile", "off (not requested)" if cfg.speed.compile == "off" else f"on, mode {cfg.speed.compile}"),
+        ("FP8", fp8.describe_fp8(run.model, run.fp8_recipe)),
+        ("activation ckpt", memory.describe_activation_checkpointing(run.model)),
+        ("batch", f"{layout.micro_batch} x {layout.seq_len} tokens x {layout.grad_accum} micro-steps x "
+                  f"{layout.world_size} ranks = {layout.tokens_per_step} tokens/step"),
+        ("schedule", f"{cfg.schedule.schedule}, peak lr {cfg.optim.lr:g}, warmup {cfg.schedule.warmup}, "
+                     f"{run.max_steps} steps"),
+        ("data", data_dir),
+        ("MFU peak", reasons["peak"]),
+        ("wandb", reasons["wandb"]),
+        ("init", f"the checkpoint of step {run.start_step}" if run.start_step else reasons["init"]),
+        ("resume", f"from step {run.start_step}" if run.start_step else f"off (fresh run; --resume {cfg.ckpt.resume})"),
+    ]
 
 
 def message(text: str) -> None:

@@ -31,10 +31,10 @@ from data import DataError, ShardLoader, check_split, default_corpus, fingerprin
 from evaluate import Evaluator
 from export import load_hf
 from model import ModelConfig, flops_per_token
-from optim import build_optimizer, describe_param_groups, lr_multiplier, set_lr
+from optim import build_optimizer, lr_multiplier, set_lr
 from resilience import Guard, StopSignals, TrainingHalted, stop_at_once_during_startup
 from rundir import RunLock, claim, remove_outputs
-from telemetry import Telemetry, message, print_table, start_wandb
+from telemetry import Telemetry, message, print_table, start_wandb, startup_rows
 
 
 @dataclass
@@ -197,32 +197,6 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
     if info.is_main:
         print_table(startup_rows(run, data_dir, reasons))
     return run
-
-
-def startup_rows(run: Run, data_dir: str, reasons: dict) -> list[tuple[str, str]]:
-    """The start-up table: what is active and why, each detected rather than assumed."""
-    cfg, m, info, layout = run.cfg, run.model_cfg, run.info, run.layout
-    return [
-        ("device", f"{run.device.type} ({reasons['device']})"),
-        ("distributed", f"{info.mode}, {info.world_size} processes" if info.mode != "none" else "off (single process)"),
-        ("precision", reasons["dtype"]),
-        ("TF32 matmuls", reasons["tf32"]),
-        ("model", f"{run.model.num_params() / 1e6:.2f}M params, {m.n_layer} layers, d={m.n_embd}, "
-                  f"heads {m.n_head}q/{m.n_kv_head}kv, vocab {m.padded_vocab_size}"),
-        ("optimizer", describe_param_groups(run.optimizer)),
-        ("torch.compile", "off (not requested)" if cfg.speed.compile == "off" else f"on, mode {cfg.speed.compile}"),
-        ("FP8", fp8.describe_fp8(run.model, run.fp8_recipe)),
-        ("activation ckpt", memory.describe_activation_checkpointing(run.model)),
-        ("batch", f"{layout.micro_batch} x {layout.seq_len} tokens x {layout.grad_accum} micro-steps x "
-                  f"{layout.world_size} ranks = {layout.tokens_per_step} tokens/step"),
-        ("schedule", f"{cfg.schedule.schedule}, peak lr {cfg.optim.lr:g}, warmup {cfg.schedule.warmup}, "
-                     f"{run.max_steps} steps"),
-        ("data", data_dir),
-        ("MFU peak", reasons["peak"]),
-        ("wandb", reasons["wandb"]),
-        ("init", f"the checkpoint of step {run.start_step}" if run.start_step else reasons["init"]),
-        ("resume", f"from step {run.start_step}" if run.start_step else f"off (fresh run; --resume {cfg.ckpt.resume})"),
-    ]
 
 
 # ----------------------------------------------------------------------------- the step
