@@ -51,6 +51,7 @@ import distributed
 from cli import ArgumentParser, UsageError, report_error
 from data import data_change
 from fp8 import plain_to_te_state_dict, te_to_plain_state_dict
+from model import INIT_ONLY_FIELDS
 
 CHECKPOINT_VERSION = 1
 META_FILE = "meta.pt"
@@ -443,6 +444,19 @@ def prunable(checkpoints: list[str], written: int, keep: int) -> list[str]:
     return older[:max(len(older) - (keep - 1), 0)]
 
 
+def changed_keys(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, old value, new value) for every key of two nested dicts whose values differ. Keys on one
+    side only are left out: they are settings added or removed between versions, not changes."""
+    changes = []
+    for key in old.keys() & new.keys():
+        a, b = old[key], new[key]
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += changed_keys(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes.append((f"{prefix}{key}", a, b))
+    return sorted(changes)
+
+
 class Checkpointer:
     """Saves and restores the training state in out_dir, and decides when to save.
 
@@ -452,12 +466,14 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: str, interval: int, keep: int, info: "distributed.DistInfo", model_cfg,
-                 run_config: dict, data_id: list, allow_data_change: bool = False):
+                 run_config: dict, data_id: list, allow_data_change: bool = False, check_run_config=None):
         """data_id: data.fingerprint of the training shards, saved with every checkpoint; a resume on other
-        shards is refused unless allow_data_change."""
+        shards is refused unless allow_data_change. check_run_config(saved run config) -> the changed settings
+        to report, or raises UsageError for a change the run cannot survive (config.check_resume)."""
         self.out_dir, self.interval, self.keep, self.info = out_dir, interval, keep, info
         self.model_cfg, self.run_config = model_cfg, run_config
         self.data_id, self.allow_data_change = data_id, allow_data_change
+        self.check_run_config = check_run_config
         self.sharded = info.mode == "fsdp"
 
     @property
@@ -501,10 +517,14 @@ class Checkpointer:
         truncation) are reported through `warn` and skipped for the one before."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        def check_config(meta):
-            if meta["model_config"] != dataclasses.asdict(self.model_cfg):
+        def check_config(meta) -> list[str]:
+            changes = [c for c in changed_keys(meta["model_config"], dataclasses.asdict(self.model_cfg))
+                       if c[0] not in INIT_ONLY_FIELDS]
+            if changes:
                 raise UsageError(f"--resume: the checkpoint of step {meta['step']} in {self.out_dir} was trained "
-                                 "with a different model config; pass the same model flags")
+                                 f"with another model shape ({', '.join(f'{k} {a!r} -> {b!r}' for k, a, b in changes)}); "
+                                 "pass the same model flags")
+            return self.check_run_config(meta.get("train_config", {})) if self.check_run_config else []
 
         def sharded_template(meta):  # a DCP directory is read into this run's own (maybe sharded) state dicts
             check_config(meta)
@@ -515,8 +535,10 @@ class Checkpointer:
         if found is None:
             raise UsageError(f"--resume: no usable checkpoint in {self.out_dir}")
         path, meta, tensors = found
-        check_config(meta)
+        changes = check_config(meta)  # before any state is loaded: a refusal leaves the objects as they were
         self.check_resumable(meta, tensors)
+        for change in changes:
+            warn(f"note: resuming with a setting changed since the checkpoint: {change}")
         sharded = os.path.isdir(path)
         tensors["model"] = for_backend(tensors["model"], model.backend)
         set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"],

@@ -16,18 +16,24 @@ in BatchLayout and max_steps(). A Config is not changed after start-up.
 
 import argparse
 import dataclasses
+import json
 import math
+import os
+import tomllib
 import typing
 from dataclasses import dataclass, field
 
 import fp8
 import memory
 import rundir
+import sizing
+from checkpoint import changed_keys
 from cli import ArgumentParser, UsageError
 from fp8 import FP8Config
 from hardware import DEVICES, DTYPES
-from model import ModelConfig
+from model import INIT_ONLY_FIELDS, ModelConfig
 from optim import OptimConfig
+from sizing import SizeConfig
 
 PROFILE_WAIT, PROFILE_ACTIVE = 5, 3  # torch.profiler: steps skipped, then steps traced (telemetry.py)
 
@@ -63,6 +69,11 @@ class DataConfig:
                                             "on (without it such a resume is refused)")
     total_batch_tokens: int = option(0, "tokens per optimizer step; derives --grad-accum from it (0: off)")
     seed: int = option(1337, "initialisation and data order")
+    packing: str = option("windows", "how training rows are cut from the shards: windows of seq-len + 1 tokens "
+                                     "at any offset; or bos: every row starts at a document (its end-of-text "
+                                     "token), documents packed best-fit and cropped only to fill a row (the "
+                                     "cropped fraction is reported); validation always uses windows",
+                          choices=("windows", "bos"))
 
 
 @dataclass
@@ -77,6 +88,10 @@ class ScheduleConfig:
     min_lr_ratio: float = option(0.1, "final LR as a fraction of peak")
     decay_frac: float = option(0.2, "wsd: fraction of steps spent decaying")
     grad_clip: float = option(1.0, "max global grad norm (0: off)")
+    batch_warmup_steps: int = option(0, "batch-size warm-up: the global batch ramps linearly from "
+                                        "--batch-warmup-start of itself to all of it over this many steps, in whole "
+                                        "micro-steps (needs grad accumulation to ramp; 0: off)")
+    batch_warmup_start: float = option(0.25, "the batch warm-up's first step, as a fraction of the global batch")
 
 
 @dataclass
@@ -87,6 +102,10 @@ class EvalConfig:
     eval_tokens: int = option(16384, "val tokens per eval")
     sample_tokens: int = option(0, "at each eval, print a sample of this many tokens (0: off)")
     sample_prompt: str = option("", "prompt for those samples (default: a new document)")
+    eval_hellaswag: int = option(0, "at each eval, HellaSwag accuracy over the first N examples of "
+                                    "--hellaswag-path (0: off; needs the GPT-2 vocabulary)", metavar="N")
+    hellaswag_path: str = option("Rowan/hellaswag", "HellaSwag's validation split: a Hugging Face dataset name, "
+                                                    "or a local .jsonl / .parquet file in its format")
 
 
 @dataclass
@@ -171,6 +190,7 @@ class Config:
     """Every setting of a training run, one section per concern; --help lists them in this order."""
 
     data: DataConfig = field(default_factory=DataConfig)
+    size: SizeConfig = field(default_factory=SizeConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -184,7 +204,8 @@ class Config:
 
 
 SECTION_TITLES = {
-    "data": "data and batch", "model": "model", "optim": "optimizer", "schedule": "length and schedule",
+    "data": "data and batch", "size": "model size: one dial (see sizing.py)", "model": "model",
+    "optim": "optimizer", "schedule": "length and schedule",
     "eval": "evaluation and samples", "ckpt": "checkpoints and output", "resilience": "fault tolerance",
     "dist": "distributed (under torchrun)", "speed": "device, precision, speed and memory",
     "fp8": "FP8 (see fp8.py)", "log": "logging and profiling",
@@ -231,6 +252,9 @@ def _add_flag(group, section: str, cls, f: dataclasses.Field) -> None:
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p = ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", dest="config_file", metavar="FILE", default=argparse.SUPPRESS,
+                   help="a TOML file whose [sections] are the groups below and whose keys are their fields "
+                        "(configs/ has examples; every run writes its own to OUT/config.toml); flags override it")
     for section in dataclasses.fields(Config):
         cls = section.default_factory
         group = p.add_argument_group(SECTION_TITLES[section.name])
@@ -239,19 +263,42 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
+# Pairs of alternatives: a flag for either one replaces what a --config file said about both.
+ALTERNATIVES = ((("data.total_batch_tokens", "--total-batch-tokens"), ("data.grad_accum", "--grad-accum")),
+                (("schedule.max_tokens", "--max-tokens"), ("schedule.max_steps", "--max-steps")))
+# Settings of one invocation rather than of the run: not written to OUT/config.toml, not compared on resume.
+INVOCATION_KEYS = ("ckpt.resume", "ckpt.overwrite", "speed.estimate_memory")
+
+
+def explicit_values(flags: dict, from_file: dict) -> dict:
+    """What the user set, "section.field" -> value: the file's values under the flags'. Raises UsageError for
+    two alternatives set in the same place."""
+    for pair in ALTERNATIVES:
+        if any(key in flags for key, _ in pair):
+            from_file = {key: v for key, v in from_file.items() if key not in (pair[0][0], pair[1][0])}
+        for source in (flags, from_file):
+            if all(key in source for key, _ in pair):
+                raise UsageError(f"give {pair[0][1]} or {pair[1][1]}, not both")
+    return {**from_file, **flags}
+
+
 def parse_args(argv=None, description: str | None = None) -> Config:
-    """Flags -> a validated Config. Raises UsageError on bad or contradictory flags."""
-    given = vars(build_parser(description).parse_args(argv))
-    if "data.total_batch_tokens" in given and "data.grad_accum" in given:
-        raise UsageError("give --total-batch-tokens or --grad-accum, not both")
-    if "schedule.max_tokens" in given and "schedule.max_steps" in given:
-        raise UsageError("give --max-tokens or --max-steps, not both")
+    """Flags (over an optional --config file) -> a validated Config. Values the size dial derives (sizing.py)
+    fill in what neither gave. Raises UsageError on bad or contradictory settings."""
+    flags = vars(build_parser(description).parse_args(argv))
+    config_file = flags.pop("config_file", None)
+    given = explicit_values(flags, read_config_file(config_file) if config_file else {})
     if given.get("schedule.max_tokens", 1) < 1:  # 0 is the field's "unset", not a length a user can ask for
         raise UsageError(f"--max-tokens must be >= 1, got {given['schedule.max_tokens']}")
+    try:
+        SizeConfig(**{key[5:]: v for key, v in given.items() if key.startswith("size.")}).validate()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    values = {**sizing.resolve(given), **given}
     sections = {}
     for section in dataclasses.fields(Config):
-        values = {key.split(".", 1)[1]: v for key, v in given.items() if key.split(".", 1)[0] == section.name}
-        sections[section.name] = section.default_factory(**values)
+        fields = {key.split(".", 1)[1]: v for key, v in values.items() if key.split(".", 1)[0] == section.name}
+        sections[section.name] = section.default_factory(**fields)
     cfg = Config(**sections)
     validate(cfg)
     return cfg
@@ -260,6 +307,104 @@ def parse_args(argv=None, description: str | None = None) -> Config:
 def to_dict(cfg: Config) -> dict:
     """The whole configuration as plain data (for wandb and the checkpoint's record of the run)."""
     return dataclasses.asdict(cfg)
+
+
+def flat_values(cfg: Config) -> dict:
+    """"section.field" -> value, for every field."""
+    return {f"{section}.{key}": value for section, fields in to_dict(cfg).items() for key, value in fields.items()}
+
+
+# ----------------------------------------------------------------------------- configuration files
+
+
+def _file_value(cls, f: dataclasses.Field, value, where: str):
+    """A TOML value checked and converted for its field, as its flag's text would be."""
+    expected = _value_type(cls, f)
+    if "type" in f.metadata:  # a custom flag type (--batch-size: an int or "auto") reads the value's text
+        try:
+            value = f.metadata["type"](str(value))
+        except argparse.ArgumentTypeError as e:
+            raise UsageError(f"{where} {e}") from None
+    elif expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    elif not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise UsageError(f"{where} must be {expected.__name__}, got {value!r}")
+    if "choices" in f.metadata and value not in f.metadata["choices"]:
+        raise UsageError(f"{where} must be one of {', '.join(map(str, f.metadata['choices']))}, got {value!r}")
+    return value
+
+
+def read_config_file(path: str) -> dict:
+    """A --config TOML file -> "section.field" -> value. UsageError (one line) for a file that cannot be read, an
+    unknown section or key, or a value of the wrong type."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise UsageError(f"--config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise UsageError(f"--config {path}: {e}") from None
+    sections = {s.name: s.default_factory for s in dataclasses.fields(Config)}
+    values = {}
+    for name, table in data.items():
+        if name not in sections or not isinstance(table, dict):
+            raise UsageError(f"--config {path}: {name!r} is not a section; the sections are {', '.join(sections)}")
+        fields = {f.name: f for f in dataclasses.fields(sections[name])}
+        for key, value in table.items():
+            if key not in fields:
+                raise UsageError(f"--config {path}: unknown key {name}.{key}")
+            values[f"{name}.{key}"] = _file_value(sections[name], fields[key], value, f"--config {path}: {name}.{key}")
+    return values
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON's escapes (\", \\, \n, \uXXXX) are TOML basic-string escapes
+    return repr(value)  # ints, and floats (repr always has a '.' or an exponent; they are finite)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved configuration as a --config file: every field, derived ones included, so that the file
+    alone reproduces the run. Unset fields (None) are comments: TOML has no null."""
+    lines = ["# The resolved configuration of a run: `python train.py --config THIS_FILE` repeats it."]
+    flat = flat_values(cfg)
+    # Of two alternatives, the file holds the one in use: the token count when it is set, else the other.
+    unused = {pair[1][0] if flat[pair[0][0]] else pair[0][0] for pair in ALTERNATIVES}
+    for section, fields in to_dict(cfg).items():
+        lines.append(f"\n[{section}]")
+        for key, value in fields.items():
+            if f"{section}.{key}" in (*INVOCATION_KEYS, *unused):
+                continue
+            lines.append(f"# {key}: unset" if value is None else f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_config(cfg: Config, path: str) -> None:
+    """OUT/config.toml, replaced atomically (a crash leaves the old file or the new one)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(to_toml(cfg))
+    os.replace(tmp, path)
+
+
+def check_resume(saved: dict, cfg: Config) -> list[str]:
+    """Compare a checkpoint's configuration with this run's -> the changed settings ("key old -> new"), for a
+    warning. UsageError for changes a run cannot survive: the model's shape (its weights would not load) and
+    the optimizer (its state would not). Keys a checkpoint from an older version lacks are not compared."""
+    changes = [change for change in changed_keys(saved, to_dict(cfg)) if change[0] not in INVOCATION_KEYS]
+    fatal = [c for c in changes if c[0] == "optim.name" or
+             (c[0].startswith("model.") and c[0][6:] not in ("max_seq_len", *INIT_ONLY_FIELDS))]
+    if fatal:
+        raise UsageError("--resume: the checkpoint was trained with settings that cannot change within a run: "
+                         + ", ".join(map(describe_change, fatal)))
+    return [describe_change(c) for c in changes]
+
+
+def describe_change(change: tuple) -> str:
+    key, old, new = change
+    return f"{key} {old!r} -> {new!r}"
 
 
 # ----------------------------------------------------------------------------- start-up checks
@@ -315,6 +460,11 @@ def _check_ranges(cfg: Config) -> None:
                          "--spike-factor, --early-stop-patience and --max-rollbacks >= 0")
     if not 0 <= s.min_lr_ratio <= 1 or not 0 < s.decay_frac <= 1:
         raise UsageError("--min-lr-ratio must be in [0, 1] and --decay-frac in (0, 1]")
+    if s.batch_warmup_steps < 0 or not 0 < s.batch_warmup_start <= 1:
+        raise UsageError("--batch-warmup-steps must be >= 0 and --batch-warmup-start in (0, 1]")
+    if s.batch_warmup_steps and d.grad_accum == 1 and not d.total_batch_tokens:
+        raise UsageError("--batch-warmup-steps ramps the micro-steps of each step: it needs --grad-accum > 1 "
+                         "(or --total-batch-tokens)")
     if cfg.dist.ddp_bucket_mb <= 0:
         raise UsageError(f"--ddp-bucket-mb must be positive, got {cfg.dist.ddp_bucket_mb}")
 
@@ -363,6 +513,33 @@ class BatchLayout:
         return dataclasses.replace(self, micro_batch=micro_batch,
                                    grad_accum=self.sequences_per_rank // micro_batch)
 
+    def at_step(self, step: int, warmup_steps: int, start: float) -> "BatchLayout":
+        """The layout of optimizer step `step` (0-based) under the batch warm-up: fewer micro-steps, same
+        micro-batch (warmup_micro_steps); itself once the warm-up is over. Telemetry counts tokens from it."""
+        micro_steps = warmup_micro_steps(step, self.grad_accum, warmup_steps, start)
+        return self if micro_steps == self.grad_accum else dataclasses.replace(self, grad_accum=micro_steps)
+
+
+def warmup_micro_steps(step: int, grad_accum: int, warmup_steps: int, start: float) -> int:
+    """Micro-steps of optimizer step `step` (0-based) when the global batch ramps linearly from `start` x itself
+    at step 0 to all of it at step warmup_steps, rounded to whole micro-steps (at least one): the batch grows
+    by gradient accumulation, so the micro-batch, its memory and the data order stay as they are, and a
+    resumed run recomputes the same count from the step alone."""
+    if step >= warmup_steps:
+        return grad_accum
+    fraction = start + (1 - start) * step / warmup_steps
+    return max(1, min(grad_accum, math.floor(fraction * grad_accum + 0.5)))  # halves round up, not to even
+
+
+def steps_for_tokens(max_tokens: int, layout: BatchLayout, warmup_steps: int = 0, start: float = 1.0) -> int:
+    """Optimizer steps until at least max_tokens are trained, counting the smaller steps of the batch warm-up,
+    so that --max-tokens is the same budget with it or without it."""
+    tokens, step = 0, 0
+    while step < warmup_steps and tokens < max_tokens:
+        tokens += layout.at_step(step, warmup_steps, start).tokens_per_step
+        step += 1
+    return step + max(0, math.ceil((max_tokens - tokens) / layout.tokens_per_step))
+
 
 def per_rank_sequences(cfg: Config, world_size: int) -> int:
     """Sequences each rank trains on per step under --total-batch-tokens (what --batch-size auto divides)."""
@@ -384,6 +561,9 @@ def batch_layout(cfg: Config, world_size: int = 1, micro_batch: int | None = Non
     return BatchLayout(micro_batch=micro, seq_len=seq_len, grad_accum=grad_accum, world_size=world_size)
 
 
-def max_steps(cfg: Config, tokens_per_step: int) -> int:
+def max_steps(cfg: Config, layout: BatchLayout) -> int:
+    """--max-steps, or the steps --max-tokens takes with this layout (and the batch warm-up, if on)."""
     s = cfg.schedule
-    return math.ceil(s.max_tokens / tokens_per_step) if s.max_tokens else s.max_steps
+    if not s.max_tokens:
+        return s.max_steps
+    return steps_for_tokens(s.max_tokens, layout, s.batch_warmup_steps, s.batch_warmup_start)

@@ -9,6 +9,7 @@ Each document is preceded by the end-of-text token, as in llm.c and modded-nanog
     python data.py --input corpus.txt --out data/mine          # then: python train.py --data data/mine
 """
 
+import bisect
 import collections
 import functools
 import glob
@@ -28,6 +29,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 import tiktoken
@@ -646,6 +648,81 @@ def check_split(data_dir: str, split: str, seq_len: int) -> list[np.ndarray]:
     return shards
 
 
+# BOS-aligned packing: rows that start at a document
+
+GPT2_EOT = 50256  # GPT-2's end-of-text token, which precedes every document in a shard and so acts as its BOS
+PACKING_MODES = ("windows", "bos")
+# Candidate documents the packer chooses from. More candidates leave less space that only a crop can fill, at
+# the cost of a longer wait for a long document; a thousand is far more than a row usually holds.
+PACK_BUFFER_DOCS = 1000
+FIND_CHUNK_TOKENS = 1 << 24  # tokens compared at a time when finding documents: bounds the temporary mask
+
+
+def find_documents(tokens: np.ndarray, bos: int, chunk: int = FIND_CHUNK_TOKENS) -> np.ndarray:
+    """The offsets (int64, ascending) of the bos tokens in a shard, i.e. where its documents start.
+    Vectorised and a chunk at a time, so a 100M-token memory map is scanned once, quickly, with a mask of one
+    chunk rather than of the whole shard in memory."""
+    found = [np.flatnonzero(tokens[i:i + chunk] == bos) + i for i in range(0, len(tokens), chunk)]
+    return np.concatenate(found).astype(np.int64) if found else np.zeros(0, dtype=np.int64)
+
+
+class Packing(NamedTuple):
+    """Rows of documents, as segments in CSR form: row i is segments row_ptr[i]:row_ptr[i + 1], and segment s
+    is the first take[s] tokens of document doc[s]. Every document is in at most one row; `cropped` counts
+    the tokens of `tokens` (all the documents' tokens) that no row holds."""
+
+    row_ptr: np.ndarray
+    doc: np.ndarray
+    take: np.ndarray
+    cropped: int
+    tokens: int
+
+    @property
+    def cropped_fraction(self) -> float:
+        return self.cropped / self.tokens if self.tokens else 0.0
+
+    def rows(self) -> list[list[tuple[int, int]]]:
+        """The rows as lists of (document, tokens taken): for tests and for reading."""
+        return [list(zip(self.doc[a:b].tolist(), self.take[a:b].tolist()))
+                for a, b in zip(self.row_ptr[:-1], self.row_ptr[1:])]
+
+
+def pack_best_fit(lengths, row_len: int, buffer_docs: int = PACK_BUFFER_DOCS) -> Packing:
+    """Pack documents (their lengths, in stream order) into rows of exactly row_len tokens, best fit.
+
+    A buffer holds the next `buffer_docs` documents of the stream. Each row takes, again and again, the longest
+    buffered document that fits the space left; when none fits, the shortest one is cropped to the space (the
+    crop that wastes fewest tokens), so rows are always full and need no padding. A document longer than a row
+    is therefore cropped too, once nothing shorter is left to choose. Each segment starts at its document's
+    start, so every row starts at a document. The last row, if the documents run out before it is full, is
+    dropped (its tokens count as cropped)."""
+    if row_len < 1 or buffer_docs < 1:
+        raise ValueError(f"row_len and buffer_docs must be >= 1, got {row_len}, {buffer_docs}")
+    lengths = [int(n) for n in lengths]  # Python ints: the loop below is Python, and numpy scalars are slower
+    if lengths and min(lengths) < 1:
+        raise ValueError("document lengths must be >= 1 (a document holds at least its BOS token)")
+    n, buffer, pending = len(lengths), [], 0  # buffer: sorted (length, document)
+    row_ptr, doc, take, space = [0], [], [], row_len
+    while True:
+        while len(buffer) < buffer_docs and pending < n:
+            bisect.insort(buffer, (lengths[pending], pending))
+            pending += 1
+        if not buffer:
+            break
+        i = bisect.bisect_right(buffer, (space, n)) - 1  # the longest that fits; -1 when none does
+        length, d = buffer.pop(max(i, 0))  # none fits: the shortest, cropped
+        doc.append(d)
+        take.append(min(length, space))
+        space -= take[-1]
+        if space == 0:
+            row_ptr.append(len(doc))
+            space = row_len
+    del doc[row_ptr[-1]:], take[row_ptr[-1]:]  # the unfilled last row
+    tokens = sum(lengths)
+    return Packing(np.array(row_ptr, dtype=np.int64), np.array(doc, dtype=np.int64),
+                   np.array(take, dtype=np.int64), tokens - (len(row_ptr) - 1) * row_len, tokens)
+
+
 class ShardLoader:
     """Yields (x, y) int64 batches of shape [batch_size, seq_len] from data_dir/{split}_*.bin; y is x shifted
     left by one token. Iterates forever, epoch after epoch.
@@ -655,15 +732,26 @@ class ShardLoader:
     each epoch visits the shards in a seeded permutation and the windows of each shard in a seeded
     permutation, both new every epoch (shuffle=False: file order, for validation).
 
-    The position is global: g counts the windows consumed by all ranks together. Each step consumes
+    packing="bos": every row starts at a document (a bos_token). The documents of a shard, in a seeded
+    permutation new every epoch, are packed into rows of T + 1 tokens by pack_best_fit, and the rows are
+    visited in a seeded permutation too; shards come in the same order as windows do. Tokens that no row holds
+    (document tails cropped, tokens before a shard's first document, the shard's unfilled last row) are
+    counted in `cropped_fraction`. Documents are found once per shard (find_documents) and kept in memory.
+
+    The position is global: g counts the windows (rows) consumed by all ranks together. Each step consumes
     batch_size * world_size of them and rank r takes windows [g + r*B, g + (r+1)*B). So ranks are disjoint,
     each epoch's windows are used exactly once across ranks, and the state is the same on every rank and can
-    be loaded at another world size or batch size to continue the same stream.
+    be loaded at another world size or batch size to continue the same stream. Under packing="bos" a shard's
+    row count depends on its epoch's permutation, so the position is (epoch, shard in the epoch's order, row)
+    instead of a single count: the same guarantees, without packing earlier shards to find it.
     """
 
     def __init__(self, data_dir, split: str = "train", *, batch_size: int, seq_len: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, shuffle: bool = True, device="cpu", prefetch: int = 2,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, packing: str = "windows", bos_token: int = GPT2_EOT,
+                 pack_buffer: int = PACK_BUFFER_DOCS):
+        if packing not in PACKING_MODES:
+            raise ValueError(f"packing must be one of {PACKING_MODES}, got {packing!r}")
         if batch_size < 1 or seq_len < 1 or prefetch < 0:
             raise ValueError(f"batch_size and seq_len must be >= 1 and prefetch >= 0, "
                              f"got {batch_size}, {seq_len}, {prefetch}")
@@ -679,8 +767,15 @@ class ShardLoader:
         self.device = torch.device(device)
         self.windows = np.array([(len(s) - 1) // seq_len for s in self.shards])
         self.num_windows = int(self.windows.sum())
-        self._next = 0  # global windows consumed by the caller (not merely prefetched)
+        self.packing, self.bos_token, self.pack_buffer = packing, bos_token, pack_buffer
+        # The position after what the caller consumed (not merely prefetched): windows, or (epoch, k, row).
+        self._next = 0 if packing == "windows" else (0, 0, 0)
         self._plans, self._perms = {}, {}
+        self._documents, self._packs = {}, collections.OrderedDict()  # bos: per shard; per (epoch, shard)
+        lengths = np.array([len(s) for s in self.shards], dtype=np.int64)
+        # Tokens per shard that no row holds; bos: learnt as each shard is packed (negative: not packed yet).
+        self._unread = lengths - (self.windows * seq_len + 1) if packing == "windows" else np.full(len(lengths), -1)
+        self._lengths = lengths
         self._thread = None
 
     # -- order --
@@ -718,15 +813,100 @@ class ShardLoader:
         for b in range(self.batch_size):
             shard, w = self._locate(g + self.rank * self.batch_size + b)
             buf[b] = self.shards[shard][w * T: w * T + T + 1]
-            # Checked per batch (cheap) rather than per shard at start-up (a full read of the data set).
-            if self.vocab_size is not None and buf[b].max() >= self.vocab_size:
-                raise DataError(f"{self.paths[shard]}: token id {int(buf[b].max())} is not below the vocabulary "
-                                f"size {self.vocab_size}; the shards were made with another tokenizer")
+            self._check_ids(buf[b], shard)
+        return self._tensors(buf)
+
+    def _check_ids(self, row: np.ndarray, shard: int) -> None:
+        # Checked per batch (cheap) rather than per shard at start-up (a full read of the data set).
+        if self.vocab_size is not None and row.max() >= self.vocab_size:
+            raise DataError(f"{self.paths[shard]}: token id {int(row.max())} is not below the vocabulary "
+                            f"size {self.vocab_size}; the shards were made with another tokenizer")
+
+    def _tensors(self, buf: np.ndarray):
+        """(x, y) of rows of T + 1 tokens: y is x shifted left by one."""
         t = torch.from_numpy(buf)
         x, y = t[:, :-1].contiguous(), t[:, 1:].contiguous()
         if self.device.type == "cuda":
             x, y = x.pin_memory(), y.pin_memory()
         return x, y
+
+    # -- BOS-aligned packing --
+
+    def _pack(self, epoch: int, k: int):
+        """(shard, row order, row_ptr, segment starts, segment lengths) of the k-th shard of an epoch's order,
+        packed on first use; the last few are kept, as one step may span several shards."""
+        shard = int(self._shard_plan(epoch)[0][k])
+        key = (epoch, shard)
+        if key in self._packs:
+            self._packs.move_to_end(key)
+            return self._packs[key]
+        if shard not in self._documents:  # found once per shard and kept, as int32 (a shard has < 2**31 tokens)
+            self._documents[shard] = find_documents(self.shards[shard], self.bos_token).astype(np.int32)
+        starts, T = self._documents[shard], self.seq_len
+        lengths = np.diff(starts, append=len(self.shards[shard]))
+        docs = np.random.default_rng([self.seed, epoch, 1, shard]).permutation(len(starts)) if self.shuffle \
+            else np.arange(len(starts))
+        packing = pack_best_fit(lengths[docs], T + 1, self.pack_buffer)
+        rows = len(packing.row_ptr) - 1
+        order = np.random.default_rng([self.seed, epoch, 2, shard]).permutation(rows) if self.shuffle \
+            else np.arange(rows)  # the packer's last rows hold the crops of long documents: spread them
+        self._unread[shard] = len(self.shards[shard]) - rows * (T + 1)
+        self._packs[key] = (shard, order, packing.row_ptr, starts[docs][packing.doc], packing.take.astype(np.int32))
+        if len(self._packs) > 3:
+            self._packs.popitem(last=False)
+        return self._packs[key]
+
+    def _advance(self, pos: tuple, n: int) -> tuple:
+        """The position n rows after pos, at a row that exists (so n=0 skips shards too short for a row)."""
+        epoch, k, row = pos
+        empty = 0  # shards in a row without a row: all of them means no shard has a long enough document
+        while True:
+            rows = len(self._pack(epoch, k)[1])
+            if row + n < rows:
+                return epoch, k, row + n
+            n, row, k = n - (rows - row), 0, k + 1
+            empty = empty + 1 if rows == 0 else 0
+            if empty >= len(self.shards):
+                raise DataError(f"{self.data_dir}: no {self.split} shard holds {self.seq_len + 1:,} tokens of "
+                                f"documents that start with the token {self.bos_token} (end-of-text): "
+                                "--packing bos cannot make a row; use --packing windows")
+            if k == len(self.shards):
+                epoch, k = epoch + 1, 0
+
+    def _bos_batch(self, pos: tuple):
+        """This rank's batch of the step that starts at pos: rows of whole documents, each starting at one."""
+        T = self.seq_len
+        buf = np.empty((self.batch_size, T + 1), dtype=np.int64)
+        pos = self._advance(pos, self.rank * self.batch_size)
+        for b in range(self.batch_size):
+            shard, order, row_ptr, starts, takes = self._pack(pos[0], pos[1])
+            r, filled = int(order[pos[2]]), 0
+            for start, take in zip(starts[row_ptr[r]:row_ptr[r + 1]], takes[row_ptr[r]:row_ptr[r + 1]]):
+                buf[b, filled:filled + take] = self.shards[shard][start:start + take]
+                filled += take
+            self._check_ids(buf[b], shard)
+            pos = self._advance(pos, 1)
+        return self._tensors(buf)
+
+    def _step(self, pos):
+        """This rank's batch of the step at pos, and the position after the step (on every rank)."""
+        if self.packing == "windows":
+            return self._batch(pos), pos + self.step_windows
+        return self._bos_batch(pos), self._advance(pos, self.step_windows)
+
+    @property
+    def cropped_fraction(self) -> float | None:
+        """The fraction of the shards' tokens that no row holds: read (bos: documents' tails cropped to fit a
+        row, and what comes before a shard's first document) or left out (the end of a shard) but never
+        trained on. Windows: over all shards, a few tokens per shard. bos: over the shards packed so far (their
+        latest epoch); None before the first."""
+        packed = self._unread >= 0
+        return float(self._unread[packed].sum() / self._lengths[packed].sum()) if packed.any() else None
+
+    @property
+    def stats(self) -> dict:
+        """What a run may log about its data: the packing and the cropped fraction."""
+        return {"packing": self.packing, "cropped_fraction": self.cropped_fraction}
 
     # -- iteration and prefetch --
 
@@ -736,9 +916,9 @@ class ShardLoader:
 
     @property
     def epoch(self) -> int:
-        return self._next // self.num_windows
+        return self._next // self.num_windows if self.packing == "windows" else self._next[0]
 
-    def _work(self, g: int, q: queue.Queue, stop: threading.Event):
+    def _work(self, g, q: queue.Queue, stop: threading.Event):
         def put(item):  # gives up when stopped, so close() never waits on a full queue
             while not stop.is_set():
                 try:
@@ -749,8 +929,8 @@ class ShardLoader:
 
         try:
             while not stop.is_set():
-                put(self._batch(g))
-                g += self.step_windows
+                batch, g = self._step(g)
+                put((batch, g))
         except Exception as e:  # handed to the consumer, which re-raises it
             put(e)
 
@@ -759,7 +939,7 @@ class ShardLoader:
 
     def __next__(self):
         if self.prefetch == 0:
-            x, y = self._batch(self._next)
+            (x, y), after = self._step(self._next)
         else:
             if self._thread is None:
                 self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
@@ -770,8 +950,8 @@ class ShardLoader:
             if isinstance(item, Exception):
                 self.close()
                 raise item
-            x, y = item
-        self._next += self.step_windows
+            (x, y), after = item
+        self._next = after
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def close(self):
@@ -797,18 +977,34 @@ class ShardLoader:
 
     # -- checkpointing --
 
+    def _identity(self) -> dict:
+        """What a saved position only means together with: the data, the order and the packing."""
+        found = {"seed": self.seed, "seq_len": self.seq_len, "shuffle": self.shuffle,
+                 "num_windows": self.num_windows, "packing": self.packing}
+        if self.packing == "bos":
+            found.update(bos_token=self.bos_token, pack_buffer=self.pack_buffer)
+        return found
+
     def state_dict(self) -> dict:
         """The position after the batches the caller has taken (prefetched ones excluded); same on all ranks."""
-        return {"next_window": self._next, "seed": self.seed, "seq_len": self.seq_len,
-                "shuffle": self.shuffle, "num_windows": self.num_windows}
+        if self.packing == "windows":
+            return {"next_window": self._next, **self._identity()}
+        return {"next_row": list(self._next), **self._identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        for key in ("seed", "seq_len", "shuffle", "num_windows"):
-            if state.get(key) != getattr(self, key):
+        state = {"packing": "windows", **state}  # states saved before --packing existed are windows
+        if state["packing"] != self.packing:
+            raise DataError(f"the loader state was saved with --packing {state['packing']}, this run has "
+                            f"--packing {self.packing}; resume with the same --packing")
+        for key, value in self._identity().items():
+            if state.get(key) != value:
                 raise DataError(f"loader state does not fit this data: saved {key}={state.get(key)}, "
-                                f"this loader has {key}={getattr(self, key)}")
+                                f"this loader has {key}={value}")
         self.close()
-        self._next = int(state["next_window"])
+        if self.packing == "windows":
+            self._next = int(state["next_window"])
+        else:
+            self._next = tuple(int(v) for v in state["next_row"])
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,10 +1,28 @@
-"""Validation during training: the mean loss over a fixed slice of the val split, and a text sample, at a
-cadence the Evaluator decides itself.
+"""Evaluation during training (and after it, through eval.py): validation loss and bits per byte over a fixed
+slice of the val split, HellaSwag accuracy, and a text sample, at a cadence the Evaluator decides itself.
 
     evaluator = Evaluator(cfg.eval, data_dir, info, device, vocab_size, seed)
+    evaluator.check(micro_batch, seq_len)      # at start-up: the val split, the prompt, the HellaSwag rows
     if evaluator.due(done, max_steps):
-        val_loss = evaluator.val_loss(forward, model, autocast, micro_batch, seq_len)
+        record.update(evaluator.val_metrics(forward, model, autocast, micro_batch, seq_len))  # val_loss, val_bpb
+        record.update(evaluator.hellaswag(model, autocast_dtype))                            # hellaswag_acc
+
+Bits per byte: the val loss depends on the tokenizer (a larger vocabulary makes fewer, harder predictions),
+so models with different tokenizers are compared on the text instead: val_bpb is the summed loss in nats of
+the target tokens over ln 2 times their UTF-8 bytes. Special tokens (GPT-2's end-of-text, 50256) have no
+bytes of text: they mark document boundaries, which the text itself does not contain, so they are left out
+of both sums (the usual choice). val_loss still counts every target, as training does.
+
+HellaSwag: each example is a context and four endings, one of them right. Each ending (with a space before
+it) is scored by the mean loss of its tokens given the context, and the lowest wins (hellaswag_acc, length-
+normalised); the summed loss's choice is reported too (hellaswag_acc_sum), as it costs nothing more.
 """
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
 
 import torch
 
@@ -12,16 +30,192 @@ import distributed
 import hardware
 from cli import UsageError
 from data import ShardLoader, get_tokenizer
+from model import IGNORE_INDEX
 from progress import Progress
 from sample import sample_text
 
+HELLASWAG_ENDINGS = 4
+
+
+# ----------------------------------------------------------------------------- bits per byte
+
+
+def token_byte_lengths(enc, size: int) -> torch.Tensor:
+    """[size] int64: the UTF-8 bytes of each token id's text; 0 for the tokenizer's special tokens (no text)
+    and for ids it does not have (the vocabulary's padding). Built once; indexed by target ids."""
+    special = {enc.encode_single_token(token) for token in enc.special_tokens_set}
+    lengths = [0] * size
+    for i in range(min(size, enc.n_vocab)):
+        if i not in special:
+            try:
+                lengths[i] = len(enc.decode_single_token_bytes(i))
+            except KeyError:  # a hole in the encoding's ids
+                pass
+    return torch.tensor(lengths, dtype=torch.int64)
+
+
+def bpb_sums(losses: torch.Tensor, targets: torch.Tensor, token_bytes: torch.Tensor) -> torch.Tensor:
+    """Per-token losses (nats) and their target ids, any shape -> [2] float32: the nats of the targets that
+    have bytes of text, and those bytes. Sums rather than a ratio, so batches and ranks add up."""
+    n_bytes = token_bytes[targets]
+    nats = torch.where(n_bytes > 0, losses.float(), 0.0).sum()
+    return torch.stack([nats, n_bytes.sum().float()])
+
+
+def bits_per_byte(nats: float, n_bytes: float) -> float:
+    """Nats over bytes, in bits: sum(loss) / (ln 2 * sum(bytes))."""
+    return nats / (math.log(2) * n_bytes)
+
+
+# ----------------------------------------------------------------------------- HellaSwag
+
+
+@dataclass(frozen=True)
+class Example:
+    """One multiple-choice item: the context, its candidate endings, and the index of the right one."""
+
+    context: str
+    endings: tuple[str, ...]
+    label: int
+
+
+def hellaswag_example(row, where: str) -> Example:
+    """A row in HellaSwag's format (ctx, endings, label as an int or a digit string; other fields ignored)
+    -> Example; UsageError naming `where` for a row that is not one."""
+    if not isinstance(row, dict):
+        raise UsageError(f"{where}: not a HellaSwag row (a JSON object with ctx, endings, label)")
+    ctx, endings, label = row.get("ctx"), row.get("endings"), row.get("label")
+    if not isinstance(ctx, str):
+        raise UsageError(f"{where}: 'ctx' must be a string, got {ctx!r}")
+    if not (isinstance(endings, list) and len(endings) == HELLASWAG_ENDINGS
+            and all(isinstance(e, str) for e in endings)):
+        raise UsageError(f"{where}: 'endings' must be a list of {HELLASWAG_ENDINGS} strings, got {endings!r}")
+    try:
+        index = int(label) if isinstance(label, (int, str)) and not isinstance(label, bool) else None
+    except ValueError:
+        index = None
+    if index is None or not 0 <= index < HELLASWAG_ENDINGS:
+        raise UsageError(f"{where}: 'label' must be 0..{HELLASWAG_ENDINGS - 1} (an int or a digit string), "
+                         f"got {label!r}")
+    return Example(ctx, tuple(endings), index)
+
+
+def _jsonl_rows(path: str, limit: int | None):
+    """(where, row) for the first `limit` non-blank lines; where names the line, for error messages."""
+    with open(path, encoding="utf-8") as f:
+        rows = 0
+        for lineno, line in enumerate(f, 1):
+            if rows == limit:
+                return
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+            rows += 1
+            yield f"{path}:{lineno}", row
+
+
+def _parquet_rows(path: str, limit: int | None):
+    """(where, row) for the first `limit` rows; HellaSwag's validation split is small enough to read whole."""
+    import pyarrow.parquet as pq  # only needed for parquet input
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:
+        raise UsageError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+    for i, row in enumerate(rows[:limit]):
+        yield f"{path}: row {i}", row
+
+
+def _hub_rows(name: str, limit: int | None):
+    """The first `limit` rows (None: all) of a Hugging Face dataset's validation split, downloaded once into
+    the datasets cache (HF_HUB_OFFLINE=1: the cache only)."""
+    try:
+        import datasets
+    except ImportError:
+        raise UsageError("loading HellaSwag from the hub needs the datasets package: pip install datasets") from None
+    try:
+        ds = datasets.load_dataset(name, split="validation" if limit is None else f"validation[:{limit}]")
+    except Exception as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UsageError(f"could not load HellaSwag {name!r} from the Hugging Face hub ({first}); offline, "
+                         "pass --hellaswag-path FILE.jsonl or .parquet") from None
+    return ((f"{name} validation row {i}", row) for i, row in enumerate(ds))
+
+
+def _is_hub_name(source: str) -> bool:
+    """"owner/name" that is not a path here (nor a file name with our extensions): a hub dataset."""
+    return (re.fullmatch(r"[\w-][\w.-]*/[\w.-]+", source) is not None
+            and not source.endswith((".jsonl", ".parquet")) and not os.path.exists(source))
+
+
+def load_hellaswag(source: str, limit: int | None = None) -> list[Example]:
+    """The first `limit` examples (None: all) of `source`: a local .jsonl or .parquet file in HellaSwag's
+    format, or the name of a Hugging Face dataset (its validation split). Local files are read directly, not
+    through datasets, so a bad one is reported by line. One-line UsageError when it cannot be read."""
+    if _is_hub_name(source):
+        rows = _hub_rows(source, limit)
+    elif not os.path.isfile(source):
+        raise UsageError(f"--hellaswag-path {source}: no such file")
+    elif source.endswith(".jsonl"):
+        rows = _jsonl_rows(source, limit)
+    elif source.endswith(".parquet"):
+        rows = _parquet_rows(source, limit)
+    else:
+        raise UsageError(f"--hellaswag-path {source}: expected a .jsonl or .parquet file, or a hub dataset name")
+    try:
+        examples = [hellaswag_example(row, where) for where, row in rows]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"--hellaswag-path {source}: cannot read it ({e})") from None
+    if not examples:
+        raise UsageError(f"--hellaswag-path {source}: no examples")
+    return examples
+
+
+def choice_batch(enc, example: Example, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One example as a batch -> (inputs [4, L], targets [4, L]): row i is the context, then " " + ending i,
+    its targets IGNORE_INDEX except at the ending's tokens, right-padded (causal attention never looks right).
+
+    The ending is encoded on its own, so every row shares the context's tokens. A row longer than the model's
+    max_len + 1 tokens keeps its last ones (the end of the context is what the ending follows); an empty
+    context conditions on end-of-text, as a new document does."""
+    context = enc.encode_ordinary(example.context) or [enc.eot_token]
+    rows = []
+    for ending in example.endings:
+        tail = enc.encode_ordinary(" " + ending)
+        tokens = (context + tail)[-(max_len + 1):]
+        rows.append((tokens, min(len(tail), len(tokens) - 1)))
+    width = max(len(tokens) for tokens, _ in rows) - 1
+    x = torch.zeros(len(rows), width, dtype=torch.int64)
+    y = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.int64)
+    for i, (tokens, scored) in enumerate(rows):
+        n = len(tokens) - 1
+        x[i, :n] = torch.tensor(tokens[:-1])
+        y[i, n - scored:n] = torch.tensor(tokens[n + 1 - scored:])
+    return x, y
+
+
+def ending_scores(losses: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token losses and targets [4, L] -> (each ending's mean loss [4], its summed loss [4]); losses at
+    ignored targets are 0 (linear_cross_entropy's reduction "none"), and are masked anyway."""
+    scored = targets != IGNORE_INDEX
+    total = torch.where(scored, losses.float(), 0.0).sum(dim=1)
+    return total / scored.sum(dim=1), total
+
+
+# ----------------------------------------------------------------------------- the Evaluator
+
 
 class Evaluator:
-    def __init__(self, cfg, data_dir: str, info: "distributed.DistInfo", device: torch.device, vocab_size: int,
-                 seed: int):
-        """cfg: config.EvalConfig."""
+    def __init__(self, cfg, data_dir: str | None, info: "distributed.DistInfo", device: torch.device,
+                 vocab_size: int, seed: int):
+        """cfg: config.EvalConfig. data_dir: the val shards (None when only HellaSwag runs, in eval.py)."""
         self.cfg, self.data_dir, self.info, self.device = cfg, data_dir, info, device
         self.vocab_size, self.seed = vocab_size, seed
+        self.token_bytes = None  # check_val: bytes per token id, when the ids are GPT-2's
+        self.choices = []  # load_hellaswag: (inputs, targets, label) per example, on the CPU
 
     def due(self, done: int, max_steps: int) -> bool:
         """Evaluate after `done` steps? On the interval, and always at the end (unless evaluation is off)."""
@@ -35,36 +229,122 @@ class Evaluator:
                            vocab_size=self.vocab_size)
 
     def check(self, micro_batch: int, seq_len: int) -> None:
-        """Fail at start-up, not at the first eval: no usable val split (DataError), or a sample prompt whose
-        GPT-2 token ids the model's vocabulary cannot hold (an empty one starts from the end-of-text id)."""
+        """Fail at start-up, not at the first eval: no usable val split (DataError), a sample prompt whose
+        GPT-2 token ids the model's vocabulary cannot hold (an empty one starts from the end-of-text id), or
+        HellaSwag rows that cannot be read or encoded (UsageError)."""
         if self.cfg.eval_interval:
-            self._loader(micro_batch, seq_len, ranks=False).close()
+            self.check_val(micro_batch, seq_len)
         if self.cfg.sample_tokens:
             enc = get_tokenizer()
             top = max(enc.encode_ordinary(self.cfg.sample_prompt) or [enc.eot_token])
             if top >= self.vocab_size:
                 raise UsageError(f"--sample-prompt {self.cfg.sample_prompt!r} starts sampling from GPT-2 token id "
                                  f"{top}, beyond --vocab-size {self.vocab_size}; give a prompt within it")
+        if self.cfg.eval_hellaswag < 0:
+            raise UsageError(f"--eval-hellaswag must be >= 0, got {self.cfg.eval_hellaswag}")
+        if self.cfg.eval_hellaswag and not self.cfg.eval_interval:
+            raise UsageError("--eval-hellaswag runs at evals: it needs --eval-interval > 0")
+        if self.cfg.eval_hellaswag:
+            self.load_hellaswag(seq_len, self.cfg.eval_hellaswag)
+
+    def check_val(self, micro_batch: int, seq_len: int) -> None:
+        """The val split must be readable; and the bytes per token for val_bpb, when the model's ids can be
+        GPT-2's (a larger vocabulary means another tokenizer, whose bytes we do not know: no val_bpb)."""
+        self._loader(micro_batch, seq_len, ranks=False).close()
+        enc = get_tokenizer()
+        if self.vocab_size <= enc.n_vocab:
+            self.token_bytes = token_byte_lengths(enc, self.vocab_size).to(self.device)
+
+    def load_hellaswag(self, seq_len: int, limit: int | None) -> None:
+        """Read the first `limit` rows (None: all) of --hellaswag-path on rank 0 (one download, not one per
+        rank), hand them (or the error) to every rank, and encode them for a model of seq_len positions."""
+        examples, failure = None, None
+        if self.info.is_main:
+            try:
+                examples = load_hellaswag(self.cfg.hellaswag_path, limit)
+            except UsageError as e:
+                failure = e
+        examples, failure = distributed.broadcast_object((examples, failure), self.info)
+        if failure is not None:
+            raise failure
+        enc = get_tokenizer()
+        self.choices = [(*choice_batch(enc, example, seq_len), example.label) for example in examples]
+        top = max(max(int(x.max()), int(y.max())) for x, y, _ in self.choices)
+        if top >= self.vocab_size:
+            raise UsageError(f"HellaSwag's text encodes to GPT-2 token ids up to {top}, beyond --vocab-size "
+                             f"{self.vocab_size}: --eval-hellaswag needs the GPT-2 vocabulary (50257)")
 
     @torch.no_grad()
-    def val_loss(self, forward, model: torch.nn.Module, autocast, micro_batch: int, seq_len: int) -> float:
-        """Mean loss over the first eval_tokens of the val split: the same tokens every time, split across
-        ranks. forward: what the training step calls (compiled, wrapped); autocast: the step's context."""
+    def val_metrics(self, forward, model: torch.nn.Module, autocast, micro_batch: int, seq_len: int) -> dict:
+        """{"val_loss": mean loss, "val_bpb": bits per byte (when known)} over the first eval_tokens of the val
+        split: the same tokens every time, split across ranks. forward: what the training step calls
+        (compiled, wrapped); autocast: the step's context. One pass gives both: per-token losses."""
         loader = self._loader(micro_batch, seq_len)
         n_batches = max(1, self.cfg.eval_tokens // (micro_batch * seq_len * self.info.world_size))
+        training = model.training
         model.eval()
-        total = torch.zeros((), device=self.device)
+        sums = torch.zeros(4, device=self.device)  # nats, tokens; nats of the tokens with text, their bytes
         progress = Progress(n_batches, "eval", unit="batch", enabled=self.info.is_main)
         for _ in range(n_batches):
             x, y = next(loader)
             with autocast():
-                _, loss = forward(x, y)
-            total += loss.float()
+                _, losses = forward(x, y, reduction="none")
+            sums[0] += losses.float().sum()
+            sums[1] += y.numel()
+            if self.token_bytes is not None:
+                sums[2:] += bpb_sums(losses, y, self.token_bytes)
             progress.update()
         progress.close()
-        model.train()
+        model.train(training)
         loader.close()
-        return distributed.mean_across_ranks(total / n_batches, self.info).item()
+        nats, tokens, text_nats, n_bytes = distributed.mean_across_ranks(sums, self.info).tolist()
+        metrics = {"val_loss": nats / tokens}
+        if self.token_bytes is not None and n_bytes > 0:
+            metrics["val_bpb"] = bits_per_byte(text_nats, n_bytes)
+        return metrics
+
+    @torch.no_grad()
+    def hellaswag(self, model: torch.nn.Module, autocast_dtype: torch.dtype | None = None) -> dict:
+        """{"hellaswag_acc", "hellaswag_acc_sum"} over the loaded examples, or {} when HellaSwag is off.
+
+        Runs the bare model (not the compiled one: every example has its own length, and compile would
+        specialise on each) under the training's autocast but not FP8's (whose GEMMs need shapes in multiples
+        of 16). Ranks take every world_size-th example and add up their counts; every rank runs the same
+        number of forwards (a rank short of one repeats an example and does not count it), since under FSDP2
+        each forward is a collective."""
+        if not self.choices:
+            return {}
+        mine = self.choices[self.info.rank::self.info.world_size]
+        counted, mine = len(mine), mine or self.choices[:1]
+        rounds = math.ceil(len(self.choices) / self.info.world_size)
+        counts = torch.zeros(2, device=self.device)  # right by mean loss, right by summed loss
+        training = model.training
+        model.eval()
+        progress = Progress(rounds, "hellaswag", unit="example", enabled=self.info.is_main)
+        for i in range(rounds):
+            x, y, label = mine[min(i, len(mine) - 1)]
+            x, y = x.to(self.device), y.to(self.device)
+            with hardware.autocast(self.device, autocast_dtype):
+                _, losses = model(x, y, reduction="none")
+            mean, total = ending_scores(losses, y)
+            if i < counted:
+                counts += torch.stack([mean.argmin() == label, total.argmin() == label]).float()
+            progress.update()
+        progress.close()
+        model.train(training)
+        right, right_sum = (distributed.mean_across_ranks(counts, self.info) * self.info.world_size).tolist()
+        n = len(self.choices)
+        return {"hellaswag_acc": round(right) / n, "hellaswag_acc_sum": round(right_sum) / n}
+
+    def describe(self, metrics: dict) -> str:
+        """The eval line's figures: 'val loss 4.1234, val bpb 1.2345, hellaswag 0.2500 (sum 0.2500, 8 examples)'."""
+        text = f"val loss {metrics['val_loss']:.4f}"
+        if "val_bpb" in metrics:
+            text += f", val bpb {metrics['val_bpb']:.4f}"
+        if "hellaswag_acc" in metrics:
+            text += (f", hellaswag {metrics['hellaswag_acc']:.4f} (sum {metrics['hellaswag_acc_sum']:.4f}, "
+                     f"{len(self.choices)} examples)")
+        return text
 
     def sample(self, model: torch.nn.Module, autocast_dtype: torch.dtype | None = None) -> str | None:
         """A sample of --sample-tokens after --sample-prompt, or None when sampling is off. Call it on every

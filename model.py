@@ -38,6 +38,10 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+# ModelConfig fields that only affect initialisation: a resume may change them (checkpoint.py).
+INIT_ONLY_FIELDS = ("zero_init_proj",)
+
+
 @dataclass
 class ModelConfig:
     """Model shape. `head_dim` and `ffn_dim` may be None: read `resolved_head_dim` / `resolved_ffn_dim`
@@ -66,6 +70,10 @@ class ModelConfig:
     norm_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon"})
     tie_embeddings: bool = field(default=True, metadata={
         "flag": "--untied", "action": "store_false", "help": "separate lm_head and embedding weights"})
+    # Initialisation, not shape: export.hf_config leaves it out, so Hugging Face exports stay exact.
+    zero_init_proj: bool = field(default=False, metadata={
+        "help": "initialise attn.proj and mlp.fc2, the projections into the residual stream, to zero: every block "
+                "starts as the identity (init only; not part of the exported architecture)"})
 
     def validate(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "max_seq_len"):
@@ -168,6 +176,16 @@ def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _token_losses(logits: torch.Tensor, targets: torch.Tensor):
+    """float32 logits [C, V], targets [C] -> (each token's cross-entropy [C], 0 on ignored rows; the logsumexp
+    [C]; the not-ignored mask [C]; the targets [C, 1] with ignored rows pointing at column 0). The training
+    loss sums the first; evaluation (reduction "none") keeps it per token, so both share these numerics."""
+    lse = logits.logsumexp(dim=-1)
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, 0)[:, None]  # ignored rows gather column 0, then count for nothing
+    return torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0), lse, valid, safe
+
+
 def _chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_grad: bool):
     """One chunk: x [C, D] and weight [V, D] in the GEMM dtype, targets [C].
 
@@ -176,10 +194,8 @@ def _chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     The softmax is computed in the float32 logits' own storage: one [C, V] float32 buffer serves both.
     """
     logits = F.linear(x, weight).float()
-    lse = logits.logsumexp(dim=-1)
-    valid = targets != IGNORE_INDEX
-    safe = torch.where(valid, targets, 0)[:, None]  # ignored rows gather column 0, then count for nothing
-    loss = torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0).sum()
+    losses, lse, valid, safe = _token_losses(logits, targets)
+    loss = losses.sum()
     if not with_grad:
         return loss, None
     grad = logits.sub_(lse[:, None]).exp_()
@@ -243,19 +259,42 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (grad_x * grad_loss).to(x_dtype), (grad_w * grad_loss).to(w_dtype), None, None
 
 
+def _chunked_token_losses(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+    """x [N, D], weight [V, D], targets [N] -> each token's float32 cross-entropy [N] (0 where ignored),
+    chunk tokens at a time, with no gradient work."""
+    dtype = _gemm_dtype(x)
+    w = weight.to(dtype)
+    losses = torch.empty(targets.shape, dtype=torch.float32, device=x.device)
+    for start in range(0, x.shape[0], chunk):
+        rows = slice(start, start + chunk)
+        losses[rows] = _token_losses(F.linear(x[rows].to(dtype), w).float(), targets[rows])[0]
+    return losses
+
+
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int = LOSS_CHUNK_TOKENS) -> torch.Tensor:
-    """F.cross_entropy(F.linear(x, weight).float(), targets) without ever holding all the logits.
+                         chunk: int = LOSS_CHUNK_TOKENS, reduction: str = "mean") -> torch.Tensor:
+    """F.cross_entropy(F.linear(x, weight).float(), targets, reduction=reduction) without ever holding all
+    the logits.
 
     x [..., D], weight [V, D], targets [...] (x's leading dims). The same mean float32 cross-entropy
     (log-softmax over all V columns; targets equal to IGNORE_INDEX left out of the sum and the count) and the
     same gradients w.r.t. x and weight, computed `chunk` tokens at a time, so the [N, V] logits, their
     float32 copy and their gradient never exist at once. The GEMMs run in the dtype nn.Linear's would
     (autocast's, when on). Without autograd (torch.no_grad, or nothing requiring grad) no gradient is
-    computed.
+    computed. reduction "none" gives each token's loss, shaped like targets (0 where ignored), for
+    evaluation (bits per byte, multiple-choice scoring): it has no backward, so it refuses to run where
+    autograd would want one.
     """
+    if reduction not in ("mean", "none"):
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    shape = targets.shape
     x, targets = x.flatten(0, -2), targets.flatten()
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if reduction == "none":
+        if wants_grad:
+            raise ValueError("reduction='none' has no backward: call it under torch.no_grad()")
+        return _chunked_token_losses(x, weight, targets, chunk).view(shape)
+    if wants_grad:
         return _LinearCrossEntropy.apply(x, weight, targets, chunk)
     return _chunked_loss_and_grads(x, weight, targets, chunk, with_grad=False)[0]
 
@@ -381,8 +420,10 @@ class GPT(nn.Module):
 
         Matrices and the embedding: normal(0, 0.02). The two projections that write into the residual stream
         (attn.proj, mlp.fc2) are scaled by 1/sqrt(2 * n_layer) so the stream's variance does not grow with
-        depth. Norm weights: 1. Safe to call on a model materialised from the meta device (`to_empty`), which
-        also breaks the embedding tie, so the tie is restored here.
+        depth, or with config.zero_init_proj are zero, so that every block starts as the identity and the
+        gradient first reaches them alone (modded-nanogpt's recipe; they still draw from the generator, so the
+        other weights are the same either way). Norm weights: 1. Safe to call on a model materialised from the
+        meta device (`to_empty`), which also breaks the embedding tie, so the tie is restored here.
         """
         if self.config.tie_embeddings and self.lm_head.weight is not self.embed.weight:
             self.lm_head.weight = self.embed.weight
@@ -392,6 +433,8 @@ class GPT(nn.Module):
                 nn.init.ones_(param)
             elif name.endswith(("attn.proj.weight", "mlp.fc2_weight")):
                 nn.init.normal_(param, std=residual_std)
+                if self.config.zero_init_proj:
+                    nn.init.zeros_(param)
             else:
                 nn.init.normal_(param, std=INIT_STD)
         cos, sin = rope_cos_sin(self.config.resolved_head_dim, self.config.max_seq_len, self.config.rope_theta)
@@ -399,10 +442,11 @@ class GPT(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+        reduction: str = "mean",
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """idx [B, T] -> (logits [B, T, padded_vocab_size], None), or with targets [B, T] (None, the mean
-        float32 cross-entropy).
+        float32 cross-entropy; with reduction "none", under torch.no_grad, each token's loss [B, T]).
 
         With targets the logits are never materialised: linear_cross_entropy fuses the lm_head with the loss,
         chunk by chunk, so at GPT-2's vocabulary the step does not hold gigabytes of logits. Call without
@@ -426,7 +470,7 @@ class GPT(nn.Module):
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x), None
-        return None, linear_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunk_tokens)
+        return None, linear_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunk_tokens, reduction)
 
     def row_blocks(self) -> dict[str, list[int]]:
         """Row split of each fused weight, by parameter name: qkv into [Q, K, V], fc1 into [gate, up]."""

@@ -32,6 +32,24 @@ MUON_SCALES = ("original", "match_rms_adamw")
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
+NS_COEFF_SCHEMES = ("quintic", "polar-express")
+# Polar Express (Amsel, Persson, Musco, Gower 2025, Algorithm 1): per iteration, the odd quintic a x + b x^3 +
+# c x^5 that is the minimax (equioscillating) approximation of 1 on the interval the previous ones leave, from
+# [1e-3, 1], cushioned at 0.0240733 x the upper end and recentred on 1; the 8th repeats from then on.
+# tests/test_optim.py re-derives them. Each but the last is applied as p(x / 1.01) against round-off growth.
+POLAR_EXPRESS_COEFFICIENTS = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+POLAR_EXPRESS_SAFETY = 1.01
+# NorMuon: added to the root of a row's second moment; orthogonalised rows have mean squares near 1/cols.
+NORMUON_EPS = 1e-8
 # Full fp32 matrices Muon gathers and orthogonalises together: big enough to batch a few layers' blocks,
 # small enough that FSDP2's sharding still bounds the optimizer's peak memory.
 MUON_BUCKET_BYTES = 256 * 2**20
@@ -71,6 +89,20 @@ class OptimConfig:
     fused: bool = field(default=True, metadata={
         "flag": "--fused-adamw", "help": "AdamW: torch's fused kernel where the device has one "
                                          "(--no-fused-adamw: the foreach path, the ladder's baseline)"})
+    ns_coeffs: str = field(default="quintic", metadata={
+        "choices": NS_COEFF_SCHEMES, "help": "Muon's Newton-Schulz polynomials: the fixed quintic, or Polar "
+                                             "Express's per-iteration ones (closer to the exact polar factor)"})
+    normuon: bool = field(default=False, metadata={
+        "help": "Muon: NorMuon's per-neuron normalisation, each orthogonalised row divided by the root of an EMA "
+                "of its mean square, then rescaled to the block's RMS"})
+    normuon_beta: float = field(default=0.95, metadata={"help": "decay of NorMuon's per-row second moment"})
+    cautious_wd: bool = field(default=False, metadata={
+        "help": "cautious weight decay: decay only the coordinates whose update has the parameter's sign "
+                "(muon and adamw)"})
+    embed_lr: float | None = field(default=None, metadata={
+        "help": "peak LR of the embedding (the tied matrix, if tied); default: the AdamW side's LR"})
+    head_lr: float | None = field(default=None, metadata={
+        "help": "peak LR of an untied lm_head (needs --untied); default: the AdamW side's LR"})
 
     @property
     def betas(self) -> tuple[float, float]:
@@ -97,6 +129,23 @@ class OptimConfig:
             raise ValueError(f"unknown ns_dtype {self.ns_dtype!r}; choose one of auto, {', '.join(NS_DTYPES)}")
         if self.muon_scale not in MUON_SCALES:
             raise ValueError(f"unknown muon_scale {self.muon_scale!r}; choose one of {', '.join(MUON_SCALES)}")
+        self._validate_recipe()
+
+    def _validate_recipe(self):
+        """The recipe toggles: a toggle that would do nothing for this optimizer is refused, not ignored."""
+        if self.ns_coeffs not in NS_COEFF_SCHEMES:
+            raise ValueError(f"unknown ns_coeffs {self.ns_coeffs!r}; choose one of {', '.join(NS_COEFF_SCHEMES)}")
+        if not 0 <= self.normuon_beta < 1:
+            raise ValueError(f"normuon_beta must be in [0, 1), got {self.normuon_beta}")
+        for name in ("embed_lr", "head_lr"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.name != "muon" and (self.normuon or self.ns_coeffs != "quintic"):
+            raise ValueError("--normuon and --ns-coeffs act on Muon's update: they need --optimizer muon")
+        if self.name == "adamw8bit" and self.cautious_wd:
+            raise ValueError("--cautious-wd needs the update's sign, which 8-bit AdamW keeps quantised: "
+                             "use --optimizer adamw or muon")
 
 
 # ----------------------------------------------------------------------------- LR schedule
@@ -158,8 +207,18 @@ def _group(kind: str, named: list[tuple[str, nn.Parameter]], lr: float, weight_d
             "lr": lr, "base_lr": lr, "weight_decay": weight_decay, **extra}
 
 
-def _adamw_groups(roles: dict, lr: float, weight_decay: float) -> list[dict]:
-    groups = [_group("adamw", roles["decay"], lr, weight_decay), _group("adamw", roles["no_decay"], lr, 0.0)]
+def _adamw_groups(roles: dict, lr: float, weight_decay: float, cfg: OptimConfig) -> list[dict]:
+    """The AdamW side: decayed matrices, undecayed vectors, and the embedding and lm_head in groups of their own
+    only where cfg gives them their own LR, so that a run without those flags keeps the same groups (and the
+    same optimizer state_dict layout). Groups carry "cautious_wd" only when it is on."""
+    own_lr = {"embed.weight": cfg.embed_lr, "lm_head.weight": cfg.head_lr}
+    extra = {"cautious_wd": True} if cfg.cautious_wd else {}
+    decay = [(n, p) for n, p in roles["decay"] if own_lr.get(n) is None]
+    groups = [_group("adamw", decay, lr, weight_decay, **extra), _group("adamw", roles["no_decay"], lr, 0.0, **extra)]
+    for name, group_lr in own_lr.items():
+        if group_lr is not None:
+            groups.append(_group("adamw", [(n, p) for n, p in roles["decay"] if n == name], group_lr, weight_decay,
+                                 **extra))
     return [g for g in groups if g["params"]]
 
 
@@ -175,6 +234,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, row_blocks: dict[str, li
     """
     cfg.validate()
     roles = split_params(model, use_muon=cfg.name == "muon")
+    if cfg.head_lr is not None and not any(n == "lm_head.weight" for n, _ in roles["decay"]):
+        raise ValueError("--head-lr needs an untied lm_head (--untied); a tied one is the embedding: use --embed-lr")
     if cfg.name == "adamw":
         return _build_adamw(roles, cfg, device_type)
     if cfg.name == "adamw8bit":
@@ -195,8 +256,9 @@ def fused_adamw_available(device_type: str) -> bool:
 
 def _build_adamw(roles, cfg, device_type):
     fused = cfg.fused and fused_adamw_available(device_type)
-    return torch.optim.AdamW(_adamw_groups(roles, cfg.lr, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
-                             eps=cfg.eps, fused=fused or None, foreach=None if fused else True)
+    cls = CautiousAdamW if cfg.cautious_wd else torch.optim.AdamW  # plain torch when off: nothing else changes
+    return cls(_adamw_groups(roles, cfg.lr, cfg.weight_decay, cfg), lr=cfg.lr, betas=cfg.betas,
+               eps=cfg.eps, fused=fused or None, foreach=None if fused else True)
 
 
 def _build_adamw8bit(roles, cfg):
@@ -212,7 +274,7 @@ def _build_adamw8bit(roles, cfg):
     manager = bnb.optim.GlobalOptimManager.get_instance()
     for name, p in named:
         manager.override_config(p, key_value_dict={"optim_bits": 32 if name in FULL_PRECISION_STATE else 8})
-    return bnb.optim.AdamW8bit(_adamw_groups(roles, cfg.lr, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
+    return bnb.optim.AdamW8bit(_adamw_groups(roles, cfg.lr, cfg.weight_decay, cfg), lr=cfg.lr, betas=cfg.betas,
                                eps=cfg.eps, weight_decay=0.0)
 
 
@@ -229,23 +291,42 @@ def _build_muon(roles, cfg, row_blocks, device_type):
             raise ValueError(f"row_blocks for {name} is {split}, which does not split its {p.shape[0]} rows")
         splits.append(split)
     ns_dtype = cfg.ns_dtype if cfg.ns_dtype != "auto" else ("bf16" if device_type == "cuda" else "fp32")
-    groups = [_group("muon", roles["muon"], cfg.lr, cfg.weight_decay, row_blocks=splits)] if roles["muon"] else []
-    groups += _adamw_groups(roles, cfg.adam_lr if cfg.adam_lr is not None else cfg.lr, cfg.weight_decay)
+    extra = {"cautious_wd": True} if cfg.cautious_wd else {}
+    groups = ([_group("muon", roles["muon"], cfg.lr, cfg.weight_decay, row_blocks=splits, **extra)]
+              if roles["muon"] else [])
+    groups += _adamw_groups(roles, cfg.adam_lr if cfg.adam_lr is not None else cfg.lr, cfg.weight_decay, cfg)
     return Muon(groups, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_dtype=ns_dtype,
-                muon_scale=cfg.muon_scale, betas=cfg.betas, eps=cfg.eps)
+                muon_scale=cfg.muon_scale, betas=cfg.betas, eps=cfg.eps, ns_coeffs=cfg.ns_coeffs,
+                normuon_beta=cfg.normuon_beta if cfg.normuon else None)
 
 
 # ----------------------------------------------------------------------------- Muon
 
 
-def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    """Approximately orthogonalise g (push its singular values towards 1) with the quintic iteration; g is
-    one matrix [rows, cols] or a stack of same-shape ones [n, rows, cols], each orthogonalised on its own.
+def ns_coefficients(scheme: str, steps: int) -> tuple[list[tuple[float, float, float]], float]:
+    """-> ((a, b, c) of each of `steps` iterations, the factor the input's norm is scaled by first).
 
-    The coefficients trade exact convergence for speed: singular values end up roughly in
-    [0.7, 1.2] rather than at 1, which does not hurt training. Wide orientation keeps X X^T small.
+    "quintic": the same polynomial every time (3.4445, -4.7750, 2.0315); it trades convergence for speed,
+    leaving singular values roughly in [0.7, 1.2] rather than at 1. "polar-express": Polar Express's
+    per-iteration polynomials with their safety factor: p(x / 1.01) instead of p(x), for all but the last of
+    the table (the Newton-Schulz fixed point, repeated beyond it), and the input divided by 1.01 x its norm, so
+    that round-off cannot push a singular value past the interval the next polynomial is built for.
     """
-    a, b, c = NS_COEFFICIENTS
+    if scheme == "quintic":
+        return [NS_COEFFICIENTS] * steps, 1.0
+    s = POLAR_EXPRESS_SAFETY
+    table = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:-1]]
+    table.append(POLAR_EXPRESS_COEFFICIENTS[-1])
+    return table[:steps] + [table[-1]] * (steps - len(table)), s
+
+
+def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype, coeffs: str = "quintic") -> torch.Tensor:
+    """Approximately orthogonalise g (push its singular values towards 1) with `steps` odd quintic iterations
+    X <- a X + b (X X^T) X + c (X X^T)^2 X, their coefficients from ns_coefficients(coeffs); g is one matrix
+    [rows, cols] or a stack of same-shape ones [n, rows, cols], each orthogonalised on its own. Wide
+    orientation keeps X X^T small.
+    """
+    schedule, safety = ns_coefficients(coeffs, steps)
     x = g.to(dtype)
     single = x.ndim == 2
     if single:
@@ -254,8 +335,8 @@ def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tens
     if tall:
         x = x.mT
     # The Frobenius norm bounds the spectral norm, so the iteration starts in range.
-    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + NS_EPS)
-    for _ in range(steps):
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) * safety + NS_EPS)
+    for a, b, c in schedule:
         gram = x @ x.mT
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, poly, x, beta=a)
@@ -279,7 +360,7 @@ def muon_buckets(todo: list, max_bytes: int) -> list[list]:
 
 
 def orthogonalize_blocks(blocks: list[torch.Tensor], steps: int, dtype: torch.dtype, world_size: int = 1,
-                         rank: int = 0) -> list[torch.Tensor]:
+                         rank: int = 0, coeffs: str = "quintic") -> list[torch.Tensor]:
     """newton_schulz of every matrix in `blocks`, with same-shape ones stacked into one batched call.
 
     With world_size > 1 (torch.distributed initialised), rank r orthogonalises only the r-th share of each
@@ -296,15 +377,38 @@ def orthogonalize_blocks(blocks: list[torch.Tensor], steps: int, dtype: torch.dt
         if world_size > 1:
             share = -(-len(indices) // world_size)
             padded = torch.cat([stack, stack.new_zeros(share * world_size - len(indices), *stack.shape[1:])])
-            mine = newton_schulz(padded[rank * share:(rank + 1) * share], steps, dtype).contiguous()
+            mine = newton_schulz(padded[rank * share:(rank + 1) * share], steps, dtype, coeffs).contiguous()
             gathered = [torch.empty_like(mine) for _ in range(world_size)]
             torch.distributed.all_gather(gathered, mine)
             result = torch.cat(gathered)[:len(indices)]
         else:
-            result = newton_schulz(stack, steps, dtype)
+            result = newton_schulz(stack, steps, dtype, coeffs)
         for i, ortho in zip(indices, result):
             out[i] = ortho
     return out
+
+
+def normuon_rows(ortho: torch.Tensor, row_sq_avg: torch.Tensor, beta: float) -> torch.Tensor:
+    """NorMuon (Li et al. 2025): one orthogonalised block [rows, cols] -> the block (in float32, or in row_sq_avg's
+    dtype if wider) with each row divided by the root of row_sq_avg, the EMA of the row's mean square (updated
+    in place, [rows]), then scaled back to the block's Frobenius norm.
+
+    Orthogonalisation evens out the singular values but not the rows: some output neurons still get much larger
+    updates than others, which the per-row second moment evens out; the rescale keeps the update's RMS, so
+    muon_scale_factor and the LR mean what they meant. No bias correction: the rescale cancels any factor
+    common to all rows. A zero block (no gradient yet) stays zero."""
+    o = ortho.to(torch.promote_types(row_sq_avg.dtype, torch.float32))
+    row_sq_avg.lerp_(o.square().mean(dim=1).to(row_sq_avg.dtype), 1 - beta)
+    normed = o / (row_sq_avg.to(o.dtype).sqrt() + NORMUON_EPS)[:, None]
+    return normed.mul_(torch.linalg.vector_norm(o) / torch.linalg.vector_norm(normed).clamp_min(1e-30))
+
+
+def cautious_decay_(param: torch.Tensor, update: torch.Tensor, amount: float) -> None:
+    """Cautious weight decay (Chen et al. 2025), in place: param *= 1 - amount where the update (the step
+    subtracts lr x update) and param have the same sign or either is zero, so that the decay never pulls a
+    coordinate against the direction its update moves it. Where every sign agrees this is plain decoupled
+    decay, param *= 1 - amount."""
+    param.mul_(((update * param) >= 0).to(param.dtype).mul_(-amount).add_(1))
 
 
 def muon_scale_factor(rows: int, cols: int, mode: str) -> float:
@@ -357,12 +461,20 @@ class Muon(torch.optim.Optimizer):
     state stays sharded like the parameters). Every block of every matrix is orthogonalised in one
     batched call per shape (orthogonalize_blocks); under torch.distributed with split_across_ranks each
     rank computes 1/world_size of them and all-gathers the rest, instead of every rank repeating it all.
+
+    Recipe options: ns_coeffs (newton_schulz's polynomials); normuon_beta (not None: NorMuon, normuon_rows, whose
+    per-row state "row_sq_avg" is a plain full-length [rows] tensor on every rank, since every rank holds every
+    orthogonalised block and computes it identically, so it saves and resumes at any world size); a group's
+    "cautious_wd" (cautious_decay_). Groups restored from a checkpoint older than these keys lack them: read
+    with .get, they are off.
     """
 
     def __init__(self, params, *, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="fp32",
-                 muon_scale="match_rms_adamw", betas=(0.9, 0.95), eps=1e-8, split_across_ranks=True):
+                 muon_scale="match_rms_adamw", betas=(0.9, 0.95), eps=1e-8, split_across_ranks=True,
+                 ns_coeffs="quintic", normuon_beta=None):
         defaults = dict(lr=1e-3, weight_decay=0.0, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                        ns_dtype=ns_dtype, muon_scale=muon_scale, betas=betas, eps=eps, kind="adamw")
+                        ns_dtype=ns_dtype, muon_scale=muon_scale, betas=betas, eps=eps, kind="adamw",
+                        ns_coeffs=ns_coeffs, normuon_beta=normuon_beta, cautious_wd=False)
         super().__init__(params, defaults)
         self.split_across_ranks = split_across_ranks
         for group in self.param_groups:
@@ -418,17 +530,33 @@ class Muon(torch.optim.Optimizer):
                 blocks.append(full[start:start + rows])
                 where.append((i, start))
                 start += rows
-        orthos = orthogonalize_blocks(blocks, group["ns_steps"], NS_DTYPES[group["ns_dtype"]], *self._ranks())
-        lr = group["lr"]
-        for p, _ in todo:
-            _local(p).mul_(1 - lr * group["weight_decay"])
+        orthos = orthogonalize_blocks(blocks, group["ns_steps"], NS_DTYPES[group["ns_dtype"]], *self._ranks(),
+                                      coeffs=group.get("ns_coeffs", "quintic"))
+        if group.get("normuon_beta") is not None:
+            orthos = [normuon_rows(ortho, self._row_sq_avg(todo[i][0])[start:start + ortho.shape[0]],
+                                   group["normuon_beta"]) for (i, start), ortho in zip(where, orthos)]
+        lr, cautious = group["lr"], group.get("cautious_wd", False)
+        if not cautious:
+            for p, _ in todo:
+                _local(p).mul_(1 - lr * group["weight_decay"])
         for (i, start), ortho in zip(where, orthos):
             p = todo[i][0]
             param, first = _local(p), _first_local_row(p)
             lo, hi = max(start, first), min(start + ortho.shape[0], first + param.shape[0])
             if lo < hi:  # this block overlaps this rank's rows
                 scale = muon_scale_factor(ortho.shape[0], ortho.shape[1], group["muon_scale"])
-                param[lo - first:hi - first].add_(ortho[lo - start:hi - start], alpha=-lr * scale)
+                rows, update = param[lo - first:hi - first], ortho[lo - start:hi - start]
+                if cautious:  # every row of a matrix is in exactly one block, so each is decayed once
+                    cautious_decay_(rows, update, lr * group["weight_decay"])
+                rows.add_(update, alpha=-lr * scale)
+
+    def _row_sq_avg(self, p) -> torch.Tensor:
+        """NorMuon's per-row second moment of p, created at zero on first use, in p's dtype: the dtype
+        Optimizer.load_state_dict casts state to, so that a resumed run computes exactly as before."""
+        state = self.state[p]
+        if "row_sq_avg" not in state:
+            state["row_sq_avg"] = torch.zeros(p.shape[0], dtype=p.dtype, device=_local(p).device)
+        return state["row_sq_avg"]
 
     def _adamw_update(self, p, group):
         state = self.state[p]
@@ -441,12 +569,59 @@ class Muon(torch.optim.Optimizer):
         (beta1, beta2), lr = group["betas"], group["lr"]
         state["step"] += 1
         step = state["step"].item()
-        if group["weight_decay"] != 0:
-            param.mul_(1 - lr * group["weight_decay"])
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        if group["weight_decay"] != 0:  # on the parameter before this step's update (decoupled)
+            if group.get("cautious_wd", False):  # the update is exp_avg over a positive denominator: its sign
+                cautious_decay_(param, exp_avg, lr * group["weight_decay"])
+            else:
+                param.mul_(1 - lr * group["weight_decay"])
         denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(group["eps"])
         param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+
+
+class CautiousAdamW(torch.optim.AdamW):
+    """torch's AdamW, fused or foreach kernels and all, with cautious weight decay (cautious_decay_) on the
+    groups that carry "cautious_wd".
+
+    The kernels decay every coordinate, so those groups' decay is taken out of their hands: before the step it
+    is applied here, on the parameters as they are (the same point AdamW decays them), masked by the sign of
+    the update about to be taken, which is the sign of the new first moment lerp(exp_avg, grad, 1 - beta1);
+    the kernels then run with weight_decay 0. One parameter-sized temporary at a time.
+    """
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:  # the gradients the mask reads must exist before it is taken
+            with torch.enable_grad():
+                loss = closure()
+        # Under a GradScaler, fused kernels may be handed the scale and an inf flag (a skipped step).
+        scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        cautious = [g for g in self.param_groups if g.get("cautious_wd") and g["weight_decay"]]
+        if found_inf is None or not found_inf.item():
+            for group in cautious:
+                self._cautious_decay(group, scale)
+        saved = [g["weight_decay"] for g in cautious]
+        try:
+            for group in cautious:
+                group["weight_decay"] = 0.0
+            super().step()
+        finally:
+            for group, weight_decay in zip(cautious, saved):
+                group["weight_decay"] = weight_decay
+        return loss
+
+    def _cautious_decay(self, group, scale):
+        """The group's decay, masked by the sign of the first moment this step will have."""
+        beta1 = group["betas"][0]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = _local(p.grad) if scale is None else _local(p.grad) / scale
+            exp_avg = self.state[p].get("exp_avg")
+            first_moment = grad * (1 - beta1) if exp_avg is None else _local(exp_avg).lerp(grad, 1 - beta1)
+            cautious_decay_(_local(p), first_moment, group["lr"] * group["weight_decay"])
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -477,13 +652,18 @@ def _short_names(names: list[str]) -> str:
 
 def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
     """A few lines for the startup log: the optimizer, then one line per parameter group."""
+    cautious = any(g.get("cautious_wd") for g in optimizer.param_groups)
     if isinstance(optimizer, Muon):
         d = optimizer.defaults
-        nesterov = ", nesterov" if d["nesterov"] else ""
+        options = [", nesterov" if d["nesterov"] else "",
+                   f", {d['ns_coeffs']} coefficients" if d["ns_coeffs"] != "quintic" else "",
+                   f", NorMuon (beta {d['normuon_beta']})" if d["normuon_beta"] is not None else "",
+                   ", cautious wd" if cautious else ""]
         head = (f"Muon (NS {d['ns_steps']} steps in {d['ns_dtype']}, scale {d['muon_scale']}, "
-                f"momentum {d['momentum']}{nesterov}) + AdamW")
+                f"momentum {d['momentum']}{''.join(options)}) + AdamW")
     elif isinstance(optimizer, torch.optim.AdamW):
-        head = "AdamW (fused)" if optimizer.defaults.get("fused") else "AdamW (foreach)"
+        head = (f"AdamW ({'fused' if optimizer.defaults.get('fused') else 'foreach'}"
+                f"{', cautious wd' if cautious else ''})")
     else:
         kept = [n for g in optimizer.param_groups for n in g.get("names", []) if n in FULL_PRECISION_STATE]
         head = f"{type(optimizer).__name__} (32-bit state for {', '.join(kept) or 'none'})"

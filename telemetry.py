@@ -21,7 +21,8 @@ import torch
 
 import fp8
 import memory
-from config import PROFILE_ACTIVE, PROFILE_WAIT
+import sizing
+from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values
 from hardware import peak_memory_gib
 from optim import describe_param_groups, optimizer_state_bytes
 from progress import Progress
@@ -44,6 +45,7 @@ def startup_rows(run, data_dir: str, reasons: dict) -> list[tuple[str, str]]:
         ("distributed", f"{info.mode}, {info.world_size} processes" if info.mode != "none" else "off (single process)"),
         ("precision", reasons["dtype"]),
         ("TF32 matmuls", reasons["tf32"]),
+        ("size", sizing.describe(cfg.size, flat_values(cfg))),
         ("model", f"{run.model.num_params() / 1e6:.2f}M params, {m.n_layer} layers, d={m.n_embd}, "
                   f"heads {m.n_head}q/{m.n_kv_head}kv, vocab {m.padded_vocab_size}"),
         ("optimizer", describe_param_groups(run.optimizer)),

@@ -11,6 +11,7 @@ the data (data.py) and the components that decide their own cadence: Evaluator (
 them whether it is due.
 """
 
+import os
 import random
 import sys
 import time
@@ -61,6 +62,7 @@ class Run:
     checkpointer: Checkpointer
     telemetry: Telemetry
     lock: RunLock | None  # rank 0's hold on --out-dir
+    step_layout: BatchLayout | None = None  # the step in progress under the batch warm-up (run_loop sets it)
 
     def autocast(self):
         return forward_context(self.device, self.autocast_dtype, self.fp8_recipe)
@@ -152,6 +154,8 @@ def setup(cfg: Config) -> Run:
             lock.release()
         raise
     remove_outputs(replaced)  # --overwrite: only once this run has passed every start-up check
+    if info.is_main:
+        config.write_config(cfg, os.path.join(cfg.ckpt.out_dir, "config.toml"))
     return run
 
 
@@ -163,17 +167,18 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
         memory.check_fits(cfg.model, cfg.optim.name, device, info.world_size if info.mode == "fsdp" else 1)
     model, model_cfg, reasons["init"] = build_model(cfg, device)
     layout = build_layout(cfg, model, info, device, autocast_dtype, fp8_recipe)
-    max_steps = config.max_steps(cfg, layout.tokens_per_step)
+    max_steps = config.max_steps(cfg, layout)
     wrapped, compiled = distributed.parallelize(model, info, device, autocast_dtype, cfg.dist, cfg.speed.compile)
     optimizer = build_optimizer(model, cfg.optim, model.row_blocks(), device.type)
     loader = ShardLoader(data_dir, split="train", batch_size=layout.micro_batch, seq_len=layout.seq_len,
                          rank=info.rank, world_size=info.world_size, seed=cfg.data.seed, device=str(device),
-                         vocab_size=model_cfg.vocab_size)
+                         vocab_size=model_cfg.vocab_size, packing=cfg.data.packing)
     evaluator = Evaluator(cfg.eval, data_dir, info, device, model_cfg.vocab_size, cfg.data.seed)
     evaluator.check(layout.micro_batch, layout.seq_len)
 
     checkpointer = Checkpointer(cfg.ckpt.out_dir, cfg.ckpt.ckpt_interval, cfg.ckpt.keep_ckpts, info, model_cfg,
-                                config.to_dict(cfg), fingerprint(loader.paths), cfg.data.allow_data_change)
+                                config.to_dict(cfg), fingerprint(loader.paths), cfg.data.allow_data_change,
+                                lambda saved: config.check_resume(saved, cfg))
     guard, start_step, start_tokens = Guard(cfg.resilience), 0, 0
     if resume:
         meta = checkpointer.restore(model, optimizer, loader, warn=message if info.is_main else lambda _: None)
@@ -203,12 +208,13 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
 
 
 def train_step(run: Run):
-    """One optimizer step over grad_accum micro-batches -> (mean loss over ranks, grad norm, finite).
+    """One optimizer step over grad_accum micro-batches (run.step_layout's during the batch warm-up) ->
+    (mean loss over ranks, grad norm, finite).
 
     A non-finite loss or gradient norm skips the update: parameters and optimizer state stay exactly as
     they were. Every rank sees the same all-reduced loss and norm, so all ranks skip together.
     """
-    timer, grad_accum = run.telemetry.timer, run.layout.grad_accum
+    timer, grad_accum = run.telemetry.timer, (run.step_layout or run.layout).grad_accum
     loss_sum = torch.zeros((), device=run.device)
     for micro in range(grad_accum):
         with timer("data"):
@@ -246,6 +252,7 @@ def run_loop(run: Run) -> str | None:
                 multiplier = run.guard.lr_scale * lr_multiplier(step, run.max_steps, s.warmup, s.schedule,
                                                                 s.min_lr_ratio, s.decay_frac)
                 set_lr(run.optimizer, multiplier)
+                run.step_layout = run.layout.at_step(step, s.batch_warmup_steps, s.batch_warmup_start)
                 loader_state = run.loader.state_dict()
                 try:
                     loss, grad_norm, finite = train_step(run)
@@ -258,8 +265,8 @@ def run_loop(run: Run) -> str | None:
                     continue
                 train_loss = loss.item()  # the host sync makes the step time honest on CUDA
                 record = run.telemetry.step_record(step, train_loss, grad_norm.item(), finite, time.perf_counter() - t0,
-                                                   run.cfg.optim.lr * multiplier, run.layout, run.info.world_size,
-                                                   run.guard.health)
+                                                   run.cfg.optim.lr * multiplier, run.step_layout,
+                                                   run.info.world_size, run.guard.health)
                 step += 1
                 improved, stop_early = evaluate_if_due(run, record, step)
                 run.telemetry.log(record)
@@ -277,14 +284,16 @@ def run_loop(run: Run) -> str | None:
 
 
 def evaluate_if_due(run: Run, record: dict, done: int) -> tuple[bool, bool]:
-    """Validation loss (into the record) and a sample, when the Evaluator says so -> (improved, stop early)."""
+    """Validation loss and bits per byte, HellaSwag accuracy (all into the record) and a sample, when the
+    Evaluator says so -> (improved, stop early)."""
     if not run.evaluator.due(done, run.max_steps):
         return False, False
     write = run.telemetry.write
-    record["val_loss"] = run.evaluator.val_loss(run.compiled, run.model, run.autocast, run.layout.micro_batch,
-                                                run.layout.seq_len)
+    record.update(run.evaluator.val_metrics(run.compiled, run.model, run.autocast, run.layout.micro_batch,
+                                            run.layout.seq_len))
+    record.update(run.evaluator.hellaswag(run.model, run.autocast_dtype))
     improved, stop_early = run.guard.early_stop.update(record["val_loss"])
-    write(f"step {done}: train loss {run.telemetry.last_loss:.4f}, val loss {record['val_loss']:.4f}"
+    write(f"step {done}: train loss {run.telemetry.last_loss:.4f}, {run.evaluator.describe(record)}"
           + (" (best so far)" if improved else ""))
     text = run.evaluator.sample(run.model, run.autocast_dtype)
     if text is not None:

@@ -4,12 +4,12 @@
 #
 #     bash bench/gpu_check.sh tests  OUT   # environment + pytest -m gpu     -> OUT/tests.md, OUT/tests.log
 #     bash bench/gpu_check.sh ladder OUT   # the optimization ladder         -> OUT/ladder.md, .json, .log
-#     bash bench/gpu_check.sh mfu    OUT   # MFU, 124M at seq 1024 and 2048  -> OUT/mfu.md, OUT/mfu.log
+#     bash bench/gpu_check.sh mfu    OUT   # MFU, gpt2-124m at seq 1024 and 2048  -> OUT/mfu.md, OUT/mfu.log
 #     bash bench/gpu_check.sh all    OUT   # the three in a row (about 20 minutes)
 #
 # tests: TE vs plain parity on the same weights, TE FP8 (both recipes, FP8 attention) through train.py, the
 # activation estimate against CUDA's saved tensors. ladder: bench/ladder.py on its GPU defaults (12 layers,
-# d=768, head_dim 128, batch 16 x 1024). mfu: the 124M preset at batch 8 and 16 for each sequence length.
+# d=768, head_dim 128, batch 16 x 1024). mfu: the gpt2-124m preset at batch 8 and 16 for each sequence length.
 # Each command has a hard time limit, and the ladder and the sweep start no new measurement after their
 # --budget-s, so the limit is a backstop. Offline machines: TIKTOKEN_CACHE_DIR points at the GPT-2 BPE file
 # that ../shared/gpu's kit installs (the ladder's default corpus is tokenized with it).
@@ -87,7 +87,7 @@ run_ladder() { # ladder.py rewrites ladder.md and ladder.json after every rung; 
 
 run_mfu() { # the sweep rewrites mfu.md after every point
     local status
-    status=$(limited 420 "$OUT/mfu.log" $PY bench/ladder.py --mfu-sweep --sizes 124M --seq-lens 1024,2048 \
+    status=$(limited 420 "$OUT/mfu.log" $PY bench/ladder.py --mfu-sweep --sizes gpt2-124m --seq-lens 1024,2048 \
         --batch-sizes 8,16 --windows 3 --steps-per-window 5 --warmup-steps 3 --budget-s 300 --out "$OUT/mfu")
     local rc=$?
     echo "$status" >> "$OUT/mfu.md"

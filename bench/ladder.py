@@ -1,7 +1,7 @@
 """The optimization ladder: one model and batch through cumulative speed-ups, measured rung by rung.
 
     python bench/ladder.py [--out bench/results/ladder] [train.py flags] 2> ladder.log  # the ladder
-    python bench/ladder.py --mfu-sweep [--sizes 124M --seq-lens 1024,2048 --batch-sizes 8,16]  # GPU only
+    python bench/ladder.py --mfu-sweep [--sizes gpt2-124m --seq-lens 1024,2048 --batch-sizes 8,16]  # GPU only
     python bench/ladder.py --projection                                    # H100 MFU projected from FLOPs
 
 Rung k runs everything rung k-1 ran plus one change (torchao FP8 replaces TE's; Muon replaces 8-bit AdamW).
@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fp8  # noqa: E402
 import memory  # noqa: E402
 import config  # noqa: E402
+import sizing  # noqa: E402
 import throughput  # noqa: E402
 import train  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
@@ -65,12 +66,10 @@ RUNGS = [
 GPU_DEFAULTS = ["--n-layer", "12", "--n-embd", "768", "--n-head", "6", "--n-kv-head", "2", "--seq-len", "1024",
                 "--batch-size", "16"]
 CPU_DEFAULTS = ["--batch-size", "8"]
-# --mfu-sweep presets: GPT-2 small / medium / large shapes with GQA (4 kv heads) and SwiGLU.
-SIZES = {
-    "124M": ["--n-layer", "12", "--n-embd", "768", "--n-head", "12", "--n-kv-head", "4"],
-    "350M": ["--n-layer", "24", "--n-embd", "1024", "--n-head", "16", "--n-kv-head", "4"],
-    "760M": ["--n-layer", "24", "--n-embd", "1536", "--n-head", "16", "--n-kv-head", "4"],
-}
+# --mfu-sweep sizes: the shapes of train.py's --preset (sizing.py), without the horizon and batch it derives.
+SIZES = {name: [flag for field in ("n_layer", "n_embd", "n_head", "n_kv_head", "head_dim")
+                for flag in (f"--{field.replace('_', '-')}", str(getattr(sizing.preset_shape(name), field)))]
+         for name in sizing.PRESETS}
 SWEEP_SETTINGS = {**BASE, "dtype": "bf16", "tf32": True, "sdpa": "flash", "fused": True, "compile": "default"}
 # Environment variables that change the timings, recorded in the table's header when set.
 TIMING_ENV = ("OMP_NUM_THREADS", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "CUDA_VISIBLE_DEVICES")

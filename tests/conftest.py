@@ -58,3 +58,17 @@ def inject_nan(monkeypatch):
         monkeypatch.setattr(train, "train_step", step)
 
     return poison
+
+
+def write_doc_shards(root, doc_lengths, shard_tokens, bos=50256, vocab_size=50257) -> list[int]:
+    """Documents of the given lengths (each counting its leading bos token) laid end to end and cut into train
+    shards of shard_tokens tokens under root, as data.prepare cuts them (a document may span two shards).
+    Every other token is its position in the stream (below bos), so a row's tokens tell where they came from;
+    -> the documents' start positions."""
+    starts = np.cumsum([0, *doc_lengths[:-1]])
+    tokens = np.arange(sum(doc_lengths))
+    assert len(tokens) < bos, "positions must stay below the bos token"
+    tokens[starts] = bos
+    for i, first in enumerate(range(0, len(tokens), shard_tokens)):
+        write_shard(os.path.join(root, f"train_{i:06d}.bin"), tokens[first:first + shard_tokens], vocab_size)
+    return starts.tolist()

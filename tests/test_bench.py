@@ -10,6 +10,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import optimizers  # noqa: E402
 import plot  # noqa: E402
+import recipe  # noqa: E402
+
+from conftest import TINY_FLAGS  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -102,3 +105,40 @@ def test_bench_refuses_train_flags_it_sets_itself():
         optimizers.parse_bench_args(["--steps", "10", "--lr=1e-3"])
     _, passed = optimizers.parse_bench_args(["--n-layer", "2", "--steps", "10"])
     assert passed == ["--n-layer", "2"]
+
+
+# ----------------------------------------------------------------------------- bench/recipe.py
+
+def test_recipe_summary_compares_each_toggle_with_the_baseline_against_the_noise():
+    rows = recipe.summarize({"baseline": [3.0, 3.1], "better": [2.7, 2.8], "same": [3.02, 3.12]})
+    assert rows["better"]["mean"] == pytest.approx(2.75) and rows["better"]["spread"] == pytest.approx(0.1)
+    assert rows["better"]["delta"] == pytest.approx(-0.3) and rows["better"]["beyond_noise"] is True
+    assert rows["same"]["beyond_noise"] is False and rows["baseline"]["beyond_noise"] is None
+    assert recipe.summarize({"baseline": [3.0], "one_seed": [2.0]})["one_seed"]["beyond_noise"] is None
+
+
+def test_recipe_marks_toggles_that_cannot_apply_and_refuses_its_own_flags():
+    a, train_argv = recipe.parse_bench_args(["--optimizer", "adamw", "--only", "normuon,wsd", "--batch-size", "8"])
+    selected = recipe.select_toggles(a, recipe.config.parse_args(recipe.common_flags(a, train_argv)))
+    assert list(selected) == ["baseline", "normuon", "wsd"]
+    assert selected["normuon"][1] == "needs --optimizer muon" and selected["wsd"] == (["--schedule", "wsd"], None)
+    a, train_argv = recipe.parse_bench_args(["--only", "batch-warmup", "--batch-size", "8"])  # no accumulation
+    assert "gradient accumulation" in recipe.select_toggles(a, recipe.config.parse_args(
+        recipe.common_flags(a, train_argv)))["batch-warmup"][1]
+    with pytest.raises(recipe.BenchError, match="--seed is set by this benchmark"):
+        recipe.parse_bench_args(["--seed", "3"])
+
+
+def test_recipe_smoke_runs_two_toggles_and_writes_the_table(tmp_path, tiny_data):
+    out = tmp_path / "recipe.md"
+    result = subprocess.run(
+        [sys.executable, os.path.join(REPO, "bench", "recipe.py"), "--only", "baseline,cautious-wd", "--seeds", "1",
+         "--jobs", "2", "--max-tokens", "256", "--out", str(out), "--data", tiny_data, *TINY_FLAGS,
+         "--eval-tokens", "256", "--warmup", "1", "--toggle", "lr-x2=--lr 6e-3", "--runs-dir", str(tmp_path / "runs")],
+        capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = out.read_text()
+    assert "python bench/recipe.py --only baseline,cautious-wd" in text
+    rows = [line for line in text.splitlines() if line.startswith("| baseline") or line.startswith("| cautious-wd")]
+    assert len(rows) == 2 and "`--cautious-wd`" in rows[1] and "| 256 |" in rows[0]
+    assert "| lr-x2" not in text  # added as a toggle, but not chosen by --only

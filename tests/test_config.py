@@ -190,3 +190,89 @@ def test_model_imports_nothing_of_the_project_nor_transformer_engine():
 def test_train_is_a_thin_file():
     with open(os.path.join(REPO, "train.py")) as f:
         assert sum(1 for _ in f) <= 400
+
+
+# ----------------------------------------------------------------------------- configuration files
+
+
+def test_toml_round_trip_reproduces_the_config(tmp_path):
+    """Every field, derived ones included, survives to_toml -> --config; strings with quotes, backslashes and
+    non-ASCII text too."""
+    cfg = config.parse_args(["--depth", "3", "--sample-prompt", 'a "quoted" \\ line\nnaïve', "--untied",
+                             "--wandb-tags", "x,y", "--lr", "1e-05", "--batch-size", "8", "--optimizer", "muon"])
+    path = tmp_path / "run.toml"
+    config.write_config(cfg, str(path))
+    assert config.parse_args(["--config", str(path)]) == cfg
+    cfg = config.parse_args(["--grad-accum", "3", "--max-steps", "9"])  # the other two alternatives
+    config.write_config(cfg, str(path))
+    assert config.parse_args(["--config", str(path)]) == cfg
+
+
+def test_flags_override_the_file_and_the_file_overrides_the_dial(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[size]\ndepth = 12\n[model]\nn_embd = 1024\n[schedule]\nmax_steps = 40\n'
+                    '[optim]\nlr = 2e-3\n[data]\nbatch_size = "auto"\ntotal_batch_tokens = 65536\n')
+    cfg = config.parse_args(["--config", str(path), "--lr", "1e-3"])
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head) == (12, 1024, 8)  # heads follow the width
+    assert (cfg.optim.lr, cfg.schedule.max_steps, cfg.schedule.max_tokens) == (1e-3, 40, 0)
+    assert (cfg.data.batch_size, cfg.data.total_batch_tokens) == ("auto", 65536)
+    cfg = config.parse_args(["--config", str(path), "--max-tokens", "1000000", "--grad-accum", "2", "--batch-size", "4"])
+    assert (cfg.schedule.max_tokens, cfg.data.grad_accum, cfg.data.total_batch_tokens) == (1000000, 2, 0)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[modle]\nn_layer = 2\n", "'modle' is not a section"),
+    ("[model]\nn_layers = 2\n", "unknown key model.n_layers"),
+    ("[model]\nn_layer = 2.5\n", "model.n_layer must be int, got 2.5"),
+    ("[model]\nn_layer = true\n", "model.n_layer must be int, got True"),
+    ("[optim]\nname = \"sgd\"\n", "optim.name must be one of adamw"),
+    ("[data]\nbatch_size = \"big\"\n", "data.batch_size must be an integer or auto"),
+    ("[model]\nn_layer = \n", "--config"),  # not TOML
+    ("[schedule]\nmax_steps = 5\nmax_tokens = 100\n", "give --max-tokens or --max-steps, not both"),
+    ("[model]\nn_layer = 0\n", "n_layer must be positive"),
+])
+def test_bad_config_files_are_one_line(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=message) as e:
+        config.parse_args(["--config", str(path)])
+    assert "\n" not in str(e.value)
+
+
+def test_a_missing_config_file_is_one_line(tmp_path):
+    with pytest.raises(UsageError, match="no such file"):
+        config.parse_args(["--config", str(tmp_path / "nope.toml")])
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(REPO, "configs", "*.toml"))))
+def test_example_configs_parse(path):
+    cfg = config.parse_args(["--config", path])
+    assert config.read_config_file(path)  # not empty
+    assert cfg.model.n_layer >= 4
+
+
+def test_example_configs_exist():
+    names = {os.path.basename(p) for p in glob.glob(os.path.join(REPO, "configs", "*.toml"))}
+    assert {"cpu-default.toml", "gpt2-124m-h100.toml", "gpt2-350m-fsdp-8gpu.toml"} <= names
+
+
+def test_cpu_default_config_is_the_default_run():
+    assert config.parse_args(["--config", os.path.join(REPO, "configs", "cpu-default.toml")]) == Config()
+
+
+def test_resume_check_refuses_shape_and_optimizer_changes_and_names_the_rest():
+    saved = config.to_dict(config.parse_args([]))
+    assert config.check_resume(saved, config.parse_args(["--resume"])) == []  # invocation keys are not compared
+    assert config.check_resume(saved, config.parse_args(["--lr", "1e-3", "--max-steps", "300"])) == [
+        "optim.lr 0.003 -> 0.001", "schedule.max_steps 150 -> 300"]
+    assert config.check_resume(saved, config.parse_args(["--seq-len", "256"])) == ["model.max_seq_len 128 -> 256"]
+    with pytest.raises(UsageError, match="model.n_embd 128 -> 256"):
+        config.check_resume(saved, config.parse_args(["--n-embd", "256"]))
+    del saved["size"]  # a checkpoint from before the size dial
+    assert config.check_resume(saved, config.parse_args(["--tokens-per-param", "10"])) == []
+
+
+def test_resume_may_change_init_only_model_fields():
+    saved = config.to_dict(config.parse_args([]))
+    assert config.check_resume(saved, config.parse_args(["--zero-init-proj"])) == [
+        "model.zero_init_proj False -> True"]

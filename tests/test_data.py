@@ -21,6 +21,7 @@ import tiktoken_ext.openai_public as openai_public
 import torch
 
 import data
+from conftest import write_doc_shards
 from data import DataError, ShardLoader, read_shard, write_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -570,6 +571,206 @@ def test_loader_bad_input_is_a_one_line_error(shards, tmp_path, case, words):
     with pytest.raises(DataError) as e:
         ShardLoader(directory, batch_size=2, seq_len=seq_len)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# BOS-aligned packing: documents whose tokens (after the end-of-text) are their positions in the stream, so a
+# row's segments say which document they came from and that each is a prefix of it.
+
+
+def test_pack_best_fit_by_hand():
+    # Buffer of 3, rows of 6. Row 0: 5 (the longest that fits 6), then nothing fits 1: crop the shortest
+    # (doc 3, 2 -> 1). Row 1: 4, then 1, then crop doc 1 (3 -> 1). Row 2: doc 2 (9) cropped to 6.
+    packing = data.pack_best_fit([5, 3, 9, 2, 4, 1], row_len=6, buffer_docs=3)
+    assert packing.rows() == [[(0, 5), (3, 1)], [(4, 4), (5, 1), (1, 1)], [(2, 6)]]
+    assert packing.cropped == 1 + 2 + 3 and packing.tokens == 24 and packing.cropped_fraction == 0.25
+    # The documents run out before a row is full: no padding, so the row is dropped and all of it is cropped.
+    short = data.pack_best_fit([4, 1], row_len=6)
+    assert short.rows() == [] and short.cropped_fraction == 1.0
+    assert data.pack_best_fit([], row_len=6).cropped_fraction == 0.0
+
+
+@pytest.mark.parametrize("buffer_docs", [1, 4, 64])
+def test_pack_best_fit_rows_are_full_and_documents_used_once(buffer_docs):
+    lengths = np.random.default_rng(0).integers(1, 40, size=500)
+    packing = data.pack_best_fit(lengths, row_len=33, buffer_docs=buffer_docs)
+    rows = packing.rows()
+    docs = [d for row in rows for d, _ in row]
+    assert len(docs) == len(set(docs))  # a document is in one row at most
+    for row in rows:
+        assert sum(take for _, take in row) == 33
+        assert all(take == lengths[d] for d, take in row[:-1])  # only a row's last segment may be a crop
+        assert 0 < row[-1][1] <= lengths[row[-1][0]]
+    assert packing.cropped == lengths.sum() - 33 * len(rows)
+
+
+def test_best_fit_crops_less_than_taking_documents_in_order():
+    lengths = np.random.default_rng(1).integers(1, 129, size=2000)  # all fit a row: only the choice crops
+    in_order = data.pack_best_fit(lengths, row_len=129, buffer_docs=1).cropped_fraction
+    best_fit = data.pack_best_fit(lengths, row_len=129).cropped_fraction
+    assert best_fit < in_order / 3, (best_fit, in_order)  # 6.4% against 26.8%
+
+
+def test_find_documents_chunked_equals_whole():
+    tokens = np.random.default_rng(0).integers(0, 50257, size=10_000).astype(np.uint16)
+    tokens[::97] = EOT
+    expected = np.flatnonzero(tokens == EOT)
+    for chunk in (1, 7, 4096, 1 << 24):
+        found = data.find_documents(tokens, EOT, chunk=chunk)
+        assert found.dtype == np.int64 and np.array_equal(found, expected)
+    assert len(data.find_documents(tokens[:0], EOT)) == 0
+
+
+@pytest.fixture
+def doc_shards(tmp_path):
+    """937 tokens of 140 documents of 1 to 12 tokens (a row holds T + 1 = 9; a quarter are longer) in 7 shards;
+    -> (directory, document starts, shard ends)."""
+    directory = tmp_path / "docs"  # not tmp_path itself, which the `shards` fixture fills
+    directory.mkdir()
+    lengths = np.random.default_rng(0).integers(1, 13, size=140).tolist()
+    starts = write_doc_shards(directory, lengths, shard_tokens=150)
+    ends = np.cumsum([len(read_shard(p)) for p in sorted(directory.glob("train_*.bin"))])
+    assert len(ends) == 7 and ends[-1] - ends[-2] > T
+    return directory, starts, ends
+
+
+def _segments(row, starts, ends):
+    """The (document start, tokens) segments of a row, each checked to be a prefix of its document, within
+    its shard; a lone end-of-text (a document cropped to its first token) gives (None, 1)."""
+    assert row[0] == EOT
+    cuts = [i for i, t in enumerate(row) if t == EOT] + [len(row)]
+    found = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        if b - a == 1:
+            found.append((None, 1))
+            continue
+        start = row[a + 1] - 1
+        assert start in starts and row[a + 1:b] == list(range(start + 1, start + b - a))
+        assert start + (b - a) <= ends[np.searchsorted(ends, start, side="right")]  # never past its shard
+        found.append((start, b - a))
+    return found
+
+
+def _bos_loader(directory, **kw):
+    return ShardLoader(directory, seq_len=T, packing="bos", **{"batch_size": 1, "prefetch": 0, **kw})
+
+
+def _rows(batch):
+    x, y = batch
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    return [tuple(r) for r in torch.cat([x, y[:, -1:]], dim=1).tolist()]
+
+
+def _bos_stream(directory, n, **kw):
+    """The global stream of rows and the epoch of each: batch size 1, one rank."""
+    loader = _bos_loader(directory, **kw)
+    epochs = []
+    rows = []
+    for _ in range(n):
+        epochs.append(loader.state_dict()["next_row"][0])
+        rows += _rows(next(loader))
+    return rows, epochs
+
+
+def _documents(rows, starts, ends):
+    return [s for row in rows for s, _ in _segments(list(row), starts, ends) if s is not None]
+
+
+def test_bos_rows_start_at_documents_and_each_epoch_uses_a_document_once(doc_shards):
+    directory, starts, ends = doc_shards
+    rows, epochs = _bos_stream(directory, 400, seed=5)
+    per_epoch = [[r for r, e in zip(rows, epochs) if e == epoch] for epoch in range(3)]
+    assert epochs[-1] >= 3 and all(per_epoch)
+    for epoch in per_epoch:
+        docs = _documents(epoch, starts, ends)
+        assert len(docs) == len(set(docs)) and len(docs) > len(epoch)  # rows hold several documents
+    assert per_epoch[0] != per_epoch[1] != per_epoch[2]  # a new order (and packing) every epoch
+    assert _bos_stream(directory, 50, seed=5)[0] == rows[:50] and _bos_stream(directory, 50, seed=6)[0] != rows[:50]
+
+
+def test_bos_cropped_fraction_is_what_no_row_holds(doc_shards, shards):
+    directory, starts, ends = doc_shards
+    one = directory.parent / "one"
+    one.mkdir()
+    write_doc_shards(one, np.diff([*starts, ends[-1]]).tolist(), shard_tokens=10_000)  # all in one shard
+    loader = _bos_loader(one)
+    assert loader.cropped_fraction is None and loader.stats == {"packing": "bos", "cropped_fraction": None}
+    next(loader)
+    fraction, rows = loader.stats["cropped_fraction"], 1  # of epoch 0's packing, before epoch 1 repacks
+    while loader.epoch == 0:
+        next(loader)
+        rows += 1
+    assert fraction == pytest.approx(1 - rows * (T + 1) / ends[-1]) and 0.05 < fraction < 0.5
+    lengths = np.array(LENGTHS)  # windows: only the few tokens at each shard's end that no window reaches
+    windows = ShardLoader(shards, batch_size=1, seq_len=T)
+    assert windows.cropped_fraction == pytest.approx(((lengths - 1) % T).sum() / lengths.sum())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bos_ranks_are_disjoint_and_cover_each_epoch(doc_shards, world_size):
+    directory, starts, ends = doc_shards
+    B, steps = 3, 25  # past the first epoch; its row count is not a multiple of B * world_size
+    rows, epochs = _bos_stream(directory, steps * B * world_size)
+    first_epoch = epochs.count(0)
+    assert first_epoch < steps * B * world_size and first_epoch % (B * world_size)
+    taken = {}
+    for rank in range(world_size):
+        loader = _bos_loader(directory, batch_size=B, rank=rank, world_size=world_size, prefetch=2)
+        for k, batch in enumerate(_take(loader, steps)):
+            g = k * B * world_size + rank * B
+            assert _rows(batch) == rows[g:g + B]
+            taken.update({g + b: (rank, row) for b, row in enumerate(_rows(batch))})
+        loader.close()
+    per_rank = [_documents([row for g, (r, row) in taken.items() if g < first_epoch and r == rank], starts, ends)
+                for rank in range(world_size)]
+    union = [d for docs in per_rank for d in docs]
+    assert len(union) == len(set(union))  # no document trained twice in the epoch, on any two ranks
+    assert sorted(union) == sorted(_documents(rows[:first_epoch], starts, ends))
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_bos_resume_exactly_at_any_micro_batch_and_world_size(doc_shards, tmp_path, prefetch):
+    directory = doc_shards[0]
+    a = _bos_loader(directory, batch_size=4, seed=3, prefetch=prefetch)
+    _take(a, 5)
+    torch.save(a.state_dict(), tmp_path / "state.pt")
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    expected = [row for batch in _take(a, 30) for row in _rows(batch)]  # crosses into the second epoch
+    assert a.epoch >= 1
+    b = _bos_loader(directory, batch_size=4, seed=3, prefetch=prefetch)
+    _take(b, 9)  # a running loader with prefetched batches is rewound exactly
+    b.load_state_dict(state)
+    assert [row for batch in _take(b, 30) for row in _rows(batch)] == expected
+    c = _bos_loader(directory, batch_size=2, seed=3, prefetch=prefetch)  # the out-of-memory retry's half batch
+    c.load_state_dict(state)
+    assert [row for batch in _take(c, 60) for row in _rows(batch)] == expected
+    ranks = [_bos_loader(directory, batch_size=1, seed=3, rank=r, world_size=2) for r in range(2)]
+    for loader in ranks:
+        loader.load_state_dict(state)
+    assert [row for _ in range(60) for loader in ranks for row in _rows(next(loader))] == expected
+    assert ranks[0].state_dict() == ranks[1].state_dict() == c.state_dict() == a.state_dict()
+    a.close(), b.close(), c.close()
+
+
+def test_bos_state_does_not_load_into_windows_and_back(doc_shards):
+    directory = doc_shards[0]
+    bos, windows = _bos_loader(directory), ShardLoader(directory, batch_size=1, seq_len=T)
+    with pytest.raises(DataError, match="saved with --packing bos, this run has --packing windows"):
+        windows.load_state_dict(bos.state_dict())
+    with pytest.raises(DataError, match="--packing windows, this run has --packing bos"):
+        bos.load_state_dict(windows.state_dict())
+    old = {k: v for k, v in windows.state_dict().items() if k != "packing"}  # a checkpoint from before --packing
+    windows.load_state_dict(old)
+    with pytest.raises(DataError, match="pack_buffer"):
+        _bos_loader(directory, pack_buffer=10).load_state_dict(bos.state_dict())
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_bos_without_documents_is_a_one_line_error(shards, prefetch):
+    loader = _bos_loader(shards, prefetch=prefetch)  # consecutive integers: no end-of-text anywhere
+    with pytest.raises(DataError) as e:
+        next(loader)
+    assert "end-of-text" in str(e.value) and "--packing windows" in str(e.value) and "\n" not in str(e.value)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -88,9 +88,9 @@ def test_rungs_past_the_time_budget_are_skipped_not_started(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_mfu_sweep_without_cuda_reports_na_and_measures_nothing(monkeypatch, capsys):
     monkeypatch.setattr(ladder, "measure_settings", lambda *a: pytest.fail("measured without CUDA"))
-    ladder.main(["--mfu-sweep", "--sizes", "124M,350M", "--batch-sizes", "8,16"])
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 124M") or
-            line.startswith("| 350M")]
+    ladder.main(["--mfu-sweep", "--sizes", "gpt2-124m,gpt2-350m", "--batch-sizes", "8,16"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| gpt2-124m") or
+            line.startswith("| gpt2-350m")]
     assert len(rows) == 4 and all("n/a (no CUDA GPU here)" in row for row in rows)
 
 

@@ -355,3 +355,25 @@ def test_meta_device_then_init_weights_matches_eager_build(tied):
     idx = torch.randint(0, 200, (1, 32))
     with torch.no_grad():
         torch.testing.assert_close(lazy(idx)[0], eager(idx)[0], rtol=0, atol=0)
+
+
+def test_zero_init_proj_zeroes_only_the_residual_projections_and_blocks_start_as_identity():
+    default, zero = tiny_model(tie_embeddings=False), tiny_model(tie_embeddings=False, zero_init_proj=True)
+    projections = ("attn.proj.weight", "mlp.fc2_weight")
+    for (name, p), q in zip(default.named_parameters(), zero.parameters()):
+        if name.endswith(projections):
+            assert not q.any(), name
+        else:  # the same draws as without the flag
+            assert torch.equal(p, q), name
+    idx = torch.randint(200, (2, 16))
+    with torch.no_grad():
+        logits, _ = zero(idx)
+        expected = zero.lm_head(zero.norm(zero.embed(idx)))
+    torch.testing.assert_close(logits, expected)
+
+
+def test_zero_init_proj_is_not_part_of_the_exported_architecture():
+    export = pytest.importorskip("export")
+    plain, zero = tiny_config(), tiny_config(zero_init_proj=True)
+    assert export.hf_config(zero, eot=199) == export.hf_config(plain, eot=199)
+    assert export.config_from_hf(export.hf_config(plain, eot=199)) == plain

@@ -499,3 +499,263 @@ def test_muon_in_small_buckets_matches_one_bucket(monkeypatch):
     run_muon(bucketed, batches(3, vocab=7))
     for (name, p), q in zip(whole.named_parameters(), bucketed.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=1e-12, msg=name)
+
+
+# ----------------------------------------------------------------------------- recipe options (issue 14)
+
+
+def minimax_odd_quintic(lo, hi):
+    """The odd quintic closest to 1 in the max norm on [lo, hi], in float64, by the equioscillation theorem: the
+    error alternates in sign at lo, the two interior extrema and hi; solve for (a, b, c, error) at those four
+    points, move the interior ones to the new polynomial's extrema (p' = 0), repeat to convergence."""
+    if lo / hi > 1 - 5e-6:  # the interval is a point: the degree-5 Newton-Schulz (Pade) polynomial, scaled
+        return 15 / 8 / hi, -10 / 8 / hi**3, 3 / 8 / hi**5
+    points, error = [lo, (3 * lo + hi) / 4, (lo + 3 * hi) / 4, hi], None
+    for _ in range(200):
+        system = torch.tensor([[x, x**3, x**5, (-1) ** i] for i, x in enumerate(points)], dtype=torch.float64)
+        a, b, c, new_error = torch.linalg.solve(system, torch.ones(4, dtype=torch.float64)).tolist()
+        root = math.sqrt(9 * b * b - 20 * a * c)
+        points = [lo, *sorted(math.sqrt((-3 * b + sign * root) / (10 * c)) for sign in (-1, 1)), hi]
+        if error is not None and abs(new_error - error) < 1e-16:
+            break
+        error = new_error
+    return a, b, c
+
+
+def polar_express_construction(lo, steps, cushion=0.02407327424182761):
+    """Polar Express's offline stage as the paper describes it (Section 4 and Appendix G): from [lo, 1], each
+    polynomial is minimax on [max(lo, cushion * hi), hi], rescaled so that p(lo) and p(hi) straddle 1
+    symmetrically; the next interval is [p(lo), 2 - p(lo)]."""
+    hi, table = 1.0, []
+    for _ in range(steps):
+        a, b, c = minimax_odd_quintic(max(lo, cushion * hi), hi)
+        p = lambda x: a * x + b * x**3 + c * x**5  # noqa: E731
+        k = 2 / (p(lo) + p(hi))
+        a, b, c = a * k, b * k, c * k
+        table.append((a, b, c))
+        lo = a * lo + b * lo**3 + c * lo**5
+        hi = 2 - lo
+    return table
+
+
+def test_polar_express_coefficients_are_the_papers_construction():
+    derived = polar_express_construction(1e-3, len(optim.POLAR_EXPRESS_COEFFICIENTS))
+    for ours, theirs in zip(optim.POLAR_EXPRESS_COEFFICIENTS, derived):
+        assert ours == pytest.approx(theirs, rel=1e-8, abs=1e-12)
+    schedule, safety = optim.ns_coefficients("polar-express", 10)
+    assert safety == 1.01 and len(schedule) == 10
+    a, b, c = optim.POLAR_EXPRESS_COEFFICIENTS[0]
+    assert schedule[0] == (a / 1.01, b / 1.01**3, c / 1.01**5)
+    assert schedule[7:] == [(1.875, -1.25, 0.375)] * 3  # the last, unscaled, repeats
+    assert optim.ns_coefficients("quintic", 3) == ([optim.NS_COEFFICIENTS] * 3, 1.0)
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (64, 64), (96, 32)])
+def test_polar_express_is_closer_to_the_polar_factor_than_the_quintic(shape):
+    g = torch.Generator().manual_seed(0)
+    m = torch.randn(shape, generator=g)
+    u, _, vh = torch.linalg.svd(m.double(), full_matrices=False)
+    polar = u @ vh
+    errors = {(coeffs, steps): (optim.newton_schulz(m, steps, torch.float32, coeffs).double() - polar).norm()
+              / polar.norm() for coeffs in optim.NS_COEFF_SCHEMES for steps in (5, 8)}
+    # Closer at Muon's 5 steps; and it keeps converging, where the quintic stalls near 0.2 by design (a square
+    # Gaussian matrix has singular values below the 1e-3 the polynomials were built for, so it is slower there).
+    assert errors["polar-express", 5] < errors["quintic", 5], errors
+    assert errors["polar-express", 8] < 0.5 * errors["quintic", 8] and errors["quintic", 8] > 0.1, errors
+
+
+def test_normuon_evens_out_the_rows_and_keeps_the_rms():
+    g = torch.Generator().manual_seed(0)
+    ortho = torch.randn(6, 10, generator=g) * torch.tensor([0.1, 1, 2, 3, 4, 5])[:, None]
+    state = torch.zeros(6)
+    out = optim.normuon_rows(ortho, state, beta=0.9)
+    torch.testing.assert_close(state, 0.1 * ortho.square().mean(1))
+    row_norms = out.norm(dim=1)
+    torch.testing.assert_close(row_norms, row_norms.mean().expand(6), rtol=1e-5, atol=0)
+    torch.testing.assert_close(out.norm(), ortho.norm())
+    zeros = optim.normuon_rows(torch.zeros(3, 4), torch.zeros(3), beta=0.9)  # no gradient yet: no NaN
+    assert torch.equal(zeros, torch.zeros(3, 4))
+
+
+def test_cautious_decay_only_where_update_and_parameter_agree():
+    param = torch.tensor([1.0, -1.0, 2.0, -2.0, 0.0, 3.0])
+    update = torch.tensor([0.5, -0.5, -0.5, 0.5, 1.0, 0.0])
+    optim.cautious_decay_(param, update, 0.1)
+    assert param.tolist() == pytest.approx([0.9, -0.9, 2.0, -2.0, 0.0, 2.7])
+    agree, plain = torch.tensor([1.0, -2.0]), torch.tensor([1.0, -2.0])
+    optim.cautious_decay_(agree, torch.tensor([3.0, -1.0]), 0.1)
+    assert torch.equal(agree, plain.mul_(1 - 0.1))
+
+
+def test_muon_step_with_normuon_and_cautious_decay_by_hand():
+    # Momentum 0: the step is NS(grad) per block, NorMuon'd, decayed cautiously, then scaled and applied.
+    torch.manual_seed(0)
+    blocks, cols, lr, wd = [8, 4], 6, 0.1, 0.5
+    w = torch.randn(sum(blocks), cols)
+    w0, grad = w.clone(), torch.randn(sum(blocks), cols)
+    opt = optim.Muon([{**muon_group([w], [blocks], lr=lr, weight_decay=wd), "cautious_wd": True}], momentum=0.0,
+                     ns_dtype="fp64", ns_coeffs="polar-express", normuon_beta=0.9)
+    w.grad = grad
+    opt.step()
+    for rows, start in zip(blocks, (0, 8)):
+        block = slice(start, start + rows)
+        ortho = optim.newton_schulz(grad[block], 5, torch.float64, "polar-express").float()
+        v = 0.1 * ortho.square().mean(1)
+        normed = ortho / (v.sqrt() + optim.NORMUON_EPS)[:, None]
+        update = normed * ortho.norm() / normed.norm()
+        decayed = torch.where(update * w0[block] >= 0, w0[block] * (1 - lr * wd), w0[block])
+        expected = decayed - lr * optim.muon_scale_factor(rows, cols, "match_rms_adamw") * update
+        torch.testing.assert_close(w[block], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.state[w]["row_sq_avg"][:8], 0.1 * optim.newton_schulz(
+        grad[:8], 5, torch.float64, "polar-express").float().square().mean(1))
+
+
+def reference_cautious_adamw(params, grads, lr, wd, betas, eps):
+    """The paper's update written out: x <- x - lr (u + wd 1[u x >= 0] x), u the bias-corrected Adam direction."""
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    for t, step_grads in enumerate(grads, start=1):
+        for p, g, m_i, v_i in zip(params, step_grads, m, v):
+            m_i.lerp_(g, 1 - betas[0])
+            v_i.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+            u = (m_i / (1 - betas[0] ** t)) / ((v_i / (1 - betas[1] ** t)).sqrt() + eps)
+            p.sub_(lr * (u + wd * (u * p >= 0) * p))
+
+
+@pytest.mark.parametrize("name,fused", [("adamw", True), ("adamw", False), ("muon", False)])
+def test_cautious_adamw_matches_the_papers_update(name, fused, monkeypatch):
+    if not fused:
+        monkeypatch.setattr(optim, "fused_adamw_available", lambda device_type: False)
+    elif not optim.fused_adamw_available("cpu"):
+        pytest.skip("no fused AdamW kernel on this CPU build")
+    model = ToyGPT(n_layer=1, tied=False)
+    cfg = OptimConfig(name=name, lr=0.05, weight_decay=0.5, cautious_wd=True, beta1=0.8, beta2=0.9, eps=1e-6)
+    opt = build_optimizer(model, cfg, model.row_blocks(), "cpu")
+    assert isinstance(opt, optim.CautiousAdamW if name == "adamw" else optim.Muon)
+    assert "cautious wd" in describe_param_groups(opt).splitlines()[0]
+    group = next(g for g in opt.param_groups if g["kind"] == "adamw" and g["weight_decay"])
+    g = torch.Generator().manual_seed(1)
+    grads = [[torch.randn(p.shape, generator=g) for p in group["params"]] for _ in range(3)]
+    expected = [p.detach().clone() for p in group["params"]]
+    reference_cautious_adamw(expected, grads, 0.05, 0.5, (0.8, 0.9), 1e-6)
+    for step_grads in grads:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        for p, grad in zip(group["params"], step_grads):
+            p.grad = grad.clone()
+        opt.step()
+    assert group["weight_decay"] == 0.5  # restored after the kernels ran without it
+    for p, e in zip(group["params"], expected):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_embedding_and_head_lrs_get_groups_of_their_own(name):
+    model = ToyGPT(n_layer=1, tied=False)
+    cfg = OptimConfig(name=name, lr=0.02, adam_lr=3e-3, embed_lr=0.1, head_lr=0.004)
+    opt = build_optimizer(model, cfg, model.row_blocks(), "cpu")
+    by_name = {n: g for g in opt.param_groups for n in g["names"]}
+    assert (by_name["embed.weight"]["base_lr"], by_name["lm_head.weight"]["base_lr"]) == (0.1, 0.004)
+    assert by_name["embed.weight"]["weight_decay"] == by_name["lm_head.weight"]["weight_decay"] == 0.1
+    assert by_name["norm.weight"]["base_lr"] == (3e-3 if name == "muon" else 0.02)
+    assert len(by_name["embed.weight"]["names"]) == len(by_name["lm_head.weight"]["names"]) == 1
+    default = build_optimizer(model, OptimConfig(name=name), model.row_blocks(), "cpu")
+    embed_only = build_optimizer(model, OptimConfig(name=name, embed_lr=0.1), model.row_blocks(), "cpu")
+    assert len(embed_only.param_groups) == len(default.param_groups) + 1  # and unset, the groups are as they were
+    assert {n: g["base_lr"] for g in embed_only.param_groups for n in g["names"]}["lm_head.weight"] == 3e-3
+    with pytest.raises(ValueError, match="--untied"):
+        build_optimizer(ToyGPT(n_layer=1, tied=True), OptimConfig(name=name, head_lr=0.1), {}, "cpu")
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(ns_coeffs="cubic"), "ns_coeffs"), (dict(normuon_beta=1.0), "normuon_beta"),
+    (dict(embed_lr=0.0), "embed_lr"), (dict(head_lr=-1.0), "head_lr"),
+    (dict(name="adamw", normuon=True), "--optimizer muon"),
+    (dict(name="adamw", ns_coeffs="polar-express"), "--optimizer muon"),
+    (dict(name="adamw8bit", cautious_wd=True), "--cautious-wd"),
+])
+def test_bad_recipe_options_are_one_line_value_errors(bad, message):
+    with pytest.raises(ValueError, match=message) as e:
+        OptimConfig(**{"name": "muon", **bad}).validate()
+    assert "\n" not in str(e.value)
+
+
+RECIPE = dict(ns_coeffs="polar-express", normuon=True, cautious_wd=True, embed_lr=0.02)
+
+
+@pytest.mark.parametrize("name,options", [("muon", RECIPE), ("adamw", dict(cautious_wd=True, head_lr=0.02))])
+def test_resume_is_bit_identical_with_recipe_options(name, options):
+    make = lambda: ToyGPT(vocab=32, d=16, h=2, k=1, hd=8, f=16, n_layer=1, tied=False)  # noqa: E731
+    cfg = OptimConfig(name=name, lr=1e-2, adam_lr=1e-3, **options)
+    data = batches(5, vocab=32)
+    straight = make()
+    scheduled_train(straight, build_optimizer(straight, cfg, straight.row_blocks(), "cpu"), data, 0)
+    first = make()
+    opt = build_optimizer(first, cfg, first.row_blocks(), "cpu")
+    scheduled_train(first, opt, data[:3], 0)
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    if name == "muon":
+        assert all("row_sq_avg" in s for i, s in saved["optimizer"]["state"].items() if "momentum_buffer" in s)
+    resumed = make()
+    resumed.load_state_dict(saved["model"])
+    opt = build_optimizer(resumed, cfg, resumed.row_blocks(), "cpu")
+    opt.load_state_dict(saved["optimizer"])
+    scheduled_train(resumed, opt, data[3:], 3)
+    for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), n
+
+
+def recipe_fsdp_resume_worker(rank, world_size, init_file, out_file, ckpt_dir):
+    """FSDP2 on uneven shards with every Muon recipe option: two steps, a sharded (DCP) save, a fresh model and
+    optimizer restored from it, a third step."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        per_rank = 6 // world_size
+        data = [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+                for x, y in batches(3, vocab=7)]
+
+        def sharded():
+            model = ToyGPT(vocab=7, d=4, h=3, k=1, hd=3, f=5, n_layer=2, tied=False).double()
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+            cfg = OptimConfig(name="muon", lr=0.05, adam_lr=0.01, weight_decay=0.1, ns_dtype="fp64", **RECIPE)
+            return model, build_optimizer(model, cfg, model.row_blocks(), "cpu")
+
+        options = StateDictOptions(full_state_dict=False)
+        model, opt = sharded()
+        train(model, opt, data[:2])
+        model_sd, optim_sd = get_state_dict(model, opt, options=options)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=ckpt_dir)
+        model, opt = sharded()
+        model_sd, optim_sd = get_state_dict(model, opt, options=options)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=ckpt_dir)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=options)
+        train(model, opt, data[2:])
+        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+        if rank == 0:
+            torch.save({n: t.detach().clone() for n, t in full.items()}, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_muon_recipe_under_fsdp_with_a_sharded_resume_matches_single_process(tmp_path):
+    out_file = tmp_path / "params.pt"
+    mp.spawn(recipe_fsdp_resume_worker, args=(3, str(tmp_path / "rdzv"), str(out_file), str(tmp_path / "dcp")),
+             nprocs=3, join=True)
+    distributed = torch.load(out_file)
+    model = ToyGPT(vocab=7, d=4, h=3, k=1, hd=3, f=5, n_layer=2, tied=False).double()
+    run_muon(model, batches(3, vocab=7), **RECIPE)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(distributed[name], p.detach(), rtol=0, atol=1e-10, msg=name)

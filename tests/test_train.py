@@ -59,7 +59,33 @@ def test_total_batch_tokens_derives_grad_accum():
 
 def test_max_tokens_derives_max_steps():
     cfg = config.parse_args(["--max-tokens", "10000"])
-    assert config.max_steps(cfg, 4096) == math.ceil(10000 / 4096)
+    layout = config.BatchLayout(micro_batch=32, seq_len=128, grad_accum=1, world_size=1)  # 4096 tokens a step
+    assert config.max_steps(cfg, layout) == math.ceil(10000 / 4096)
+
+
+def test_batch_warmup_ramps_whole_micro_steps_to_the_full_batch():
+    steps = [config.warmup_micro_steps(step, 8, 4, 0.25) for step in range(6)]
+    assert steps == [2, 4, 5, 7, 8, 8]  # 0.25, 0.4375, 0.625, 0.8125 of 8, rounded; then all of it
+    assert [config.warmup_micro_steps(s, 3, 10, 0.01) for s in (0, 9, 10)] == [1, 3, 3]  # at least one
+    assert config.warmup_micro_steps(0, 8, 0, 0.25) == 8  # off
+    layout = config.BatchLayout(micro_batch=2, seq_len=16, grad_accum=8, world_size=2)
+    assert layout.at_step(1, 4, 0.25) == config.BatchLayout(2, 16, 4, 2) and layout.at_step(4, 4, 0.25) is layout
+
+
+def test_batch_warmup_keeps_max_tokens_the_same_budget():
+    layout = config.BatchLayout(micro_batch=1, seq_len=32, grad_accum=4, world_size=1)  # 32 tokens a micro-step
+    # Ramp: 1, 2, 3, 3 micro-steps (224 tokens short of 4 full steps), then 4 a step.
+    assert config.steps_for_tokens(640, layout, 4, 0.25) == 7 and config.steps_for_tokens(640, layout) == 5
+    assert config.steps_for_tokens(64, layout, 4, 0.25) == 2  # the budget ends inside the ramp
+    cfg = config.parse_args(["--max-tokens", "640", "--batch-warmup-steps", "4", "--grad-accum", "4"])
+    assert config.max_steps(cfg, layout) == 7
+
+
+@pytest.mark.parametrize("args", [["--batch-warmup-steps", "4"], ["--batch-warmup-steps", "-1", "--grad-accum", "2"],
+                                  ["--batch-warmup-steps", "4", "--grad-accum", "2", "--batch-warmup-start", "0"]])
+def test_bad_batch_warmup_flags_are_usage_errors(args):
+    with pytest.raises(train.UsageError, match="--batch-warmup"):
+        config.parse_args(args)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -138,6 +164,22 @@ def test_logged_tokens_count_what_was_trained_across_a_resume_with_another_batch
     assert [r["tokens"] for r in resumed] == [128, 256, 320, 384]
 
 
+def test_batch_warmup_counts_exact_tokens_and_resumes_bit_identically(tmp_path, tiny_data):
+    ramp = ["--batch-size", "1", "--grad-accum", "4", "--batch-warmup-steps", "4", "--max-tokens", "640",
+            "--keep-ckpts", "5"]
+    full = tiny_run(tiny_data, tmp_path / "full", *ramp, "--ckpt-interval", "2")
+    assert [r["tokens"] for r in full] == [32, 96, 192, 288, 416, 544, 672]  # 1, 2, 3, 3, then 4 micro-steps
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    ckpt = checkpoint.checkpoint_path(str(tmp_path / "full"), 2, sharded=False)  # inside the ramp
+    for path in (ckpt, ckpt + checkpoint.DIGEST_SUFFIX):
+        shutil.copy(path, resumed_dir)
+    with open(resumed_dir / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in full[:2])
+    resumed = tiny_run(tiny_data, resumed_dir, *ramp, "--resume")
+    assert [(r["tokens"], r["train_loss"]) for r in resumed] == [(r["tokens"], r["train_loss"]) for r in full]
+
+
 def test_metrics_survive_a_crash_while_rewritten_at_resume(tmp_path, monkeypatch):
     import telemetry
 
@@ -157,7 +199,32 @@ def test_resume_rejects_a_different_model(tmp_path, tiny_data):
     tiny_run(tiny_data, tmp_path, "--max-steps", "2")
     result = run_cli("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--n-layer", "3",
                      "--max-steps", "4", "--resume", "--device", "cpu")
-    assert result.returncode == 2 and "different model config" in result.stderr
+    assert result.returncode == 2 and "another model shape (n_layer 2 -> 3)" in result.stderr
+
+
+def test_resume_names_the_settings_that_changed(tmp_path, tiny_data):
+    """The checkpoint stores the resolved config: a changed optimizer is refused, a changed LR is named."""
+    tiny_run(tiny_data, tmp_path, "--max-steps", "2")
+    common = ["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--max-steps", "3", "--resume",
+              "--device", "cpu", "--eval-interval", "0"]
+    result = run_cli(*common, "--optimizer", "muon")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == ("error: --resume: the checkpoint was trained with settings "
+                                                      "that cannot change within a run: optim.name 'adamw' -> 'muon'")
+    result = run_cli(*common, "--lr", "1e-3")
+    assert result.returncode == 0, result.stderr
+    assert "setting changed since the checkpoint: optim.lr 0.003 -> 0.001" in result.stderr
+    assert "schedule.max_steps 2 -> 3" in result.stderr
+
+
+def test_the_resolved_config_is_written_and_reproduces_the_run(tmp_path, tiny_data):
+    tiny_run(tiny_data, tmp_path, "--depth", "1", "--max-tokens", "256")  # the tiny model's flags override it
+    saved = config.read_config_file(str(tmp_path / "config.toml"))
+    assert saved["size.depth"] == 1 and saved["schedule.max_tokens"] == 256 and "schedule.max_steps" not in saved
+    assert saved["optim.lr"] == 3e-3 * 128 / 64  # derived from the given width
+    again = config.parse_args(["--config", str(tmp_path / "config.toml")])
+    assert config.flat_values(again) == {**config.flat_values(again), **saved}
+    assert (again.model.n_layer, again.model.n_embd, again.data.data) == (2, 64, tiny_data)
 
 
 def test_resume_rejects_a_foreign_checkpoint(tmp_path, tiny_data):

@@ -1,0 +1,177 @@
+"""One dial for the model's size: `--depth N`, or a named `--preset`, derives the shape and the training
+settings that go with it, so that a user picks one number instead of seven.
+
+    values = derive(12, explicit={})     # {"model.n_embd": (768, "64 x depth"), "optim.lr": (5e-4, ...), ...}
+
+The rules, each a constant below:
+- width: n_embd = 64 x depth (GPT-2 small's aspect ratio: 768 = 64 x 12), rounded up to a multiple of head_dim;
+- head_dim: 128, the size H100 FP8 attention kernels need, or 64 for widths under 512 (a small model would
+  otherwise have one or two heads);
+- heads: n_head = n_embd / head_dim, and n_kv_head = n_head / 2 (GQA halves the KV cache and the K/V
+  projections); an odd head count keeps full multi-head attention, since 2 must divide it;
+- ffn_dim: the model's own default, 8/3 n_embd rounded up to a multiple of 128 (model.ModelConfig);
+- peak LR: 3e-3 x 128 / n_embd, inverse in width as muP prescribes for Adam on hidden matrices. It is anchored on
+  the default model (width 128, 3e-3) and lands within 25% of GPT-3's published AdamW LRs at GPT-2's four
+  widths (6e-4 at 768, 3e-4 at 1024, 2.5e-4 at 1536, 2e-4 at 2048). Muon's default update scale
+  (match_rms_adamw) gives its updates AdamW's RMS, so the same LR serves both optimizers;
+- global batch: DeepSeek LLM's fitted compute-optimal batch, B = 0.292 x C^0.3271 tokens with C = 6 x params x
+  training tokens, rounded to a power of two (and to whole micro-batches);
+- horizon: --tokens-per-param x params training tokens (Chinchilla's 20 by default), params counting the
+  embedding.
+
+A value the user gives explicitly (a flag, a --config file, or a preset's override) always wins, and the values
+derived after it use it: `--depth 12 --n-embd 1024` derives its heads and LR from width 1024.
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+
+from model import ModelConfig
+
+ASPECT_RATIO = 64  # width per layer
+HEAD_DIM, SMALL_HEAD_DIM, SMALL_WIDTH = 128, 64, 512
+GQA_RATIO = 2  # query heads per key/value head
+BASE_LR, BASE_WIDTH = 3e-3, 128  # the default model's peak LR and width
+BATCH_COEFF, BATCH_EXPONENT = 0.292, 0.3271  # DeepSeek LLM (2024), optimal batch in tokens against compute C
+
+# Published GPT-2 sizes as aliases: a depth plus the overrides that reproduce GPT-2's context and width (and,
+# for 1.5B, the 25 heads of 64 that 1600 needs; 25 is odd, so it is full multi-head attention, as GPT-2 was).
+PRESETS = {
+    "gpt2-124m": {"size.depth": 12, "model.max_seq_len": 1024},
+    "gpt2-350m": {"size.depth": 24, "model.max_seq_len": 1024, "model.n_embd": 1024},
+    "gpt2-760m": {"size.depth": 36, "model.max_seq_len": 1024, "model.n_embd": 1280},
+    "gpt2-1.5b": {"size.depth": 48, "model.max_seq_len": 1024, "model.n_embd": 1600, "model.head_dim": 64,
+                  "model.n_head": 25, "model.n_kv_head": 25},
+}
+# The published parameter counts the presets are checked against (tests/test_sizing.py): within 10%.
+PUBLISHED_PARAMS = {"gpt2-124m": 124e6, "gpt2-350m": 355e6, "gpt2-760m": 774e6, "gpt2-1.5b": 1558e6}
+
+
+@dataclass
+class SizeConfig:
+    """The size dial. Each field's metadata is its command-line help: config.py generates the flags."""
+
+    depth: int | None = field(default=None, metadata={
+        "help": "one dial for the model size: derives width, heads, LR, global batch and training tokens from "
+                "the number of layers (see sizing.py); explicit flags override any derived value"})
+    preset: str | None = field(default=None, metadata={
+        "choices": tuple(PRESETS), "help": "a published GPT-2 size: an alias for a --depth plus overrides"})
+    tokens_per_param: float = field(default=20.0, metadata={
+        "help": "with --depth or --preset: train for this many tokens per parameter (Chinchilla: 20), unless "
+                "--max-steps or --max-tokens is given"})
+
+    def validate(self) -> None:
+        if self.depth is not None and self.depth < 1:
+            raise ValueError(f"--depth must be >= 1, got {self.depth}")
+        if not self.tokens_per_param > 0:
+            raise ValueError(f"--tokens-per-param must be positive, got {self.tokens_per_param}")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def shape(depth: int, explicit: dict) -> dict[str, tuple[object, str]]:
+    """The model shape for `depth` -> {"model.<field>": (value, rule)}; explicit values are used as given."""
+    width_given = explicit.get("model.n_embd")
+    raw_width = width_given or ASPECT_RATIO * depth
+    head_dim = explicit.get("model.head_dim") or (HEAD_DIM if raw_width >= SMALL_WIDTH else SMALL_HEAD_DIM)
+    width = width_given or _round_up(raw_width, head_dim)
+    n_head = explicit.get("model.n_head") or max(1, width // head_dim)
+    n_kv_head = n_head // GQA_RATIO if n_head % GQA_RATIO == 0 else n_head
+    width_rule = f"{ASPECT_RATIO}·depth" + ("" if width == raw_width else ", rounded up to head_dim")
+    return {
+        "model.n_layer": (depth, "depth"),
+        "model.n_embd": (width, width_rule),
+        "model.head_dim": (head_dim, f"{HEAD_DIM}; {SMALL_HEAD_DIM} under width {SMALL_WIDTH}"),
+        "model.n_head": (n_head, "n_embd/head_dim"),
+        "model.n_kv_head": (n_kv_head, f"n_head/{GQA_RATIO}" if n_kv_head != n_head else "odd n_head: MHA"),
+    }
+
+
+def param_count(model_cfg: ModelConfig) -> int:
+    """Every parameter, the embedding included (Chinchilla counts it), without building the model."""
+    import memory  # memory imports torch and the distributed code; sizing stays importable without them
+
+    return sum(memory.param_numels(model_cfg).values())
+
+
+def compute_optimal_batch(params: int, tokens: float, granule: int) -> int:
+    """DeepSeek LLM's fitted optimal batch (tokens) for C = 6 x params x tokens, rounded to a power of two, then
+    to a multiple of `granule` (the tokens of one micro-batch), at least one."""
+    optimal = BATCH_COEFF * (6 * params * tokens) ** BATCH_EXPONENT
+    power = 2 ** round(math.log2(optimal))
+    return max(granule, round(power / granule) * granule)
+
+
+def derive(depth: int, explicit: dict, model_defaults: ModelConfig | None = None) -> dict[str, tuple[object, str]]:
+    """Every value the dial derives -> {"section.field": (value, rule)}, whether or not `explicit` ("section.field"
+    -> value, what the user gave) overrides it; the values derived later (LR, batch, horizon) use the explicit
+    ones. The caller keeps the explicit values over these."""
+    base = model_defaults or ModelConfig()
+    values = shape(depth, explicit)
+    resolved = {key: explicit.get(key, value) for key, (value, _) in values.items()}
+    model_fields = {key.split(".", 1)[1]: value for key, value in {**resolved, **explicit}.items()
+                    if key.startswith("model.")}
+    model_cfg = ModelConfig(**{**base.__dict__, **model_fields})
+    width = model_cfg.n_embd
+    values["model.ffn_dim"] = (replace(model_cfg, ffn_dim=None).resolved_ffn_dim, "8/3·n_embd")
+    values["optim.lr"] = (float(f"{BASE_LR * BASE_WIDTH / width:.3g}"), f"{BASE_LR:g}·{BASE_WIDTH}/n_embd")
+    params = param_count(model_cfg)
+    tokens_per_param = explicit.get("size.tokens_per_param", SizeConfig.tokens_per_param)
+    tokens = round(tokens_per_param * params)
+    values["schedule.max_tokens"] = (tokens, f"{tokens_per_param:g}/param x {params / 1e6:.1f}M params")
+    micro = explicit.get("data.batch_size", 16)
+    granule = model_cfg.max_seq_len * (micro if isinstance(micro, int) else 1)
+    values["data.total_batch_tokens"] = (compute_optimal_batch(params, tokens, granule),
+                                         "DeepSeek's batch fit")
+    return values
+
+
+def resolve(explicit: dict) -> dict:
+    """The values a run gets from its size dial: a preset's values under everything explicit, then the derived
+    values under both; the keys of the horizon and the batch only when the user fixed neither of their
+    alternatives. -> "section.field" -> value, to be overridden by `explicit`."""
+    preset = PRESETS.get(explicit.get("size.preset"), {})
+    given = {**preset, **explicit}
+    depth = given.get("size.depth")
+    if depth is None:
+        return preset
+    derived = {key: value for key, (value, _) in derive(depth, given).items()}
+    if "schedule.max_steps" in given or "schedule.max_tokens" in given:
+        derived.pop("schedule.max_tokens")
+    if "data.grad_accum" in given or "data.total_batch_tokens" in given:
+        derived.pop("data.total_batch_tokens")
+    return {**derived, **preset}
+
+
+def preset_shape(name: str) -> ModelConfig:
+    """A preset's model shape alone (bench/ladder.py sweeps the shapes without the derived horizon and batch)."""
+    values = {**resolve({"size.preset": name}), **PRESETS[name]}
+    return ModelConfig(**{key[6:]: v for key, v in values.items() if key.startswith("model.")})
+
+
+def describe(size: SizeConfig, values: dict) -> str:
+    """The start-up table's account of the dial: each derived value with its rule, or where it came from
+    instead (the preset, or the user). values: the run's resolved "section.field" -> value."""
+    if size.depth is None:
+        return "off (shape from the model flags; --depth N or --preset derives it)"
+    preset = {k: v for k, v in PRESETS.get(size.preset, {}).items() if k != "size.depth"}
+    given = dict(preset)
+    while True:  # a value that differs from its derivation was given; the values derived after it follow it
+        derived = derive(size.depth, given)
+        overridden = [key for key, (value, _) in derived.items() if values.get(key, value) != value and key not in given]
+        if not overridden:
+            break
+        given[overridden[0]] = values[overridden[0]]  # in dependency order: the first may explain the rest
+    parts = []
+    for key, (value, rule) in derived.items():
+        name = key.split(".", 1)[1]
+        actual = values.get(key, value)
+        if not actual:  # fixed another way (--max-steps, --grad-accum)
+            parts.append(f"{name} not derived")
+            continue
+        source = "preset" if key in preset else "given" if key in given else rule
+        parts.append(f"{name} {f'{actual:.3g}' if isinstance(actual, float) else f'{actual:,}'} ({source})")
+    name = f"preset {size.preset}, " if size.preset else ""
+    return f"{name}depth {size.depth}: " + ", ".join(parts)

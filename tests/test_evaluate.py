@@ -1,0 +1,368 @@
+"""evaluate.py and eval.py: per-token losses, validation bits per byte, the HellaSwag loader and scorer, and the
+same figures from training, from a checkpoint and from an export."""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import config
+import distributed
+import eval as eval_cli
+import evaluate
+import export
+import train
+from cli import UsageError
+from conftest import REPO, TINY_FLAGS
+from data import get_tokenizer, write_shard
+from evaluate import (Evaluator, Example, bits_per_byte, bpb_sums, choice_batch, ending_scores, load_hellaswag,
+                      token_byte_lengths)
+from model import GPT, IGNORE_INDEX, ModelConfig, linear_cross_entropy
+
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.jsonl")
+EOT, HELLO, WORLD = 50256, 15496, 995  # GPT-2: "<|endoftext|>", "Hello" (5 bytes), " world" (6 bytes)
+# The GPT-2 vocabulary (HellaSwag's text needs it), otherwise as small as TINY_FLAGS.
+GPT2_TINY = dict(vocab_size=50257, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=32)
+
+
+def gpt2_model(seed: int = 0) -> GPT:
+    """Weights larger than the init's, so that the endings' losses are far apart (no near-ties)."""
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(**GPT2_TINY)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
+    return model
+
+
+def eval_config(*flags) -> config.EvalConfig:
+    return config.parse_args(list(flags)).eval
+
+
+# ----------------------------------------------------------------------------- per-token losses
+
+
+@torch.no_grad()
+def test_reduction_none_matches_cross_entropy():
+    torch.manual_seed(0)
+    x, weight = torch.randn(3, 5, 16), torch.randn(40, 16)
+    targets = torch.randint(0, 40, (3, 5))
+    targets[1, 2] = targets[2, 4] = IGNORE_INDEX
+    reference = F.cross_entropy(F.linear(x, weight).flatten(0, 1), targets.flatten(), reduction="none").view(3, 5)
+    for chunk in (4, 1024):  # several chunks, one chunk
+        losses = linear_cross_entropy(x, weight, targets, chunk=chunk, reduction="none")
+        assert losses.shape == (3, 5) and losses.dtype == torch.float32
+        torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-5)
+        assert losses[1, 2] == 0 and losses[2, 4] == 0
+        assert losses.sum() / 13 == pytest.approx(linear_cross_entropy(x, weight, targets, chunk).item(), rel=1e-6)
+
+
+def test_reduction_none_through_the_model_and_its_refusals():
+    model = gpt2_model()
+    idx, targets = torch.randint(0, 50257, (2, 9)), torch.randint(0, 50257, (2, 9))
+    with torch.no_grad():
+        logits, _ = model(idx)
+        _, losses = model(idx, targets, reduction="none")
+    reference = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(2, 9)
+    torch.testing.assert_close(losses, reference, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no backward"):
+        model(idx, targets, reduction="none")  # autograd would want a backward here
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(torch.randn(2, 4), torch.randn(8, 4), torch.zeros(2, dtype=torch.long), reduction="sum")
+
+
+# ----------------------------------------------------------------------------- bits per byte
+
+
+def test_token_byte_lengths_leave_out_special_tokens_and_padding():
+    lengths = token_byte_lengths(get_tokenizer(), 50304)
+    assert lengths.shape == (50304,)
+    assert lengths[HELLO] == 5 and lengths[WORLD] == 6 and lengths[ord("a")] == 1
+    assert lengths[EOT] == 0 and lengths[50257:].sum() == 0  # no text; the vocabulary's padding
+
+
+def test_bits_per_byte_by_hand():
+    """Targets end-of-text, "Hello", " world" with losses 1, 2, 3 nats: the end-of-text is left out of both
+    sums, so bpb = (2 + 3) / (ln 2 * (5 + 6))."""
+    table = token_byte_lengths(get_tokenizer(), 50257)
+    targets, losses = torch.tensor([[EOT, HELLO, WORLD]]), torch.tensor([[1.0, 2.0, 3.0]])
+    nats, n_bytes = bpb_sums(losses, targets, table).tolist()
+    assert (nats, n_bytes) == (5.0, 11.0)
+    assert bits_per_byte(nats, n_bytes) == pytest.approx(5 / (math.log(2) * 11), rel=1e-12)
+    assert bits_per_byte(nats, n_bytes) == pytest.approx(0.6558, abs=1e-4)
+
+
+def test_val_metrics_against_full_logits(tmp_path):
+    """val_loss and val_bpb over a val shard of real GPT-2 text (end-of-text tokens and multi-byte tokens)
+    equal plain F.cross_entropy over the full logits, with the bytes decoded by hand."""
+    enc = get_tokenizer()
+    document = [EOT] + enc.encode_ordinary("The café served crème brûlée — twice.")
+    tokens = np.array((document * 20)[:200], dtype=np.uint16)
+    write_shard(tmp_path / "train_000000.bin", tokens, vocab_size=50257)
+    write_shard(tmp_path / "val_000000.bin", tokens, vocab_size=50257)
+    model = gpt2_model()
+    evaluator = Evaluator(eval_config("--eval-tokens", "64"), str(tmp_path), distributed.DistInfo(),
+                          torch.device("cpu"), 50257, seed=0)
+    evaluator.check(micro_batch=2, seq_len=32)
+    metrics = evaluator.val_metrics(model, model, nullcontext, micro_batch=2, seq_len=32)
+
+    windows = torch.tensor(tokens[:2 * 32 + 1].astype(np.int64))  # the first 2 windows of 32 targets
+    x, y = torch.stack([windows[:32], windows[32:64]]), torch.stack([windows[1:33], windows[33:65]])
+    with torch.no_grad():
+        losses = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), reduction="none")
+    text_bytes = torch.tensor([0 if t == EOT else len(enc.decode_single_token_bytes(t))
+                               for t in y.flatten().tolist()])
+    assert (text_bytes == 0).sum() >= 2 and text_bytes.max() >= 3  # both cases are there
+    assert metrics["val_loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
+    expected = losses[text_bytes > 0].sum().item() / (math.log(2) * text_bytes.sum().item())
+    assert metrics["val_bpb"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_no_val_bpb_beyond_gpt2_vocabulary(tiny_data):
+    evaluator = Evaluator(eval_config(), tiny_data, distributed.DistInfo(), torch.device("cpu"), 60000, seed=0)
+    evaluator.check_val(4, 32)
+    assert evaluator.token_bytes is None
+
+
+# ----------------------------------------------------------------------------- HellaSwag: loading
+
+
+def fixture_rows() -> list[dict]:
+    with open(FIXTURE) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_fixture_is_in_hellaswag_format():
+    rows = fixture_rows()
+    assert len(rows) == 8
+    for row in rows:
+        assert {"ind", "activity_label", "ctx_a", "ctx_b", "ctx", "endings", "source_id", "split", "split_type",
+                "label"} <= set(row)
+        assert row["ctx"] == f"{row['ctx_a']} {row['ctx_b']}" and len(row["endings"]) == 4
+
+
+def test_load_jsonl_and_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from_jsonl = load_hellaswag(FIXTURE)
+    assert len(from_jsonl) == 8 and [e.label for e in from_jsonl] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert from_jsonl[0] == Example(fixture_rows()[0]["ctx"], tuple(fixture_rows()[0]["endings"]), 0)
+    assert load_hellaswag(FIXTURE, 3) == from_jsonl[:3]
+    rows = [{**row, "label": str(row["label"])} for row in fixture_rows()]  # the hub's labels are strings
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "hs.parquet")
+    assert load_hellaswag(str(tmp_path / "hs.parquet")) == from_jsonl
+    assert load_hellaswag(str(tmp_path / "hs.parquet"), 5) == from_jsonl[:5]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda row: row.pop("ctx"), r":2: 'ctx' must be a string"),
+    (lambda row: row.update(endings=row["endings"][:3]), r":2: 'endings' must be a list of 4 strings"),
+    (lambda row: row.update(endings=[1, 2, 3, 4]), r"'endings' must be a list of 4 strings"),
+    (lambda row: row.update(label=4), r"'label' must be 0..3"),
+    (lambda row: row.update(label="b"), r"'label' must be 0..3"),
+    (lambda row: row.update(label=""), r"'label' must be 0..3"),  # as in HellaSwag's unlabelled test split
+    (lambda row: row.update(label=True), r"'label' must be 0..3"),
+])
+def test_malformed_rows_are_refused_in_one_line(tmp_path, change, message):
+    rows = fixture_rows()
+    change(rows[1])
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(UsageError, match=message) as e:
+        load_hellaswag(str(path))
+    assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+
+def test_unreadable_sources_are_refused_in_one_line(tmp_path):
+    (tmp_path / "broken.jsonl").write_text('{"ctx": "a"\n')
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "rows.csv").write_text("ctx,endings,label\n")
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    cases = {"broken.jsonl": "broken.jsonl:1: invalid JSON", "missing.jsonl": "no such file",
+             "empty.jsonl": "no examples", "rows.csv": "expected a .jsonl or .parquet file",
+             "broken.parquet": "not a readable parquet file"}
+    for name, message in cases.items():
+        with pytest.raises(UsageError, match=re.escape(message)) as e:
+            load_hellaswag(str(tmp_path / name))
+        assert "\n" not in str(e.value)
+
+
+def test_training_refuses_bad_hellaswag_flags_at_startup(tmp_path, tiny_data, capsys):
+    base = ["--data", tiny_data, *TINY_FLAGS, "--device", "cpu"]
+    cases = [(["--eval-hellaswag", "4", "--hellaswag-path", str(tmp_path / "nope.jsonl")], "no such file"),
+             (["--eval-hellaswag", "4", "--hellaswag-path", FIXTURE], "beyond --vocab-size 256"),
+             (["--eval-hellaswag", "-1"], "--eval-hellaswag must be >= 0"),
+             (["--eval-hellaswag", "4", "--eval-interval", "0"], "needs --eval-interval > 0")]
+    for i, (flags, message) in enumerate(cases):
+        with pytest.raises(SystemExit) as e:
+            train.main(base + ["--out-dir", str(tmp_path / str(i))] + flags)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+
+
+# ----------------------------------------------------------------------------- HellaSwag: scoring
+
+
+def test_choice_batch_layout_and_truncation():
+    enc = get_tokenizer()
+    example = Example("A man pours flour. He", ("kneads", "sings a long song"), 0)
+    context = enc.encode_ordinary(example.context)
+    x, y = choice_batch(enc, example, max_len=32)
+    for row, ending in enumerate(example.endings):
+        tokens = context + enc.encode_ordinary(" " + ending)
+        n = len(tokens) - 1
+        assert x[row, :n].tolist() == tokens[:-1]
+        assert y[row, :n].tolist() == [IGNORE_INDEX] * (len(context) - 1) + tokens[len(context):]
+        assert (y[row, n:] == IGNORE_INDEX).all()  # right padding counts for nothing
+    short_x, short_y = choice_batch(enc, example, max_len=4)  # the context's last tokens are kept
+    tail = enc.encode_ordinary(" sings a long song")
+    assert short_x[1].tolist() == (context + tail)[-5:-1]
+    assert short_y[1][short_y[1] != IGNORE_INDEX].tolist() == tail
+    empty_x, _ = choice_batch(enc, Example("", ("a", "b"), 0), max_len=32)
+    assert empty_x[0, 0] == EOT  # an empty context conditions on end-of-text
+
+
+def test_ending_scores_normalise_by_length():
+    """Ending 0 has 2 tokens of loss 1 (mean 1, sum 2); ending 1 has 4 tokens of 0.9 (mean 0.9, sum 3.6):
+    the mean picks ending 1, the sum ending 0."""
+    losses = torch.tensor([[5.0, 1.0, 1.0, 0.0, 0.0], [5.0, 0.9, 0.9, 0.9, 0.9]])
+    targets = torch.tensor([[IGNORE_INDEX, 7, 7, IGNORE_INDEX, IGNORE_INDEX], [IGNORE_INDEX, 7, 7, 7, 7]])
+    mean, total = ending_scores(losses, targets)
+    torch.testing.assert_close(mean, torch.tensor([1.0, 0.9]))
+    torch.testing.assert_close(total, torch.tensor([2.0, 3.6]))
+    assert mean.argmin() == 1 and total.argmin() == 0
+
+
+def hand_scores(model, enc, example) -> tuple[list[float], list[float]]:
+    """Each ending's mean and summed loss from the full logits of context + " " + ending, one at a time."""
+    context = enc.encode_ordinary(example.context)
+    means, sums = [], []
+    for ending in example.endings:
+        tail = enc.encode_ordinary(" " + ending)
+        idx = torch.tensor([context + tail])
+        with torch.no_grad():
+            logits = model(idx[:, :-1])[0][0]
+        losses = F.cross_entropy(logits[len(context) - 1:], idx[0, len(context):], reduction="none")
+        means.append(losses.mean().item())
+        sums.append(losses.sum().item())
+    return means, sums
+
+
+def test_scorer_reproduces_the_hand_computed_choices():
+    model, enc = gpt2_model(), get_tokenizer()
+    evaluator = Evaluator(eval_config("--hellaswag-path", FIXTURE), None, distributed.DistInfo(),
+                          torch.device("cpu"), 50257, seed=0)
+    evaluator.load_hellaswag(32, None)
+    right = right_sum = 0
+    for (x, y, label), example in zip(evaluator.choices, load_hellaswag(FIXTURE)):
+        with torch.no_grad():
+            mean, total = ending_scores(model(x, y, reduction="none")[1], y)
+        means, sums = hand_scores(model, enc, example)
+        torch.testing.assert_close(mean, torch.tensor(means), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(total, torch.tensor(sums), rtol=1e-5, atol=1e-5)
+        right += int(np.argmin(means) == label)
+        right_sum += int(np.argmin(sums) == label)
+    assert evaluator.hellaswag(model) == {"hellaswag_acc": right / 8, "hellaswag_acc_sum": right_sum / 8}
+    assert not model.training  # the model's mode is put back
+
+
+def test_ranks_split_the_examples(monkeypatch):
+    """Three ranks take examples 0,3,6 / 1,4,7 / 2,5 and run the same number of forwards (the third repeats
+    one without counting it); their counts add up to one process's."""
+    model = gpt2_model()
+    cfg = eval_config("--hellaswag-path", FIXTURE)
+    whole = Evaluator(cfg, None, distributed.DistInfo(), torch.device("cpu"), 50257, seed=0)
+    whole.load_hellaswag(32, None)
+    expected = whole.hellaswag(model)
+    # Each rank's own share: the all-reduce (a mean) is replaced by this rank's count over the world size,
+    # and rank 0's broadcast of the rows by the rows.
+    monkeypatch.setattr(evaluate.distributed, "mean_across_ranks", lambda value, info: value / info.world_size)
+    monkeypatch.setattr(evaluate.distributed, "broadcast_object", lambda obj, info: (load_hellaswag(FIXTURE), None))
+    forwards, total = [], {"hellaswag_acc": 0.0, "hellaswag_acc_sum": 0.0}
+    for rank in range(3):
+        info = distributed.DistInfo(rank=rank, world_size=3)
+        evaluator = Evaluator(cfg, None, info, torch.device("cpu"), 50257, seed=0)
+        evaluator.load_hellaswag(32, None)
+        calls = []
+        handle = model.register_forward_hook(lambda *args: calls.append(1))
+        for key, value in evaluator.hellaswag(model).items():
+            total[key] += value
+        handle.remove()
+        forwards.append(len(calls))
+    assert forwards == [3, 3, 3]
+    assert total == pytest.approx(expected)
+
+
+# ----------------------------------------------------------------------------- training, checkpoint, export
+
+
+def run_eval(capsys, *args) -> str:
+    assert eval_cli.main(list(args)) == 0
+    return capsys.readouterr().out
+
+
+def test_training_checkpoint_and_export_agree(tmp_path, tiny_data, capsys):
+    """A tiny GPT-2-vocabulary run logs val_bpb and hellaswag_acc; eval.py gives the same figures from its
+    checkpoint and from its Hugging Face export."""
+    out = tmp_path / "out"
+    flags = list(TINY_FLAGS)
+    flags[flags.index("--vocab-size") + 1] = "50257"
+    train.main(["--data", tiny_data, "--out-dir", str(out), *flags, "--max-steps", "3", "--warmup", "1",
+                "--eval-interval", "3", "--eval-tokens", "256", "--eval-hellaswag", "8",
+                "--hellaswag-path", FIXTURE, "--dtype", "fp32", "--device", "cpu"])
+    err = capsys.readouterr().err
+    with open(out / "metrics.jsonl") as f:
+        record = [json.loads(line) for line in f][-1]
+    assert re.search(r"step 3: train loss [\d.]+, val loss [\d.]+, val bpb [\d.]+, hellaswag [\d.]+ \(sum", err)
+    # The tiny shards' ids 0..255 are GPT-2's single-byte tokens: bits per byte is the loss in bits.
+    assert record["val_bpb"] == pytest.approx(record["val_loss"] / math.log(2), rel=1e-6)
+    n = 8
+    ckpt = str(out / "ckpt_00000003.pt")
+    assert export.main(["--ckpt", ckpt, "--out", str(tmp_path / "hf")]) == 0
+    for model_path in (ckpt, str(tmp_path / "hf")):
+        text = run_eval(capsys, "--ckpt", model_path, "--task", "hellaswag", "--hellaswag-path", FIXTURE,
+                        "--device", "cpu")
+        right = int(re.search(r"hellaswag_acc +[\d.]+ \((\d+)/8", text).group(1))
+        right_sum = int(re.search(r"hellaswag_acc_sum +[\d.]+ \((\d+)/8", text).group(1))
+        assert (right / n, right_sum / n) == (record["hellaswag_acc"], record["hellaswag_acc_sum"])
+    # Training's micro-batch (4) and eval tokens (256): the same val windows.
+    text = run_eval(capsys, "--ckpt", str(tmp_path / "hf"), "--task", "bpb", "--data", tiny_data, "--n", "256",
+                    "--batch-size", "4", "--device", "cpu")
+    assert float(re.search(r"val_loss +([\d.]+)", text).group(1)) == pytest.approx(record["val_loss"], abs=1e-4)
+    assert float(re.search(r"val_bpb +([\d.]+)", text).group(1)) == pytest.approx(record["val_bpb"], abs=1e-4)
+
+
+def test_eval_cli_refuses_bad_input_in_one_line(tmp_path, tiny_data, capsys):
+    model_dir = tmp_path / "hf"
+    model = gpt2_model()
+    export.export_hf(model.config, model.state_dict(), str(model_dir))
+    cases = [(["--ckpt", str(tmp_path / "missing.pt"), "--task", "hellaswag"], "no such file or directory"),
+             (["--ckpt", str(model_dir), "--task", "mmlu"], "invalid choice: 'mmlu'"),
+             (["--ckpt", str(model_dir), "--task", "hellaswag", "--n", "0"], "--n must be >= 1"),
+             (["--ckpt", str(model_dir), "--task", "hellaswag", "--hellaswag-path", "x.jsonl"], "no such file"),
+             (["--ckpt", str(model_dir), "--task", "bpb", "--data", str(tmp_path)], "val"),
+             (["--task", "bpb"], "--ckpt")]
+    for args, message in cases:
+        assert eval_cli.main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_eval_cli_offline_hub_is_one_line(tmp_path):
+    model = gpt2_model()
+    export.export_hf(model.config, model.state_dict(), str(tmp_path / "hf"))
+    result = subprocess.run([sys.executable, "eval.py", "--ckpt", str(tmp_path / "hf"), "--task", "hellaswag"],
+                            cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                            timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: could not load HellaSwag 'Rowan/hellaswag'"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "--hellaswag-path" in result.stderr

@@ -1,0 +1,88 @@
+"""sizing.py: the --depth dial and the presets, as pure functions, and as the flags resolve them."""
+
+import pytest
+
+import config
+import sizing
+from cli import UsageError
+from model import GPT
+
+
+@pytest.mark.parametrize("name", list(sizing.PRESETS))
+def test_presets_match_the_published_gpt2_sizes(name):
+    """Within 10% of GPT-2's parameter counts with this architecture (GQA, SwiGLU, tied embedding)."""
+    params = sizing.param_count(config.parse_args(["--preset", name]).model)
+    assert abs(params / sizing.PUBLISHED_PARAMS[name] - 1) < 0.10
+
+
+def test_param_count_is_the_built_models():
+    cfg = config.parse_args(["--depth", "3", "--max-steps", "1"]).model
+    assert sizing.param_count(cfg) == GPT(cfg).num_params()
+
+
+@pytest.mark.parametrize("depth, width, head_dim, heads, kv_heads", [
+    (2, 128, 64, 2, 1),      # small: head_dim 64
+    (3, 192, 64, 3, 3),      # an odd head count keeps full multi-head attention
+    (8, 512, 128, 4, 2),     # from width 512: head_dim 128
+    (9, 640, 128, 5, 5),     # 576 rounded up to a multiple of 128
+    (12, 768, 128, 6, 3),    # GPT-2 small's width
+])
+def test_shape_rules(depth, width, head_dim, heads, kv_heads):
+    values = {key: value for key, (value, _) in sizing.shape(depth, {}).items()}
+    assert values == {"model.n_layer": depth, "model.n_embd": width, "model.head_dim": head_dim,
+                      "model.n_head": heads, "model.n_kv_head": kv_heads}
+
+
+def test_derived_training_settings():
+    values = {key: value for key, (value, _) in sizing.derive(12, {}).items()}
+    params = sizing.param_count(config.parse_args(["--preset", "gpt2-124m"]).model)
+    assert values["optim.lr"] == pytest.approx(3e-3 * 128 / 768)
+    assert values["model.ffn_dim"] == 2048
+    assert values["schedule.max_tokens"] == round(20 * params)
+    # 0.292 * (6 * 116.5M * 2.33B)^0.3271 = 2.8e5 tokens -> 2^18
+    assert values["data.total_batch_tokens"] == 2**18
+
+
+def test_batch_is_a_power_of_two_in_whole_micro_batches():
+    assert sizing.compute_optimal_batch(10**8, 2 * 10**9, 2048) == 2**18
+    assert sizing.compute_optimal_batch(10**8, 2 * 10**9, 3000) % 3000 == 0
+    assert sizing.compute_optimal_batch(10, 10, 4096) == 4096  # never below one micro-batch
+
+
+def test_explicit_values_override_and_steer_the_derivation():
+    cfg = config.parse_args(["--depth", "12", "--n-embd", "1024", "--lr", "1e-3", "--max-steps", "7"])
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, cfg.model.n_kv_head) == (12, 1024, 8, 4)
+    assert cfg.optim.lr == 1e-3
+    assert (cfg.schedule.max_steps, cfg.schedule.max_tokens) == (7, 0)  # --max-steps replaces the horizon
+    cfg = config.parse_args(["--depth", "4", "--grad-accum", "2"])
+    assert (cfg.data.grad_accum, cfg.data.total_batch_tokens) == (2, 0)
+
+
+def test_preset_is_a_depth_plus_overrides():
+    cfg = config.parse_args(["--preset", "gpt2-350m"])
+    assert (cfg.size.depth, cfg.model.n_layer, cfg.model.n_embd, cfg.model.max_seq_len) == (24, 24, 1024, 1024)
+    assert config.parse_args(["--preset", "gpt2-350m", "--seq-len", "512"]).model.max_seq_len == 512
+    assert sizing.preset_shape("gpt2-1.5b").n_head == 25
+
+
+def test_without_the_dial_nothing_is_derived():
+    assert config.parse_args([]) == config.Config()
+
+
+def test_describe_names_each_value_and_its_source():
+    cfg = config.parse_args(["--preset", "gpt2-350m", "--lr", "1e-3", "--max-steps", "10"])
+    text = sizing.describe(cfg.size, config.flat_values(cfg))
+    assert text.startswith("preset gpt2-350m, depth 24: ")
+    assert "n_embd 1,024 (preset)" in text and "lr 0.001 (given)" in text and "n_head 8 (n_embd/head_dim)" in text
+    assert "max_tokens not derived" in text
+    assert sizing.describe(config.parse_args([]).size, {}).startswith("off")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--depth", "0"], "--depth must be >= 1"),
+    (["--depth", "4", "--tokens-per-param", "0"], "--tokens-per-param must be positive"),
+    (["--preset", "gpt2-7b"], "invalid choice"),
+])
+def test_bad_dial_values_are_refused(argv, message):
+    with pytest.raises(UsageError, match=message):
+        config.parse_args(argv)
