@@ -56,7 +56,9 @@ def startup_rows(run, data_dir: str, reasons: dict) -> list[tuple[str, str]]:
                   f"{layout.world_size} ranks = {layout.tokens_per_step} tokens/step"),
         ("schedule", f"{cfg.schedule.schedule}, peak lr {cfg.optim.lr:g}, warmup {cfg.schedule.warmup}, "
                      f"{run.max_steps} steps"),
-        ("data", data_dir),
+        ("data", f"{data_dir} (" + ("--packing bos: rows start at documents, packed best-fit; the cropped "
+                                    "fraction is logged as data_cropped_frac" if cfg.data.packing == "bos"
+                                    else "windows at any offset") + ")"),
         ("MFU peak", reasons["peak"]),
         ("wandb", reasons["wandb"]),
         ("init", f"the checkpoint of step {run.start_step}" if run.start_step else reasons["init"]),

@@ -267,6 +267,8 @@ def run_loop(run: Run) -> str | None:
                 record = run.telemetry.step_record(step, train_loss, grad_norm.item(), finite, time.perf_counter() - t0,
                                                    run.cfg.optim.lr * multiplier, run.step_layout,
                                                    run.info.world_size, run.guard.health)
+                if run.cfg.data.packing == "bos":  # what the packing throws away, over the shards packed so far
+                    record["data_cropped_frac"] = run.loader.cropped_fraction
                 step += 1
                 improved, stop_early = evaluate_if_due(run, record, step)
                 run.telemetry.log(record)
