@@ -62,21 +62,27 @@ FULL_PRECISION_STATE = ("embed.weight", "lm_head.weight")
 WRAPPER_NAMES = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 
 
+# Peak LRs (the matrices', and the AdamW side's under Muon) for train.py's small default model, from the sweep
+# in bench/results/optimizers.md: the best of 3e-3 / 6e-3 / 1.2e-2 for Muon, of 1.5e-3 ... 1.2e-2 for AdamW.
+DEFAULT_LRS = {"muon": (6e-3, 3e-3), "adamw": (3e-3, None), "adamw8bit": (3e-3, None)}
+
+
 @dataclass
 class OptimConfig:
     """The optimizer. Each field's metadata is its command-line help: config.py generates train.py's flags."""
 
-    name: str = field(default="adamw", metadata={
+    name: str = field(default="muon", metadata={
         "flag": "--optimizer", "choices": OPTIMIZERS,
-        "help": "fused AdamW, bitsandbytes 8-bit AdamW, or Muon for the hidden matrices + AdamW for the rest"})
-    lr: float = field(default=3e-3, metadata={
-        "help": "peak learning rate; for muon, the Muon matrices' (the default suits the small default model)"})
+        "help": "Muon for the hidden matrices + AdamW for the rest, fused AdamW, or bitsandbytes 8-bit AdamW"})
+    lr: float | None = field(default=None, metadata={
+        "help": "peak learning rate; for muon, the Muon matrices' (default: the optimizer's for the small default "
+                "model, 6e-3 for muon, 3e-3 for adamw and adamw8bit)"})
     weight_decay: float = field(default=0.1, metadata={"help": "decoupled, matrices only"})
     beta1: float = field(default=0.9, metadata={"help": "Adam first-moment decay"})
     beta2: float = field(default=0.95, metadata={"help": "Adam second-moment decay"})
     eps: float = field(default=1e-8, metadata={"flag": "--adam-eps", "help": "Adam's epsilon"})
     adam_lr: float | None = field(default=None, metadata={
-        "help": "peak LR of the AdamW side of a Muon run (embeddings, norms); default: --lr"})
+        "help": "peak LR of the AdamW side of a Muon run (embeddings, norms; default: 3e-3)"})
     momentum: float = field(default=0.95, metadata={"flag": "--muon-momentum", "help": "Muon's momentum"})
     nesterov: bool = field(default=True, metadata={
         "flag": "--muon-nesterov", "help": "Muon: Nesterov momentum (--no-muon-nesterov: plain momentum)"})
@@ -103,6 +109,12 @@ class OptimConfig:
         "help": "peak LR of the embedding (the tied matrix, if tied); default: the AdamW side's LR"})
     head_lr: float | None = field(default=None, metadata={
         "help": "peak LR of an untied lm_head (needs --untied); default: the AdamW side's LR"})
+
+    def __post_init__(self):
+        """Unset LRs take the optimizer's defaults, so that --optimizer adamw alone gets AdamW's LR, not Muon's."""
+        lr, adam_lr = DEFAULT_LRS.get(self.name, (None, None))
+        self.lr = lr if self.lr is None else self.lr
+        self.adam_lr = adam_lr if self.adam_lr is None else self.adam_lr
 
     @property
     def betas(self) -> tuple[float, float]:

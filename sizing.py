@@ -27,11 +27,12 @@ import math
 from dataclasses import dataclass, field, replace
 
 from model import ModelConfig
+from optim import DEFAULT_LRS, OptimConfig
 
 ASPECT_RATIO = 64  # width per layer
 HEAD_DIM, SMALL_HEAD_DIM, SMALL_WIDTH = 128, 64, 512
 GQA_RATIO = 2  # query heads per key/value head
-BASE_LR, BASE_WIDTH = 3e-3, 128  # the default model's peak LR and width
+BASE_WIDTH = 128  # the default model's width, where optim.DEFAULT_LRS were measured
 BATCH_COEFF, BATCH_EXPONENT = 0.292, 0.3271  # DeepSeek LLM (2024), optimal batch in tokens against compute C
 
 # Published GPT-2 sizes as aliases: a depth plus the overrides that reproduce GPT-2's context and width (and,
@@ -116,7 +117,10 @@ def derive(depth: int, explicit: dict, model_defaults: ModelConfig | None = None
     model_cfg = ModelConfig(**{**base.__dict__, **model_fields})
     width = model_cfg.n_embd
     values["model.ffn_dim"] = (replace(model_cfg, ffn_dim=None).resolved_ffn_dim, "8/3·n_embd")
-    values["optim.lr"] = (float(f"{BASE_LR * BASE_WIDTH / width:.3g}"), f"{BASE_LR:g}·{BASE_WIDTH}/n_embd")
+    lr, adam_lr = DEFAULT_LRS[explicit.get("optim.name", OptimConfig.name)]
+    values["optim.lr"] = (float(f"{lr * BASE_WIDTH / width:.3g}"), f"{lr:g}·{BASE_WIDTH}/n_embd")
+    if adam_lr is not None:
+        values["optim.adam_lr"] = (float(f"{adam_lr * BASE_WIDTH / width:.3g}"), f"{adam_lr:g}·{BASE_WIDTH}/n_embd")
     params = param_count(model_cfg)
     tokens_per_param = explicit.get("size.tokens_per_param", SizeConfig.tokens_per_param)
     tokens = round(tokens_per_param * params)

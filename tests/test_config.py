@@ -46,7 +46,7 @@ def test_every_default_is_written_once_on_its_field():
 
 def test_the_defaults_are_the_small_default_model():
     cfg = config.parse_args([])
-    assert (cfg.model.n_layer, cfg.model.max_seq_len, cfg.optim.lr) == (4, 128, 3e-3)
+    assert (cfg.model.n_layer, cfg.model.max_seq_len, cfg.optim.name, cfg.optim.lr) == (4, 128, "muon", 6e-3)
     assert (cfg.data.batch_size, cfg.schedule.max_steps, cfg.ckpt.out_dir) == (16, 150, "out")
 
 
@@ -264,7 +264,7 @@ def test_resume_check_refuses_shape_and_optimizer_changes_and_names_the_rest():
     saved = config.to_dict(config.parse_args([]))
     assert config.check_resume(saved, config.parse_args(["--resume"])) == []  # invocation keys are not compared
     assert config.check_resume(saved, config.parse_args(["--lr", "1e-3", "--max-steps", "300"])) == [
-        "optim.lr 0.003 -> 0.001", "schedule.max_steps 150 -> 300"]
+        "optim.lr 0.006 -> 0.001", "schedule.max_steps 150 -> 300"]
     assert config.check_resume(saved, config.parse_args(["--seq-len", "256"])) == ["model.max_seq_len 128 -> 256"]
     with pytest.raises(UsageError, match="model.n_embd 128 -> 256"):
         config.check_resume(saved, config.parse_args(["--n-embd", "256"]))

@@ -629,7 +629,8 @@ def test_cautious_adamw_matches_the_papers_update(name, fused, monkeypatch):
     elif not optim.fused_adamw_available("cpu"):
         pytest.skip("no fused AdamW kernel on this CPU build")
     model = ToyGPT(n_layer=1, tied=False)
-    cfg = OptimConfig(name=name, lr=0.05, weight_decay=0.5, cautious_wd=True, beta1=0.8, beta2=0.9, eps=1e-6)
+    cfg = OptimConfig(name=name, lr=0.05, adam_lr=0.05, weight_decay=0.5, cautious_wd=True, beta1=0.8, beta2=0.9,
+                      eps=1e-6)
     opt = build_optimizer(model, cfg, model.row_blocks(), "cpu")
     assert isinstance(opt, optim.CautiousAdamW if name == "adamw" else optim.Muon)
     assert "cautious wd" in describe_param_groups(opt).splitlines()[0]

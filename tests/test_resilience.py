@@ -232,7 +232,7 @@ def test_too_many_bad_steps_roll_back_with_a_lower_lr(data_dir, tmp_path, capsys
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == list(range(6))
     assert not any(r["skipped"] for r in records)  # the bad step's line was dropped with the rollback
-    assert records[5]["lr"] == pytest.approx(0.5 * lr_multiplier(5, 6, 2, "cosine", 0.1, 0.2) * 3e-3)
+    assert records[5]["lr"] == pytest.approx(0.5 * lr_multiplier(5, 6, 2, "wsd", 0.1, 0.2) * 6e-3)
 
 
 class Diverging:

@@ -36,7 +36,9 @@ def test_shape_rules(depth, width, head_dim, heads, kv_heads):
 def test_derived_training_settings():
     values = {key: value for key, (value, _) in sizing.derive(12, {}).items()}
     params = sizing.param_count(config.parse_args(["--preset", "gpt2-124m"]).model)
-    assert values["optim.lr"] == pytest.approx(3e-3 * 128 / 768)
+    assert (values["optim.lr"], values["optim.adam_lr"]) == (pytest.approx(6e-3 * 128 / 768), 5e-4)  # Muon
+    adamw = {key: value for key, (value, _) in sizing.derive(12, {"optim.name": "adamw"}).items()}
+    assert adamw["optim.lr"] == pytest.approx(3e-3 * 128 / 768) and "optim.adam_lr" not in adamw
     assert values["model.ffn_dim"] == 2048
     assert values["schedule.max_tokens"] == round(20 * params)
     # 0.292 * (6 * 116.5M * 2.33B)^0.3271 = 2.8e5 tokens -> 2^18

@@ -207,13 +207,13 @@ def test_resume_names_the_settings_that_changed(tmp_path, tiny_data):
     tiny_run(tiny_data, tmp_path, "--max-steps", "2")
     common = ["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--max-steps", "3", "--resume",
               "--device", "cpu", "--eval-interval", "0"]
-    result = run_cli(*common, "--optimizer", "muon")
+    result = run_cli(*common, "--optimizer", "adamw")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == ("error: --resume: the checkpoint was trained with settings "
-                                                      "that cannot change within a run: optim.name 'adamw' -> 'muon'")
+                                                      "that cannot change within a run: optim.name 'muon' -> 'adamw'")
     result = run_cli(*common, "--lr", "1e-3")
     assert result.returncode == 0, result.stderr
-    assert "setting changed since the checkpoint: optim.lr 0.003 -> 0.001" in result.stderr
+    assert "setting changed since the checkpoint: optim.lr 0.006 -> 0.001" in result.stderr
     assert "schedule.max_steps 2 -> 3" in result.stderr
 
 
@@ -221,7 +221,7 @@ def test_the_resolved_config_is_written_and_reproduces_the_run(tmp_path, tiny_da
     tiny_run(tiny_data, tmp_path, "--depth", "1", "--max-tokens", "256")  # the tiny model's flags override it
     saved = config.read_config_file(str(tmp_path / "config.toml"))
     assert saved["size.depth"] == 1 and saved["schedule.max_tokens"] == 256 and "schedule.max_steps" not in saved
-    assert saved["optim.lr"] == 3e-3 * 128 / 64  # derived from the given width
+    assert saved["optim.lr"] == 6e-3 * 128 / 64  # derived from the given width
     again = config.parse_args(["--config", str(tmp_path / "config.toml")])
     assert config.flat_values(again) == {**config.flat_values(again), **saved}
     assert (again.model.n_layer, again.model.n_embd, again.data.data) == (2, 64, tiny_data)
