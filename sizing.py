@@ -10,10 +10,11 @@ The rules, each a constant below:
 - heads: n_head = n_embd / head_dim, and n_kv_head = n_head / 2 (GQA halves the KV cache and the K/V
   projections); an odd head count keeps full multi-head attention, since 2 must divide it;
 - ffn_dim: the model's own default, 8/3 n_embd rounded up to a multiple of 128 (model.ModelConfig);
-- peak LR: 3e-3 x 128 / n_embd, inverse in width as muP prescribes for Adam on hidden matrices. It is anchored on
-  the default model (width 128, 3e-3) and lands within 25% of GPT-3's published AdamW LRs at GPT-2's four
-  widths (6e-4 at 768, 3e-4 at 1024, 2.5e-4 at 1536, 2e-4 at 2048). Muon's default update scale
-  (match_rms_adamw) gives its updates AdamW's RMS, so the same LR serves both optimizers;
+- peak LRs: the optimizer's default for the width-128 default model (optim.DEFAULT_LRS) x 128 / n_embd, inverse
+  in width as muP prescribes for Adam on hidden matrices. For AdamW, 3e-3 x 128 / n_embd lands within 25% of
+  GPT-3's published AdamW LRs at GPT-2's four widths (6e-4 at 768, 3e-4 at 1024, 2.5e-4 at 1536, 2e-4 at
+  2048). Muon's default update scale (match_rms_adamw) gives its updates AdamW's RMS, so the same rule serves
+  its matrices (6e-3 at width 128) and its AdamW side (3e-3);
 - global batch: DeepSeek LLM's fitted compute-optimal batch, B = 0.292 x C^0.3271 tokens with C = 6 x params x
   training tokens, rounded to a power of two (and to whole micro-batches);
 - horizon: --tokens-per-param x params training tokens (Chinchilla's 20 by default), params counting the
