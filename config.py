@@ -294,7 +294,7 @@ def parse_args(argv=None, description: str | None = None) -> Config:
         SizeConfig(**{key[5:]: v for key, v in given.items() if key.startswith("size.")}).validate()
     except ValueError as e:
         raise UsageError(str(e)) from None
-    values = {**sizing.resolve(given), **given}
+    values = {**sizing.resolve(given, DataConfig.batch_size), **given}
     sections = {}
     for section in dataclasses.fields(Config):
         fields = {key.split(".", 1)[1]: v for key, v in values.items() if key.split(".", 1)[0] == section.name}
@@ -442,6 +442,7 @@ def _check_ranges(cfg: Config) -> None:
             raise UsageError(f"{name} must be >= 1, got {value}")
     non_negative = {"--max-steps": s.max_steps, "--max-tokens": s.max_tokens, "--warmup": s.warmup,
                     "--sample-tokens": e.sample_tokens, "--eval-interval": e.eval_interval,
+                    "--eval-hellaswag": e.eval_hellaswag,
                     "--ckpt-interval": cfg.ckpt.ckpt_interval, "--total-batch-tokens": d.total_batch_tokens,
                     "--grad-clip": s.grad_clip, "--peak-tflops": cfg.log.peak_tflops, "--seed": d.seed}
     for name, value in non_negative.items():
@@ -482,6 +483,8 @@ def _check_combinations(cfg: Config) -> None:
                          "use --optimizer adamw or --dist ddp")
     if cfg.ckpt.overwrite and cfg.ckpt.resume == "on":
         raise UsageError("--overwrite replaces an earlier run and --resume continues it: give one of them")
+    if cfg.eval.eval_hellaswag and not cfg.eval.eval_interval:
+        raise UsageError("--eval-hellaswag runs at evals: it needs --eval-interval > 0")
     if cfg.fp8.mode == "te" and cfg.eval.sample_tokens:
         raise UsageError("--sample-tokens needs the plain backend's KV cache; it does not run with --fp8 te")
 

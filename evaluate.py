@@ -231,7 +231,7 @@ class Evaluator:
     def check(self, micro_batch: int, seq_len: int) -> None:
         """Fail at start-up, not at the first eval: no usable val split (DataError), a sample prompt whose
         GPT-2 token ids the model's vocabulary cannot hold (an empty one starts from the end-of-text id), or
-        HellaSwag rows that cannot be read or encoded (UsageError)."""
+        HellaSwag rows that cannot be read or encoded (UsageError). The flags alone are checked in config.py."""
         if self.cfg.eval_interval:
             self.check_val(micro_batch, seq_len)
         if self.cfg.sample_tokens:
@@ -240,10 +240,6 @@ class Evaluator:
             if top >= self.vocab_size:
                 raise UsageError(f"--sample-prompt {self.cfg.sample_prompt!r} starts sampling from GPT-2 token id "
                                  f"{top}, beyond --vocab-size {self.vocab_size}; give a prompt within it")
-        if self.cfg.eval_hellaswag < 0:
-            raise UsageError(f"--eval-hellaswag must be >= 0, got {self.cfg.eval_hellaswag}")
-        if self.cfg.eval_hellaswag and not self.cfg.eval_interval:
-            raise UsageError("--eval-hellaswag runs at evals: it needs --eval-interval > 0")
         if self.cfg.eval_hellaswag:
             self.load_hellaswag(seq_len, self.cfg.eval_hellaswag)
 

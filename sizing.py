@@ -1,7 +1,7 @@
 """One dial for the model's size: `--depth N`, or a named `--preset`, derives the shape and the training
 settings that go with it, so that a user picks one number instead of seven.
 
-    values = derive(12, explicit={})     # {"model.n_embd": (768, "64 x depth"), "optim.lr": (5e-4, ...), ...}
+    values = derive(12, explicit={})     # {"model.n_embd": (768, "64·depth"), "optim.lr": (0.001, ...), ...}
 
 The rules, each a constant below:
 - width: n_embd = 64 x depth (GPT-2 small's aspect ratio: 768 = 64 x 12), rounded up to a multiple of head_dim;
@@ -106,10 +106,12 @@ def compute_optimal_batch(params: int, tokens: float, granule: int) -> int:
     return max(granule, round(power / granule) * granule)
 
 
-def derive(depth: int, explicit: dict, model_defaults: ModelConfig | None = None) -> dict[str, tuple[object, str]]:
+def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
+           model_defaults: ModelConfig | None = None) -> dict[str, tuple[object, str]]:
     """Every value the dial derives -> {"section.field": (value, rule)}, whether or not `explicit` ("section.field"
     -> value, what the user gave) overrides it; the values derived later (LR, batch, horizon) use the explicit
-    ones. The caller keeps the explicit values over these."""
+    ones. The caller keeps the explicit values over these. micro_batch: the run's default micro-batch (config's
+    DataConfig), for when explicit has none: the batch is rounded to whole micro-batches."""
     base = model_defaults or ModelConfig()
     values = shape(depth, explicit)
     resolved = {key: explicit.get(key, value) for key, (value, _) in values.items()}
@@ -126,14 +128,14 @@ def derive(depth: int, explicit: dict, model_defaults: ModelConfig | None = None
     tokens_per_param = explicit.get("size.tokens_per_param", SizeConfig.tokens_per_param)
     tokens = round(tokens_per_param * params)
     values["schedule.max_tokens"] = (tokens, f"{tokens_per_param:g}/param x {params / 1e6:.1f}M params")
-    micro = explicit.get("data.batch_size", 16)
+    micro = explicit.get("data.batch_size", micro_batch)
     granule = model_cfg.max_seq_len * (micro if isinstance(micro, int) else 1)
     values["data.total_batch_tokens"] = (compute_optimal_batch(params, tokens, granule),
                                          "DeepSeek's batch fit")
     return values
 
 
-def resolve(explicit: dict) -> dict:
+def resolve(explicit: dict, micro_batch: int | str | None = None) -> dict:
     """The values a run gets from its size dial: a preset's values under everything explicit, then the derived
     values under both; the keys of the horizon and the batch only when the user fixed neither of their
     alternatives. -> "section.field" -> value, to be overridden by `explicit`."""
@@ -142,7 +144,7 @@ def resolve(explicit: dict) -> dict:
     depth = given.get("size.depth")
     if depth is None:
         return preset
-    derived = {key: value for key, (value, _) in derive(depth, given).items()}
+    derived = {key: value for key, (value, _) in derive(depth, given, micro_batch).items()}
     if "schedule.max_steps" in given or "schedule.max_tokens" in given:
         derived.pop("schedule.max_tokens")
     if "data.grad_accum" in given or "data.total_batch_tokens" in given:
@@ -162,7 +164,9 @@ def describe(size: SizeConfig, values: dict) -> str:
     if size.depth is None:
         return "off (shape from the model flags; --depth N or --preset derives it)"
     preset = {k: v for k, v in PRESETS.get(size.preset, {}).items() if k != "size.depth"}
-    given = dict(preset)
+    derived_keys = derive(size.depth, {}).keys()
+    inputs = {k: v for k, v in values.items() if k not in derived_keys}  # seq-len, optimizer, micro-batch, ...
+    given = {**inputs, **preset}
     while True:  # a value that differs from its derivation was given; the values derived after it follow it
         derived = derive(size.depth, given)
         overridden = [key for key, (value, _) in derived.items() if values.get(key, value) != value and key not in given]

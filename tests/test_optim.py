@@ -402,12 +402,14 @@ def test_resume_is_bit_identical(name):
         pytest.importorskip("bitsandbytes")
     # d=64 makes the matrices big enough (>= 4096 elements) for 8-bit state.
     make = lambda: ToyGPT(vocab=32, d=64, h=2, k=1, hd=32, f=64, n_layer=1, tied=False)  # noqa: E731
-    cfg = OptimConfig(name=name, lr=1e-2, adam_lr=1e-3)
-    data = batches(5, vocab=32)
+    check_resume_is_bit_identical(make, OptimConfig(name=name, lr=1e-2, adam_lr=1e-3), batches(5, vocab=32))
 
+
+def check_resume_is_bit_identical(make, cfg: OptimConfig, data) -> dict:
+    """Train `make()` on all of data, and another through a save after 3 batches and a restore into a fresh
+    model and optimizer; their parameters must be equal bit for bit. -> the saved state, for further checks."""
     straight = make()
     scheduled_train(straight, build_optimizer(straight, cfg, straight.row_blocks(), "cpu"), data, 0)
-
     first = make()
     opt = build_optimizer(first, cfg, first.row_blocks(), "cpu")
     scheduled_train(first, opt, data[:3], 0)
@@ -415,15 +417,14 @@ def test_resume_is_bit_identical(name):
     torch.save({"model": first.state_dict(), "optimizer": opt.state_dict()}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer)
-
     resumed = make()
     resumed.load_state_dict(saved["model"])
     opt = build_optimizer(resumed, cfg, resumed.row_blocks(), "cpu")
     opt.load_state_dict(saved["optimizer"])
     scheduled_train(resumed, opt, data[3:], 3)
-
     for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), n
+    return saved
 
 
 # ----------------------------------------------------------------------------- errors and the real model
@@ -688,25 +689,9 @@ RECIPE = dict(ns_coeffs="polar-express", normuon=True, cautious_wd=True, embed_l
 def test_resume_is_bit_identical_with_recipe_options(name, options):
     make = lambda: ToyGPT(vocab=32, d=16, h=2, k=1, hd=8, f=16, n_layer=1, tied=False)  # noqa: E731
     cfg = OptimConfig(name=name, lr=1e-2, adam_lr=1e-3, **options)
-    data = batches(5, vocab=32)
-    straight = make()
-    scheduled_train(straight, build_optimizer(straight, cfg, straight.row_blocks(), "cpu"), data, 0)
-    first = make()
-    opt = build_optimizer(first, cfg, first.row_blocks(), "cpu")
-    scheduled_train(first, opt, data[:3], 0)
-    buffer = io.BytesIO()
-    torch.save({"model": first.state_dict(), "optimizer": opt.state_dict()}, buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer)
+    saved = check_resume_is_bit_identical(make, cfg, batches(5, vocab=32))
     if name == "muon":
         assert all("row_sq_avg" in s for i, s in saved["optimizer"]["state"].items() if "momentum_buffer" in s)
-    resumed = make()
-    resumed.load_state_dict(saved["model"])
-    opt = build_optimizer(resumed, cfg, resumed.row_blocks(), "cpu")
-    opt.load_state_dict(saved["optimizer"])
-    scheduled_train(resumed, opt, data[3:], 3)
-    for (n, a), b in zip(straight.named_parameters(), resumed.parameters()):
-        assert torch.equal(a, b), n
 
 
 def recipe_fsdp_resume_worker(rank, world_size, init_file, out_file, ckpt_dir):

@@ -88,3 +88,11 @@ def test_describe_names_each_value_and_its_source():
 def test_bad_dial_values_are_refused(argv, message):
     with pytest.raises(UsageError, match=message):
         config.parse_args(argv)
+
+
+def test_describe_derives_from_the_runs_own_inputs():
+    """The optimizer, --tokens-per-param and --seq-len feed the derivation: values that follow from them are
+    shown with their rule, not as given."""
+    cfg = config.parse_args(["--depth", "3", "--optimizer", "adamw", "--tokens-per-param", "10", "--seq-len", "100"])
+    text = sizing.describe(cfg.size, config.flat_values(cfg))
+    assert "(given)" not in text and "lr 0.002 (0.003·128/n_embd)" in text and "10/param" in text
