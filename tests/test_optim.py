@@ -320,6 +320,7 @@ def distributed_worker(rank, world_size, init_file, out_file, mode):
             full = dict(model.named_parameters())
         if rank == 0:
             torch.save({n: t.detach().clone() for n, t in full.items()}, out_file)
+        dist.barrier()  # neither rank tears down gloo while another still works
     finally:
         dist.destroy_process_group()
 
@@ -732,6 +733,7 @@ def recipe_fsdp_resume_worker(rank, world_size, init_file, out_file, ckpt_dir):
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
         if rank == 0:
             torch.save({n: t.detach().clone() for n, t in full.items()}, out_file)
+        dist.barrier()  # neither rank tears down gloo while another still works
     finally:
         dist.destroy_process_group()
 
