@@ -166,6 +166,9 @@ class SpeedConfig:
                                    "block's MLP", choices=memory.ACT_CKPT_MODES)
     estimate_memory: bool = option(False, "print the memory estimate for these flags (every --act-ckpt mode) "
                                           "and exit")
+    target_gpu: str | None = option(None, "--estimate-memory for a GPU this machine need not have: a name "
+                                          "(h100, h200, a100-80gb, ...) or a memory size (80GiB); prints whether "
+                                          "each --act-ckpt mode fits", metavar="GPU")
 
 
 @dataclass
@@ -267,7 +270,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 ALTERNATIVES = ((("data.total_batch_tokens", "--total-batch-tokens"), ("data.grad_accum", "--grad-accum")),
                 (("schedule.max_tokens", "--max-tokens"), ("schedule.max_steps", "--max-steps")))
 # Settings of one invocation rather than of the run: not written to OUT/config.toml, not compared on resume.
-INVOCATION_KEYS = ("ckpt.resume", "ckpt.overwrite", "speed.estimate_memory")
+INVOCATION_KEYS = ("ckpt.resume", "ckpt.overwrite", "speed.estimate_memory", "speed.target_gpu")
 
 
 def explicit_values(flags: dict, from_file: dict) -> dict:
