@@ -485,14 +485,17 @@ class Checkpointer:
         return (bool(self.interval) and done % self.interval == 0) or done == max_steps
 
     def save(self, done: int, model, optimizer, loader, guard, tokens: int, regular: bool = True,
-             best: bool = False) -> None:
+             best: bool = False, batch_tokens: int | None = None) -> None:
         """`regular`: the ckpt_N checkpoint; `best`: the one kept for the best validation loss. With both,
-        the state is gathered and written once and best links to it. tokens: trained so far, all ranks."""
+        the state is gathered and written once and best links to it. tokens: trained so far, all ranks;
+        batch_tokens: the global batch per step, which a resume at another world size keeps
+        (config.resume_layout)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(full=not self.sharded))
         model_sd = te_to_plain_state_dict(model_sd)  # the plain contract: no FP8 scaling pickles (module docstring)
-        meta = {"version": CHECKPOINT_VERSION, "step": done, "tokens": tokens, "loader": loader.state_dict(),
+        meta = {"version": CHECKPOINT_VERSION, "step": done, "tokens": tokens, "batch_tokens": batch_tokens,
+                "world_size": self.info.world_size, "loader": loader.state_dict(),
                 "data": self.data_id, "rng": rng_state(),
                 "model_config": dataclasses.asdict(self.model_cfg), "train_config": self.run_config,
                 **guard.state_dict()}

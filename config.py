@@ -314,7 +314,7 @@ def to_dict(cfg: Config) -> dict:
 
 def flat_values(cfg: Config) -> dict:
     """"section.field" -> value, for every field."""
-    return {f"{section}.{key}": value for section, fields in to_dict(cfg).items() for key, value in fields.items()}
+    return flat_dict(to_dict(cfg))
 
 
 # ----------------------------------------------------------------------------- configuration files
@@ -573,3 +573,41 @@ def max_steps(cfg: Config, layout: BatchLayout) -> int:
     if not s.max_tokens:
         return s.max_steps
     return steps_for_tokens(s.max_tokens, layout, s.batch_warmup_steps, s.batch_warmup_start)
+
+
+# The settings that decide the global batch: a resume that changes one of them changes it on purpose.
+BATCH_KEYS = ("data.batch_size", "data.grad_accum", "data.total_batch_tokens", "model.max_seq_len")
+
+
+def resume_layout(cfg: Config, layout: BatchLayout, meta: dict, warn) -> BatchLayout:
+    """The layout of a resumed run. The global batch in tokens is part of a run's identity: resumed at another
+    world size with the same batch settings, the run keeps the checkpoint's global batch by deriving grad
+    accumulation, or is refused when whole micro-batches cannot make it. Settings changed on purpose
+    (BATCH_KEYS) are the user's new batch. Checkpoints from before batch_tokens was recorded are taken as they are."""
+    saved, saved_world = meta.get("batch_tokens"), meta.get("world_size")
+    if saved is None or saved_world == layout.world_size or saved == layout.tokens_per_step:
+        return layout
+    saved_cfg, now = flat_dict(meta.get("train_config", {})), flat_values(cfg)
+    if any(key in saved_cfg and saved_cfg[key] != now[key] for key in BATCH_KEYS):
+        return layout
+    per_micro_step = layout.micro_batch * layout.seq_len * layout.world_size
+    if saved % per_micro_step:
+        raise UsageError(f"--resume at {layout.world_size} ranks: the checkpoint's global batch of {saved:,} "
+                         f"tokens/step ({saved_world} ranks) is not a whole number of micro-steps of "
+                         f"{per_micro_step:,} tokens ({layout.micro_batch} x {layout.seq_len} x {layout.world_size} "
+                         "ranks); choose a --batch-size that divides it, or --total-batch-tokens to change it")
+    resumed = dataclasses.replace(layout, grad_accum=saved // per_micro_step)
+    warn(f"note: resuming on {layout.world_size} ranks (the checkpoint ran on {saved_world}): grad accumulation "
+         f"{layout.grad_accum} -> {resumed.grad_accum} keeps the global batch of {saved:,} tokens/step")
+    return resumed
+
+
+def flat_dict(nested: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1}."""
+    flat = {}
+    for key, value in nested.items():
+        if isinstance(value, dict):
+            flat.update(flat_dict(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -11,6 +11,7 @@ Only rank 0 writes anything; the other ranks run the same calls as no-ops, so th
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -22,10 +23,11 @@ import torch
 import fp8
 import memory
 import sizing
+from checkpoint import best_path, list_checkpoints
 from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values
 from hardware import peak_memory_gib
 from optim import describe_param_groups, optimizer_state_bytes
-from progress import Progress
+from progress import Progress, duration
 
 DATA_WAIT_WARN = 0.05  # warn when waiting for batches takes more than this fraction of a step
 # Steps timed to separate torch.compile's one-off compilation (in the first step) from the steady step time.
@@ -81,26 +83,31 @@ def compile_seconds(step_times: list[float]) -> float:
 
 class MetricsLog:
     """metrics.jsonl, plus wandb when asked for. Lines from steps that are redone (after a resume or a
-    rollback) are dropped, and so is a line torn by a crash mid-write."""
+    rollback) are dropped, and so is a line torn by a crash mid-write.
+
+    Steps are counted when done, as everywhere in the project: the record of step N is written once N
+    optimizer steps are done, and is the state that ckpt_N holds."""
 
     def __init__(self, out_dir: str, start_step: int, wandb_run, enabled: bool = True):
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.enabled, self.wandb_run = enabled, wandb_run
-        self.truncate(start_step)
+        self.last_kept = self.truncate(start_step)
 
-    def truncate(self, step: int) -> None:
-        """Keep only the records of steps before `step`. The kept lines go to a new file that then replaces
-        the old one, so a crash at any moment leaves one or the other whole."""
+    def truncate(self, done: int) -> dict | None:
+        """Keep only the records of steps up to `done` -> the last of them. The kept lines go to a new file
+        that then replaces the old one, so a crash at any moment leaves one or the other whole."""
         if not self.enabled:  # only rank 0 writes
-            return
-        kept = []
-        if step > 0 and os.path.exists(self.path):
+            return None
+        kept, last = [], None
+        if done > 0 and os.path.exists(self.path):
             with open(self.path) as f:
                 for line in f:
                     try:
-                        if json.loads(line)["step"] < step:
+                        record = json.loads(line)
+                        if record["step"] <= done:
                             kept.append(line)
-                    except (ValueError, KeyError):
+                            last = record
+                    except (ValueError, KeyError, TypeError):
                         pass
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
@@ -108,6 +115,7 @@ class MetricsLog:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        return last
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -212,44 +220,54 @@ def start_profiler(device: torch.device, out_dir: str, is_main: bool):
 
 class Telemetry:
     """Everything the step loop reports, and when: the record of each step and its warnings, progress,
-    metrics.jsonl / wandb, the profiler's steps. `write` prints a line above the progress bar."""
+    metrics.jsonl / wandb, the profiler's steps, and the summary at the end. `write` prints a line above the
+    progress bar."""
 
     def __init__(self, cfg, is_main: bool, device: torch.device, start_step: int, max_steps: int,
                  flops_per_token: float, peak_flops: float | None, wandb_run, optimizer: torch.optim.Optimizer,
                  start_tokens: int = 0):
         """start_tokens: tokens trained before start_step (a resumed run's checkpoint says how many)."""
         self.cfg, self.device, self.start_step, self.max_steps = cfg, device, start_step, max_steps
-        self.tokens = start_tokens  # counted step by step: the batch may change across a resume
+        self.tokens = self.start_tokens = start_tokens  # counted step by step: the batch may change across a resume
         self.optimizer = optimizer  # its state's size is reported once it exists, after the first step
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.is_main = is_main
         self.metrics = MetricsLog(cfg.ckpt.out_dir, start_step, wandb_run, enabled=is_main)
+        # time_s goes on from the resumed step's record: the run's training time across its processes
+        self.time_offset = (self.metrics.last_kept or {}).get("time_s", 0.0) if start_step else 0.0
         self.timer = PhaseTimer(device)
         self.progress = self.profiler = None  # the step loop's, opened by loop()
-        self.step_times, self.data_warned, self.last_loss = [], False, float("nan")
+        self.loop_start = None
+        self.step_times, self.step_tokens, self.data_warned, self.last_loss = [], [], False, float("nan")
+        self.done, self.compile_s, self.last_eval = start_step, None, None
+
+    def elapsed(self) -> float:
+        """Seconds of training since the run started, across resumes (metrics.jsonl's time_s)."""
+        return self.time_offset + (time.perf_counter() - self.loop_start if self.loop_start else 0.0)
 
     def step_record(self, step: int, loss: float, grad_norm: float, finite: bool, seconds: float, lr: float,
                     layout, world_size: int, health) -> dict:
-        """The metrics.jsonl line of one step; prints the warnings it calls for (skipped update, spike,
-        slow data) and, once, the compilation time."""
+        """The metrics.jsonl line of the step that has index `step` (0-based) and is counted as done=step+1;
+        prints the warnings it calls for (skipped update, spike, slow data) and, once, the compilation time."""
         self.step_times.append(seconds)
+        self.step_tokens.append(layout.tokens_per_step)
         self.tokens += layout.tokens_per_step
+        self.done = done = step + 1
         phases = self.timer.collect()
         tokens_per_sec = layout.tokens_per_step / seconds
         per_device = tokens_per_sec / world_size
         spike = health.update(loss, finite)
         self.last_loss = loss
         record = {
-            "step": step, "tokens": self.tokens, "train_loss": loss if finite else None,
-            "lr": lr, "grad_norm": grad_norm if finite else None,
+            "step": done, "tokens": self.tokens, "time_s": round(self.elapsed(), 3),
+            "train_loss": loss if finite else None, "lr": lr, "grad_norm": grad_norm if finite else None,
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": per_device,
             # per device; equal to the whole job's utilisation of its devices
-            "mfu": self.flops_per_token * per_device / self.peak_flops if self.peak_flops else None,
+            "mfu": self.mfu(per_device),
             "loss_ema": health.ema, "loss_var": health.var, "skipped": not finite, "bad_steps": health.bad_total,
             **{f"time_{phase}_ms": 1000 * s for phase, s in phases.items()},
             "peak_mem_gib": peak_memory_gib(self.device),
         }
-        done = step + 1
         if not finite:
             self.write(f"warning: step {done}: loss {loss}, grad norm {grad_norm}: update skipped "
                        f"({health.bad_in_a_row} in a row, {health.bad_total} in all)")
@@ -264,33 +282,38 @@ class Telemetry:
                        "data (time_data_ms in metrics.jsonl has every step); the loader is a bottleneck")
         return record
 
+    def mfu(self, tokens_per_sec_per_device: float) -> float | None:
+        return self.flops_per_token * tokens_per_sec_per_device / self.peak_flops if self.peak_flops else None
+
     def _compile_time(self, record: dict) -> None:
         times, timed_steps = self.step_times, min(COMPILE_TIMING_STEPS, self.max_steps - self.start_step)
         if self.cfg.speed.compile != "off" and len(times) == timed_steps:
-            record["compile_s"] = compile_seconds(times)
+            record["compile_s"] = self.compile_s = compile_seconds(times)
             self.write(f"torch.compile: first step {times[0]:.1f} s, about {record['compile_s']:.1f} s of it "
                        f"compilation (first minus the median of the next {len(times) - 1} steps)")
 
     def log(self, record: dict) -> None:
         """Write the step's record, move the progress bar, advance the profiler."""
-        step, done = record["step"], record["step"] + 1
         self.metrics.log(record)
-        if done % self.cfg.log.log_interval == 0 or done == self.max_steps or step == self.start_step:
-            self.progress.set_postfix(f"loss {self.last_loss:.3f}, {record['tokens_per_sec']:,.0f} tok/s")
+        if "val_loss" in record:
+            self.last_eval = {"step": record["step"], "val_loss": record["val_loss"], "val_bpb": record.get("val_bpb")}
+        self.progress.set_postfix(f"loss {self.last_loss:.3f}, {record['tokens_per_sec']:,.0f} tok/s")
         self.progress.update()
         if self.profiler is not None:
             self.profiler.step()
 
     def rewind(self, step: int, tokens: int) -> None:
-        """Forget the records from `step` on: they will be redone (after a rollback from a checkpoint holding
-        `tokens`)."""
+        """Forget the records after `step` steps: they will be redone (after a rollback from a checkpoint
+        holding `tokens`). time_s goes on: the time spent was spent."""
         self.metrics.truncate(step)
-        self.tokens = tokens
+        self.tokens, self.done = tokens, step
 
     @contextmanager
     def loop(self):
-        """The step loop's progress bar and profiler, open while it runs."""
-        self.progress = Progress(self.max_steps, "train", unit="step", initial=self.start_step, enabled=self.is_main)
+        """The step loop's progress bar and profiler, open while it runs; its clock (time_s) starts here."""
+        self.loop_start = time.perf_counter()
+        self.progress = Progress(self.max_steps, "train", unit="step", initial=self.start_step, enabled=self.is_main,
+                                 every=self.cfg.log.log_interval)
         if self.cfg.log.profile:
             self.profiler = start_profiler(self.device, self.cfg.ckpt.out_dir, self.is_main)
         try:
@@ -301,6 +324,30 @@ class Telemetry:
             self.progress.close()
             self.progress = self.profiler = None
 
+    def mean_tokens_per_sec(self) -> float | None:
+        """This process's tokens over its step time, without its first step (compilation, warm-up) when
+        there are others: the steady rate, which a short run's first step would otherwise swamp."""
+        times, tokens = (self.step_times[1:], self.step_tokens[1:]) if len(self.step_times) > 1 else \
+            (self.step_times, self.step_tokens)
+        return sum(tokens) / sum(times) if times else None
+
+    def summary(self, outcome: str, wall_s: float, best_val: float | None, world_size: int) -> None:
+        """The end-of-run block (rank 0): what the run did, where its weights are, what to run next."""
+        if not self.is_main:
+            return
+        rate = self.mean_tokens_per_sec()
+        facts = {
+            "outcome": outcome, "wall_s": wall_s, "compile_s": self.compile_s, "start_step": self.start_step,
+            "done": self.done, "max_steps": self.max_steps, "tokens": self.tokens,
+            "session_tokens": self.tokens - self.start_tokens, "tokens_per_sec": rate,
+            "mfu": self.mfu(rate / world_size) if rate else None, "last_eval": self.last_eval,
+            "best_val": best_val, "peak_mem_gib": peak_memory_gib(self.device), "device": self.device.type,
+            "out_dir": self.cfg.ckpt.out_dir, "final_ckpt": newest_checkpoint(self.cfg.ckpt.out_dir),
+            "best_ckpt": existing_best(self.cfg.ckpt.out_dir),
+        }
+        print("\nrun summary", flush=True)
+        print_table(summary_rows(facts))
+
     def write(self, text: str) -> None:
         """A line for the user: above the progress bar inside the loop, plainly outside it; rank 0 only."""
         if self.progress is not None:
@@ -310,3 +357,41 @@ class Telemetry:
 
     def close(self) -> None:
         self.metrics.close()
+
+
+# ----------------------------------------------------------------------------- the end-of-run summary
+
+
+def newest_checkpoint(out_dir: str) -> str | None:
+    found = list_checkpoints(out_dir)
+    return found[-1] if found else None
+
+
+def existing_best(out_dir: str) -> str | None:
+    return next((best_path(out_dir, s) for s in (False, True) if os.path.exists(best_path(out_dir, s))), None)
+
+
+def summary_rows(f: dict) -> list[tuple[str, str]]:
+    """The summary block's rows from the facts Telemetry.summary gathers. Pure."""
+    compiled = f" ({f['compile_s']:.1f} s of it compiling)" if f["compile_s"] is not None else ""
+    steps = f"{f['done']:,} of {f['max_steps']:,}" + (f", resumed at {f['start_step']:,}" if f["start_step"] else "")
+    session = f", {f['session_tokens']:,} in this process" if f["start_step"] else ""
+    ev = f["last_eval"]
+    val = "no eval ran in this process" if ev is None else (
+        f"{ev['val_loss']:.4f} at step {ev['step']:,}" + (f" (bpb {ev['val_bpb']:.4f})" if ev["val_bpb"] else ""))
+    if f["best_val"] is not None and math.isfinite(f["best_val"]):
+        val += f"; best {f['best_val']:.4f}"
+    rate = "n/a" if f["tokens_per_sec"] is None else f"{f['tokens_per_sec']:,.0f} tokens/s" + (
+        f", MFU {100 * f['mfu']:.1f}%" if f["mfu"] is not None else ", MFU n/a (no peak FLOP/s known)")
+    memory_kind = "allocated by tensors" if f["device"] == "cuda" else "process resident set"
+    rows = [("outcome", f["outcome"]), ("wall time", duration(f["wall_s"]) + compiled), ("steps", steps),
+            ("tokens", f"{f['tokens']:,}{session}"), ("val loss", val), ("mean throughput", rate),
+            ("peak memory", f"{f['peak_mem_gib']:.2f} GiB ({memory_kind})"),
+            ("final checkpoint", f["final_ckpt"] or "none written"),
+            ("best checkpoint", f["best_ckpt"] or "none (no eval improved on the best yet)")]
+    weights = f["best_ckpt"] or f["final_ckpt"]
+    if weights:
+        rows += [("sample", f"python sample.py --ckpt {weights} --prompt \"...\""),
+                 ("export", f"python export.py --ckpt {weights} --out {os.path.join(f['out_dir'], 'hf')}")]
+    rows.append(("plot", f"python bench/plot.py {f['out_dir']}"))
+    return rows

@@ -181,8 +181,11 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
                                 lambda saved: config.check_resume(saved, cfg))
     guard, start_step, start_tokens = Guard(cfg.resilience), 0, 0
     if resume:
-        meta = checkpointer.restore(model, optimizer, loader, warn=message if info.is_main else lambda _: None)
+        warn = message if info.is_main else lambda _: None
+        meta = checkpointer.restore(model, optimizer, loader, warn=warn)
         guard.load_state_dict(meta)
+        layout = config.resume_layout(cfg, layout, meta, warn)
+        max_steps = config.max_steps(cfg, layout)
         start_step, start_tokens = meta["step"], tokens_trained(meta, layout.tokens_per_step)
     if start_step >= max_steps:
         raise UsageError(f"nothing to do: already at step {start_step} of {max_steps}")
@@ -242,7 +245,8 @@ def train_step(run: Run):
 
 
 def run_loop(run: Run) -> str | None:
-    """Train to max_steps; returns a message when the run stopped early on purpose (signal, early stopping)."""
+    """Train to max_steps; -> why the run stopped early on purpose (signal, early stopping), or what the
+    user should know about its end; the end-of-run summary shows it."""
     s, signals = run.cfg.schedule, StopSignals()
     step, oom_retried = run.start_step, False
     try:
@@ -314,7 +318,7 @@ def save_if_due(run: Run, done: int, improved: bool, stop_early: bool, signals: 
     regular = run.guard.may_checkpoint() and (run.checkpointer.due(done, run.max_steps) or signalled or stop_early)
     if regular or improved:  # skipped steps leave the weights as they were, so a new best is still good
         run.checkpointer.save(done, run.model, run.optimizer, run.loader, run.guard, run.telemetry.tokens,
-                              regular=regular, best=improved)
+                              regular=regular, best=improved, batch_tokens=run.layout.tokens_per_step)
     if signalled:
         saved = "checkpoint written" if regular else "no checkpoint inside a streak of non-finite steps"
         return (f"stopped by {signals.requested or 'a signal to another rank'} at step {done}; {saved}. "
@@ -354,6 +358,7 @@ def shrink_micro_batch(run: Run, loader_state: dict, smaller: int) -> None:
 
 
 def main(argv=None):
+    started = time.perf_counter()
     stop_at_once_during_startup()
     try:
         cfg = config.parse_args(argv, description=__doc__)
@@ -365,17 +370,20 @@ def main(argv=None):
         # Only setup is guarded: ValueError there is config validation in model.py / optim.py, while an
         # exception inside the loop is a bug and keeps its traceback. Every rank fails alike; rank 0 says why.
         sys.exit(report_startup_error(e))
+    outcome = None  # stays None for a bug, whose traceback is the report
     try:
-        stopped = run_loop(run)
+        outcome = run_loop(run) or "finished"
     except (CheckpointError, DataError, TrainingHalted) as e:  # a full disk, bad tokens, a run that cannot go on
+        outcome = f"halted: {e}"
         if run.info.is_main:
             report_error(e)
         sys.exit(1 if isinstance(e, TrainingHalted) else 2)
     finally:
+        if outcome is not None:
+            run.telemetry.summary(outcome, time.perf_counter() - started, run.guard.early_stop.best,
+                                  run.info.world_size)
         run.close()
         distributed.shutdown(run.info)
-    if stopped and run.info.is_main:
-        print(stopped, file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,7 @@ def finished_wall(out_dir: str, cmd: list[str], steps: int) -> float | None:
     try:
         with open(os.path.join(out_dir, RUN_INFO)) as f:
             info = json.load(f)
-        complete = read_metrics(out_dir)[-1]["step"] == steps - 1
+        complete = read_metrics(out_dir)[-1]["step"] == steps
     except (OSError, ValueError, MetricsError):
         return None
     return info["wall_s"] if complete and info.get("command") == shlex.join(cmd) else None
@@ -220,7 +220,7 @@ def report(a, results, adam_lrs, walls, command, hardware, code, loads) -> str:
     """The markdown table and summary. results: optimizer -> {lr: records}."""
     first = next(iter(next(iter(results.values())).values()))
     budget = first[-1]["tokens"]
-    tokens_per_step = budget // (first[-1]["step"] + 1)
+    tokens_per_step = budget // first[-1]["step"]
     best = {o: best_lr(runs) for o, runs in results.items()}
     target = None
     if "adamw" in results and best["adamw"] is not None:

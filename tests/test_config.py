@@ -276,3 +276,21 @@ def test_resume_may_change_init_only_model_fields():
     saved = config.to_dict(config.parse_args([]))
     assert config.check_resume(saved, config.parse_args(["--zero-init-proj"])) == [
         "model.zero_init_proj False -> True"]
+
+
+def test_resume_at_another_world_size_derives_grad_accum_or_refuses():
+    cfg = config.parse_args(["--batch-size", "4", "--seq-len", "32"])
+    saved = {"batch_tokens": 256, "world_size": 2, "train_config": config.to_dict(cfg)}
+    notes = []
+    one_rank = config.batch_layout(cfg, world_size=1)
+    assert config.resume_layout(cfg, one_rank, saved, notes.append).grad_accum == 2
+    assert "grad accumulation 1 -> 2 keeps the global batch of 256 tokens/step" in notes[0]
+    with pytest.raises(UsageError, match="not a whole number of micro-steps of 384 tokens"):
+        config.resume_layout(cfg, config.batch_layout(cfg, world_size=3), saved, notes.append)
+    # The same world size, a checkpoint that predates batch_tokens, or a batch changed on purpose: as asked.
+    assert config.resume_layout(cfg, one_rank, {**saved, "world_size": 1}, notes.append) == one_rank
+    assert config.resume_layout(cfg, one_rank, {"train_config": saved["train_config"]}, notes.append) == one_rank
+    bigger = config.parse_args(["--batch-size", "4", "--seq-len", "32", "--grad-accum", "4"])
+    layout = config.batch_layout(bigger, world_size=1)
+    assert config.resume_layout(bigger, layout, saved, notes.append) == layout
+    assert len(notes) == 1

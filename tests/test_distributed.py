@@ -192,6 +192,29 @@ def test_resume_across_world_sizes(data_dir, tmp_path):
     assert checkpoint.load(back)[0]["step"] == 6
 
 
+def test_resume_at_another_world_size_keeps_the_global_batch(data_dir, tmp_path):
+    """Without --total-batch-tokens, 2 ranks x 4 x 32 = 256 tokens/step; resumed in one process, grad
+    accumulation becomes 2 so that the run goes on with the same batch, tokens and losses."""
+    at = COMMON.index("--total-batch-tokens")
+    flags = COMMON[:at] + COMMON[at + 2:]
+    args = ["--out-dir", "OUT", *flags, "--data", data_dir, "--max-steps", "6", "--ckpt-interval", "3"]
+
+    def run(nproc, out_dir, *extra):
+        result = launch(nproc, *[str(out_dir) if a == "OUT" else a for a in args], *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f], result
+
+    two, _ = run(2, tmp_path / "two", "--dist", "fsdp")
+    os.makedirs(tmp_path / "one")
+    src = checkpoint.checkpoint_path(str(tmp_path / "two"), 3, sharded=True)
+    shutil.copytree(src, os.path.join(tmp_path / "one", os.path.basename(src)))
+    one, result = run(None, tmp_path / "one", "--resume")
+    assert "grad accumulation 1 -> 2 keeps the global batch of 256 tokens/step" in result.stderr
+    assert [r["tokens"] for r in one] == [r["tokens"] for r in two[3:]] == [1024, 1280, 1536]
+    np.testing.assert_allclose([r["train_loss"] for r in one], [r["train_loss"] for r in two[3:]], rtol=2e-6)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--dist", "ddp"], "needs torchrun"),
     (["--dist", "fsdp", "--dtype", "fp16"], "fp16 is not supported"),

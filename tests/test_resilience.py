@@ -104,9 +104,10 @@ def test_sigterm_checkpoints_and_exits_0_then_resumes_exactly(data_dir, referenc
     while proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
-    assert "--resume" in err.strip().splitlines()[-1]
+    outcome = next(line for line in out.splitlines() if line.strip().startswith("outcome"))
+    assert "stopped by SIGTERM" in outcome and "--resume" in outcome  # the end-of-run summary says how to go on
     stopped_at = checkpoint.checkpoint_step(checkpoint.list_checkpoints(str(tmp_path))[-1])
     assert 3 <= stopped_at < STEPS
     resumed = start(data_dir, tmp_path, "--max-steps", str(STEPS), "--ckpt-interval", "100", "--resume")
@@ -230,7 +231,7 @@ def test_too_many_bad_steps_roll_back_with_a_lower_lr(data_dir, tmp_path, capsys
     assert "rolled back to step 2" in err and "LR now x0.5" in err
     with open(tmp_path / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f]
-    assert [r["step"] for r in records] == list(range(6))
+    assert [r["step"] for r in records] == list(range(1, 7))
     assert not any(r["skipped"] for r in records)  # the bad step's line was dropped with the rollback
     assert records[5]["lr"] == pytest.approx(0.5 * lr_multiplier(5, 6, 2, "wsd", 0.1, 0.2) * 6e-3)
 
@@ -274,8 +275,8 @@ def test_sigterm_is_obeyed_on_the_rollback_path(data_dir, tmp_path, capsys, monk
     monkeypatch.setattr(train, "train_step", step)
     train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "50", "--ckpt-interval", "2",
                 "--max-bad-steps", "2"])
-    err = capsys.readouterr().err
-    assert "rolled back to step 2" in err and err.strip().endswith("stopped by SIGTERM after a rollback")
+    out, err = capsys.readouterr()
+    assert "rolled back to step 2" in err and "outcome           stopped by SIGTERM after a rollback" in out
     assert diverging.calls == 4
 
 
@@ -320,8 +321,7 @@ def test_early_stopping_waits_for_patience():
 def test_early_stop_ends_the_run_and_keeps_the_best(data_dir, tmp_path, capsys):
     train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL[:-2], "--max-steps", "40",
                 "--eval-interval", "1", "--eval-tokens", "128", "--early-stop-patience", "1", "--lr", "3e-1"])
-    err = capsys.readouterr().err
-    assert "early stop at step" in err
+    assert "early stop at step" in capsys.readouterr().out  # the summary's outcome
     stopped_at = len(losses(tmp_path))
     assert stopped_at < 40
     best = torch.load(checkpoint.best_path(str(tmp_path), sharded=False), weights_only=True)

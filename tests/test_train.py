@@ -137,8 +137,8 @@ def tiny_run(data, out_dir, *extra):
 
 def test_resume_is_bit_identical(tmp_path, tiny_data):
     full = tiny_run(tiny_data, tmp_path / "full", "--max-steps", "8", "--ckpt-interval", "4", "--keep-ckpts", "5")
-    assert [r["step"] for r in full] == list(range(8))
-    assert {"step", "tokens", "train_loss", "lr", "tokens_per_sec", "mfu"} <= set(full[0])
+    assert [r["step"] for r in full] == list(range(1, 9))  # counted when done, as checkpoints are
+    assert {"step", "tokens", "time_s", "train_loss", "lr", "tokens_per_sec", "mfu"} <= set(full[0])
     assert "val_loss" in full[3] and "val_loss" in full[7] and "val_loss" not in full[4]
 
     # Resume a second run from the step-4 checkpoint; its metrics after step 4 were never written.
@@ -148,10 +148,12 @@ def test_resume_is_bit_identical(tmp_path, tiny_data):
     for path in (ckpt, ckpt + checkpoint.DIGEST_SUFFIX):
         shutil.copy(path, resumed_dir)
     with open(resumed_dir / "metrics.jsonl", "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in full[:6])  # steps 4 and 5 are stale: redone on resume
+        f.writelines(json.dumps(r) + "\n" for r in full[:6])  # steps 5 and 6 are stale: redone on resume
     resumed = tiny_run(tiny_data, resumed_dir, "--max-steps", "8", "--ckpt-interval", "4", "--resume")
 
-    assert [r["step"] for r in resumed] == list(range(8))
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    times = [r["time_s"] for r in resumed]  # the clock goes on from step 4's record: cumulative, never back
+    assert times[:4] == [r["time_s"] for r in full[:4]] and all(b >= a for a, b in zip(times, times[1:]))
     for a, b in zip(full, resumed):
         assert a["train_loss"] == b["train_loss"] and a["grad_norm"] == b["grad_norm"]
         assert a.get("val_loss") == b.get("val_loss")
@@ -183,7 +185,7 @@ def test_batch_warmup_counts_exact_tokens_and_resumes_bit_identically(tmp_path, 
 def test_metrics_survive_a_crash_while_rewritten_at_resume(tmp_path, monkeypatch):
     import telemetry
 
-    lines = [json.dumps({"step": s, "train_loss": 1.0}) + "\n" for s in range(3)]
+    lines = [json.dumps({"step": s, "train_loss": 1.0}) + "\n" for s in range(1, 4)]
     (tmp_path / "metrics.jsonl").write_text("".join(lines))
 
     def killed(*_):
