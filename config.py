@@ -23,6 +23,8 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 
+import torch
+
 import fp8
 import memory
 import rundir
@@ -285,9 +287,11 @@ def explicit_values(flags: dict, from_file: dict) -> dict:
     return {**from_file, **flags}
 
 
-def parse_args(argv=None, description: str | None = None) -> Config:
+def parse_args(argv=None, description: str | None = None, check_machine: bool = False) -> Config:
     """Flags (over an optional --config file) -> a validated Config. Values the size dial derives (sizing.py)
-    fill in what neither gave. Raises UsageError on bad or contradictory settings."""
+    fill in what neither gave. Raises UsageError on bad or contradictory settings. check_machine: also what
+    this machine must have for the run to start (train.py's start-up; not for reading a GPU run's config on
+    a laptop, nor for --estimate-memory)."""
     flags = vars(build_parser(description).parse_args(argv))
     config_file = flags.pop("config_file", None)
     given = explicit_values(flags, read_config_file(config_file) if config_file else {})
@@ -303,7 +307,7 @@ def parse_args(argv=None, description: str | None = None) -> Config:
         fields = {key.split(".", 1)[1]: v for key, v in values.items() if key.split(".", 1)[0] == section.name}
         sections[section.name] = section.default_factory(**fields)
     cfg = Config(**sections)
-    validate(cfg)
+    validate(cfg, check_machine and not cfg.speed.estimate_memory)
     return cfg
 
 
@@ -413,83 +417,104 @@ def describe_change(change: tuple) -> str:
 # ----------------------------------------------------------------------------- start-up checks
 
 
-def validate(cfg: Config) -> None:
-    """Every check that needs only the flags; UsageError with one line. Shapes against the machine (FP8,
-    memory) are checked in fp8.prepare and train.setup, still before the first step."""
-    _check_ranges(cfg)
-    _check_combinations(cfg)
-    try:
-        cfg.model.validate()
-        fp8.check_fp8_flags(cfg.fp8.mode, cfg.fp8.recipe, cfg.fp8.attn)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+def validate(cfg: Config, check_machine: bool = False) -> None:
+    """Every check that needs only the flags, and with check_machine those of the machine that cost nothing
+    (CUDA, a W&B key); UsageError with one line naming every problem at once, so that a user fixes a command in
+    one round. Shapes against the machine (FP8, memory) are checked in fp8.prepare and train.setup, still
+    before the first step."""
+    problems = [*_range_problems(cfg), *_combination_problems(cfg), *(_machine_problems(cfg) if check_machine else ())]
+    for check in (cfg.model.validate, lambda: fp8.check_fp8_flags(cfg.fp8.mode, cfg.fp8.recipe, cfg.fp8.attn)):
+        try:
+            check()
+        except ValueError as e:
+            problems.append(str(e))
+    if len(problems) == 1:
+        raise UsageError(problems[0])
+    if problems:
+        raise UsageError(f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
 
 
-def _check_finite(cfg: Config) -> None:
+def _finite_problems(cfg: Config):
     """Every float flag: nan and inf pass every comparison below unnoticed (nan < 0 is False)."""
     for section in dataclasses.fields(cfg):
         values = getattr(cfg, section.name)
         for f in dataclasses.fields(values):
             value = getattr(values, f.name)
             if isinstance(value, float) and not math.isfinite(value):
-                raise UsageError(f"{flag_name(f)} must be a finite number, got {value}")
+                yield f"{flag_name(f)} must be a finite number, got {value}"
 
 
-def _check_ranges(cfg: Config) -> None:
-    _check_finite(cfg)
+def _range_problems(cfg: Config):
+    yield from _finite_problems(cfg)
     d, s, e = cfg.data, cfg.schedule, cfg.eval
     positive = {"--batch-size": 1 if d.batch_size == "auto" else d.batch_size, "--grad-accum": d.grad_accum,
-                "--seq-len": cfg.model.max_seq_len, "--log-interval": cfg.log.log_interval}
-    for name, value in positive.items():
-        if value < 1:
-            raise UsageError(f"{name} must be >= 1, got {value}")
+                "--seq-len": cfg.model.max_seq_len, "--log-interval": cfg.log.log_interval,
+                "--keep-ckpts": cfg.ckpt.keep_ckpts}
+    yield from (f"{name} must be >= 1, got {value}" for name, value in positive.items() if value < 1)
     non_negative = {"--max-steps": s.max_steps, "--max-tokens": s.max_tokens, "--warmup": s.warmup,
                     "--sample-tokens": e.sample_tokens, "--eval-interval": e.eval_interval,
                     "--eval-hellaswag": e.eval_hellaswag,
                     "--ckpt-interval": cfg.ckpt.ckpt_interval, "--total-batch-tokens": d.total_batch_tokens,
                     "--grad-clip": s.grad_clip, "--peak-tflops": cfg.log.peak_tflops, "--seed": d.seed}
-    for name, value in non_negative.items():
-        if value < 0:
-            raise UsageError(f"{name} must be >= 0, got {value}")
+    yield from (f"{name} must be >= 0, got {value}" for name, value in non_negative.items() if value < 0)
     if e.eval_interval and e.eval_tokens < 1:
-        raise UsageError("--eval-tokens must be >= 1 when evaluating")
+        yield "--eval-tokens must be >= 1 when evaluating"
     if d.seed >= 2**63:
-        raise UsageError(f"--seed must be < 2**63, got {d.seed}")
-    if cfg.ckpt.keep_ckpts < 1:
-        raise UsageError(f"--keep-ckpts must be >= 1, got {cfg.ckpt.keep_ckpts}")
+        yield f"--seed must be < 2**63, got {d.seed}"
     r = cfg.resilience
     if (r.max_bad_steps < 1 or not 0 < r.rollback_lr_factor <= 1 or r.spike_factor < 0 or r.early_stop_patience < 0
             or r.max_rollbacks < 0):
-        raise UsageError("--max-bad-steps must be >= 1, --rollback-lr-factor in (0, 1], "
-                         "--spike-factor, --early-stop-patience and --max-rollbacks >= 0")
+        yield ("--max-bad-steps must be >= 1, --rollback-lr-factor in (0, 1], --spike-factor, --early-stop-patience "
+               "and --max-rollbacks >= 0")
     if not 0 <= s.min_lr_ratio <= 1 or not 0 < s.decay_frac <= 1:
-        raise UsageError("--min-lr-ratio must be in [0, 1] and --decay-frac in (0, 1]")
+        yield "--min-lr-ratio must be in [0, 1] and --decay-frac in (0, 1]"
     if s.batch_warmup_steps < 0 or not 0 < s.batch_warmup_start <= 1:
-        raise UsageError("--batch-warmup-steps must be >= 0 and --batch-warmup-start in (0, 1]")
+        yield "--batch-warmup-steps must be >= 0 and --batch-warmup-start in (0, 1]"
     if s.batch_warmup_steps and d.grad_accum == 1 and not d.total_batch_tokens:
-        raise UsageError("--batch-warmup-steps ramps the micro-steps of each step: it needs --grad-accum > 1 "
-                         "(or --total-batch-tokens)")
+        yield "--batch-warmup-steps ramps the micro-steps of each step: it needs --grad-accum > 1 (or --total-batch-tokens)"
     if cfg.dist.ddp_bucket_mb <= 0:
-        raise UsageError(f"--ddp-bucket-mb must be positive, got {cfg.dist.ddp_bucket_mb}")
+        yield f"--ddp-bucket-mb must be positive, got {cfg.dist.ddp_bucket_mb}"
 
 
-def _check_combinations(cfg: Config) -> None:
+def _combination_problems(cfg: Config):
     """Combinations that cannot work, refused at start-up instead of crashing mid-run."""
     mode = cfg.dist.dist
-    if cfg.data.batch_size == "auto" and (not cfg.data.total_batch_tokens or mode == "fsdp"):
-        raise UsageError("--batch-size auto needs --total-batch-tokens (the global batch it keeps), and --dist none "
-                         "or ddp (under FSDP2 a probe that runs out of memory would stall the other ranks)")
+    if cfg.data.batch_size == "auto":
+        if not cfg.data.total_batch_tokens or mode == "fsdp":
+            yield ("--batch-size auto needs --total-batch-tokens (the global batch it keeps), and --dist none or ddp "
+                   "(under FSDP2 a probe that runs out of memory would stall the other ranks)")
     if mode == "fsdp" and cfg.speed.dtype == "fp16":
-        raise UsageError("--dist fsdp with --dtype fp16 is not supported (needs a sharded grad scaler); use bf16")
+        yield "--dist fsdp with --dtype fp16 is not supported (needs a sharded grad scaler); use bf16"
     if mode == "fsdp" and cfg.optim.name == "adamw8bit":
-        raise UsageError("--optimizer adamw8bit does not support FSDP2's sharded (DTensor) parameters; "
-                         "use --optimizer adamw or --dist ddp")
+        yield ("--optimizer adamw8bit does not support FSDP2's sharded (DTensor) parameters; use --optimizer adamw "
+               "or --dist ddp")
     if cfg.ckpt.overwrite and cfg.ckpt.resume == "on":
-        raise UsageError("--overwrite replaces an earlier run and --resume continues it: give one of them")
+        yield "--overwrite replaces an earlier run and --resume continues it: give one of them"
     if cfg.eval.eval_hellaswag and not cfg.eval.eval_interval:
-        raise UsageError("--eval-hellaswag runs at evals: it needs --eval-interval > 0")
+        yield "--eval-hellaswag runs at evals: it needs --eval-interval > 0"
     if cfg.fp8.mode == "te" and cfg.eval.sample_tokens:
-        raise UsageError("--sample-tokens needs the plain backend's KV cache; it does not run with --fp8 te")
+        yield "--sample-tokens needs the plain backend's KV cache; it does not run with --fp8 te"
+
+
+def _machine_problems(cfg: Config):
+    """What these flags need of the machine that is known without building anything."""
+    if cfg.data.batch_size == "auto" and (cfg.speed.device not in ("auto", "cuda") or not torch.cuda.is_available()):
+        yield "--batch-size auto needs CUDA: it searches by catching CUDA out-of-memory errors"
+    if cfg.log.wandb and cfg.log.wandb_mode == "online" and not wandb_key_present():
+        yield ("--wandb-mode online needs a W&B API key (WANDB_API_KEY or `wandb login`); use --wandb-mode offline "
+               "to log locally and `wandb sync` later")
+
+
+def wandb_key_present() -> bool:
+    """Whether wandb can log in without asking: WANDB_API_KEY, or the ~/.netrc entry `wandb login` writes."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = os.path.expanduser("~/.netrc")
+    try:
+        with open(netrc) as f:
+            return "api.wandb.ai" in f.read()
+    except OSError:
+        return False
 
 
 # ----------------------------------------------------------------------------- derived quantities

@@ -180,6 +180,20 @@ def lr_multiplier(step: int, max_steps: int, warmup: int, schedule: str, min_lr_
     return 1.0 - (1 - min_lr_ratio) * progress
 
 
+def schedule_warning(warmup: int, max_steps: int, schedule: str, decay_frac: float) -> str | None:
+    """What is wrong with a warm-up that does not fit the run, for a start-up warning, or None. Not refused:
+    a short test run with the default warm-up is legitimate, but the user should know its LR never peaks."""
+    if warmup >= max_steps:
+        peak = lr_multiplier(max_steps - 1, max_steps, warmup, schedule, 0.0, decay_frac)
+        return (f"warning: --warmup {warmup} is not shorter than the run ({max_steps} steps): the LR reaches only "
+                f"{100 * peak:.0f}% of its peak; lower --warmup")
+    decay_start = max_steps - max(1, round(decay_frac * max_steps))
+    if schedule == "wsd" and warmup > decay_start:
+        return (f"warning: --warmup {warmup} runs into the decay, which starts at step {decay_start} of "
+                f"{max_steps}: the LR never holds its peak; lower --warmup or --decay-frac")
+    return None
+
+
 def set_lr(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
     """Every group's LR to its peak ("base_lr") times `multiplier`."""
     for group in optimizer.param_groups:

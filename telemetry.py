@@ -24,7 +24,7 @@ import fp8
 import memory
 import sizing
 from checkpoint import best_path, list_checkpoints
-from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values
+from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values, wandb_key_present
 from hardware import peak_memory_gib
 from optim import describe_param_groups, optimizer_state_bytes
 from progress import Progress, duration
@@ -51,7 +51,7 @@ def startup_rows(run, data_dir: str, reasons: dict) -> list[tuple[str, str]]:
         ("model", f"{run.model.num_params() / 1e6:.2f}M params, {m.n_layer} layers, d={m.n_embd}, "
                   f"heads {m.n_head}q/{m.n_kv_head}kv, vocab {m.padded_vocab_size}"),
         ("optimizer", describe_param_groups(run.optimizer)),
-        ("torch.compile", "off (not requested)" if cfg.speed.compile == "off" else f"on, mode {cfg.speed.compile}"),
+        ("torch.compile", describe_compile(cfg.speed.compile, run.device.type)),
         ("FP8", fp8.describe_fp8(run.model, run.fp8_recipe)),
         ("activation ckpt", memory.describe_activation_checkpointing(run.model)),
         ("batch", f"{layout.micro_batch} x {layout.seq_len} tokens x {layout.grad_accum} micro-steps x "
@@ -66,6 +66,14 @@ def startup_rows(run, data_dir: str, reasons: dict) -> list[tuple[str, str]]:
         ("init", f"the checkpoint of step {run.start_step}" if run.start_step else reasons["init"]),
         ("resume", f"from step {run.start_step}" if run.start_step else f"off (fresh run; --resume {cfg.ckpt.resume})"),
     ]
+
+
+def describe_compile(mode: str, device_type: str) -> str:
+    if mode == "off":
+        return "off (not requested)"
+    if mode == "reduce-overhead" and device_type != "cuda":  # inductor skips CUDA graphs off CUDA
+        return f"on, mode reduce-overhead: CUDA graphs do not apply on {device_type}, so it runs as mode default"
+    return f"on, mode {mode}"
 
 
 def message(text: str) -> None:
@@ -133,12 +141,7 @@ class MetricsLog:
 def wandb_mode(requested: str) -> str:
     if requested != "auto":
         return requested
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    netrc = os.path.expanduser("~/.netrc")
-    if os.path.exists(netrc) and "api.wandb.ai" in open(netrc).read():
-        return "online"
-    return "offline"
+    return "online" if wandb_key_present() else "offline"
 
 
 def start_wandb(log_cfg, out_dir: str, resume: bool, config_dict: dict):

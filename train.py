@@ -32,7 +32,7 @@ from data import DataError, ShardLoader, check_split, default_corpus, fingerprin
 from evaluate import Evaluator
 from export import load_hf
 from model import ModelConfig, flops_per_token
-from optim import build_optimizer, lr_multiplier, set_lr
+from optim import build_optimizer, lr_multiplier, schedule_warning, set_lr
 from resilience import Guard, StopSignals, TrainingHalted, stop_at_once_during_startup
 from rundir import RunLock, claim, remove_outputs
 from telemetry import Telemetry, message, print_table, start_wandb, startup_rows
@@ -136,9 +136,7 @@ def setup(cfg: Config) -> Run:
         raise UsageError(problem)
     device, device_reason = hardware.resolve_device(cfg.speed.device)
     autocast_dtype, dtype_reason = hardware.resolve_dtype(cfg.speed.dtype, device)
-    auto_batch = cfg.data.batch_size == "auto"
-    if auto_batch and device.type != "cuda":
-        raise UsageError("--batch-size auto needs CUDA: it searches by catching CUDA out-of-memory errors")
+    auto_batch = cfg.data.batch_size == "auto"  # config.validate(check_machine) made sure it runs on CUDA
     fp8_recipe = fp8.prepare(cfg.fp8, cfg.model, None if auto_batch else cfg.data.batch_size, device, autocast_dtype)
     info = distributed.init(cfg.dist.dist, device.type)
     # A CPU's auto dtype comes from a timing probe, which ranks sharing a host could answer differently.
@@ -204,6 +202,9 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
               checkpointer=checkpointer, telemetry=telemetry, lock=lock)
     if info.is_main:
         print_table(startup_rows(run, data_dir, reasons))
+        s = cfg.schedule
+        if warning := schedule_warning(s.warmup, max_steps, s.schedule, s.decay_frac):
+            message(warning)
     return run
 
 
@@ -361,7 +362,7 @@ def main(argv=None):
     started = time.perf_counter()
     stop_at_once_during_startup()
     try:
-        cfg = config.parse_args(argv, description=__doc__)
+        cfg = config.parse_args(argv, description=__doc__, check_machine=True)
         if cfg.speed.estimate_memory:
             print(memory.memory_report(cfg))
             return

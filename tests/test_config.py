@@ -294,3 +294,21 @@ def test_resume_at_another_world_size_derives_grad_accum_or_refuses():
     layout = config.batch_layout(bigger, world_size=1)
     assert config.resume_layout(bigger, layout, saved, notes.append) == layout
     assert len(notes) == 1
+
+
+def test_every_problem_with_the_flags_is_reported_at_once():
+    with pytest.raises(UsageError) as e:
+        config.parse_args(["--batch-size", "auto", "--device", "cpu", "--warmup", "-1"], check_machine=True)
+    text = str(e.value)
+    assert text.startswith("3 problems: (1) --warmup must be >= 0") and "\n" not in text
+    assert "needs --total-batch-tokens" in text and "needs CUDA" in text
+
+
+def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    with pytest.raises(UsageError, match="--wandb-mode online needs a W&B API key"):
+        config.parse_args(["--wandb", "--wandb-mode", "online"], check_machine=True)
+    assert config.parse_args(["--wandb", "--wandb-mode", "online"]).log.wandb  # reading a config is not starting it
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert config.parse_args(["--wandb", "--wandb-mode", "online"], check_machine=True).log.wandb_mode == "online"

@@ -1,0 +1,64 @@
+"""telemetry.py and progress.py: the end-of-run summary, the start-up table's truths, the progress lines."""
+
+import io
+
+import pytest
+
+import telemetry
+import train
+from conftest import TINY_FLAGS
+from progress import Progress
+
+FACTS = {"outcome": "finished", "wall_s": 241.4, "compile_s": 25.25, "start_step": 0, "done": 150,
+         "max_steps": 150, "tokens": 2_457_600, "session_tokens": 2_457_600, "tokens_per_sec": 10_234.4,
+         "mfu": 0.412, "last_eval": {"step": 150, "val_loss": 3.49012, "val_bpb": 1.98541}, "best_val": 3.49012,
+         "peak_mem_gib": 1.5, "device": "cuda", "out_dir": "out", "final_ckpt": "out/ckpt_00000150.pt",
+         "best_ckpt": "out/best.pt"}
+
+
+def test_the_summary_names_what_the_run_did_and_what_to_run_next():
+    rows = dict(telemetry.summary_rows(FACTS))
+    assert rows["wall time"] == "4m01s (25.2 s of it compiling)"
+    assert rows["steps"] == "150 of 150" and rows["tokens"] == "2,457,600"
+    assert rows["val loss"] == "3.4901 at step 150 (bpb 1.9854); best 3.4901"
+    assert rows["mean throughput"] == "10,234 tokens/s, MFU 41.2%"
+    assert rows["peak memory"] == "1.50 GiB (allocated by tensors)"
+    assert rows["sample"] == 'python sample.py --ckpt out/best.pt --prompt "..."'
+    assert rows["export"] == "python export.py --ckpt out/best.pt --out out/hf"
+    assert rows["plot"] == "python bench/plot.py out"
+
+
+def test_the_summary_of_a_resumed_run_without_evals_or_checkpoints():
+    rows = dict(telemetry.summary_rows({**FACTS, "start_step": 100, "session_tokens": 819_200, "last_eval": None,
+                                        "best_val": float("inf"), "compile_s": None, "mfu": None,
+                                        "final_ckpt": None, "best_ckpt": None}))
+    assert rows["steps"] == "150 of 150, resumed at 100" and rows["tokens"] == "2,457,600, 819,200 in this process"
+    assert rows["val loss"] == "no eval ran in this process" and rows["wall time"] == "4m01s"
+    assert rows["final checkpoint"] == "none written" and "sample" not in rows and "export" not in rows
+
+
+def test_a_run_ends_with_its_summary(tmp_path, tiny_data, capsys):
+    train.main(["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--max-steps", "4", "--warmup", "2",
+                "--eval-interval", "2", "--eval-tokens", "256", "--device", "cpu", "--dtype", "fp32"])
+    out = capsys.readouterr().out
+    summary = out[out.index("run summary"):]
+    assert "outcome           finished" in summary and "steps             4 of 4" in summary
+    assert f"final checkpoint  {tmp_path}/ckpt_00000004.pt" in summary and "val loss          " in summary
+
+
+def test_the_start_up_table_tells_the_truth_about_compile_modes():
+    assert telemetry.describe_compile("off", "cpu") == "off (not requested)"
+    assert "CUDA graphs do not apply on cpu" in telemetry.describe_compile("reduce-overhead", "cpu")
+    assert telemetry.describe_compile("reduce-overhead", "cuda") == "on, mode reduce-overhead"
+
+
+@pytest.mark.parametrize("min_interval, expected", [(0.0, [3, 6, 9, 10]), (3600.0, [10])])
+def test_progress_off_a_terminal_prints_every_n_steps_unless_they_are_sub_second(min_interval, expected):
+    stream = io.StringIO()
+    progress = Progress(10, "train", unit="step", stream=stream, every=3, min_interval=min_interval)
+    for step in range(10):
+        progress.set_postfix(f"loss {step}")
+        progress.update()
+    lines = stream.getvalue().splitlines()
+    assert [int(line.split()[1].split("/")[0]) for line in lines] == expected
+    assert all(f"loss {n - 1}" in line for n, line in zip(expected, lines))  # the figures of that step
