@@ -4,11 +4,13 @@ Shards use the llm.c / modded-nanogpt format, so they interoperate with those pr
 a header of 256 little-endian int32 ([0] magic 20240520, [1] version, [2] token count, the rest 0),
 then the tokens. Version 1 stores uint16 tokens (vocabularies up to 65,535 ids, e.g. GPT-2);
 version 2 is this project's extension for larger vocabularies and stores uint32 tokens.
-Each document is preceded by the end-of-text token, as in llm.c and modded-nanogpt.
+Each document is preceded by the end-of-text token, as in llm.c and modded-nanogpt. Next to the shards,
+data.json records the tokenizer (name, n_vocab, end-of-text id) and the counts; check_vocab reads it.
 
     python data.py --input corpus.txt --out data/mine          # then: python train.py --data data/mine
 """
 
+import argparse
 import bisect
 import collections
 import functools
@@ -323,9 +325,15 @@ def _file_pieces(paths):
 
 
 def _not_text(path: str) -> str | None:
-    """Why path cannot be tokenized (it is compressed, or binary), or None when it can."""
+    """Why path cannot be tokenized (it is compressed, binary, or part of a datasets save_to_disk directory),
+    or None when it can."""
     if path.endswith(".parquet"):
         return None
+    if path.endswith(".arrow"):
+        return "an Arrow file (datasets' save_to_disk writes these): pass its directory as --input"
+    directory = os.path.dirname(path) or "."
+    if os.path.basename(path) in SAVED_METADATA and saved_dataset_kind(os.listdir(directory)):
+        return f"the metadata of the datasets save_to_disk directory {directory}: pass the directory as --input"
     with open(path, "rb") as f:
         head = f.read(SNIFF_BYTES)
     compressed = next((name for name, signature in COMPRESSED.items() if re.match(signature, head)), None)
@@ -337,25 +345,91 @@ def _not_text(path: str) -> str | None:
 
 
 def _files_under(directory: str) -> list[str]:
-    """Text-like, .jsonl and .parquet files under directory, recursively, sorted; hidden ones skipped."""
+    """Text-like, .jsonl and .parquet files under directory, recursively, sorted; hidden ones skipped, and so
+    are other files that are not text (.arrow files among them).
+
+    A datasets save_to_disk directory met here (inside a directory, or matched by a glob) is refused with a
+    DataError rather than skipped: its documents are in Arrow files, which are never read as text, and its
+    JSON metadata is no document either, so skipping it would leave its documents out without a word.
+    Given as --input on its own, it is read (_saved_pieces)."""
     found = []
     for root, dirs, names in os.walk(directory):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if kind := saved_dataset_kind(names):
+            raise DataError(f"{root}: a datasets save_to_disk directory ({kind}) within the input; its "
+                            f"documents are in Arrow files: pass it as --input on its own")
         found += [os.path.join(root, n) for n in names if not n.startswith(".")]
     return sorted(p for p in found if _not_text(p) is None)
 
 
-def _hf_pieces(source: str):
-    """A Hugging Face dataset NAME or NAME:CONFIG, streamed. Set HF_HUB_OFFLINE=1 to use only the local cache."""
+# The files of a datasets save_to_disk directory: a Dataset has these two (and data-*.arrow), a DatasetDict
+# has dataset_dict.json and one such Dataset directory per split.
+SAVED_DATASET = ("dataset_info.json", "state.json")
+SAVED_DATASET_DICT = "dataset_dict.json"
+SAVED_METADATA = {*SAVED_DATASET, SAVED_DATASET_DICT}
+
+
+def saved_dataset_kind(names) -> str | None:
+    """"DatasetDict" or "Dataset" when the file names of a directory are those datasets' save_to_disk
+    writes, else None. Pure: takes the listing, so a test needs no directory."""
+    names = set(names)
+    if SAVED_DATASET_DICT in names:
+        return "DatasetDict"
+    if set(SAVED_DATASET) <= names:
+        return "Dataset"
+    return None
+
+
+def _import_datasets():
     try:
         import datasets
     except ImportError:
         raise DataError("reading a Hugging Face dataset needs the datasets package: pip install datasets") from None
-    name, _, config = source.removeprefix(HF_PREFIX).partition(":")
+    return datasets
+
+
+def _saved_pieces(path: str, kind: str, split: str | None):
+    """The 'text' column of a save_to_disk directory (of --hf-split, default train, for a DatasetDict), read
+    with datasets.load_from_disk. The split and the column are checked now; the rows are read lazily."""
+    datasets = _import_datasets()
     try:
-        ds = datasets.load_dataset(name, config or None, split="train", streaming=True)
+        ds = datasets.load_from_disk(path)
     except Exception as e:
-        raise DataError(f"could not load Hugging Face dataset {name!r}: {str(e).splitlines()[0]}") from None
+        raise DataError(f"{path}: could not load the save_to_disk {kind} ({_first_line(e)})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        split = split or "train"
+        if split not in ds:
+            raise DataError(f"{path}: no split {split!r} in this DatasetDict (splits: {', '.join(ds)}); "
+                            f"choose one with --hf-split")
+        ds, where = ds[split], f"{path} split {split}"
+    elif split:
+        raise UsageError(f"--hf-split {split}: {path} is a save_to_disk Dataset, a single split; drop --hf-split")
+    else:
+        where = path
+    if "text" not in ds.column_names:
+        raise DataError(f"{where}: no 'text' column (columns: {', '.join(ds.column_names)})")
+    return ((_text_of({"text": text}, where), True)
+            for batch in ds.select_columns(["text"]).iter(batch_size=1024) for text in batch["text"])
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _hf_pieces(source: str, config: str | None = None, split: str = "train"):
+    """A Hugging Face hub dataset NAME (or NAME:CONFIG, the older spelling of --hf-config), its split, streamed.
+    Set HF_HUB_OFFLINE=1 to use only the local cache."""
+    datasets = _import_datasets()
+    name, _, named = source.removeprefix(HF_PREFIX).partition(":")
+    if named and config:
+        raise UsageError(f"--input {source} names the config {named!r} and --hf-config names {config!r}; "
+                         f"give it once, with --hf-config")
+    config = config or named or None
+    try:
+        ds = datasets.load_dataset(name, config, split=split, streaming=True)
+    except Exception as e:
+        what = f"{name!r}" + (f" (config {config!r}, split {split!r})" if config else f" (split {split!r})")
+        raise DataError(f"could not load Hugging Face dataset {what}: {_first_line(e)}") from None
     return ((_text_of(record, f"dataset {name}"), True) for record in ds)
 
 
@@ -366,11 +440,20 @@ def _is_hf_name(source: str) -> bool:
     return bool(re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?", source)) and not os.path.exists(source.split("/")[0])
 
 
-def _source_pieces(source):
-    """The (text, starts_a_document) pieces of a file, directory, glob or Hugging Face dataset.
-    Checks that the source exists now, before any work; reads lazily."""
+def _source_pieces(source, hf_config: str | None = None, hf_split: str | None = None):
+    """The (text, starts_a_document) pieces of a file, directory, glob, datasets save_to_disk directory or
+    Hugging Face hub dataset. Checks that the source exists now, before any work; reads lazily. hf_config
+    applies to a hub dataset, hf_split (default train) to a hub dataset or a save_to_disk DatasetDict."""
     source = os.fspath(source)
+    if os.path.isdir(source) and (kind := saved_dataset_kind(os.listdir(source))):
+        if hf_config:
+            raise UsageError(f"--hf-config {hf_config}: {source} is a save_to_disk {kind}, which has no configs")
+        return _saved_pieces(source, kind, hf_split)
     if os.path.isdir(source) or os.path.isfile(source) or any(c in source for c in "*?["):
+        if hf_config or hf_split:
+            flag = "--hf-config" if hf_config else "--hf-split"
+            raise UsageError(f"{flag} applies to Hugging Face datasets (a hub name or a save_to_disk "
+                             f"directory), not to {source}")
         matches = [source] if os.path.exists(source) else sorted(glob.glob(source, recursive=True))
         for path in matches:  # a file named or globbed must be text; a directory's other files are skipped
             if not os.path.isdir(path) and (why := _not_text(path)):
@@ -380,7 +463,7 @@ def _source_pieces(source):
             raise DataError(f"no text, .jsonl or .parquet files found in {source}")
         return _file_pieces(files)
     if _is_hf_name(source):
-        return _hf_pieces(source)
+        return _hf_pieces(source, hf_config, hf_split or "train")
     raise DataError(f"input {source} not found: expected a file, a directory, a glob, "
                     f"or a Hugging Face dataset as owner/name or {HF_PREFIX}NAME")
 
@@ -453,74 +536,171 @@ def _encode(pieces, enc: tiktoken.Encoding):
         pool.shutdown(cancel_futures=True)
 
 
-def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_tokens: int, desc: str) -> dict:
-    """Tokenize pieces into out_dir: the first val_tokens tokens to val_000000.bin, the rest to train_*.bin.
-    A shard is written (and fsync'ed) by a writer thread while the next one is being encoded, one at a time."""
+# --val-tokens auto: the val split is the last 0.5% of the corpus, within these bounds.
+VAL_PER_MILLE = 5
+MAX_VAL_TOKENS = 1_000_000  # plenty for a steady val loss, and what a default eval can use; 200M tokens reach it
+# The least auto val split: one micro-batch at train.py's defaults (--batch-size 16 of --seq-len 1,024) plus one
+# token, as a window's targets are its tokens shifted by one. Any less and a default run's evaluation cannot
+# read one whole batch without reading some windows twice.
+MIN_VAL_TOKENS = 16 * 1024 + 1
+DATA_RECORD = "data.json"  # what prepare records about the shards it wrote: the tokenizer and the counts
+
+
+def default_val_tokens(total: int) -> int:
+    """The val split of --val-tokens auto for a corpus of `total` tokens: 0.5% of it, at least MIN_VAL_TOKENS
+    (one eval batch), at most MAX_VAL_TOKENS. Pure, so the rule is tested without a large corpus."""
+    return min(MAX_VAL_TOKENS, max(MIN_VAL_TOKENS, total * VAL_PER_MILLE // 1000))
+
+
+class _ShardWriter:
+    """The shards of one preparation. Tokens encoded but not yet written wait in `pending`; write() hands the
+    first n of them to a writer thread, which writes (and fsyncs) that shard while the next is being encoded,
+    one shard at a time, so memory stays bounded."""
+
+    def __init__(self, out_dir: str, n_vocab: int):
+        self.out_dir, self.n_vocab = out_dir, n_vocab
+        self.pending, self.n_pending = [], 0
+        self.counts = {"val": [], "train": []}  # tokens per shard written
+        self.pool, self.writing = ThreadPoolExecutor(1, thread_name_prefix="shard-writer"), None
+
+    @property
+    def total(self) -> int:
+        """Tokens taken so far, written or pending."""
+        return sum(self.counts["val"]) + sum(self.counts["train"]) + self.n_pending
+
+    def add(self, tokens: np.ndarray) -> None:
+        self.pending.append(tokens)
+        self.n_pending += len(tokens)
+
+    def write(self, split: str, n: int) -> None:
+        self.wait()  # the previous shard is on disk (or its error is raised here), its memory free
+        buf = np.concatenate(self.pending)
+        path = os.path.join(self.out_dir, f"{split}_{len(self.counts[split]):06d}.bin")
+        self.writing = self.pool.submit(write_shard, path, buf[:n], self.n_vocab)
+        self.counts[split].append(n)
+        self.pending, self.n_pending = [buf[n:]], len(buf) - n
+
+    def wait(self) -> None:
+        if self.writing is not None:
+            self.writing.result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def _flush(shards: _ShardWriter, shard_tokens: int, val_tokens: int | None) -> None:
+    """Write the shards that the pending tokens complete. An explicit val_tokens: the first val_tokens tokens
+    go to val, then train shards follow. Auto (None): the val split is the corpus's last tokens, and how many
+    is known only at the end, so MAX_VAL_TOKENS always stay pending."""
+    if val_tokens is None:
+        while shards.n_pending >= shard_tokens + MAX_VAL_TOKENS:
+            shards.write("train", shard_tokens)
+        return
+    while True:
+        split, size = ("val", val_tokens) if val_tokens and not shards.counts["val"] else ("train", shard_tokens)
+        if shards.n_pending < size:
+            return
+        shards.write(split, size)
+
+
+def _finish(shards: _ShardWriter, shard_tokens: int, val_tokens: int | None, desc: str) -> None:
+    """Write what is still pending: the last train shard; under auto the rest of train and then val, the last
+    default_val_tokens(total) tokens. DataError when no train token is left."""
+    total = shards.total
+    if val_tokens is not None:
+        if (val_tokens and not shards.counts["val"]) or (shards.n_pending == 0 and not shards.counts["train"]):
+            raise DataError(f"{desc} has only {total:,} tokens, not more than --val-tokens {val_tokens:,}; "
+                            f"lower --val-tokens")
+        if shards.n_pending:
+            shards.write("train", shards.n_pending)
+        return
+    val = default_val_tokens(total)
+    if total <= val:
+        raise DataError(f"{desc} has only {total:,} tokens: --val-tokens auto keeps at least {MIN_VAL_TOKENS:,} "
+                        f"for val (one eval batch of 16 x 1,024, plus 1) and leaves none for train; "
+                        f"give a smaller --val-tokens N")
+    while shards.n_pending > val:
+        shards.write("train", min(shards.n_pending - val, shard_tokens))
+    shards.write("val", val)
+
+
+def _val_summary(val_tokens: int | None, val: int, total: int) -> str:
+    """What the val split is and which rule chose it, for the summary line."""
+    if val_tokens is not None:
+        return f"val: first {val:,} tokens (--val-tokens {val_tokens})" if val else "val: none (--val-tokens 0)"
+    if val == total * VAL_PER_MILLE // 1000:
+        why = f"{VAL_PER_MILLE / 10:g}% of the corpus"
+    elif val == MIN_VAL_TOKENS:
+        why = f"the least: one eval batch of 16 x 1,024, plus 1; {val / total:.1%} of the corpus"
+    else:
+        why = f"the cap; {val / total:.2%} of the corpus"
+    return f"val: last {val:,} tokens ({why}, --val-tokens auto)"
+
+
+def _summary(stats: dict, val_tokens: int | None, max_tokens: int | None) -> str:
+    """The `data:` line that ends a preparation."""
+    line = (f"data: {stats['documents']:,} documents, {stats['tokens']:,} tokens ({stats['train_tokens']:,} "
+            f"train in {stats['train_shards']} shards) in {stats['seconds']:.1f}s "
+            f"({stats['tokens'] / max(stats['seconds'], 1e-9) / 1e6:.2f}M tok/s)")
+    if max_tokens is not None:
+        line += (f", cut at --max-tokens {max_tokens:,}" if stats["tokens"] == max_tokens
+                 else f", all of it (fewer than --max-tokens {max_tokens:,})")
+    return f"{line}; {_val_summary(val_tokens, stats['val_tokens'], stats['tokens'])}"
+
+
+def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_tokens: int | None, desc: str,
+           max_tokens: int | None = None, tokenizer: str | None = None) -> dict:
+    """Tokenize pieces into out_dir: val_000000.bin (val_tokens a number: the first val_tokens tokens; None:
+    the last default_val_tokens(total)) and train_*.bin of shard_tokens each, at most max_tokens in all; then
+    the record (DATA_RECORD), last, so that it describes only shards that are all on disk. -> the record."""
     t0 = time.time()
-    pending, n_pending = [], 0
-    counts = {"val": [], "train": []}  # tokens per shard written
-    documents = 0
-    writer, writing = ThreadPoolExecutor(1, thread_name_prefix="shard-writer"), None
-
-    def split_and_size():
-        if val_tokens and not counts["val"]:
-            return "val", val_tokens
-        return "train", shard_tokens
-
-    def write(split, n):
-        nonlocal pending, n_pending, writing
-        if writing is not None:
-            writing.result()  # the previous shard is on disk (or its error is raised here), its memory free
-        buf = np.concatenate(pending)
-        path = os.path.join(out_dir, f"{split}_{len(counts[split]):06d}.bin")
-        writing = writer.submit(write_shard, path, buf[:n], enc.n_vocab)
-        counts[split].append(n)
-        pending, n_pending = [buf[n:]], len(buf) - n
-
-    progress = Progress(None, desc, unit="tok", unit_scale=True)
+    shards, documents = _ShardWriter(out_dir, enc.n_vocab), 0
+    progress = Progress(max_tokens, desc, unit="tok", unit_scale=True)
     encoded = _encode(pieces, enc)
     try:
         for tokens, docs in encoded:
+            if max_tokens is not None and shards.total + len(tokens) >= max_tokens:
+                tokens = tokens[:max_tokens - shards.total]
+                docs = int(np.count_nonzero(tokens == enc.eot_token))  # the text never encodes to it
             documents += docs
-            pending.append(tokens)
-            n_pending += len(tokens)
+            shards.add(tokens)
             progress.update(len(tokens))
-            while n_pending >= split_and_size()[1]:
-                write(*split_and_size())
+            _flush(shards, shard_tokens, val_tokens)
+            if shards.total == max_tokens:
+                break
         progress.close()
         if documents == 0:
             raise DataError(f"no documents found in {desc}")
-        split, _ = split_and_size()
-        if split == "val" or (n_pending == 0 and not counts["train"]):
-            total = n_pending + sum(counts["val"])
-            raise DataError(f"{desc} has only {total:,} tokens, not more than --val-tokens {val_tokens:,}; "
-                            f"lower --val-tokens")
-        if n_pending:
-            write("train", n_pending)
-        writing.result()
+        _finish(shards, shard_tokens, val_tokens, desc)
+        shards.wait()
     finally:  # no thread is left encoding or writing, even after an error (callers may delete out_dir)
         encoded.close()
-        writer.shutdown()
+        shards.close()
+    counts = shards.counts
     stats = {"documents": documents, "tokens": sum(counts["val"]) + sum(counts["train"]),
              "val_tokens": sum(counts["val"]), "train_tokens": sum(counts["train"]),
-             "train_shards": len(counts["train"]), "seconds": round(time.time() - t0, 3)}
-    print(f"data: {stats['documents']:,} documents, {stats['tokens']:,} tokens ({stats['val_tokens']:,} val, "
-          f"{stats['train_tokens']:,} train in {stats['train_shards']} shards) in {stats['seconds']:.1f}s "
-          f"({stats['tokens'] / max(stats['seconds'], 1e-9) / 1e6:.2f}M tok/s)")
-    return stats
+             "train_shards": len(counts["train"]), "val_from": "start" if val_tokens is not None else "end",
+             "max_tokens": max_tokens, "seconds": round(time.time() - t0, 3)}
+    print(_summary(stats, val_tokens, max_tokens))
+    record = {"tokenizer": tokenizer or enc.name, "n_vocab": enc.n_vocab, "eot": enc.eot_token, **stats}
+    _atomic_write(os.path.join(out_dir, DATA_RECORD), json.dumps(record, indent=1).encode())
+    return record
 
 
-def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_000_000,
-            val_tokens: int = 1_000_000) -> dict:
-    """Tokenize source (text file, directory, glob, .jsonl/.parquet with a 'text' field, or a Hugging Face
-    dataset) into out_dir/val_000000.bin (the first val_tokens tokens) and out_dir/train_NNNNNN.bin
-    (shard_tokens each, the last one shorter). Streams: memory stays bounded by one shard.
-    Returns counts: documents, tokens, val_tokens, train_tokens, train_shards, seconds."""
+def _check_sizes(shard_tokens: int, val_tokens: int | None, max_tokens: int | None) -> None:
+    """ValueError for sizes no preparation can meet, before anything is read."""
     if not 0 < shard_tokens < 2**31:
         raise ValueError(f"shard_tokens must be in [1, 2**31), got {shard_tokens}")
-    if not 0 <= val_tokens < 2**31:
+    if val_tokens is not None and not 0 <= val_tokens < 2**31:
         raise ValueError(f"val_tokens must be in [0, 2**31), got {val_tokens}")
-    pieces = _source_pieces(source)
+    least = MIN_VAL_TOKENS if val_tokens is None else val_tokens
+    if max_tokens is not None and max_tokens <= least:
+        raise ValueError(f"--max-tokens {max_tokens:,} leaves no train tokens after the val split ({least:,} "
+                         f"tokens{', the least of --val-tokens auto' if val_tokens is None else ''})")
+
+
+def _output_dir(out_dir) -> str:
+    """out_dir, created if need be; DataError when it cannot be written or already holds shards."""
     out_dir = os.fspath(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -533,7 +713,30 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
     if existing:
         raise DataError(f"{out_dir} already holds shards ({os.path.basename(existing[0])}, ...); "
                         f"remove them or choose another output directory")
-    return _build(pieces, out_dir, get_tokenizer(tokenizer), shard_tokens, val_tokens, desc=os.fspath(source))
+    return out_dir
+
+
+def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_000_000,
+            val_tokens: int | None = None, *, max_tokens: int | None = None, hf_config: str | None = None,
+            hf_split: str | None = None) -> dict:
+    """Tokenize source (text file, directory, glob, .jsonl/.parquet with a 'text' field, a datasets
+    save_to_disk directory, or a Hugging Face hub dataset) into out_dir/train_NNNNNN.bin (shard_tokens each,
+    the last one shorter) and out_dir/val_000000.bin, then record the tokenizer and the counts in
+    out_dir/data.json. Streams: memory stays bounded by one shard.
+
+    val_tokens None (--val-tokens auto): the val split is the corpus's last default_val_tokens(total) tokens,
+    0.5% of it within [MIN_VAL_TOKENS, MAX_VAL_TOKENS], so that any corpus gets one that fits it. The total
+    is known only at the end: up to MAX_VAL_TOKENS more stay in memory until then. A number: the first
+    val_tokens tokens, as before auto existed (the default corpus passes one, so its shards do not change).
+    max_tokens: stop after that many tokens in all, val and train, cut exactly there. hf_config, hf_split
+    (default train): for a Hugging Face dataset; hf_split also picks a save_to_disk DatasetDict's split.
+    Returns the record: tokenizer, n_vocab, eot, documents, tokens, val_tokens, train_tokens, train_shards,
+    val_from, max_tokens, seconds."""
+    _check_sizes(shard_tokens, val_tokens, max_tokens)
+    pieces = _source_pieces(source, hf_config, hf_split)
+    out_dir = _output_dir(out_dir)
+    return _build(pieces, out_dir, get_tokenizer(tokenizer), shard_tokens, val_tokens, desc=os.fspath(source),
+                  max_tokens=max_tokens, tokenizer=tokenizer)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -578,7 +781,7 @@ def default_corpus(cache_dir=None, tokenizer: str = "gpt2") -> str:
         raise DataError(f"cannot create the corpus cache {tmp} ({e.strerror}); set {CACHE_ENV}") from None
     try:
         stats = _build(_file_pieces(files), tmp, enc, CORPUS_SHARD_TOKENS, CORPUS_VAL_TOKENS,
-                       desc=f"default corpus ({len(files)} stdlib files)")
+                       desc=f"default corpus ({len(files)} stdlib files)", tokenizer=tokenizer)
         stats.update(python=platform.python_version(), tokenizer=tokenizer, files=len(files))
         _atomic_write(os.path.join(tmp, CORPUS_MARKER), json.dumps(stats, indent=1).encode())
     except BaseException:
@@ -593,6 +796,78 @@ def default_corpus(cache_dir=None, tokenizer: str = "gpt2") -> str:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Which tokenizer made the shards
+
+# Models pad their vocabulary to a multiple of this (model.VOCAB_MULTIPLE; data.py does not import the model).
+VOCAB_PAD_MULTIPLE = 128
+
+
+def data_record(data_dir: str) -> dict | None:
+    """What data.py recorded about the shards in data_dir: data.json (prepare and the default corpus write it),
+    else the default corpus's complete.json (caches built before data.json existed; it names the tokenizer);
+    None when there is neither, as for shards made by llm.c. DataError for a record that cannot be read."""
+    for name in (DATA_RECORD, CORPUS_MARKER):
+        path = os.path.join(data_dir, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                record = json.load(f)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: cannot read the data record ({_first_line(e)})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("tokenizer"), str):
+            if name == CORPUS_MARKER:
+                continue  # some other tool's complete.json
+            raise DataError(f"{path}: not a data record (no tokenizer name)")
+        if not isinstance(record.get("n_vocab"), int):  # complete.json names the tokenizer only
+            record = {**record, "n_vocab": get_tokenizer(record["tokenizer"]).n_vocab}
+        return record
+    return None
+
+
+def _shard_id_limit(data_dir: str) -> int | None:
+    """The ids the shards' format can hold (their first shard's header: 2**16 for 16-bit shards), or None when
+    it sets no limit that matters (32-bit shards) or there is no shard to read."""
+    paths = sorted(glob.glob(os.path.join(glob.escape(data_dir), "train_*.bin"))
+                   + glob.glob(os.path.join(glob.escape(data_dir), "val_*.bin")))
+    if not paths:
+        return None
+    return 2**16 if read_shard(paths[0]).dtype == TOKEN_DTYPES[1] else None
+
+
+def check_vocab(model_vocab: int, data_dir: str) -> str | None:
+    """A one-line problem when a model of model_vocab token ids (unpadded, as ModelConfig.vocab_size) cannot
+    have been meant for the shards in data_dir, else None.
+
+    With a record (data_record): the model's vocabulary must hold the tokenizer's n_vocab ids and be at most
+    n_vocab rounded up to VOCAB_PAD_MULTIPLE (a model may pad; a larger vocabulary is another tokenizer's,
+    e.g. Qwen3's 151,936 against GPT-2's 50,257). Without one (llm.c's shards), only the shard header can
+    tell: 16-bit shards hold ids below 65,536, so a vocabulary beyond that, rounded up, is another tokenizer's.
+    A record that cannot be read is the problem returned; no shards at all is left to the loader (None)."""
+    try:
+        record = data_record(data_dir)
+        limit = _shard_id_limit(data_dir) if record is None else None
+    except DataError as e:
+        return str(e)
+    if record is not None:
+        n_vocab, padded = record["n_vocab"], _round_up(record["n_vocab"], VOCAB_PAD_MULTIPLE)
+        if n_vocab <= model_vocab <= padded:
+            return None
+        return (f"the model's vocabulary ({model_vocab:,} ids) does not fit the shards in {data_dir}: they were "
+                f"made with the {record['tokenizer']} tokenizer ({n_vocab:,} ids; a model may pad that to "
+                f"{padded:,}); prepare the data with the model's tokenizer (data.py --tokenizer)")
+    if limit is not None and model_vocab > _round_up(limit, VOCAB_PAD_MULTIPLE):
+        return (f"the model's vocabulary ({model_vocab:,} ids) is not the one of the shards in {data_dir}: they "
+                f"are 16-bit, so their tokenizer has at most {limit:,} ids (they record none: no {DATA_RECORD}); "
+                f"prepare the data with the model's tokenizer (data.py --tokenizer)")
+    return None
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1011,25 +1286,52 @@ class ShardLoader:
 # CLI
 
 
-def main(argv=None) -> int:
+def _val_tokens_arg(text: str) -> int | None:
+    """--val-tokens: "auto" (None) or a count."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of tokens, got {text!r}") from None
+
+
+def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         description="Tokenize a corpus into llm.c-format token shards: OUT/val_000000.bin and "
-                    "OUT/train_000000.bin, ... Each document is preceded by the end-of-text token.")
+                    "OUT/train_000000.bin, ..., and OUT/data.json (the tokenizer and the counts). Each document "
+                    "is preceded by the end-of-text token.")
     parser.add_argument("--input", required=True, metavar="SRC",
                         help="a text file (one document), a directory (its text-like, .jsonl and .parquet files, "
                              "recursively), a quoted glob, a .jsonl or .parquet file with a 'text' field (one "
-                             "document per record), or a Hugging Face dataset as owner/name[:config] or "
-                             "hf:name[:config] (streamed; set HF_HUB_OFFLINE=1 to use only the local HF cache)")
+                             "document per record), a directory written by datasets' save_to_disk (its 'text' "
+                             "column), or a Hugging Face hub dataset as owner/name or hf:name (streamed; set "
+                             "HF_HUB_OFFLINE=1 to use only the local HF cache)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold shards yet)")
     parser.add_argument("--tokenizer", default="gpt2",
                         help="tiktoken encoding; gpt2 (default) works offline via the package index")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
                         help="tokens per train shard (default: %(default)s)")
-    parser.add_argument("--val-tokens", type=int, default=1_000_000, metavar="N",
-                        help="tokens for the validation shard, taken from the start (default: %(default)s)")
+    parser.add_argument("--val-tokens", type=_val_tokens_arg, default=None, metavar="N|auto",
+                        help=f"tokens for the validation shard. auto (default): the last "
+                             f"{VAL_PER_MILLE / 10:g}%% of the corpus, at least {MIN_VAL_TOKENS:,} (one eval "
+                             f"batch of 16 x 1,024, plus 1) and at most {MAX_VAL_TOKENS:,}; N: the first N tokens")
+    parser.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                        help="stop after N tokens in all, val and train (a sample of a large dataset); the "
+                             "progress then shows N and an ETA (default: the whole input)")
+    parser.add_argument("--hf-config", metavar="NAME",
+                        help="the configuration (subset) of a Hugging Face hub dataset, e.g. sample-10BT")
+    parser.add_argument("--hf-split", metavar="SPLIT",
+                        help="the split of a Hugging Face dataset, on the hub or a save_to_disk DatasetDict "
+                             "(default: train)")
+    return parser
+
+
+def main(argv=None) -> int:
     try:
-        args = parser.parse_args(argv)
-        prepare(args.input, args.out, args.tokenizer, args.shard_tokens, args.val_tokens)
+        args = build_parser().parse_args(argv)
+        prepare(args.input, args.out, args.tokenizer, args.shard_tokens, args.val_tokens,
+                max_tokens=args.max_tokens, hf_config=args.hf_config, hf_split=args.hf_split)
     except (UsageError, DataError, ValueError, OSError) as e:
         return report_error(e)
     return 0

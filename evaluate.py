@@ -33,6 +33,7 @@ from data import ShardLoader, get_tokenizer
 from model import IGNORE_INDEX
 from progress import Progress
 from sample import sample_text
+from telemetry import message
 
 HELLASWAG_ENDINGS = 4
 
@@ -205,6 +206,35 @@ def ending_scores(losses: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Te
     return total / scored.sum(dim=1), total
 
 
+# ----------------------------------------------------------------------------- how much of the val split
+
+
+def eval_batches(eval_tokens: int, val_windows: int, micro_batch: int, seq_len: int, world_size: int) -> int:
+    """Batches each rank reads per eval: eval_tokens in whole batches of micro_batch x seq_len on every rank,
+    at least one, but no more than the val split's val_windows windows hold. The loader's stream repeats the
+    split epoch after epoch, so asking for more would read the same windows again (a 1,000-token split read
+    16 times for the default 16,384) and weigh them twice in the mean, for nothing."""
+    step = micro_batch * world_size  # windows one batch on every rank takes
+    return max(1, min(eval_tokens // (step * seq_len), val_windows // step))
+
+
+def eval_tokens_note(eval_tokens: int, val_windows: int, val_tokens: int, micro_batch: int, seq_len: int,
+                     world_size: int) -> str | None:
+    """The start-up note when --eval-tokens asks for more than the val split holds (eval_batches then reads
+    less), or when the split holds less than one batch on every rank (some windows are read twice); else None."""
+    step = micro_batch * world_size
+    batches = eval_batches(eval_tokens, val_windows, micro_batch, seq_len, world_size)
+    shape = (f"{batches} batch{'es' if batches > 1 else ''} of {micro_batch} x {seq_len} on each of {world_size} "
+             f"rank{'s' if world_size > 1 else ''}")
+    if val_windows < step:
+        return (f"note: the val split ({val_tokens:,} tokens) holds {val_windows} windows of {seq_len}, fewer "
+                f"than one batch on every rank; each eval reads {step * seq_len:,} tokens ({shape}), some twice")
+    if max(1, eval_tokens // (step * seq_len)) > batches:
+        return (f"note: --eval-tokens {eval_tokens:,} is more than the val split holds ({val_tokens:,} tokens); "
+                f"each eval reads all of it that whole batches hold: {batches * step * seq_len:,} tokens ({shape})")
+    return None
+
+
 # ----------------------------------------------------------------------------- the Evaluator
 
 
@@ -215,6 +245,7 @@ class Evaluator:
         self.cfg, self.data_dir, self.info, self.device = cfg, data_dir, info, device
         self.vocab_size, self.seed = vocab_size, seed
         self.token_bytes = None  # check_val: bytes per token id, when the ids are GPT-2's
+        self.val_note = None  # check_val: the note when --eval-tokens is more than the val split holds
         self.choices = []  # load_hellaswag: (inputs, targets, label) per example, on the CPU
 
     def due(self, done: int, max_steps: int) -> bool:
@@ -231,7 +262,8 @@ class Evaluator:
     def check(self, micro_batch: int, seq_len: int) -> None:
         """Fail at start-up, not at the first eval: no usable val split (DataError), a sample prompt whose
         GPT-2 token ids the model's vocabulary cannot hold (an empty one starts from the end-of-text id), or
-        HellaSwag rows that cannot be read or encoded (UsageError). The flags alone are checked in config.py."""
+        HellaSwag rows that cannot be read or encoded (UsageError). The flags alone are checked in config.py.
+        Then, on rank 0, the note (val_note) when --eval-tokens is more than the val split holds."""
         if self.cfg.eval_interval:
             self.check_val(micro_batch, seq_len)
         if self.cfg.sample_tokens:
@@ -242,11 +274,18 @@ class Evaluator:
                                  f"{top}, beyond --vocab-size {self.vocab_size}; give a prompt within it")
         if self.cfg.eval_hellaswag:
             self.load_hellaswag(seq_len, self.cfg.eval_hellaswag)
+        if self.val_note and self.info.is_main:  # last: a refusal above stays the only line printed
+            message(self.val_note)
 
     def check_val(self, micro_batch: int, seq_len: int) -> None:
-        """The val split must be readable; and the bytes per token for val_bpb, when the model's ids can be
-        GPT-2's (a larger vocabulary means another tokenizer, whose bytes we do not know: no val_bpb)."""
-        self._loader(micro_batch, seq_len, ranks=False).close()
+        """The val split must be readable; val_note says when --eval-tokens asks for more than it holds (each
+        eval then reads only what it holds: eval_batches); and the bytes per token for val_bpb, when the
+        model's ids can be GPT-2's (a larger vocabulary means another tokenizer, whose bytes we do not know)."""
+        loader = self._loader(micro_batch, seq_len, ranks=False)
+        loader.close()
+        self.val_note = eval_tokens_note(self.cfg.eval_tokens, loader.num_windows,
+                                         sum(len(shard) for shard in loader.shards), micro_batch, seq_len,
+                                         self.info.world_size)
         enc = get_tokenizer()
         if self.vocab_size <= enc.n_vocab:
             self.token_bytes = token_byte_lengths(enc, self.vocab_size).to(self.device)
@@ -273,10 +312,12 @@ class Evaluator:
     @torch.no_grad()
     def val_metrics(self, forward, model: torch.nn.Module, autocast, micro_batch: int, seq_len: int) -> dict:
         """{"val_loss": mean loss, "val_bpb": bits per byte (when known)} over the first eval_tokens of the val
-        split: the same tokens every time, split across ranks. forward: what the training step calls
-        (compiled, wrapped); autocast: the step's context. One pass gives both: per-token losses."""
+        split, or all of it that whole batches hold (eval_batches): the same tokens every time, split across
+        ranks. forward: what the training step calls (compiled, wrapped); autocast: the step's context. One pass
+        gives both: per-token losses."""
         loader = self._loader(micro_batch, seq_len)
-        n_batches = max(1, self.cfg.eval_tokens // (micro_batch * seq_len * self.info.world_size))
+        n_batches = eval_batches(self.cfg.eval_tokens, loader.num_windows, micro_batch, seq_len,
+                                 self.info.world_size)
         training = model.training
         model.eval()
         sums = torch.zeros(4, device=self.device)  # nats, tokens; nats of the tokens with text, their bytes

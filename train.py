@@ -28,7 +28,7 @@ import memory
 from checkpoint import CheckpointError, Checkpointer, tokens_trained
 from cli import UsageError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, BatchLayout, Config
-from data import DataError, ShardLoader, check_split, default_corpus, fingerprint
+from data import DataError, ShardLoader, check_split, check_vocab, default_corpus, fingerprint
 from evaluate import Evaluator
 from export import load_hf
 from model import ModelConfig, flops_per_token
@@ -164,6 +164,8 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
     if not cfg.ckpt.from_hf:
         memory.check_fits(cfg.model, cfg.optim.name, device, info.world_size if info.mode == "fsdp" else 1)
     model, model_cfg, reasons["init"] = build_model(cfg, device)
+    if problem := check_vocab(model_cfg.vocab_size, data_dir):
+        raise DataError(f"--from-hf {cfg.ckpt.from_hf}: {problem}" if cfg.ckpt.from_hf else problem)
     layout = build_layout(cfg, model, info, device, autocast_dtype, fp8_recipe)
     max_steps = config.max_steps(cfg, layout)
     wrapped, compiled = distributed.parallelize(model, info, device, autocast_dtype, cfg.dist, cfg.speed.compile)

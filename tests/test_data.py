@@ -3,6 +3,8 @@ import hashlib
 import json
 import os
 import random
+import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -21,6 +23,9 @@ import tiktoken_ext.openai_public as openai_public
 import torch
 
 import data
+import export
+import model
+from cli import UsageError
 from conftest import write_doc_shards
 from data import DataError, ShardLoader, read_shard, write_shard
 
@@ -367,6 +372,246 @@ def test_count_in_file_across_blocks(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# --val-tokens auto and --max-tokens
+
+
+def _corpus(tmp_path, n_docs, seed=0) -> list[str]:
+    """n_docs documents of 50 to 400 words (about a token each) in tmp_path/docs.jsonl."""
+    rng = random.Random(seed)
+    words = ["the", " cat", " sat", ".", "\n", " on", " 42", " mat", ",", " é", " Über"]
+    docs = ["".join(rng.choice(words) for _ in range(rng.randrange(50, 400))) for _ in range(n_docs)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return docs
+
+
+def _train_then_val(out_dir):
+    """The shards' tokens in the corpus's order under --val-tokens auto: the train shards, then val (its end)."""
+    names = sorted(n for n in os.listdir(out_dir) if n.startswith("train_")) + ["val_000000.bin"]
+    return np.concatenate([read_shard(out_dir / n) for n in names]).tolist()
+
+
+def test_default_val_tokens_rule():
+    assert data.MIN_VAL_TOKENS == 16 * 1024 + 1 and data.MAX_VAL_TOKENS == 1_000_000
+    assert data.default_val_tokens(50_000) == data.MIN_VAL_TOKENS  # 0.5% is 250: one eval batch instead
+    assert data.default_val_tokens(3_277_000) == 16_385  # where 0.5% takes over
+    assert data.default_val_tokens(10_000_000) == 50_000  # 0.5%
+    assert data.default_val_tokens(200_000_000) == 1_000_000
+    assert data.default_val_tokens(2_500_000_000) == data.default_val_tokens(10**12) == 1_000_000  # the cap
+
+
+def test_prepare_with_default_args_keeps_the_last_tokens_of_a_small_corpus_for_val(gpt2, tmp_path, capsys):
+    docs = _corpus(tmp_path, 220)
+    stats = data.prepare(tmp_path / "docs.jsonl", tmp_path / "out")  # under 1M tokens: refused before auto
+    expected = _expected(gpt2[0], docs)
+    assert 40_000 < len(expected) < 60_000
+    assert stats["val_tokens"] == data.default_val_tokens(len(expected)) == data.MIN_VAL_TOKENS
+    assert read_shard(tmp_path / "out" / "val_000000.bin").tolist() == expected[-data.MIN_VAL_TOKENS:]
+    assert _train_then_val(tmp_path / "out") == expected
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("data: 220 documents") and line.endswith(
+        "val: last 16,385 tokens (the least: one eval batch of 16 x 1,024, plus 1; "
+        f"{16_385 / len(expected):.1%} of the corpus, --val-tokens auto)")
+    record = json.loads((tmp_path / "out" / data.DATA_RECORD).read_text())
+    assert {k: record[k] for k in ("tokenizer", "n_vocab", "eot", "documents", "tokens", "val_tokens",
+                                   "train_tokens", "val_from")} == {
+        "tokenizer": "gpt2", "n_vocab": 50257, "eot": EOT, "documents": 220, "tokens": len(expected),
+        "val_tokens": 16_385, "train_tokens": len(expected) - 16_385, "val_from": "end"}
+
+
+def test_auto_val_writes_train_shards_as_it_goes_and_cuts_val_from_the_end(gpt2, tmp_path, monkeypatch, capsys):
+    """Bounds made small so that a small corpus meets each rule: 0.5%, then the cap. Train shards are written
+    while streaming (all but the last two full), and the last tokens are val."""
+    docs = _corpus(tmp_path, 60)
+    expected = _expected(gpt2[0], docs)
+    monkeypatch.setattr(data, "MIN_VAL_TOKENS", 10)
+    for cap, out in [(150, "share"), (40, "cap")]:
+        monkeypatch.setattr(data, "MAX_VAL_TOKENS", cap)
+        stats = data.prepare(tmp_path / "docs.jsonl", tmp_path / out, shard_tokens=997)
+        val = min(cap, len(expected) * 5 // 1000)
+        assert stats["val_tokens"] == val and (val == 40) == (out == "cap")
+        assert read_shard(tmp_path / out / "val_000000.bin").tolist() == expected[-val:]
+        assert _train_then_val(tmp_path / out) == expected
+        sizes = [len(read_shard(p)) for p in sorted((tmp_path / out).glob("train_*"))]
+        assert len(sizes) > 5 and set(sizes[:-1]) == {997} and 0 < sizes[-1] <= 997
+        reason = "0.5% of the corpus" if out == "share" else f"the cap; {40 / len(expected):.2%} of the corpus"
+        assert capsys.readouterr().out.strip().endswith(f"val: last {val:,} tokens ({reason}, --val-tokens auto)")
+    data.prepare(tmp_path / "docs.jsonl", tmp_path / "explicit", shard_tokens=997, val_tokens=300)
+    assert read_shard(tmp_path / "explicit" / "val_000000.bin").tolist() == expected[:300]  # the first N
+    assert capsys.readouterr().out.strip().endswith("; val: first 300 tokens (--val-tokens 300)")
+
+
+def test_auto_val_refuses_a_corpus_too_small_to_leave_train_tokens(gpt2, tmp_path):
+    (tmp_path / "doc.txt").write_text(DOCS[0] * 100)
+    with pytest.raises(DataError) as e:
+        data.prepare(tmp_path / "doc.txt", tmp_path / "out")
+    assert "--val-tokens auto keeps at least 16,385 for val" in str(e.value) and "\n" not in str(e.value)
+    assert not list((tmp_path / "out").glob("*.bin"))
+
+
+def test_max_tokens_cuts_at_the_exact_count(gpt2, tmp_path, monkeypatch, capsys):
+    docs = _corpus(tmp_path, 60)
+    expected = _expected(gpt2[0], docs)[:5000]
+    stats = data.prepare(tmp_path / "docs.jsonl", tmp_path / "explicit", shard_tokens=997, val_tokens=100,
+                         max_tokens=5000)
+    assert _all_tokens(tmp_path / "explicit") == expected
+    assert stats["tokens"] == 5000 and stats["val_tokens"] == 100 and stats["documents"] == expected.count(EOT)
+    captured = capsys.readouterr()
+    assert "5,000/5,000 tok" in captured.err  # the progress knows the total: a count out of it, and an ETA
+    assert ", cut at --max-tokens 5,000; val: first 100 tokens" in captured.out
+    monkeypatch.setattr(data, "MIN_VAL_TOKENS", 10)
+    stats = data.prepare(tmp_path / "docs.jsonl", tmp_path / "auto", shard_tokens=997, max_tokens=5000)
+    assert _train_then_val(tmp_path / "auto") == expected and stats["val_tokens"] == 25  # 0.5% of 5,000
+    data.prepare(tmp_path / "docs.jsonl", tmp_path / "all", val_tokens=100, max_tokens=10**9)
+    assert "all of it (fewer than --max-tokens 1,000,000,000)" in capsys.readouterr().out
+
+
+def test_max_tokens_that_leave_no_train_tokens_are_refused(gpt2, tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text(DOCS[0])
+    for kwargs, words in [({"val_tokens": 100, "max_tokens": 100}, "(100 tokens)"),
+                          ({"max_tokens": 16_385}, "(16,385 tokens, the least of --val-tokens auto)")]:
+        with pytest.raises(ValueError, match="leaves no train tokens after the val split " + re.escape(words)):
+            data.prepare(tmp_path / "doc.txt", tmp_path / "out", **kwargs)
+    assert data.main(["--input", str(tmp_path / "doc.txt"), "--out", str(tmp_path / "out"),
+                      "--max-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --max-tokens 0 leaves no train tokens") and err.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hugging Face datasets: the hub (--hf-config, --hf-split) and save_to_disk directories
+
+
+def test_hf_config_and_split_reach_load_dataset(gpt2, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    calls = []
+
+    def load_dataset(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+        return iter({"text": d} for d in DOCS)
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    assert data.main(["--input", "HuggingFaceFW/fineweb-edu", "--hf-config", "sample-10BT", "--hf-split",
+                      "validation", "--out", str(tmp_path / "cli"), "--val-tokens", "5"]) == 0
+    data.prepare("hf:corpus", tmp_path / "plain", val_tokens=5)
+    data.prepare("someone/corpus:small", tmp_path / "colon", val_tokens=5)  # the older spelling still works
+    assert calls == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "validation", True),
+                     ("corpus", None, "train", True), ("someone/corpus", "small", "train", True)]
+    _check(gpt2[0], tmp_path / "cli", DOCS)
+    capsys.readouterr()
+    (tmp_path / "doc.txt").write_text(DOCS[0])
+    for args, words in [(["--input", "someone/corpus:small", "--hf-config", "big"], "give it once, with --hf-config"),
+                        (["--input", str(tmp_path / "doc.txt"), "--hf-split", "test"],
+                         "--hf-split applies to Hugging Face datasets")]:
+        assert data.main([*args, "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+    assert len(calls) == 3
+
+
+def test_saved_dataset_kind_from_a_listing():
+    assert data.saved_dataset_kind(["data-00000-of-00001.arrow", "dataset_info.json", "state.json"]) == "Dataset"
+    assert data.saved_dataset_kind(["dataset_dict.json"]) == "DatasetDict"
+    assert data.saved_dataset_kind(["state.json", "notes.txt"]) is None
+    assert data.saved_dataset_kind([]) is None
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """save_to_disk directories: a Dataset of DOCS, a DatasetDict (train: DOCS, validation: reversed), and a
+    Dataset without a 'text' column."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    root = tmp_path_factory.mktemp("saved")
+    datasets.Dataset.from_dict({"text": DOCS, "id": [0, 1, 2]}).save_to_disk(str(root / "ds"))
+    splits = {"train": datasets.Dataset.from_dict({"text": DOCS}),
+              "validation": datasets.Dataset.from_dict({"text": DOCS[::-1]})}
+    datasets.DatasetDict(splits).save_to_disk(str(root / "dd"))
+    datasets.Dataset.from_dict({"body": DOCS, "id": [0, 1, 2]}).save_to_disk(str(root / "notext"))
+    return root
+
+
+def test_prepare_save_to_disk_directories(gpt2, tmp_path, saved):
+    data.prepare(saved / "ds", tmp_path / "ds", val_tokens=5)
+    _check(gpt2[0], tmp_path / "ds", DOCS)
+    data.prepare(saved / "dd", tmp_path / "dd", val_tokens=5)  # the train split by default
+    _check(gpt2[0], tmp_path / "dd", DOCS)
+    data.prepare(saved / "dd", tmp_path / "validation", val_tokens=5, hf_split="validation")
+    _check(gpt2[0], tmp_path / "validation", DOCS[::-1])
+    data.prepare(saved / "dd" / "validation", tmp_path / "one-split", val_tokens=5)  # a split's own directory
+    _check(gpt2[0], tmp_path / "one-split", DOCS[::-1])
+
+
+@pytest.mark.parametrize("source, kwargs, error, words", [
+    ("dd", {"hf_split": "test"}, DataError, "no split 'test' in this DatasetDict (splits: train, validation)"),
+    ("notext", {}, DataError, "no 'text' column (columns: body, id)"),
+    ("ds", {"hf_split": "train"}, UsageError, "is a save_to_disk Dataset, a single split; drop --hf-split"),
+    ("dd", {"hf_config": "x"}, UsageError, "is a save_to_disk DatasetDict, which has no configs"),
+    ("nested", {}, DataError, "a datasets save_to_disk directory (Dataset) within the input"),
+    ("ds/*", {}, DataError, "an Arrow file (datasets' save_to_disk writes these): pass its directory"),
+    ("ds/state.json", {}, DataError, "the metadata of the datasets save_to_disk directory"),
+])
+def test_save_to_disk_mistakes_are_one_line(gpt2, tmp_path, saved, source, kwargs, error, words):
+    if source == "nested":  # text files beside a save_to_disk directory: its documents would be left out
+        source = tmp_path / "corpus"
+        shutil.copytree(saved / "ds", source / "hf")
+        (source / "a.txt").write_text(DOCS[0])
+    else:
+        source = str(saved / source)
+    with pytest.raises(error) as e:
+        data.prepare(source, tmp_path / "out", val_tokens=5, **kwargs)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_arrow_files_in_a_text_directory_are_skipped(gpt2, tmp_path, saved):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text(DOCS[0])
+    shutil.copyfile(next((saved / "ds").glob("*.arrow")), tmp_path / "src" / "stray.arrow")
+    data.prepare(tmp_path / "src", tmp_path / "out", val_tokens=3)
+    _check(gpt2[0], tmp_path / "out", [DOCS[0]])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The shards' tokenizer: data.json and check_vocab
+
+
+def test_check_vocab_against_the_recorded_tokenizer(gpt2, tmp_path):
+    (tmp_path / "doc.txt").write_text(DOCS[0] * 30)
+    data.prepare(tmp_path / "doc.txt", tmp_path / "gpt2", val_tokens=10)
+    shards = str(tmp_path / "gpt2")
+    assert data.VOCAB_PAD_MULTIPLE == model.VOCAB_MULTIPLE
+    assert data.check_vocab(50257, shards) is None
+    assert data.check_vocab(50304, shards) is None  # padded to a multiple of 128, as models pad it
+    for vocab in (151_936, 50_305, 50_000):  # Qwen3's; beyond the padding; too small for GPT-2's ids
+        problem = data.check_vocab(vocab, shards)
+        assert f"({vocab:,} ids)" in problem and "gpt2 tokenizer (50,257 ids" in problem and "\n" not in problem
+    # Our own export of a GPT-2-vocabulary model: load_hf gives the unpadded vocabulary (config.json keeps it).
+    torch.manual_seed(0)
+    config = model.ModelConfig(vocab_size=50257, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, max_seq_len=16)
+    export.export_hf(config, model.GPT(config).state_dict(), str(tmp_path / "hf"))
+    loaded, _ = export.load_hf(str(tmp_path / "hf"))
+    assert loaded.vocab_size == 50257 and data.check_vocab(loaded.vocab_size, shards) is None
+
+
+def test_check_vocab_without_a_record(gpt2, tmp_path):
+    llmc, wide, corpus, broken = (tmp_path / name for name in ("llmc", "wide", "corpus", "broken"))
+    for d in (llmc, wide, corpus, broken):
+        d.mkdir()
+    write_shard(llmc / "train_000000.bin", np.arange(100), 50257)  # 16-bit, as llm.c writes them
+    assert data.check_vocab(50257, str(llmc)) is None and data.check_vocab(65536, str(llmc)) is None
+    problem = data.check_vocab(151_936, str(llmc))
+    assert "(151,936 ids)" in problem and "16-bit" in problem and "65,536" in problem and "\n" not in problem
+    write_shard(wide / "train_000000.bin", np.arange(100), 151_936)  # 32-bit: no limit to tell
+    assert data.check_vocab(151_936, str(wide)) is None
+    assert data.check_vocab(151_936, str(tmp_path)) is None  # no shards: the loader says so
+    # A default corpus cache from before data.json: its complete.json names the tokenizer only.
+    (corpus / data.CORPUS_MARKER).write_text(json.dumps({"tokens": 100, "tokenizer": "gpt2"}))
+    assert "gpt2 tokenizer (50,257 ids" in data.check_vocab(151_936, str(corpus))
+    (broken / data.DATA_RECORD).write_text("{not json")
+    assert data.check_vocab(50257, str(broken)).startswith(f"{broken / data.DATA_RECORD}: cannot read")
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Default corpus
 
 
@@ -400,6 +645,7 @@ def test_default_corpus_is_built_once_and_rebuilt_when_incomplete(gpt2, tmp_path
     assert data.default_corpus(tmp_path) == path
     assert _all_tokens(tmp_path / os.path.basename(path)) == _expected(gpt2[0], texts)
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]  # no temporary directory left
+    assert data.data_record(path)["n_vocab"] == 50257 and data.check_vocab(151_936, path) is not None
 
 
 def test_default_corpus_real_build(gpt2, tmp_path):
@@ -791,7 +1037,8 @@ def test_cli_missing_input_exits_2_with_one_line(tmp_path):
 def test_cli_help_documents_every_flag(tmp_path):
     r = _cli("--help", cwd=tmp_path)
     assert r.returncode == 0
-    for flag in ["--input", "--out", "--tokenizer", "--shard-tokens", "--val-tokens", "HF_HUB_OFFLINE"]:
+    for flag in ["--input", "--out", "--tokenizer", "--shard-tokens", "--val-tokens", "auto", "--max-tokens",
+                 "--hf-config", "--hf-split", "save_to_disk", "HF_HUB_OFFLINE"]:
         assert flag in r.stdout
 
 

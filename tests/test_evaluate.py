@@ -132,6 +132,53 @@ def test_no_val_bpb_beyond_gpt2_vocabulary(tiny_data):
     assert evaluator.token_bytes is None
 
 
+# ----------------------------------------------------------------------------- how much of the val split
+
+
+def test_eval_batches_never_read_a_val_window_twice():
+    assert evaluate.eval_batches(16384, 1000, 4, 32, 1) == 128  # the split holds more than is asked for
+    assert evaluate.eval_batches(16384, 62, 4, 32, 1) == 15  # 62 windows hold 15 whole batches of 4
+    assert evaluate.eval_batches(16384, 62, 4, 32, 3) == 5  # a batch of 4 on each of 3 ranks takes 12 windows
+    assert evaluate.eval_batches(10, 62, 4, 32, 1) == 1  # at least one batch
+    assert evaluate.eval_batches(16384, 3, 4, 32, 1) == 1  # even when the split holds less than one
+    assert evaluate.eval_tokens_note(256, 62, 2000, 4, 32, 1) is None
+    assert evaluate.eval_tokens_note(256, 3, 100, 4, 32, 1) == (
+        "note: the val split (100 tokens) holds 3 windows of 32, fewer than one batch on every rank; each eval "
+        "reads 128 tokens (1 batch of 4 x 32 on each of 1 rank), some twice")
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_eval_tokens_beyond_the_val_split_read_it_once_with_one_note(tmp_path, capsys, monkeypatch, world_size):
+    """A val split of 2,000 consecutive ids holds 62 windows of 32. --eval-tokens 16384 (512 windows) would read
+    it 8 times over; each eval reads its first 60 windows once instead (15 batches of 4, or 5 on each of 3
+    ranks, each rank its own share), and rank 0 alone says so at start-up."""
+    write_shard(tmp_path / "train_000000.bin", np.arange(2000), vocab_size=50257)
+    write_shard(tmp_path / "val_000000.bin", np.arange(2000), vocab_size=50257)
+    # Each rank's own sums: the all-reduce (a mean) is replaced by this rank's share of it.
+    monkeypatch.setattr(evaluate.distributed, "mean_across_ranks", lambda value, info: value / info.world_size)
+    batches = 15 // world_size
+    seen = []
+
+    def forward(x, y, reduction):
+        seen.extend(x[:, 0].tolist())
+        return None, torch.zeros(y.shape)
+
+    for rank in range(world_size):
+        info = distributed.DistInfo(rank=rank, world_size=world_size)
+        evaluator = Evaluator(eval_config("--eval-tokens", "16384"), str(tmp_path), info, torch.device("cpu"),
+                              50257, seed=0)
+        evaluator.check(micro_batch=4, seq_len=32)
+        notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+        assert notes == ([] if rank else [
+            "note: --eval-tokens 16,384 is more than the val split holds (2,000 tokens); each eval reads all of it "
+            f"that whole batches hold: 1,920 tokens ({batches} batch{'es' if batches > 1 else ''} of 4 x 32 on "
+            f"each of {world_size} rank{'s' if world_size > 1 else ''})"])
+        before = len(seen)
+        evaluator.val_metrics(forward, torch.nn.Linear(1, 1), nullcontext, micro_batch=4, seq_len=32)
+        assert len(seen) - before == batches * 4
+    assert sorted(seen) == [32 * w for w in range(60)]  # every window read once, none twice
+
+
 # ----------------------------------------------------------------------------- HellaSwag: loading
 
 

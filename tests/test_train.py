@@ -117,6 +117,19 @@ def test_bad_input_exits_2_with_one_line(tmp_path, tiny_data):
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr)
 
 
+def test_a_model_whose_vocabulary_is_not_the_shards_tokenizers_is_refused(tmp_path):
+    import data
+
+    (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 400)
+    data.prepare(str(tmp_path / "corpus.txt"), str(tmp_path / "shards"), val_tokens=2000)  # GPT-2, recorded
+    shards = ["--data", str(tmp_path / "shards"), "--out-dir", str(tmp_path / "out"), "--device", "cpu"]
+    for vocab in ("151936", "256"):  # Qwen3's vocabulary, and one too small for GPT-2's ids
+        result = run_cli(*shards, *TINY_MODEL, "--vocab-size", vocab)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr
+        assert f"vocabulary ({int(vocab):,} ids)" in lines[0] and "gpt2 tokenizer (50,257 ids" in lines[0]
+
+
 def test_help_documents_every_flag():
     result = run_cli("--help")
     assert result.returncode == 0
