@@ -492,6 +492,8 @@ def _combination_problems(cfg: Config):
         yield "--overwrite replaces an earlier run and --resume continues it: give one of them"
     if cfg.eval.eval_hellaswag and not cfg.eval.eval_interval:
         yield "--eval-hellaswag runs at evals: it needs --eval-interval > 0"
+    if cfg.speed.target_gpu and not cfg.speed.estimate_memory:
+        yield "--target-gpu names the GPU for --estimate-memory; a training run uses the GPU it runs on"
     if cfg.fp8.mode == "te" and cfg.eval.sample_tokens:
         yield "--sample-tokens needs the plain backend's KV cache; it does not run with --fp8 te"
 

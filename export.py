@@ -6,8 +6,12 @@
 The directory holds config.json, model.safetensors (float32, the vocabulary padded as in training),
 generation_config.json (EOT as bos/eos, the padding ids suppressed so transformers' generate never picks
 them), tokenizer_note.txt, and for the GPT-2 tokenizer the transformers tokenizer files (vocab.json,
-merges.txt, tokenizer_config.json), rebuilt offline from tiktoken's ranks. A directory that already holds a
-model is refused unless --overwrite, which removes the earlier export's files (a stale shard index included).
+merges.txt, tokenizer_config.json, and tokenizer.json for the fast tokenizer), rebuilt offline from tiktoken's
+ranks. Every file gets the mode open() gives (0644 under the usual umask).
+
+The target must be empty or not yet exist; --overwrite allows a non-empty one, and replaces the earlier
+export's files there (a stale shard index included; other files stay). The new files are written aside and
+moved in only once all of them are: a failed export leaves the directory as it was.
 
 load_hf(DIR) reads such a directory, or any bias-free Qwen3ForCausalLM directory, back into our names.
 """
@@ -17,7 +21,9 @@ import dataclasses
 import glob
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -63,6 +69,8 @@ JSON_TYPES = {"an integer": int, "a number": (int, float), "true or false": bool
 EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                 "tokenizer_note.txt", "vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
 SHARD_PATTERN = "model-*.safetensors"
+STAGING_PREFIX = ".export-"  # export_hf writes here inside the target, then moves the files out
+EOT_TEXT = "<|endoftext|>"  # GPT-2's end of text, id 50256
 
 
 def our_names(config: ModelConfig) -> list[str]:
@@ -249,6 +257,42 @@ def read_checkpoint(path: str) -> tuple[ModelConfig, dict]:
     return config_of(meta), te_to_plain_state_dict(tensors["model"])
 
 
+def is_run_directory(path: str) -> bool:
+    """A directory that is not itself a sharded checkpoint (no meta, checksums or DCP metadata): a train.py
+    --out-dir, whose checkpoints are its ckpt_N entries."""
+    own = (checkpoint.META_FILE, checkpoint.CHECKSUMS_FILE, ".metadata")
+    return os.path.isdir(path) and not any(os.path.exists(os.path.join(path, name)) for name in own)
+
+
+def read_newest_checkpoint(run_dir: str, warn) -> tuple[str, ModelConfig, dict]:
+    """(path, config, weights) of the newest checkpoint of a train.py --out-dir that verifies and loads, either
+    format. As a resume does (checkpoint.load_newest), each damaged or foreign one on the way is reported
+    through warn and skipped, never deleted. CheckpointError (one line) when none is left."""
+    candidates = checkpoint.list_checkpoints(run_dir)
+    for path in reversed(candidates):
+        try:
+            return (path, *read_checkpoint(path))
+        except CheckpointError as e:
+            warn(f"warning: skipping checkpoint: {e}")
+    found = f"none of its {len(candidates)} checkpoints verifies and loads" if candidates else "it holds no checkpoint"
+    best = _verified_best(run_dir)
+    hint = f"; its best-val-loss checkpoint {best} verifies: pass that path" if best else ""
+    raise CheckpointError(f"{run_dir}: {found} (ckpt_N.pt files or ckpt_N directories){hint}")
+
+
+def _verified_best(run_dir: str) -> str | None:
+    """The run's best-val-loss checkpoint (checkpoint.best_path), if there is one and it verifies: kept apart
+    from the ckpt_N ones, it may be all that is left of a run stopped before its first regular checkpoint."""
+    for sharded in (False, True):
+        path = checkpoint.best_path(run_dir, sharded)
+        try:
+            checkpoint.verify(path)
+            return path
+        except CheckpointError:
+            continue
+    return None
+
+
 def load_hf(directory: str) -> tuple[ModelConfig, dict]:
     """A Hugging Face Qwen3ForCausalLM directory -> (ModelConfig, our state dict)."""
     load_file = _safetensors().load_file
@@ -324,8 +368,9 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def write_gpt2_tokenizer(enc, out_dir: str, max_len: int) -> None:
-    """vocab.json, merges.txt and tokenizer_config.json for transformers' GPT2Tokenizer, from the encoding."""
+def gpt2_vocab_and_merges(enc) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """GPT-2's vocab (token text -> id, <|endoftext|> included) and merge list, in the byte-to-character
+    alphabet of vocab.json and merges.txt, rebuilt from the tiktoken encoding's ranks."""
     ranks = {enc.decode_single_token_bytes(i): i for i in range(enc.eot_token)}
     chars = _byte_to_char()
 
@@ -333,27 +378,61 @@ def write_gpt2_tokenizer(enc, out_dir: str, max_len: int) -> None:
         return "".join(chars[x] for x in b)
 
     vocab = {text(token): rank for token, rank in ranks.items()}
-    vocab["<|endoftext|>"] = enc.eot_token
+    vocab[EOT_TEXT] = enc.eot_token
+    return vocab, [(text(a), text(b)) for a, b in bpe_merges(ranks)]
+
+
+def fast_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):
+    """GPT-2 as a Hugging Face `tokenizers.Tokenizer` (what tokenizer.json holds), or None without the
+    tokenizers package. As GPT-2's own: byte-level BPE after GPT-2's split regex (ByteLevel with use_regex),
+    no prefix space, and <|endoftext|> a special token matched before the split, so that it encodes to
+    its one id as tiktoken's allowed_special does."""
+    try:
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    except ImportError:
+        return None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(EOT_TEXT, special=True, normalized=False)])
+    return tok
+
+
+def write_gpt2_tokenizer(enc, out_dir: str, max_len: int) -> bool:
+    """vocab.json, merges.txt and tokenizer_config.json for transformers' GPT2Tokenizer, and tokenizer.json for
+    its fast one, from the encoding. tokenizer.json is what AutoTokenizer reads first (no conversion from
+    vocab.json and merges.txt at load) and what other readers (vLLM, TGI) need. -> whether tokenizer.json was
+    written: it needs the tokenizers package (a transformers dependency)."""
+    vocab, merges = gpt2_vocab_and_merges(enc)
     with open(os.path.join(out_dir, "vocab.json"), "w", encoding="utf-8") as f:
         json.dump(vocab, f, ensure_ascii=False)
     with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
         f.write("#version: 0.2\n")
-        f.writelines(f"{text(a)} {text(b)}\n" for a, b in bpe_merges(ranks))
-    special = "<|endoftext|>"
-    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": special, "eos_token": special,
-                        "unk_token": special, "add_prefix_space": False, "model_max_length": max_len}
+        f.writelines(f"{a} {b}\n" for a, b in merges)
+    # clean_up_tokenization_spaces off: transformers 4 would otherwise decode " ," as "," and "a 's" as "a's".
+    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT, "eos_token": EOT_TEXT,
+                        "unk_token": EOT_TEXT, "add_prefix_space": False, "model_max_length": max_len,
+                        "clean_up_tokenization_spaces": False}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(tokenizer_config, f, indent=2)
+    fast = fast_tokenizer(vocab, merges)
+    if fast is not None:
+        fast.save(os.path.join(out_dir, "tokenizer.json"))
+    return fast is not None
 
 
-def tokenizer_note(tokenizer: str, wrote_files: bool) -> str:
-    if wrote_files:
-        return ("Tokenizer: GPT-2 byte-level BPE (tiktoken r50k_base), end of text <|endoftext|> = 50256.\n"
-                "vocab.json and merges.txt were rebuilt from tiktoken's ranks; AutoTokenizer.from_pretrained(DIR)\n"
-                "loads them and gives the same ids as tiktoken.get_encoding('r50k_base').\n"
-                "The embedding has extra rows that pad the vocabulary to a multiple of 128; no token uses them.\n")
-    return (f"Tokenizer: tiktoken encoding {tokenizer!r}; no transformers tokenizer files were written for it.\n"
-            "The embedding has extra rows that pad the vocabulary to a multiple of 128; no token uses them.\n")
+def tokenizer_note(tokenizer: str, wrote_files: bool, wrote_fast: bool = True) -> str:
+    padding = "The embedding has extra rows that pad the vocabulary to a multiple of 128; no token uses them.\n"
+    if not wrote_files:
+        return (f"Tokenizer: tiktoken encoding {tokenizer!r}; no transformers tokenizer files were written for it.\n"
+                + padding)
+    fast = ("tokenizer.json (the fast tokenizer) was built from the same vocabulary and merges.\n" if wrote_fast else
+            "tokenizer.json was not written: the exporting machine lacked the tokenizers package; transformers\n"
+            "builds the fast tokenizer from vocab.json and merges.txt when it loads them.\n")
+    return ("Tokenizer: GPT-2 byte-level BPE (tiktoken r50k_base), end of text <|endoftext|> = 50256.\n"
+            "vocab.json and merges.txt were rebuilt from tiktoken's ranks; AutoTokenizer.from_pretrained(DIR)\n"
+            "loads them and gives the same ids as tiktoken.get_encoding('r50k_base').\n" + fast + padding)
 
 
 # ----------------------------------------------------------------------------- export
@@ -366,48 +445,102 @@ def export_files(out_dir: str) -> list[str]:
     return [p for p in paths if os.path.exists(p)] + sorted(shards)
 
 
+def check_target(out_dir: str, overwrite: bool) -> None:
+    """ValueError (one line) for a directory the export must not write into: a file, or a directory that is
+    not empty, unless overwrite. A stray file beside a model confuses its readers (another exporter's shard
+    index is read before model.safetensors), and --out . by mistake should not litter a source tree."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ValueError(f"{out_dir} exists and is not a directory")
+    held = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if held and not overwrite:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise ValueError(f"{out_dir} is not empty ({shown}); pass --overwrite to replace an earlier export there "
+                         "(other files stay), or choose another directory")
+
+
+def _file_mode() -> int:
+    """The mode open() gives a new file: 0o666 less the umask. Reading the umask means setting it: it is put
+    back at once."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def replace_export(staging: str, out_dir: str) -> None:
+    """Move a finished export from staging into out_dir: first remove what an earlier export left that this
+    one does not replace (a shard index and its shards, say, or a staging directory of an export that was
+    killed), then rename each new file over its old name."""
+    names = set(os.listdir(staging))
+    leftovers = glob.glob(os.path.join(glob.escape(out_dir), STAGING_PREFIX + "*"))
+    for path in export_files(out_dir) + leftovers:
+        if os.path.samefile(path, staging) or os.path.basename(path) in names:
+            continue
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    for name in sorted(names):
+        os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+
+
+def write_export(config: ModelConfig, weights: dict, enc, tokenizer: str, directory: str) -> None:
+    """Every file of the export (see the module docstring) into directory."""
+    path = os.path.join(directory, "model.safetensors")
+    _safetensors().save_file(weights, path, metadata={"format": "pt"})
+    os.chmod(path, _file_mode())  # safetensors writes a private (0600) temporary file and renames it
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(hf_config(config, enc.eot_token), f, indent=2)
+    generation = {"bos_token_id": enc.eot_token, "eos_token_id": enc.eot_token,
+                  "suppress_tokens": list(range(config.vocab_size, config.padded_vocab_size))}
+    with open(os.path.join(directory, "generation_config.json"), "w") as f:
+        json.dump(generation, f, indent=2)
+    gpt2 = enc.name == "r50k_base"
+    fast = write_gpt2_tokenizer(enc, directory, config.max_seq_len) if gpt2 else False
+    with open(os.path.join(directory, "tokenizer_note.txt"), "w") as f:
+        f.write(tokenizer_note(tokenizer, gpt2, fast))
+
+
 def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: str = "gpt2",
               overwrite: bool = False) -> None:
     """Write a Qwen3ForCausalLM directory (see the module docstring) for a model trained with `tokenizer`.
-    An earlier export in out_dir is an error, or with overwrite is removed first (other files stay)."""
-    save_file = _safetensors().save_file
+
+    A non-empty out_dir is an error unless overwrite (check_target). The files are written into a staging
+    directory inside out_dir (the same filesystem, so each move is a rename) and moved into place only once
+    all of them are written: a failed export leaves an earlier one as it was. With overwrite, the earlier
+    export's files (a stale shard index included) are removed then; other files stay."""
+    _safetensors()  # the one optional dependency, checked before anything is written
     enc = get_tokenizer(tokenizer)
     if config.vocab_size != enc.n_vocab:
         raise ValueError(f"model vocab_size {config.vocab_size} does not match the {tokenizer} tokenizer "
                          f"({enc.n_vocab} tokens); pass --tokenizer")
-    earlier = export_files(out_dir)
-    if earlier and not overwrite:
-        raise ValueError(f"{out_dir} already holds model files ({os.path.basename(earlier[0])}, ...); pass "
-                         f"--overwrite to replace them, or choose another directory")
+    check_target(out_dir, overwrite)
     # Fresh float32 copies: safetensors refuses tensors that share storage, as the views of a fused weight do.
     weights = {k: v.detach().to("cpu", torch.float32).clone() for k, v in to_hf(config, state).items()}
-    for path in earlier:
-        os.remove(path)
+    created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config(config, enc.eot_token), f, indent=2)
-    generation = {"bos_token_id": enc.eot_token, "eos_token_id": enc.eot_token,
-                  "suppress_tokens": list(range(config.vocab_size, config.padded_vocab_size))}
-    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump(generation, f, indent=2)
-    gpt2 = enc.name == "r50k_base"
-    if gpt2:
-        write_gpt2_tokenizer(enc, out_dir, config.max_seq_len)
-    with open(os.path.join(out_dir, "tokenizer_note.txt"), "w") as f:
-        f.write(tokenizer_note(tokenizer, gpt2))
+    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir)
+    try:
+        write_export(config, weights, enc, tokenizer, staging)
+        replace_export(staging, out_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not os.listdir(out_dir):  # a failed export into a directory it made: no trace left
+            os.rmdir(out_dir)
 
 
 def main(argv=None) -> int:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", required=True, metavar="PATH",
                         help="a checkpoint written by train.py (a .pt file or a sharded directory)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (created if needed)")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="output directory: created if needed, else it must be empty (or --overwrite)")
     parser.add_argument("--tokenizer", default="gpt2", help="the tokenizer the model was trained with")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace a model already in DIR (its weights, config and tokenizer files)")
+                        help="write into a non-empty DIR, replacing an earlier export's weights, config and "
+                             "tokenizer files there (other files stay); only once the new export is complete")
     try:
         args = parser.parse_args(argv)
+        check_target(args.out, args.overwrite)  # before a checkpoint that may take minutes to read
         config, state = read_checkpoint(args.ckpt)
         export_hf(config, state, args.out, args.tokenizer, args.overwrite)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:

@@ -5,11 +5,14 @@ search for the largest micro-batch that fits.
     saved_tensor_bytes(model, idx, targets, torch.bfloat16)   # measured: bytes held for backward
     estimate_memory(cfg, batch_size, seq_len, "adamw", "full", torch.bfloat16, "cuda")  # before allocating
     auto_batch_size(model, ...)                                # --batch-size auto: probe the GPU
+    memory_report(cfg)                                         # --estimate-memory [--target-gpu h100]
 
 The estimate counts, tensor by tensor, what the plain backend's eager forward saves for backward (the same
 tensors saved_tensor_bytes measures; tests/test_memory.py holds the two within 10% of each other). It does
 not model torch.compile (whose partitioner chooses what to save, usually less), the TE backend, or FP8
-(which saves some GEMM inputs in one byte): read it as the eager bf16 upper bound for those.
+(which saves some GEMM inputs in one byte): read it as the eager bf16 upper bound for those. With
+--target-gpu it needs no GPU: a run for an H100 is planned on a laptop, the fit judged against the memory
+the driver exposes less a margin (CUDA_CONTEXT_BYTES, ALLOCATOR_MARGIN).
 """
 
 import itertools
@@ -268,27 +271,128 @@ def format_memory_estimates(estimates: dict[str, MemoryEstimate], selected: str)
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- --estimate-memory
+
+
+# --target-gpu names -> (bytes, what they are). The memory the driver exposes (nvidia-smi's total, torch's
+# get_device_properties().total_memory), in MiB as nvidia-smi prints it: a little under the datasheet's
+# figure, whose "80GB" is 80 GiB of HBM chips (ECC and firmware take their share; GDDR cards with ECC on
+# lose more). Where two variants of a card differ, the smaller figure.
+MIB, GIB = 2**20, 2**30
+TARGET_GPUS = {
+    "h100": (81559 * MIB, "H100 80GB, SXM or PCIe: 79.6 of its 80 GiB visible"),
+    "h200": (143771 * MIB, "H200 141GB: 140.4 GiB visible"),
+    "a100-80gb": (81251 * MIB, "A100 80GB: 79.3 GiB visible (PCIe; SXM4: 80)"),
+    "a100-40gb": (40536 * MIB, "A100 40GB: 39.6 GiB visible (PCIe; SXM4: 40)"),
+    "l40s": (46068 * MIB, "L40S 48GB: 45.0 GiB visible with ECC on"),
+    "l4": (23034 * MIB, "L4 24GB: 22.5 GiB visible"),
+    "a10g": (23028 * MIB, "A10G 24GB: 22.5 GiB visible"),
+    "rtx4090": (24564 * MIB, "RTX 4090 24GB: 24.0 GiB visible"),
+    "rtx3090": (24576 * MIB, "RTX 3090 24GB: 24.0 GiB visible"),
+}
+# A memory size: a number and a unit. KiB/MiB/GiB/TiB (and a bare K/M/G/T, as Slurm and Docker read them)
+# are powers of 1024; kB/MB/GB/TB powers of 1000. Case does not matter.
+SIZE_UNITS = {prefix + suffix: base ** power
+              for power, prefix in enumerate("kmgt", 1)
+              for suffix, base in (("ib", 1024), ("i", 1024), ("", 1024), ("b", 1000))}
+# What a fit leaves aside of the GPU's memory: the CUDA context with cuBLAS's workspaces (about 0.5 GiB on an
+# H100; NCCL's buffers add to it under DDP and FSDP2), then a share of the rest for the caching allocator's
+# fragmentation and the transient tensors (logit chunks, all-gathered FSDP2 parameters) the estimate leaves out.
+CUDA_CONTEXT_BYTES = 1 * GIB
+ALLOCATOR_MARGIN = 0.10
+
+
+def parse_target_gpu(text: str) -> tuple[int, str]:
+    """--target-gpu: a name of TARGET_GPUS or a memory size ("80GiB", "80GB", "24G") -> (bytes, description).
+    UsageError (one line) for anything else."""
+    key = text.strip().lower()
+    if key in TARGET_GPUS:
+        return TARGET_GPUS[key]
+    number, unit = key.rstrip("kmgtib"), key[len(key.rstrip("kmgtib")):]
+    try:
+        size = float(number)
+    except ValueError:
+        size = math.nan
+    if unit in SIZE_UNITS and math.isfinite(size) and size > 0:
+        return int(size * SIZE_UNITS[unit]), f"{text.strip()} of GPU memory"
+    raise UsageError(f"--target-gpu {text!r}: not a GPU name ({', '.join(TARGET_GPUS)}) or a memory size with "
+                     "its unit (80GiB, 80GB, 24G)")
+
+
+def usable_bytes(capacity: int) -> int:
+    """What a training run can hope to allocate on a GPU of this capacity (CUDA_CONTEXT_BYTES, ALLOCATOR_MARGIN)."""
+    return int((capacity - CUDA_CONTEXT_BYTES) * (1 - ALLOCATOR_MARGIN))
+
+
+def fit_line(mode: str, total: int, usable: int) -> str:
+    """One --act-ckpt mode's verdict: whether `total` bytes fit in `usable`, and by how much."""
+    gap = (usable - total) / GIB
+    verdict = f"fits, {gap:.1f} GiB headroom" if gap >= 0 else f"does not fit: {-gap:.1f} GiB over"
+    return f"  {mode:<10} {total / GIB:7.2f} GiB  {verdict}"
+
+
+def fit_report(estimates: dict[str, MemoryEstimate], capacity: int, name: str, description: str) -> list[str]:
+    """The lines that say, for each --act-ckpt mode, whether the estimate fits on the target GPU."""
+    usable = usable_bytes(capacity)
+    return [f"fit on {name} ({description}): {usable / GIB:.1f} GiB for training, after "
+            f"{CUDA_CONTEXT_BYTES / GIB:g} GiB for the CUDA context and {ALLOCATOR_MARGIN:.0%} for the allocator",
+            *(fit_line(mode, e.total, usable) for mode, e in estimates.items())]
+
+
+def target_dtype(requested: str) -> tuple[torch.dtype | None, str]:
+    """hardware.resolve_dtype for a GPU that is not here: auto is bf16 autocast, as on every GPU of
+    TARGET_GPUS; a dtype asked for is taken as it is."""
+    if requested in ("auto", "bf16"):
+        why = "auto, as on a GPU with bf16" if requested == "auto" else "requested"
+        return torch.bfloat16, f"bf16 autocast ({why})"
+    if requested == "fp16":
+        return torch.float16, "fp16 autocast (requested)"
+    return None, "fp32 (requested)"
+
+
+def report_device(speed) -> tuple[str, torch.dtype | None, str, str]:
+    """(device type, autocast dtype, dtype reason, a note) for --estimate-memory: the target GPU's
+    (speed.target_gpu, no device check) or this machine's."""
+    if speed.target_gpu is not None:
+        if speed.device in ("cpu", "mps"):
+            raise UsageError(f"--target-gpu plans a CUDA run; leave out --device {speed.device}")
+        return ("cuda", *target_dtype(speed.dtype), "")
+    hint = "pass --target-gpu (a name such as h100, or a size such as 80GiB) to plan for a GPU this machine lacks"
+    try:
+        device, _ = hardware.resolve_device(speed.device)
+        autocast_dtype, reason = hardware.resolve_dtype(speed.dtype, device)
+    except UsageError as e:
+        raise UsageError(f"{e}; {hint}") from None
+    note = f"No GPU here: {hint}." if speed.device == "auto" and device.type != "cuda" else ""
+    return device.type, autocast_dtype, reason, note
+
+
 def memory_report(cfg) -> str:
-    """--estimate-memory: the estimate for these flags (a config.Config) under every --act-ckpt mode;
-    builds and allocates nothing."""
-    device, _ = hardware.resolve_device(cfg.speed.device)
-    autocast_dtype, dtype_reason = hardware.resolve_dtype(cfg.speed.dtype, device)
+    """--estimate-memory: the estimate for these flags (a config.Config) under every --act-ckpt mode, and with
+    --target-gpu whether each fits on that GPU; builds and allocates nothing, and needs no GPU."""
+    target = parse_target_gpu(cfg.speed.target_gpu) if cfg.speed.target_gpu is not None else None
+    device_type, autocast_dtype, dtype_reason, note = report_device(cfg.speed)
     model_cfg, batch_size = cfg.model, cfg.data.batch_size
     shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.dist.dist == "fsdp" else 1
     estimates = {mode: estimate_memory(model_cfg, batch_size, model_cfg.max_seq_len, cfg.optim.name, mode,
-                                       autocast_dtype, device.type, shards)
+                                       autocast_dtype, device_type, shards)
                  for mode in ACT_CKPT_MODES}
     n_params = sum(param_numels(model_cfg).values())
     sharding = f", FSDP2 over {shards} ranks" if shards > 1 else ""
-    return "\n".join([
+    where = f"cuda ({cfg.speed.target_gpu.strip()}, not this machine)" if target else device_type
+    lines = [
         f"memory estimate per device: {n_params / 1e6:.2f}M params, optimizer {cfg.optim.name}, "
-        f"micro-batch {batch_size} x {model_cfg.max_seq_len} tokens, {device.type}, {dtype_reason}{sharding}",
+        f"micro-batch {batch_size} x {model_cfg.max_seq_len} tokens, {where}, {dtype_reason}{sharding}",
         "",
         format_memory_estimates(estimates, cfg.speed.act_ckpt),
         "",
         "Activations: what the plain backend's eager forward saves for backward (memory.py); torch.compile and",
         "FP8 usually save less. Not counted: the CUDA context, allocator fragmentation, temporaries.",
-    ])
+    ]
+    if target is not None:
+        capacity, description = target
+        lines += ["", *fit_report(estimates, capacity, cfg.speed.target_gpu.strip(), description)]
+    return "\n".join(lines + (["", note] if note else []))
 
 
 # ----------------------------------------------------------------------------- the largest batch that fits

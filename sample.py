@@ -1,24 +1,28 @@
 """Generate text from a checkpoint or an exported Hugging Face directory, with a KV cache.
 
     python sample.py --ckpt out/ckpt_00000150.pt --prompt "def main(" --max-new-tokens 100
-    python sample.py --hf hf_model --greedy
+    python sample.py --ckpt out --num-samples 3            # a run directory: its newest good checkpoint
+    python sample.py --hf hf_model --greedy --prompt-file prompt.txt
 
-The text streams to the terminal as it is generated. The library side: `generate` (token ids in, token ids
-out) and `sample_text` (a string in, a string out), which train.py calls at eval time.
+The text streams to the terminal as it is generated. Without --seed a fresh seed is drawn and printed on
+stderr, so that a sample worth keeping can be repeated. The library side: `generate` (token ids in, token
+ids out) and `sample_text` (a string in, a string out), which train.py calls at eval time.
 """
 
 import argparse
 import codecs
 import math
+import os
+import secrets
 import sys
 from collections.abc import Iterable, Iterator
 
 import torch
 
-from checkpoint import CheckpointError
+from checkpoint import CheckpointError, checkpoint_step
 from cli import ArgumentParser, UsageError, report_error
 from data import DataError, get_tokenizer
-from export import check_names, load_hf, read_checkpoint
+from export import check_names, is_run_directory, load_hf, read_checkpoint, read_newest_checkpoint
 from hardware import DEVICES, resolve_device
 from model import GPT, KVCache
 
@@ -27,6 +31,7 @@ from model import GPT, KVCache
 # below it logits / temperature overflows float32 and the draw fails; 0 is the greedy setting.
 MIN_TEMPERATURE = 1e-4
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
+DRAWN_SEED_BITS = 32  # a drawn seed: short enough to copy from the terminal, plenty for distinct samples
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -156,9 +161,29 @@ def sample_text(model: GPT, enc, prompt: str = "", max_new_tokens: int = 64, tem
     return prompt + enc.decode(new)
 
 
-def load_model(ckpt: str | None = None, hf: str | None = None, device: torch.device | str = "cpu") -> GPT:
-    """A GPT in eval mode from a train.py checkpoint or from a Hugging Face directory written by export.py."""
-    config, state = read_checkpoint(ckpt) if ckpt is not None else load_hf(hf)
+def say(line: str) -> None:
+    """A line about what the program is doing, on stderr: stdout holds only the generated text."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def read_ckpt(path: str, report=say) -> tuple:
+    """(config, weights) of --ckpt: a checkpoint (file or sharded directory), or a run directory (a train.py
+    --out-dir), whose newest checkpoint that verifies and loads is taken, as --resume would (damaged ones
+    are reported and skipped); which one is said through report."""
+    if not is_run_directory(path):
+        return read_checkpoint(path)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        raise UsageError(f"--ckpt {path} is a Hugging Face directory (it has a config.json); pass it as --hf")
+    found, config, state = read_newest_checkpoint(path, report)
+    report(f"checkpoint {found} (step {checkpoint_step(found)}): the newest good one in {path}")
+    return config, state
+
+
+def load_model(ckpt: str | None = None, hf: str | None = None, device: torch.device | str = "cpu",
+               report=say) -> GPT:
+    """A GPT in eval mode from a train.py checkpoint or run directory (read_ckpt) or from a Hugging Face
+    directory written by export.py."""
+    config, state = read_ckpt(ckpt, report) if ckpt is not None else load_hf(hf)
     check_names(config, state)
     model = GPT(config)
     try:
@@ -168,21 +193,71 @@ def load_model(ckpt: str | None = None, hf: str | None = None, device: torch.dev
     return model.to(device).eval()
 
 
+def draw_seed() -> int:
+    """A fresh seed from the operating system's randomness, for a run without --seed."""
+    return secrets.randbits(DRAWN_SEED_BITS)
+
+
+def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
+    """The prompt's text: --prompt, or --prompt-file's content as it is (a final newline included), or ""."""
+    if prompt_file is None:
+        return prompt or ""
+    try:
+        with open(prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--prompt-file {prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise UsageError(f"--prompt-file {prompt_file}: {e.strerror or e}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--ckpt", metavar="PATH", help="a checkpoint written by train.py (file or sharded directory)")
+    source.add_argument("--ckpt", metavar="PATH", help="a checkpoint written by train.py (file or sharded "
+                                                       "directory), or a run's --out-dir: its newest good one")
     source.add_argument("--hf", metavar="DIR", help="a Hugging Face directory written by export.py")
-    p.add_argument("--prompt", default="", help="text to continue (default: start a new document)")
+    prompt = p.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="text to continue (default: start a new document)")
+    prompt.add_argument("--prompt-file", metavar="FILE", help="continue the text of FILE (UTF-8, used as it is)")
+    p.add_argument("--num-samples", type=int, default=1, metavar="N", help="N samples of the same prompt")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set with this mass")
     p.add_argument("--greedy", action="store_true", help="always the most likely token (--temperature 0)")
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int, help="the sampling seed (default: a fresh one, printed on stderr)")
     p.add_argument("--device", default="auto", choices=DEVICES)
     p.add_argument("--tokenizer", default="gpt2", help="the tokenizer the model was trained with")
     return p
+
+
+def check_args(a: argparse.Namespace, temperature: float, top_k: int | None) -> None:
+    """One-line errors for the numbers, before anything is loaded."""
+    check_sampling(a.max_new_tokens, temperature, top_k, a.top_p)
+    if a.seed is not None:
+        check_seed(a.seed)
+    if a.num_samples < 1:
+        raise UsageError(f"--num-samples must be >= 1, got {a.num_samples}")
+    if a.num_samples > 1 and temperature == 0:
+        raise UsageError(f"--num-samples {a.num_samples} with greedy decoding gives {a.num_samples} identical "
+                         "samples; sample with a temperature instead")
+
+
+def print_samples(model: GPT, enc, text: str, a: argparse.Namespace, temperature: float, top_k: int | None,
+                  seed: int) -> None:
+    """Stream a.num_samples continuations of text to stdout, each from the prompt, one seeded generator across
+    them all (so --seed repeats the whole set); several samples are each headed by a line of their own."""
+    prompt = enc.encode_ordinary(text) or [enc.eot_token]
+    generator = torch.Generator().manual_seed(seed)
+    for i in range(a.num_samples):
+        if a.num_samples > 1:
+            print(f"{'=' * 20} sample {i + 1} of {a.num_samples} {'=' * 20}")
+        print(text, end="", flush=True)
+        tokens = stream(model, prompt, a.max_new_tokens, temperature, top_k, a.top_p, enc.eot_token, generator)
+        for piece in decode_stream(enc, tokens):
+            print(piece, end="", flush=True)
+        print()
 
 
 def main(argv=None) -> int:
@@ -190,8 +265,8 @@ def main(argv=None) -> int:
         a = build_parser().parse_args(argv)
         temperature = 0.0 if a.greedy else a.temperature
         top_k = a.top_k or None
-        check_sampling(a.max_new_tokens, temperature, top_k, a.top_p)
-        check_seed(a.seed)
+        check_args(a, temperature, top_k)
+        text = read_prompt(a.prompt, a.prompt_file)
         device, _ = resolve_device(a.device)
         enc = get_tokenizer(a.tokenizer)
         model = load_model(a.ckpt, a.hf, device)
@@ -200,13 +275,12 @@ def main(argv=None) -> int:
                              f"tokenizer ({enc.n_vocab} tokens); pass --tokenizer")
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
-    prompt = enc.encode_ordinary(a.prompt) or [enc.eot_token]
-    generator = torch.Generator().manual_seed(a.seed)
-    print(a.prompt, end="", flush=True)
-    tokens = stream(model, prompt, a.max_new_tokens, temperature, top_k, a.top_p, enc.eot_token, generator)
-    for piece in decode_stream(enc, tokens):
-        print(piece, end="", flush=True)
-    print()
+    seed = a.seed
+    if seed is None:
+        seed = draw_seed()
+        if temperature > 0:  # greedy decoding draws nothing: no seed to repeat
+            say(f"seed {seed} (pass --seed {seed} to repeat)")
+    print_samples(model, enc, text, a, temperature, top_k, seed)
     return 0
 
 

@@ -1,13 +1,17 @@
-"""Training curves from train.py's metrics.jsonl: loss, tokens/s and learning rate against tokens.
+"""Training curves from train.py's metrics.jsonl: loss, tokens/s and learning rate against tokens, steps or
+wall-clock time.
 
     python bench/plot.py OUT_DIR [OUT_DIR ...] [--labels NAME ...] [--out curves.png]
+    python bench/plot.py out --smooth 0.9 --log-y --x time    # smoothed, log-scale loss, against the clock
 
-Several runs are overlaid, one colour each, labelled by their directory name (or --labels).
+Several runs are overlaid, one colour each, labelled by their directory name (or --labels). Without --out
+the figure goes to the first OUT_DIR, as OUT_DIR/curves.png, beside the metrics it was drawn from.
 Other benchmarks import read_metrics() and plot_runs() to draw their own figures.
 """
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -15,7 +19,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display is needed, or present on CI and servers
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import EngFormatter  # noqa: E402
+from matplotlib.ticker import EngFormatter, LogFormatter  # noqa: E402
 
 # Panel name -> (y-axis label, metrics keys drawn on it). "loss" shows train and val together.
 PANELS = {
@@ -26,6 +30,11 @@ PANELS = {
     "lr": ("learning rate", ("lr",)),
 }
 DEFAULT_PANELS = ("loss", "tokens_per_sec", "lr")
+# --x choice -> the metrics key it reads. time_s: seconds since the run started, counted across resumes.
+X_KEYS = {"step": "step", "tokens": "tokens", "time": "time_s"}
+# What --smooth smooths: the per-step curves, noisy from batch to batch. Not val_loss (a few points, each
+# already an average over the eval tokens: smoothing would only drag them toward the past) nor lr (a schedule).
+SMOOTHED_KEYS = ("train_loss", "tokens_per_sec")
 
 
 class MetricsError(Exception):
@@ -54,55 +63,126 @@ def read_metrics(out_dir: str) -> list[dict]:
     return records
 
 
-def series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
-    """(tokens, values) of the records that carry a number under key; val_loss is only on eval steps."""
-    points = [(r["tokens"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+def series(records: list[dict], key: str, x: str = "tokens") -> tuple[list[float], list[float]]:
+    """(x values, values) of the records that carry a number under key (val_loss is only on eval steps) and
+    under the x axis' key (X_KEYS)."""
+    x_key = X_KEYS[x]
+    points = [(r[x_key], r[key]) for r in records
+              if isinstance(r.get(key), (int, float)) and isinstance(r.get(x_key), (int, float))]
     return [t for t, _ in points], [v for _, v in points]
 
 
-def plot_runs(runs: dict[str, list[dict]], out_png: str, panels=DEFAULT_PANELS, title: str | None = None,
-              target: tuple[float, str] | None = None, loss_ylim: tuple[float, float] | None = None) -> None:
-    """Draw one panel per name in panels (see PANELS), every run overlaid, and save a PNG.
+def check_x(records: list[dict], x: str, path: str) -> None:
+    """MetricsError (one line, naming the file) when a record lacks the x axis' key: a run logged before
+    train.py wrote time_s cannot be drawn against the clock."""
+    x_key = X_KEYS[x]
+    missing = [r for r in records if not isinstance(r.get(x_key), (int, float))]
+    if missing:
+        raise MetricsError(f"{path}: {len(missing)} of {len(records)} records have no {x_key} (the first at step "
+                           f"{missing[0].get('step')}); use --x step or --x tokens for this run")
 
-    target, as (loss, label), draws a dashed horizontal line on the loss panels: a loss to reach.
-    loss_ylim zooms the loss panels, whose first evals are far above the losses worth comparing.
-    """
+
+def ema(values: list[float], factor: float) -> list[float]:
+    """Exponential moving average, debiased as TensorBoard's smoothing is: each point is the average of the
+    points so far weighted by factor ** age, so the first ones are not pulled toward zero. factor 0 leaves
+    the values as they are; 0.9 averages over about the last ten. A non-finite value is kept where it is
+    and left out of the average, so one NaN step does not wipe out the rest of the curve."""
+    out, average, weight = [], 0.0, 0.0
+    for value in values:
+        if not math.isfinite(value):
+            out.append(value)
+            continue
+        average = factor * average + (1 - factor) * value
+        weight = factor * weight + (1 - factor)
+        out.append(average / weight)
+    return out
+
+
+def time_unit(seconds: float) -> tuple[float, str]:
+    """(divisor, unit) that keeps a wall-clock axis readable: seconds, minutes or hours."""
+    if seconds >= 3 * 3600:
+        return 3600.0, "h"
+    return (60.0, "min") if seconds >= 180 else (1.0, "s")
+
+
+def _draw_curve(ax, xs, ys, key: str, label: str, colour, keys: tuple, smooth: float) -> None:
+    """One run's curve of one key: val_loss as markers; a per-step curve as a line, faint beside val markers,
+    and with smooth > 0 smoothed (ema) over its raw values drawn faintly, unlabelled, behind it."""
+    if key == "val_loss":
+        name = f"{label} (val)" if len(keys) > 1 else label
+        ax.plot(xs, ys, color=colour, marker="o", markersize=4, linewidth=1.5, label=name)
+        return
+    # A lone train curve is the main line; beside val markers it is the faint noisy one.
+    faint = len(keys) > 1
+    name = f"{label} (train)" if faint else label
+    if smooth and key in SMOOTHED_KEYS:
+        ax.plot(xs, ys, color=colour, linewidth=0.6, alpha=0.15)
+        ys = ema(ys, smooth)
+    ax.plot(xs, ys, color=colour, linewidth=0.8 if faint else 1.5, alpha=0.45 if faint else 1.0, label=name)
+
+
+def _x_axis(ax, runs: dict[str, list[dict]], x: str) -> float:
+    """Label the bottom axis for x; -> what x values are divided by (time in minutes or hours)."""
+    if x == "tokens":
+        ax.set_xlabel("tokens")
+        ax.xaxis.set_major_formatter(EngFormatter())
+        return 1.0
+    if x == "step":
+        ax.set_xlabel("step")
+        return 1.0
+    longest = max((r.get("time_s", 0) for records in runs.values() for r in records), default=0)
+    divisor, unit = time_unit(longest)
+    ax.set_xlabel(f"wall-clock time ({unit})")
+    return divisor
+
+
+def draw_runs(runs: dict[str, list[dict]], panels=DEFAULT_PANELS, title: str | None = None,
+              target: tuple[float, str] | None = None, loss_ylim: tuple[float, float] | None = None,
+              x: str = "tokens", smooth: float = 0.0, log_y: bool = False):
+    """The figure of plot_runs, not yet saved: -> a matplotlib Figure."""
     unknown = [p for p in panels if p not in PANELS]
     if unknown:
         raise ValueError(f"unknown panel {unknown[0]!r}; choose from {', '.join(PANELS)}")
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.2 * len(panels)), sharex=True, squeeze=False)
+    divisor = _x_axis(axes[-1, 0], runs, x)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, panel in zip(axes[:, 0], panels):
         ylabel, keys = PANELS[panel]
         for i, (label, records) in enumerate(runs.items()):
-            colour = colours[i % len(colours)]
             for key in keys:
-                xs, ys = series(records, key)
-                if not xs:
-                    continue
-                if key == "val_loss":
-                    name = f"{label} (val)" if len(keys) > 1 else label
-                    ax.plot(xs, ys, color=colour, marker="o", markersize=4, linewidth=1.5, label=name)
-                else:
-                    # A lone train curve is the main line; beside val markers it is the faint noisy one.
-                    faint = len(keys) > 1
-                    name = f"{label} (train)" if faint else label
-                    ax.plot(xs, ys, color=colour, linewidth=0.8 if faint else 1.5, alpha=0.45 if faint else 1.0,
-                            label=name)
+                xs, ys = series(records, key, x)
+                if xs:
+                    _draw_curve(ax, [v / divisor for v in xs], ys, key, label, colours[i % len(colours)], keys, smooth)
         if "loss" in panel:
             if target is not None:
                 ax.axhline(target[0], color="black", linestyle="--", linewidth=1, label=target[1])
+            if log_y:  # plain numbers on the ticks: a loss axis spans far less than a decade
+                ax.set_yscale("log")
+                ax.yaxis.set_major_formatter(LogFormatter())
+                ax.yaxis.set_minor_formatter(LogFormatter())
             if loss_ylim is not None:
                 ax.set_ylim(*loss_ylim)
         ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
+        ax.grid(True, alpha=0.3, which="both" if log_y and "loss" in panel else "major")
         if ax.has_data():
             ax.legend(fontsize=8)
-    axes[-1, 0].set_xlabel("tokens")
-    axes[-1, 0].xaxis.set_major_formatter(EngFormatter())
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    return fig
+
+
+def plot_runs(runs: dict[str, list[dict]], out_png: str, panels=DEFAULT_PANELS, title: str | None = None,
+              target: tuple[float, str] | None = None, loss_ylim: tuple[float, float] | None = None,
+              x: str = "tokens", smooth: float = 0.0, log_y: bool = False) -> None:
+    """Draw one panel per name in panels (see PANELS), every run overlaid, and save a PNG.
+
+    target, as (loss, label), draws a dashed horizontal line on the loss panels: a loss to reach.
+    loss_ylim zooms the loss panels, whose first evals are far above the losses worth comparing.
+    x: the horizontal axis (X_KEYS); smooth: the ema factor for SMOOTHED_KEYS (0: off); log_y: log-scale
+    loss panels.
+    """
+    fig = draw_runs(runs, panels, title, target, loss_ylim, x, smooth, log_y)
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
@@ -119,25 +199,52 @@ class _Parser(argparse.ArgumentParser):
         raise MetricsError(message)
 
 
-def main(argv=None):
+def smoothing(text: str) -> float:
+    """--smooth: an ema factor in [0, 1)."""
+    try:
+        factor = float(text)
+    except ValueError:
+        factor = math.nan
+    if not 0 <= factor < 1:
+        raise argparse.ArgumentTypeError(f"must be an ema factor in [0, 1) (0.9: about the last ten points), "
+                                         f"got {text!r}")
+    return factor
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dirs", nargs="+", metavar="OUT_DIR", help="train.py --out-dir of each run")
     p.add_argument("--labels", nargs="+", help="legend names, one per OUT_DIR (default: directory names)")
-    p.add_argument("--out", default="curves.png", help="PNG to write")
+    p.add_argument("--out", help="PNG to write (default: curves.png in the first OUT_DIR)")
     p.add_argument("--title")
+    p.add_argument("--x", choices=tuple(X_KEYS), default="tokens",
+                   help="horizontal axis: step, tokens, or time (wall clock since the run started, across "
+                        "resumes: the time_s of each record)")
+    p.add_argument("--smooth", type=smoothing, default=0.0, metavar="FACTOR",
+                   help="exponential moving average of the per-step curves (train loss, tokens/s), debiased as "
+                        "TensorBoard's: 0 off (default), 0.9 about the last ten steps; the raw curve stays, "
+                        "faint, behind it. Val loss and the LR are drawn as they are")
+    p.add_argument("--log-y", action="store_true", help="log-scale loss axis")
+    return p
+
+
+def main(argv=None):
     try:
-        a = p.parse_args(argv)
+        a = build_parser().parse_args(argv)
         labels = a.labels or run_labels(a.out_dirs)
         if len(labels) != len(a.out_dirs):
             raise MetricsError(f"--labels gives {len(labels)} names for {len(a.out_dirs)} OUT_DIRs")
         if len(set(labels)) != len(labels):
             raise MetricsError("--labels must be distinct")
         runs = {label: read_metrics(d) for label, d in zip(labels, a.out_dirs)}
+        for d, records in zip(a.out_dirs, runs.values()):
+            check_x(records, a.x, os.path.join(d, "metrics.jsonl"))
     except MetricsError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    plot_runs(runs, a.out, title=a.title)
-    print(f"wrote {a.out}")
+    out = a.out or os.path.join(a.out_dirs[0], "curves.png")
+    plot_runs(runs, out, title=a.title, x=a.x, smooth=a.smooth, log_y=a.log_y)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

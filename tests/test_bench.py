@@ -17,13 +17,16 @@ from conftest import TINY_FLAGS  # noqa: E402
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def write_run(out_dir, steps, loss0, lr):
-    """A metrics.jsonl as train.py writes it: every step, with val_loss every 4 steps."""
+def write_run(out_dir, steps, loss0, lr, seconds_per_step=None):
+    """A metrics.jsonl as train.py writes it: every step, with val_loss every 4 steps; time_s when
+    seconds_per_step is given (runs logged before train.py wrote it have none)."""
     os.makedirs(out_dir)
     with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
         for step in range(steps):
             record = {"step": step, "tokens": (step + 1) * 256, "train_loss": loss0 - 0.1 * step, "lr": lr,
                       "grad_norm": 1.0, "tokens_per_sec": 1000.0 + step, "mfu": None}
+            if seconds_per_step is not None:
+                record["time_s"] = (step + 1) * seconds_per_step
             if (step + 1) % 4 == 0:
                 record["val_loss"] = loss0 - 0.1 * step + 0.05
             f.write(json.dumps(record) + "\n")
@@ -73,6 +76,68 @@ def test_read_metrics_rejects_a_corrupt_line(tmp_path):
 def test_plot_runs_rejects_an_unknown_panel(tmp_path):
     with pytest.raises(ValueError, match="unknown panel"):
         plot.plot_runs({}, str(tmp_path / "x.png"), panels=("loss", "perplexity"))
+
+
+def test_ema_is_debiased_and_steps_over_non_finite_values():
+    assert plot.ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # no pull toward zero at the start
+    assert plot.ema([0.0, 10.0], 0.5) == pytest.approx([0.0, 20 / 3])  # weights 1/3 and 2/3
+    assert plot.ema([1.0, 5.0, 3.0], 0.0) == [1.0, 5.0, 3.0]
+    smoothed = plot.ema([1.0, math.nan, 3.0], 0.5)
+    assert smoothed[0] == 1.0 and math.isnan(smoothed[1]) and smoothed[2] == pytest.approx(7 / 3)
+
+
+def curves(fig, label):
+    """{line label: (x data, y data)} of every labelled line on the first panel."""
+    return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[0].lines
+            if line.get_label() == label or line.get_label().startswith(f"{label} (")}
+
+
+def test_draw_runs_against_steps_and_time_smoothed_on_a_log_scale(tmp_path):
+    records = plot.read_metrics(write_run(tmp_path / "run", 12, 5.0, 1e-3, seconds_per_step=30.0))
+    fig = plot.draw_runs({"run": records}, x="step", smooth=0.8, log_y=True)
+    assert fig.axes[0].get_yscale() == "log" and fig.axes[1].get_yscale() == "linear"  # loss only
+    assert fig.axes[-1].get_xlabel() == "step"
+    lines = curves(fig, "run")
+    steps, raw = plot.series(records, "train_loss", "step")
+    assert lines["run (train)"] == (steps, pytest.approx(plot.ema(raw, 0.8)))
+    assert lines["run (val)"] == plot.series(records, "val_loss", "step")  # val loss is never smoothed
+    assert raw in [list(line.get_ydata()) for line in fig.axes[0].lines]  # the raw curve, faint, behind it
+    fig = plot.draw_runs({"run": records}, x="time")
+    assert fig.axes[-1].get_xlabel() == "wall-clock time (min)"  # 360 s: in minutes
+    assert curves(fig, "run")["run (train)"][0] == pytest.approx([(step + 1) * 0.5 for step in range(12)])
+
+
+def test_plot_cli_x_time_needs_time_s_in_every_record(tmp_path, capsys):
+    a = write_run(tmp_path / "run_a", 4, 5.0, 1e-3, seconds_per_step=1.0)
+    b = write_run(tmp_path / "run_b", 4, 5.0, 1e-3)
+    with pytest.raises(SystemExit) as exit_info:
+        plot.main([a, b, "--x", "time", "--out", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and not (tmp_path / "x.png").exists()
+    assert err.startswith(f"error: {os.path.join(b, 'metrics.jsonl')}: 4 of 4 records have no time_s")
+    plot.main([a, "--x", "time", "--smooth", "0.9", "--log-y", "--out", str(tmp_path / "x.png")])
+    assert (tmp_path / "x.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_plot_cli_writes_beside_the_first_runs_metrics_by_default(tmp_path, monkeypatch, capsys):
+    a = write_run(tmp_path / "run_a", 4, 5.0, 1e-3)
+    b = write_run(tmp_path / "run_b", 4, 5.5, 1e-3)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    plot.main([a, b, "--x", "step"])
+    assert capsys.readouterr().out == f"wrote {os.path.join(a, 'curves.png')}\n"
+    assert (tmp_path / "run_a" / "curves.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert not os.listdir(tmp_path / "cwd") and not (tmp_path / "run_b" / "curves.png").exists()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--smooth", "1"], "argument --smooth: must be an ema factor in [0, 1)"), (["--smooth", "x"], "got 'x'"),
+    (["--x", "seconds"], "argument --x: invalid choice: 'seconds'")])
+def test_plot_cli_bad_flags_are_one_line(tmp_path, capsys, argv, words):
+    with pytest.raises(SystemExit) as exit_info:
+        plot.main([write_run(tmp_path / "run", 4, 5.0, 1e-3), *argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("target, expected", [

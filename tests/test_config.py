@@ -302,6 +302,8 @@ def test_every_problem_with_the_flags_is_reported_at_once():
     text = str(e.value)
     assert text.startswith("3 problems: (1) --warmup must be >= 0") and "\n" not in text
     assert "needs --total-batch-tokens" in text and "needs CUDA" in text
+    with pytest.raises(UsageError, match="--target-gpu names the GPU for --estimate-memory"):
+        config.parse_args(["--target-gpu", "h100"])
 
 
 def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):

@@ -1,5 +1,7 @@
 import dataclasses
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -149,6 +151,45 @@ def test_tokenizer_files_match_tiktoken(exported):
     assert tok.eos_token_id == enc.eot_token
 
 
+# Unicode, runs of spaces, tabs and newlines (GPT-2's regex keeps the last space of a run for the next word),
+# contractions, digits, and the end-of-text token inside and around text.
+TOKENIZER_TEXTS = ["Hello world", "  a   b \t\t c\n\n\n  d  ", "héllo wörld 日本語 🤖 Ελληνικά", "it's they'll 1234567",
+                   "<|endoftext|>", "x<|endoftext|> y<|endoftext|><|endoftext|>", "a , b . c ' s", "\r\n\r\n   "]
+
+
+def test_tokenizer_json_alone_is_the_fast_tokenizer_with_tiktoken_ids(exported, tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, out = exported
+    only_fast = tmp_path / "fast"  # without vocab.json and merges.txt: nothing to build a tokenizer from but it
+    only_fast.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (only_fast / name).write_bytes((out / name).read_bytes())
+    enc = get_tokenizer()
+    raw = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    for directory in (out, only_fast):
+        tok = transformers.AutoTokenizer.from_pretrained(directory)
+        assert tok.is_fast
+        for text in TOKENIZER_TEXTS:
+            ids = enc.encode(text, allowed_special="all")
+            assert tok.encode(text) == ids == raw.encode(text).ids, text
+            assert tok.decode(ids) == text
+        assert tok.eos_token_id == enc.eot_token
+
+
+def test_export_files_get_the_mode_open_gives(tmp_path):
+    model = tiny_model(True)
+    previous = os.umask(0o027)
+    try:
+        export_hf(model.config, model.state_dict(), str(tmp_path / "hf"))
+    finally:
+        os.umask(previous)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors" in modes and "tokenizer.json" in modes
+    assert modes == dict.fromkeys(modes, 0o640)  # 0o666 less the umask, model.safetensors too
+
+
 def test_bpe_merges_rebuild_the_ranks():
     # A toy BPE: "ab" (rank 3) then "abc" (rank 4, built from "ab" + "c"), "bc" ranked after it.
     ranks = {b"a": 0, b"b": 1, b"c": 2, b"ab": 3, b"abc": 4, b"bc": 5}
@@ -250,3 +291,44 @@ def test_load_hf_errors_are_one_line(tmp_path, case, words):
     with pytest.raises(ValueError) as e:
         load_hf(str(tmp_path))
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cli_refuses_a_non_empty_directory_and_writes_into_an_empty_one(tmp_path, capsys):
+    write_checkpoint(tmp_path / "ckpt.pt", tiny_model(True))
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    argv = ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out)]
+    assert export.main(argv) == 2
+    assert capsys.readouterr().err == (f"error: {out} is not empty (notes.txt); pass --overwrite to replace an "
+                                       "earlier export there (other files stay), or choose another directory\n")
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert export.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "ckpt.pt")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'ckpt.pt'} exists and is not a directory\n"
+    (out / "notes.txt").unlink()
+    assert export.main(argv) == 0  # an empty directory is fine
+    assert {p.name for p in out.iterdir()} == set(export.EXPORT_FILES) - {"model.safetensors.index.json"}
+
+
+def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, capsys, monkeypatch):
+    write_checkpoint(tmp_path / "old.pt", tiny_model(True, seed=1))
+    write_checkpoint(tmp_path / "new.pt", tiny_model(False))
+    out = tmp_path / "hf"
+    assert export.main(["--ckpt", str(tmp_path / "old.pt"), "--out", str(out)]) == 0
+    (out / f"{export.STAGING_PREFIX}killed").mkdir()  # what an export killed halfway leaves behind
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    def full_disk(*_):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:  # fails after model.safetensors and config.json are written
+        m.setattr(export, "write_gpt2_tokenizer", full_disk)
+        assert export.main(["--ckpt", str(tmp_path / "new.pt"), "--out", str(out), "--overwrite"]) == 2
+        assert export.main(["--ckpt", str(tmp_path / "new.pt"), "--out", str(tmp_path / "fresh")]) == 2
+    assert capsys.readouterr().err.count("No space left on device") == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert not (tmp_path / "fresh").exists()  # a directory the failed export made is gone again
+
+    assert export.main(["--ckpt", str(tmp_path / "new.pt"), "--out", str(out), "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(before)  # the killed export's leftovers are gone
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False

@@ -131,6 +131,71 @@ def test_estimate_memory_flag_prints_every_mode_and_builds_nothing(monkeypatch, 
     assert "| full (selected) |" in out
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("h100", 81559 * 2**20), (" H200 ", 143771 * 2**20), ("80GiB", 80 * 2**30), ("80gib", 80 * 2**30),
+    ("80GB", 80 * 10**9), ("24G", 24 * 2**30), ("79.6 GiB", int(79.6 * 2**30)), ("512MiB", 2**29),
+    ("1.5TB", 15 * 10**11), ("40Gi", 40 * 2**30)])
+def test_parse_target_gpu_reads_names_and_sizes(text, expected):
+    assert memory.parse_target_gpu(text)[0] == expected
+
+
+@pytest.mark.parametrize("text", ["h101", "80", "GB", "-1GB", "0GiB", "nanGB", "infGB", "80XB", "80 gigabytes", ""])
+def test_parse_target_gpu_refuses_anything_else_in_one_line(text):
+    with pytest.raises(train.UsageError) as e:
+        memory.parse_target_gpu(text)
+    message = str(e.value)
+    assert "\n" not in message and all(name in message for name in memory.TARGET_GPUS) and "80GiB" in message
+
+
+def test_fit_line_and_the_margin_left_for_the_cuda_context():
+    gib = 2**30
+    assert memory.fit_line("full", 10 * gib, 12 * gib) == "  full         10.00 GiB  fits, 2.0 GiB headroom"
+    assert memory.fit_line("none", 13.5 * gib, 12 * gib).endswith("does not fit: 1.5 GiB over")
+    assert memory.usable_bytes(81 * gib) == int(80 * gib * (1 - memory.ALLOCATOR_MARGIN))
+
+
+def estimate_output(monkeypatch, capsys, *argv) -> str:
+    def no_local_device(*_):
+        raise AssertionError("--target-gpu must not look at this machine's devices")
+
+    monkeypatch.setattr(train, "setup", no_local_device)
+    monkeypatch.setattr(memory.hardware, "resolve_device", no_local_device)
+    monkeypatch.setattr(memory.hardware, "resolve_dtype", no_local_device)
+    train.main(["--estimate-memory", "--n-layer", "2", "--n-embd", "64", "--n-head", "4", *argv])
+    return capsys.readouterr().out
+
+
+def test_estimate_memory_for_a_target_gpu_needs_no_gpu(monkeypatch, capsys):
+    out = estimate_output(monkeypatch, capsys, "--target-gpu", "h100", "--device", "cuda")
+    assert "cuda (h100, not this machine), bf16 autocast (auto" in out
+    fits = [line for line in out.splitlines() if line.startswith("  ")]
+    assert [line.split()[0] for line in fits] == list(memory.ACT_CKPT_MODES)
+    assert all("fits," in line and "GiB headroom" in line for line in fits)
+    assert "fit on h100 (H100 80GB" in out and "70.8 GiB for training" in out
+
+    out = estimate_output(monkeypatch, capsys, "--target-gpu", "1MiB", "--dtype", "fp32")
+    assert "fp32 (requested)" in out and "fit on 1MiB (1MiB of GPU memory)" in out
+    assert sum("does not fit:" in line for line in out.splitlines()) == len(memory.ACT_CKPT_MODES)
+
+
+def test_estimate_memory_target_gpu_mistakes_are_one_line(monkeypatch, capsys):
+    for argv, words in ((["--target-gpu", "h1000"], "--target-gpu 'h1000': not a GPU name (h100, h200"),
+                        (["--target-gpu", "h100", "--device", "cpu"], "leave out --device cpu")):
+        with pytest.raises(SystemExit) as exit_info:
+            estimate_output(monkeypatch, capsys, *argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU")
+def test_estimate_memory_on_cuda_without_a_gpu_points_to_target_gpu(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--estimate-memory", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("error: --device cuda: no CUDA device") and "pass --target-gpu" in err
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", memory.ACT_CKPT_MODES)

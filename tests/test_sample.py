@@ -1,5 +1,7 @@
 import dataclasses
 import math
+import os
+import re
 
 import pytest
 import torch
@@ -205,6 +207,10 @@ def test_cli_prints_text(tmp_path, capsys, source):
     enc = get_tokenizer()
     expected = generate(model, enc.encode("Hello"), 12, temperature=0, eot=enc.eot_token)
     assert out == "Hello" + enc.decode(expected) + "\n"
+    if source == "hf":  # an export given as a checkpoint: one line that says which flag it needs
+        assert sample.main(["--ckpt", str(path), "--device", "cpu"]) == 2
+        assert capsys.readouterr().err == f"error: --ckpt {path} is a Hugging Face directory (it has a " \
+                                          "config.json); pass it as --hf\n"
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -212,7 +218,12 @@ def test_cli_prints_text(tmp_path, capsys, source):
     (["--ckpt", "x", "--top-k", "-1"], "top_k"), (["--ckpt", "x", "--temperature", "-1"], "temperature"),
     (["--ckpt", "x", "--temperature", "nan"], "temperature"), (["--ckpt", "x", "--temperature", "inf"], "temperature"),
     (["--ckpt", "x", "--temperature", "1e-45"], "temperature"),
-    (["--ckpt", "x", "--seed", str(2**64)], "seed"), (["--ckpt", "x", "--seed", str(-2**63 - 1)], "seed")])
+    (["--ckpt", "x", "--seed", str(2**64)], "seed"), (["--ckpt", "x", "--seed", str(-2**63 - 1)], "seed"),
+    (["--ckpt", "x", "--num-samples", "0"], "--num-samples must be >= 1"),
+    (["--ckpt", "x", "--greedy", "--num-samples", "2"], "2 identical samples"),
+    (["--ckpt", "x", "--prompt", "a", "--prompt-file", "p.txt"], "not allowed with argument --prompt"),
+    (["--ckpt", "x", "--prompt-file", "missing.txt"], "missing.txt: No such file"),
+    (["--ckpt", "missing_run"], "missing_run")])
 def test_cli_errors_exit_2_in_one_line(tmp_path, capsys, argv, words):
     argv = [a if not a.startswith("missing") else str(tmp_path / a) for a in argv]
     assert sample.main(argv) == 2
@@ -226,3 +237,108 @@ def test_cli_rejects_a_foreign_checkpoint(tmp_path, capsys):
     assert sample.main(["--ckpt", str(path), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "not a checkpoint of this trainer" in err and err.count("\n") == 1
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = sample.main([*argv, "--device", "cpu", "--max-new-tokens", "8"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def greedy_text(model, prompt="Hello", n=8) -> str:
+    enc = get_tokenizer()
+    return prompt + enc.decode(generate(model, enc.encode(prompt), n, temperature=0, eot=enc.eot_token)) + "\n"
+
+
+def flip_a_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as intended here
+def test_cli_takes_the_newest_good_checkpoint_of_a_run_directory(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    old, new = gpt2_sized(seed=1), gpt2_sized(seed=2)
+    assert greedy_text(old) != greedy_text(new)
+    write_checkpoint(checkpoint.checkpoint_path(str(run), 2, sharded=False), old)
+    write_checkpoint(tmp_path / "new.pt", new)  # the newest is a sharded directory, as FSDP2 writes
+    newest = checkpoint.checkpoint_path(str(run), 4, sharded=True)
+    checkpoint.file_to_dcp(str(tmp_path / "new.pt"), newest)
+
+    code, out, err = run_cli(capsys, "--ckpt", str(run), "--prompt", "Hello", "--greedy")
+    assert code == 0 and out == greedy_text(new)
+    assert err == f"checkpoint {newest} (step 4): the newest good one in {run}\n"
+
+    flip_a_byte(next(os.path.join(newest, n) for n in os.listdir(newest) if n.endswith(".distcp")))
+    code, out, err = run_cli(capsys, "--ckpt", str(run), "--prompt", "Hello", "--greedy")
+    assert code == 0 and out == greedy_text(old)
+    skipped, took = err.splitlines()
+    assert skipped.startswith("warning: skipping checkpoint: ") and "is damaged" in skipped
+    assert took.startswith(f"checkpoint {run / 'ckpt_00000002.pt'} (step 2)")
+
+
+def test_cli_names_a_run_directory_without_a_good_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    code, out, err = run_cli(capsys, "--ckpt", str(run))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: {run}: it holds no checkpoint")
+    write_checkpoint(run / "ckpt_00000003.pt", gpt2_sized())
+    flip_a_byte(run / "ckpt_00000003.pt")
+    code, out, err = run_cli(capsys, "--ckpt", str(run))
+    assert code == 2 and err.splitlines()[-1] == (f"error: {run}: none of its 1 checkpoints verifies and loads "
+                                                  "(ckpt_N.pt files or ckpt_N directories)")
+
+
+def test_cli_num_samples_prints_each_under_a_heading(tmp_path, capsys):
+    write_checkpoint(tmp_path / "ckpt.pt", gpt2_sized())
+    code, out, err = run_cli(capsys, "--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", "Hello", "--num-samples", "3",
+                             "--temperature", "2", "--seed", "5")
+    assert code == 0 and err == ""
+    parts = re.split(r"^=+ sample (\d) of 3 =+\n", out, flags=re.M)
+    assert parts[0] == "" and parts[1::2] == ["1", "2", "3"]
+    samples = parts[2::2]
+    assert all(text.startswith("Hello") and text.endswith("\n") for text in samples)
+    assert len(set(samples)) == 3  # one generator runs on across the samples: each draws anew
+
+
+def test_cli_reads_the_prompt_from_a_file(tmp_path, capsys):
+    model = gpt2_sized()
+    write_checkpoint(tmp_path / "ckpt.pt", model)
+    prompt = "Hé said:\n  «"
+    (tmp_path / "prompt.txt").write_text(prompt, encoding="utf-8")
+    code, out, _ = run_cli(capsys, "--ckpt", str(tmp_path / "ckpt.pt"), "--prompt-file", str(tmp_path / "prompt.txt"),
+                           "--greedy")
+    assert code == 0 and out == greedy_text(model, prompt)
+    (tmp_path / "latin1.txt").write_bytes("Hé!".encode("latin-1"))
+    code, _, err = run_cli(capsys, "--ckpt", str(tmp_path / "ckpt.pt"), "--prompt-file", str(tmp_path / "latin1.txt"))
+    assert code == 2 and err.count("\n") == 1
+    assert err == f"error: --prompt-file {tmp_path / 'latin1.txt'}: not UTF-8 text (invalid continuation byte at " \
+                  "byte 1)\n"
+
+
+def test_cli_draws_a_seed_prints_it_and_repeats_with_it(tmp_path, capsys):
+    model = gpt2_sized()
+    write_checkpoint(tmp_path / "ckpt.pt", model)
+    argv = ["--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", "Hello", "--temperature", "2"]
+    code, drawn, err = run_cli(capsys, *argv)
+    seed = re.fullmatch(r"seed (\d+) \(pass --seed \1 to repeat\)\n", err)
+    assert code == 0 and seed
+    code, repeated, err = run_cli(capsys, *argv, "--seed", seed.group(1))
+    assert code == 0 and repeated == drawn and err == ""
+    # With --seed, exactly what it always was: one generator seeded with it, drawing the tokens.
+    enc = get_tokenizer()
+    g = torch.Generator().manual_seed(int(seed.group(1)))
+    expected = generate(model, enc.encode("Hello"), 8, 2.0, 200, 1.0, enc.eot_token, g)
+    assert repeated == "Hello" + enc.decode(expected) + "\n"
+
+
+def test_drawn_seeds_come_from_the_os_and_fit_torch(monkeypatch):
+    monkeypatch.setattr(sample.secrets, "randbits", lambda bits: 2**bits - 1)
+    seed = sample.draw_seed()
+    assert seed == 2**sample.DRAWN_SEED_BITS - 1
+    sample.check_seed(seed)
