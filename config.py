@@ -18,9 +18,11 @@ import argparse
 import dataclasses
 import json
 import math
+import netrc
 import os
 import tomllib
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 
 import torch
@@ -170,7 +172,8 @@ class SpeedConfig:
                                           "and exit")
     target_gpu: str | None = option(None, "--estimate-memory for a GPU this machine need not have: a name "
                                           "(h100, h200, a100-80gb, ...) or a memory size (80GiB); prints whether "
-                                          "each --act-ckpt mode fits", metavar="GPU")
+                                          "each --act-ckpt mode fits (--dist fsdp: per rank of WORLD_SIZE=N ranks, "
+                                          "as torchrun sets it)", metavar="GPU")
 
 
 @dataclass
@@ -295,6 +298,8 @@ def parse_args(argv=None, description: str | None = None, check_machine: bool = 
     flags = vars(build_parser(description).parse_args(argv))
     config_file = flags.pop("config_file", None)
     given = explicit_values(flags, read_config_file(config_file) if config_file else {})
+    if given.get("model.max_seq_len", 1) < 1:  # the size dial divides by it
+        raise UsageError(f"--seq-len must be >= 1, got {given['model.max_seq_len']}")
     if given.get("schedule.max_tokens", 1) < 1:  # 0 is the field's "unset", not a length a user can ask for
         raise UsageError(f"--max-tokens must be >= 1, got {given['schedule.max_tokens']}")
     try:
@@ -508,14 +513,14 @@ def _machine_problems(cfg: Config):
 
 
 def wandb_key_present() -> bool:
-    """Whether wandb can log in without asking: WANDB_API_KEY, or the ~/.netrc entry `wandb login` writes."""
+    """Whether wandb can log in without asking: WANDB_API_KEY, or the netrc entry `wandb login` writes for its
+    server (WANDB_BASE_URL's host; $NETRC or ~/.netrc)."""
     if os.environ.get("WANDB_API_KEY"):
         return True
-    netrc = os.path.expanduser("~/.netrc")
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     try:
-        with open(netrc) as f:
-            return "api.wandb.ai" in f.read()
-    except OSError:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host or "api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
         return False
 
 

@@ -370,6 +370,9 @@ def report_device(speed) -> tuple[str, torch.dtype | None, str, str]:
 def memory_report(cfg) -> str:
     """--estimate-memory: the estimate for these flags (a config.Config) under every --act-ckpt mode, and with
     --target-gpu whether each fits on that GPU; builds and allocates nothing, and needs no GPU."""
+    if cfg.data.batch_size == "auto":
+        raise UsageError("--estimate-memory needs a number for --batch-size (auto is found on the GPU itself); "
+                         "try the micro-batch you expect, e.g. --batch-size 16")
     target = parse_target_gpu(cfg.speed.target_gpu) if cfg.speed.target_gpu is not None else None
     device_type, autocast_dtype, dtype_reason, note = report_device(cfg.speed)
     model_cfg, batch_size = cfg.model, cfg.data.batch_size

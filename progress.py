@@ -36,6 +36,14 @@ class Progress:
             self.bar = tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, file=self.stream,
                             unit_scale=unit_scale)
 
+    def reset(self, n: int) -> None:
+        """Back to count n (train.py's rollback redoes steps): the rate and ETA restart from there."""
+        self.n = self.start_n = n
+        self.start = self.last_print = time.perf_counter()
+        if self.bar is not None:
+            self.bar.reset(total=self.total)
+            self.bar.update(n)
+
     def set_postfix(self, text: str) -> None:
         """Figures shown after the count; the bar shows them at its next redraw (tqdm limits redraws to a
         few per second, so setting them every update costs nothing)."""

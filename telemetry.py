@@ -13,6 +13,7 @@ Only rank 0 writes anything; the other ranks run the same calls as no-ops, so th
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from contextlib import contextmanager
@@ -112,7 +113,8 @@ class MetricsLog:
                 for line in f:
                     try:
                         record = json.loads(line)
-                        if record["step"] <= done:
+                        # Records without time_s predate 1-based steps: their step N is step N+1 now.
+                        if record["step"] + ("time_s" not in record) <= done:
                             kept.append(line)
                             last = record
                     except (ValueError, KeyError, TypeError):
@@ -310,6 +312,10 @@ class Telemetry:
         holding `tokens`). time_s goes on: the time spent was spent."""
         self.metrics.truncate(step)
         self.tokens, self.done = tokens, step
+        if self.last_eval is not None and self.last_eval["step"] > step:
+            self.last_eval = None
+        if self.progress is not None:
+            self.progress.reset(step)
 
     @contextmanager
     def loop(self):
@@ -394,7 +400,8 @@ def summary_rows(f: dict) -> list[tuple[str, str]]:
             ("best checkpoint", f["best_ckpt"] or "none (no eval improved on the best yet)")]
     weights = f["best_ckpt"] or f["final_ckpt"]
     if weights:
-        rows += [("sample", f"python sample.py --ckpt {weights} --prompt \"...\""),
-                 ("export", f"python export.py --ckpt {weights} --out {os.path.join(f['out_dir'], 'hf')}")]
-    rows.append(("plot", f"python bench/plot.py {f['out_dir']}"))
+        rows += [("sample", f"python sample.py --ckpt {shlex.quote(weights)} --prompt \"...\""),
+                 ("export", f"python export.py --ckpt {shlex.quote(weights)} "
+                            f"--out {shlex.quote(os.path.join(f['out_dir'], 'hf'))}")]
+    rows.append(("plot", f"python bench/plot.py {shlex.quote(f['out_dir'])}"))
     return rows

@@ -314,3 +314,8 @@ def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
     assert config.parse_args(["--wandb", "--wandb-mode", "online"]).log.wandb  # reading a config is not starting it
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert config.parse_args(["--wandb", "--wandb-mode", "online"], check_machine=True).log.wandb_mode == "online"
+
+
+def test_a_zero_seq_len_with_the_size_dial_is_a_usage_error():
+    with pytest.raises(UsageError, match="--seq-len must be >= 1"):
+        config.parse_args(["--depth", "4", "--seq-len", "0"])

@@ -272,3 +272,13 @@ def test_auto_batch_size_says_when_the_layout_leaves_no_fp8_legal_size():
     with pytest.raises(train.UsageError, match="more than the 8 each rank trains on per step; raise --total-batch"):
         auto(model, per_rank=8, multiple=16)
     assert model.probes == []
+
+
+def test_estimate_memory_refuses_an_auto_batch_in_one_line():
+    import config
+    from cli import UsageError
+
+    cfg = config.parse_args(["--estimate-memory", "--batch-size", "auto", "--total-batch-tokens", "65536",
+                             "--target-gpu", "h100"])
+    with pytest.raises(UsageError, match="needs a number for --batch-size"):
+        memory.memory_report(cfg)

@@ -62,3 +62,23 @@ def test_progress_off_a_terminal_prints_every_n_steps_unless_they_are_sub_second
     lines = stream.getvalue().splitlines()
     assert [int(line.split()[1].split("/")[0]) for line in lines] == expected
     assert all(f"loss {n - 1}" in line for n, line in zip(expected, lines))  # the figures of that step
+
+
+def test_progress_goes_back_with_a_rollback():
+    stream = io.StringIO()
+    progress = Progress(10, "train", unit="step", stream=stream, every=1, min_interval=0.0)
+    for _ in range(6):
+        progress.update()
+    progress.reset(4)
+    for _ in range(6):
+        progress.update()
+    assert stream.getvalue().splitlines()[-1].startswith("train 10/10 step")
+
+
+def test_metrics_from_before_one_based_steps_are_cut_at_the_same_step(tmp_path):
+    import json
+
+    old = [{"step": s, "train_loss": 1.0} for s in range(4)]  # 0-based, no time_s: steps 1..4 in today's terms
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
+    log = telemetry.MetricsLog(str(tmp_path), start_step=2, wandb_run=None)
+    assert [json.loads(line)["step"] for line in open(log.path)] == [0, 1]  # steps 1 and 2 are kept
