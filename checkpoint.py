@@ -210,12 +210,13 @@ def verify(path: str) -> None:
             raise CheckpointError(f"{file} is damaged: its sha256 does not match the one recorded when it was written")
 
 
-def load_newest(out_dir: str, make_template, warn):
-    """(path, meta, tensors) of the newest checkpoint that verifies and loads, or None. Each damaged one
-    on the way is reported through `warn` and skipped (never deleted: the user may want to look at it)."""
+def load_newest(out_dir: str, read, warn):
+    """(path, *read(path)) of the newest checkpoint that read(path) verifies and loads, or None. Each one
+    read refuses (CheckpointError) is reported through `warn` and skipped, never deleted: the user may want
+    to look at it. read: load with a template (a resume), or export.read_checkpoint (sample, export)."""
     for path in reversed(list_checkpoints(out_dir)):
         try:
-            return (path, *load(path, make_template))
+            return (path, *read(path))
         except CheckpointError as e:
             warn(f"warning: skipping checkpoint: {e}")
     return None
@@ -534,7 +535,7 @@ class Checkpointer:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(False))
             return {"model": te_to_plain_state_dict(model_sd), "optimizer": optim_sd}
 
-        found = load_newest(self.out_dir, sharded_template, warn)
+        found = load_newest(self.out_dir, lambda path: load(path, sharded_template), warn)
         if found is None:
             raise UsageError(f"--resume: no usable checkpoint in {self.out_dir}")
         path, meta, tensors = found

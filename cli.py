@@ -21,6 +21,21 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def int_or_auto(text: str) -> int | str:
+    """A flag's value that is a whole number or the word auto (--batch-size, data.py's --val-tokens)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error from another library, for a one-line message; its type when it says nothing."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 def report_error(error) -> int:
     """Print the one-line error; returns the exit code for it."""
     print(f"error: {error}", file=sys.stderr)

@@ -32,7 +32,7 @@ import memory
 import rundir
 import sizing
 from checkpoint import changed_keys
-from cli import ArgumentParser, UsageError
+from cli import ArgumentParser, UsageError, int_or_auto
 from fp8 import FP8Config
 from hardware import DEVICES, DTYPES
 from model import INIT_ONLY_FIELDS, ModelConfig
@@ -47,15 +47,6 @@ def option(default, help, **metadata):
     return field(default=default, metadata={"help": help, **metadata})
 
 
-def batch_size_flag(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
-
-
 # ----------------------------------------------------------------------------- the sections
 
 
@@ -67,7 +58,7 @@ class DataConfig:
                                     "corpus, tokenized once and cached)")
     batch_size: int | str = option(16, "micro-batch size in sequences, or auto (CUDA): the largest that fits in "
                                        "memory, with --grad-accum derived so that --total-batch-tokens stays exact",
-                                   type=batch_size_flag)
+                                   type=int_or_auto)
     grad_accum: int = option(1, "micro-batches per optimizer step")
     allow_data_change: bool = option(False, "--resume on shards that differ from the ones the checkpoint trained "
                                             "on (without it such a resume is refused)")

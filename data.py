@@ -10,7 +10,6 @@ data.json records the tokenizer (name, n_vocab, end-of-text id) and the counts; 
     python data.py --input corpus.txt --out data/mine          # then: python train.py --data data/mine
 """
 
-import argparse
 import bisect
 import collections
 import functools
@@ -37,7 +36,7 @@ import numpy as np
 import tiktoken
 import torch
 
-from cli import ArgumentParser, UsageError, report_error
+from cli import ArgumentParser, UsageError, first_line, int_or_auto, report_error
 from progress import Progress
 
 
@@ -152,7 +151,7 @@ def _load_encoding(name: str) -> tiktoken.Encoding:
             return tiktoken.get_encoding(name)
         except Exception as e:
             raise DataError(f"could not load tokenizer {name!r} (tiktoken downloads it on first use): "
-                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                            f"{first_line(e)}") from None
     path = _r50k_cache_path(_tiktoken_cache_dir())
     if _sha256_of(path) != R50K_SHA256:
         _seed_gpt2_ranks(path)
@@ -395,7 +394,7 @@ def _saved_pieces(path: str, kind: str, split: str | None):
     try:
         ds = datasets.load_from_disk(path)
     except Exception as e:
-        raise DataError(f"{path}: could not load the save_to_disk {kind} ({_first_line(e)})") from None
+        raise DataError(f"{path}: could not load the save_to_disk {kind} ({first_line(e)})") from None
     if isinstance(ds, datasets.DatasetDict):
         split = split or "train"
         if split not in ds:
@@ -412,10 +411,6 @@ def _saved_pieces(path: str, kind: str, split: str | None):
             for batch in ds.select_columns(["text"]).iter(batch_size=1024) for text in batch["text"])
 
 
-def _first_line(error: Exception) -> str:
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
-
-
 def _hf_pieces(source: str, config: str | None = None, split: str = "train"):
     """A Hugging Face hub dataset NAME (or NAME:CONFIG, the older spelling of --hf-config), its split, streamed.
     Set HF_HUB_OFFLINE=1 to use only the local cache."""
@@ -429,7 +424,7 @@ def _hf_pieces(source: str, config: str | None = None, split: str = "train"):
         ds = datasets.load_dataset(name, config, split=split, streaming=True)
     except Exception as e:
         what = f"{name!r}" + (f" (config {config!r}, split {split!r})" if config else f" (split {split!r})")
-        raise DataError(f"could not load Hugging Face dataset {what}: {_first_line(e)}") from None
+        raise DataError(f"could not load Hugging Face dataset {what}: {first_line(e)}") from None
     return ((_text_of(record, f"dataset {name}"), True) for record in ds)
 
 
@@ -817,7 +812,7 @@ def data_record(data_dir: str) -> dict | None:
         except FileNotFoundError:
             continue
         except (OSError, ValueError) as e:
-            raise DataError(f"{path}: cannot read the data record ({_first_line(e)})") from None
+            raise DataError(f"{path}: cannot read the data record ({first_line(e)})") from None
         if not isinstance(record, dict) or not isinstance(record.get("tokenizer"), str):
             if name == CORPUS_MARKER:
                 continue  # some other tool's complete.json
@@ -1286,16 +1281,6 @@ class ShardLoader:
 # CLI
 
 
-def _val_tokens_arg(text: str) -> int | None:
-    """--val-tokens: "auto" (None) or a count."""
-    if text == "auto":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected auto or a number of tokens, got {text!r}") from None
-
-
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(
         description="Tokenize a corpus into llm.c-format token shards: OUT/val_000000.bin and "
@@ -1312,7 +1297,7 @@ def build_parser() -> ArgumentParser:
                         help="tiktoken encoding; gpt2 (default) works offline via the package index")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
                         help="tokens per train shard (default: %(default)s)")
-    parser.add_argument("--val-tokens", type=_val_tokens_arg, default=None, metavar="N|auto",
+    parser.add_argument("--val-tokens", type=int_or_auto, default="auto", metavar="N|auto",
                         help=f"tokens for the validation shard. auto (default): the last "
                              f"{VAL_PER_MILLE / 10:g}%% of the corpus, at least {MIN_VAL_TOKENS:,} (one eval "
                              f"batch of 16 x 1,024, plus 1) and at most {MAX_VAL_TOKENS:,}; N: the first N tokens")
@@ -1330,7 +1315,8 @@ def build_parser() -> ArgumentParser:
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        prepare(args.input, args.out, args.tokenizer, args.shard_tokens, args.val_tokens,
+        val_tokens = None if args.val_tokens == "auto" else args.val_tokens
+        prepare(args.input, args.out, args.tokenizer, args.shard_tokens, val_tokens,
                 max_tokens=args.max_tokens, hf_config=args.hf_config, hf_split=args.hf_split)
     except (UsageError, DataError, ValueError, OSError) as e:
         return report_error(e)

@@ -28,7 +28,7 @@ import torch
 
 import distributed
 import hardware
-from cli import UsageError
+from cli import UsageError, first_line
 from data import ShardLoader, get_tokenizer
 from model import IGNORE_INDEX
 from progress import Progress
@@ -140,8 +140,7 @@ def _hub_rows(name: str, limit: int | None):
     try:
         ds = datasets.load_dataset(name, split="validation" if limit is None else f"validation[:{limit}]")
     except Exception as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UsageError(f"could not load HellaSwag {name!r} from the Hugging Face hub ({first}); offline, "
+        raise UsageError(f"could not load HellaSwag {name!r} from the Hugging Face hub ({first_line(e)}); offline, "
                          "pass --hellaswag-path FILE.jsonl or .parquet") from None
     return ((f"{name} validation row {i}", row) for i, row in enumerate(ds))
 

@@ -28,7 +28,7 @@ import tempfile
 import torch
 
 import checkpoint
-from cli import ArgumentParser, UsageError, report_error
+from cli import ArgumentParser, UsageError, first_line, report_error
 from checkpoint import CheckpointError
 from data import DataError, get_tokenizer
 from fp8 import te_to_plain_state_dict
@@ -268,12 +268,10 @@ def read_newest_checkpoint(run_dir: str, warn) -> tuple[str, ModelConfig, dict]:
     """(path, config, weights) of the newest checkpoint of a train.py --out-dir that verifies and loads, either
     format. As a resume does (checkpoint.load_newest), each damaged or foreign one on the way is reported
     through warn and skipped, never deleted. CheckpointError (one line) when none is left."""
+    newest = checkpoint.load_newest(run_dir, read_checkpoint, warn)
+    if newest is not None:
+        return newest
     candidates = checkpoint.list_checkpoints(run_dir)
-    for path in reversed(candidates):
-        try:
-            return (path, *read_checkpoint(path))
-        except CheckpointError as e:
-            warn(f"warning: skipping checkpoint: {e}")
     found = f"none of its {len(candidates)} checkpoints verifies and loads" if candidates else "it holds no checkpoint"
     best = _verified_best(run_dir)
     hint = f"; its best-val-loss checkpoint {best} verifies: pass that path" if best else ""
@@ -323,7 +321,7 @@ def load_hf(directory: str) -> tuple[ModelConfig, dict]:
         try:
             hf_state.update(load_file(path))
         except Exception as e:  # safetensors' own error type differs between its versions
-            raise ValueError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            raise ValueError(f"cannot read {path}: {first_line(e)}") from None
     try:
         check_hf_weights(config, hf_state)
     except ValueError as e:
