@@ -26,8 +26,9 @@ Writes are atomic (temporary name, fsync, rename) and carry sha256 checksums (ck
 file, checksums.json inside a directory), so a resume can skip a damaged checkpoint for the one before.
 
 The training state (Checkpointer): the model and optimizer; the meta holds the data loader's position, the
-RNG states, the step, the model config and the run's whole config, and the fault-tolerance state
-(resilience.Guard: LR scale, loss health, early stopping). The Checkpointer also decides when to save.
+RNG states, the step, the model config and the run's whole config, the LR multiplier of the last step, and
+the fault-tolerance state (resilience.Guard: LR scale, loss health, early stopping). The Checkpointer also
+decides when to save.
 """
 
 import argparse
@@ -52,6 +53,7 @@ from cli import ArgumentParser, UsageError, report_error
 from data import data_change
 from fp8 import plain_to_te_state_dict, te_to_plain_state_dict
 from model import INIT_ONLY_FIELDS
+from optim import apply_group_settings, current_multiplier, group_settings
 
 CHECKPOINT_VERSION = 1
 META_FILE = "meta.pt"
@@ -436,12 +438,14 @@ def tokens_trained(meta: dict, tokens_per_step: int) -> int:
     return meta.get("tokens", meta["step"] * tokens_per_step)
 
 
-def prunable(checkpoints: list[str], written: int, keep: int) -> list[str]:
-    """Which of `checkpoints` (oldest first) to delete once step `written` is safely on disk: the oldest of
-    those before it, so that `keep` remain counting the new one. Never one after it: a checkpoint with a
-    higher step is not this run's past (a damaged one skipped at resume, say), and deleting by step number
-    alone would delete each new checkpoint as soon as it is written."""
-    older = [path for path in checkpoints if checkpoint_step(path) < written]
+def prunable(checkpoints: list[str], written: int, keep: int, good) -> list[str]:
+    """Which of `checkpoints` (oldest first) to delete once step `written` is safely on disk: the oldest of the
+    good ones before it (good(path): it verifies), so that `keep` good ones remain counting the new one. A
+    damaged one is never deleted (the user may want to look at it) and never counts: it cannot be resumed
+    from. Never one after it either: a checkpoint with a higher step is not this run's past (a damaged one
+    skipped at resume, say), and deleting by step number alone would delete each new checkpoint as soon as it
+    is written."""
+    older = [path for path in checkpoints if checkpoint_step(path) < written and good(path)]
     return older[:max(len(older) - (keep - 1), 0)]
 
 
@@ -476,6 +480,9 @@ class Checkpointer:
         self.data_id, self.allow_data_change = data_id, allow_data_change
         self.check_run_config = check_run_config
         self.sharded = info.mode == "fsdp"
+        # path -> whether it verifies, for pruning: known for what this process wrote or restore() tried, and
+        # checked (a full read) at most once for the others.
+        self.verified: dict[str, bool] = {}
 
     @property
     def best_path(self) -> str:
@@ -499,7 +506,7 @@ class Checkpointer:
                 "world_size": self.info.world_size, "loader": loader.state_dict(),
                 "data": self.data_id, "rng": rng_state(),
                 "model_config": dataclasses.asdict(self.model_cfg), "train_config": self.run_config,
-                **guard.state_dict()}
+                "lr_multiplier": current_multiplier(optimizer), **guard.state_dict()}
         path = checkpoint_path(self.out_dir, done, self.sharded) if regular else self.best_path
         is_main = self.info.is_main
         if self.sharded:
@@ -511,14 +518,33 @@ class Checkpointer:
             if regular and best:
                 link(path, self.best_path)
             if regular:
-                for old in prunable(list_checkpoints(self.out_dir), done, self.keep):
+                self.verified[path] = True
+                for old in prunable(list_checkpoints(self.out_dir), done, self.keep, self.verifies):
                     remove(old)
+                    del self.verified[old]
         distributed.barrier(self.info)
+
+    def link_best(self, done: int) -> None:
+        """Make step `done`'s regular checkpoint, already written, the best one too: save(best=True) after the
+        fact, without gathering or writing the state again."""
+        if self.info.is_main:
+            link(checkpoint_path(self.out_dir, done, self.sharded), self.best_path)
+        distributed.barrier(self.info)
+
+    def verifies(self, path: str) -> bool:
+        if path not in self.verified:
+            try:
+                verify(path)
+                self.verified[path] = True
+            except CheckpointError:
+                self.verified[path] = False
+        return self.verified[path]
 
     def restore(self, model, optimizer, loader, warn) -> dict:
         """Load the newest good checkpoint (either format, any world size) into the live objects; -> its meta,
         whose fault-tolerance part the caller hands to its Guard. Damaged checkpoints (checksum mismatch,
-        truncation) are reported through `warn` and skipped for the one before."""
+        truncation) are reported through `warn` and skipped for the one before. The optimizer gets the
+        checkpoint's state and keeps its own settings: a resume trains with the flags it was given."""
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         def check_config(meta) -> list[str]:
@@ -535,9 +561,17 @@ class Checkpointer:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(False))
             return {"model": te_to_plain_state_dict(model_sd), "optimizer": optim_sd}
 
-        found = load_newest(self.out_dir, lambda path: load(path, sharded_template), warn)
+        def read(path):
+            self.verified[path] = False  # until it has loaded: what load refuses, pruning must not delete
+            loaded = load(path, sharded_template)
+            self.verified[path] = True
+            return loaded
+
+        found = load_newest(self.out_dir, read, warn)
         if found is None:
-            raise UsageError(f"--resume: no usable checkpoint in {self.out_dir}")
+            why = (": each one is damaged or not this trainer's (named above); to start over, move them aside or "
+                   "pass --overwrite instead of --resume") if list_checkpoints(self.out_dir) else ""
+            raise UsageError(f"--resume: no usable checkpoint in {self.out_dir}{why}")
         path, meta, tensors = found
         changes = check_config(meta)  # before any state is loaded: a refusal leaves the objects as they were
         self.check_resumable(meta, tensors)
@@ -545,8 +579,10 @@ class Checkpointer:
             warn(f"note: resuming with a setting changed since the checkpoint: {change}")
         sharded = os.path.isdir(path)
         tensors["model"] = for_backend(tensors["model"], model.backend)
+        settings = group_settings(optimizer)  # the checkpoint's state, but this run's settings (LRs, betas, ...)
         set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"],
                        options=state_dict_options(full=not sharded))
+        apply_group_settings(optimizer, settings)
         loader.load_state_dict(meta["loader"])
         set_rng_state(meta["rng"])
         return meta

@@ -5,6 +5,7 @@ No usage dump and no traceback; a traceback means a bug in this repository.
 
 import argparse
 import os
+import signal
 import sys
 import time
 
@@ -40,6 +41,17 @@ def report_error(error) -> int:
     """Print the one-line error; returns the exit code for it."""
     print(f"error: {error}", file=sys.stderr)
     return 2
+
+
+def closed_stdout() -> int:
+    """For an entry point whose stdout reader stopped early (`| head`): no traceback, and the exit status of
+    a program SIGPIPE stopped, 128 + 13, which the shell reports for `yes` in `yes | head` (0 would claim that
+    all of the output was read; `set -o pipefail` scripts tell the two apart). stdout goes to /dev/null first:
+    the interpreter flushes it once more at exit, which would fail again, with a message of its own."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
 
 
 def report_startup_error(error) -> int:

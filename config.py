@@ -16,6 +16,7 @@ in BatchLayout and max_steps(). A Config is not changed after start-up.
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import netrc
@@ -36,7 +37,7 @@ from cli import ArgumentParser, UsageError, int_or_auto
 from fp8 import FP8Config
 from hardware import DEVICES, DTYPES
 from model import INIT_ONLY_FIELDS, ModelConfig
-from optim import OptimConfig
+from optim import OptimConfig, lr_multiplier
 from sizing import SizeConfig
 
 PROFILE_WAIT, PROFILE_ACTIVE = 5, 3  # torch.profiler: steps skipped, then steps traced (telemetry.py)
@@ -87,6 +88,9 @@ class ScheduleConfig:
                                         "--batch-warmup-start of itself to all of it over this many steps, in whole "
                                         "micro-steps (needs grad accumulation to ramp; 0: off)")
     batch_warmup_start: float = option(0.25, "the batch warm-up's first step, as a fraction of the global batch")
+    allow_lr_rewarm: bool = option(False, "--resume with a schedule that raises the LR again once its decay has "
+                                          "begun (a finished run given a larger --max-steps, say); without it such "
+                                          "a resume is refused")
 
 
 @dataclass
@@ -266,7 +270,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 ALTERNATIVES = ((("data.total_batch_tokens", "--total-batch-tokens"), ("data.grad_accum", "--grad-accum")),
                 (("schedule.max_tokens", "--max-tokens"), ("schedule.max_steps", "--max-steps")))
 # Settings of one invocation rather than of the run: not written to OUT/config.toml, not compared on resume.
-INVOCATION_KEYS = ("ckpt.resume", "ckpt.overwrite", "speed.estimate_memory", "speed.target_gpu")
+INVOCATION_KEYS = ("ckpt.resume", "ckpt.overwrite", "speed.estimate_memory", "speed.target_gpu",
+                   "schedule.allow_lr_rewarm")
 
 
 def explicit_values(flags: dict, from_file: dict) -> dict:
@@ -289,22 +294,22 @@ def parse_args(argv=None, description: str | None = None, check_machine: bool = 
     flags = vars(build_parser(description).parse_args(argv))
     config_file = flags.pop("config_file", None)
     given = explicit_values(flags, read_config_file(config_file) if config_file else {})
-    if given.get("model.max_seq_len", 1) < 1:  # the size dial divides by it
-        raise UsageError(f"--seq-len must be >= 1, got {given['model.max_seq_len']}")
     if given.get("schedule.max_tokens", 1) < 1:  # 0 is the field's "unset", not a length a user can ask for
         raise UsageError(f"--max-tokens must be >= 1, got {given['schedule.max_tokens']}")
-    try:
-        SizeConfig(**{key[5:]: v for key, v in given.items() if key.startswith("size.")}).validate()
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    values = {**sizing.resolve(given, DataConfig.batch_size), **given}
+    as_given = _config(given)
+    _refuse([*_integer_problems(as_given), *_dial_problems(as_given)])
+    cfg = _config({**sizing.resolve(given, DataConfig.batch_size), **given})
+    validate(cfg, check_machine and not cfg.speed.estimate_memory)
+    return cfg
+
+
+def _config(values: dict) -> Config:
+    """A Config of these "section.field" values and the defaults, unchecked."""
     sections = {}
     for section in dataclasses.fields(Config):
         fields = {key.split(".", 1)[1]: v for key, v in values.items() if key.split(".", 1)[0] == section.name}
         sections[section.name] = section.default_factory(**fields)
-    cfg = Config(**sections)
-    validate(cfg, check_machine and not cfg.speed.estimate_memory)
-    return cfg
+    return Config(**sections)
 
 
 def to_dict(cfg: Config) -> dict:
@@ -370,7 +375,8 @@ def _toml_value(value) -> str:
 
 def to_toml(cfg: Config) -> str:
     """The resolved configuration as a --config file: every field, derived ones included, so that the file
-    alone reproduces the run. Unset fields (None) are comments: TOML has no null."""
+    alone reproduces the run. Unset fields (None) are comments: TOML has no null. Its second line is the
+    digest of the others (hand_edited)."""
     lines = ["# The resolved configuration of a run: `python train.py --config THIS_FILE` repeats it."]
     flat = flat_values(cfg)
     # Of two alternatives, the file holds the one in use: the token count when it is set, else the other.
@@ -381,15 +387,82 @@ def to_toml(cfg: Config) -> str:
             if f"{section}.{key}" in (*INVOCATION_KEYS, *unused):
                 continue
             lines.append(f"# {key}: unset" if value is None else f"{key} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n"
+    title, rest = text.split("\n", 1)
+    return f"{title}\n{DIGEST_LINE}{settings_digest(text)} (of the other lines: a resume notices an edit)\n{rest}"
+
+
+# Starts the line of a file to_toml wrote that carries the digest of its other lines.
+DIGEST_LINE = "# settings digest: "
+
+
+def settings_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def hand_edited(text: str) -> bool:
+    """Whether a file that to_toml wrote was changed since: its lines other than the digest's no longer have
+    that digest. A file without one (written before files carried it, or by hand) is not."""
+    lines = text.splitlines(keepends=True)
+    found = [i for i, line in enumerate(lines) if line.startswith(DIGEST_LINE)]
+    if not found:
+        return False
+    digest = lines[found[0]][len(DIGEST_LINE):].split(" ", 1)[0].strip()
+    return digest != settings_digest("".join(lines[:found[0]] + lines[found[0] + 1:]))
+
+
+def check_config_edits(path: str, cfg: Config, command_line: dict) -> None:
+    """UsageError when OUT/config.toml (path), which this run is about to replace, was edited by hand
+    (hand_edited) and this run would drop the edits: its --config is not that file, and the file has values
+    that are not this run's, for settings its flags leave alone. command_line: the invocation's flags as
+    build_parser parses them ("section.field", and "config_file" for --config). The message names those
+    values, or says the file no longer reads as a config."""
+    config_file = command_line.get("config_file")
+    applied = config_file and os.path.isfile(config_file) and os.path.samefile(path, config_file)
+    if applied or not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            edited = hand_edited(f.read())
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{path} cannot be read ({getattr(e, 'strerror', None) or e}); this run replaces it: "
+                         "move it aside") from None
+    if not edited:
+        return
+    try:
+        now, values = flat_values(cfg), read_config_file(path)
+        dropped = [f"{key} = {_toml_value(value)}" for key, value in values.items()
+                   if now[key] != value and key not in command_line]
+        if not dropped:
+            return
+        edits = f"this run does not apply {', '.join(dropped)}"
+    except UsageError as e:
+        edits = f"no longer reads as a config ({str(e).removeprefix(f'--config {path}: ')})"
+    resume = {"on": " --resume", "auto": " --resume auto"}.get(cfg.ckpt.resume, "")
+    raise UsageError(f"{path} was edited by hand and {edits}; pass --config {path}{resume} to apply the edits, or "
+                     "undo them")
+
+
+def stage_config(cfg: Config, resume: bool, command_line: dict) -> str:
+    """Write the run's OUT/config.toml under a temporary name -> that name (rundir.replace_outputs renames it
+    into place), unless the file there holds edits this run would drop (check_config_edits). A fresh run with
+    --overwrite replaces the earlier run, its config.toml with the rest."""
+    path = os.path.join(cfg.ckpt.out_dir, rundir.CONFIG_FILE)
+    if resume or not cfg.ckpt.overwrite:
+        check_config_edits(path, cfg, command_line)
+    write_config(cfg, f"{path}.tmp")
+    return f"{path}.tmp"
 
 
 def write_config(cfg: Config, path: str) -> None:
-    """OUT/config.toml, replaced atomically (a crash leaves the old file or the new one)."""
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(to_toml(cfg))
-    os.replace(tmp, path)
+    """cfg as a --config file (to_toml) at path, on disk when this returns."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(to_toml(cfg))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def check_resume(saved: dict, cfg: Config) -> list[str]:
@@ -424,20 +497,54 @@ def validate(cfg: Config, check_machine: bool = False) -> None:
             check()
         except ValueError as e:
             problems.append(str(e))
+    _refuse(problems)
+
+
+def _refuse(problems: list[str]) -> None:
+    """UsageError with one line naming every problem, if there is one."""
     if len(problems) == 1:
         raise UsageError(problems[0])
     if problems:
         raise UsageError(f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
 
 
+def _flag_values(*sections):
+    """(flag, value) of every field of these config sections."""
+    for values in sections:
+        for f in dataclasses.fields(values):
+            yield flag_name(f), getattr(values, f.name)
+
+
 def _finite_problems(cfg: Config):
     """Every float flag: nan and inf pass every comparison below unnoticed (nan < 0 is False)."""
-    for section in dataclasses.fields(cfg):
-        values = getattr(cfg, section.name)
-        for f in dataclasses.fields(values):
-            value = getattr(values, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                yield f"{flag_name(f)} must be a finite number, got {value}"
+    for flag, value in _flag_values(*vars(cfg).values()):
+        if isinstance(value, float) and not math.isfinite(value):
+            yield f"{flag} must be a finite number, got {value}"
+
+
+def _integer_problems(cfg: Config):
+    """Every integer flag, as given: no tensor, file format or C library takes more than 64 bits, and the size
+    checks' float arithmetic (parameters x 4 bytes / 2**30) overflows long before Python's ints do. Checked
+    before the size dial, whose derived values (tokens of a huge model) may rightly be larger."""
+    for flag, value in _flag_values(*vars(cfg).values()):
+        if type(value) is int and not -2**63 <= value < 2**63:
+            yield f"{flag} must be a 64-bit integer, in [-2**63, 2**63), got {value}"
+
+
+def _dial_problems(cfg: Config):
+    """The size dial's own ranges, and when it runs (--depth, --preset), the sizes it computes with, as given,
+    checked before it does: a width of 0 divides by zero, a negative one makes a negative parameter count.
+    validate checks the sizes again, with everything else."""
+    try:
+        cfg.size.validate()
+    except ValueError as e:
+        yield str(e)
+    if cfg.size.depth is None and cfg.size.preset is None:
+        return
+    sizes = [(flag, value) for flag, value in _flag_values(cfg.model) if type(value) is int]
+    if cfg.data.batch_size != "auto":
+        sizes.append(("--batch-size", cfg.data.batch_size))
+    yield from (f"{flag} must be >= 1, got {value}" for flag, value in sizes if value < 1)
 
 
 def _range_problems(cfg: Config):
@@ -623,6 +730,42 @@ def resume_layout(cfg: Config, layout: BatchLayout, meta: dict, warn) -> BatchLa
     warn(f"note: resuming on {layout.world_size} ranks (the checkpoint ran on {saved_world}): grad accumulation "
          f"{layout.grad_accum} -> {resumed.grad_accum} keeps the global batch of {saved:,} tokens/step")
     return resumed
+
+
+# The settings the LR of a step depends on: the peak, the schedule, and the run's length in steps.
+LR_KEYS = ("optim.lr", "schedule.max_steps", "schedule.max_tokens", "schedule.warmup", "schedule.schedule",
+           "schedule.min_lr_ratio", "schedule.decay_frac", "schedule.batch_warmup_steps",
+           "schedule.batch_warmup_start", *BATCH_KEYS)
+# A resumed LR at most this factor above the checkpoint's is no re-warm: a rounding, or a negligible change.
+REWARM_TOLERANCE = 1.01
+
+
+def resume_lr(cfg: Config, meta: dict, max_steps: int) -> str | None:
+    """What a resume with a changed LR setting (LR_KEYS) does to the LR: a note "the LR goes from X at the
+    checkpoint (step N) to Y at the next step", or None when none changed or the checkpoint predates its
+    recorded "lr_multiplier". UsageError for a re-warm (is_rewarm) unless --allow-lr-rewarm. The LRs are those
+    --lr is the peak of, with the fault-tolerance LR scale the resumed run keeps (meta "lr_scale")."""
+    saved, now = flat_dict(meta.get("train_config", {})), flat_values(cfg)
+    multiplier = meta.get("lr_multiplier")
+    if multiplier is None or not any(key in saved and saved[key] != now[key] for key in LR_KEYS):
+        return None
+    s, step, scale = cfg.schedule, meta["step"], meta["lr_scale"]
+    old = saved["optim.lr"] * multiplier
+    new = cfg.optim.lr * scale * lr_multiplier(step, max_steps, s.warmup, s.schedule, s.min_lr_ratio, s.decay_frac)
+    effect = f"the LR goes from {old:.3g} at the checkpoint (step {step}) to {new:.3g} at the next step"
+    if not s.allow_lr_rewarm and is_rewarm(step, saved["schedule.warmup"], multiplier / scale, old, new):
+        raise UsageError(f"--resume: {effect}, up again after its decay had begun; resume from a checkpoint from "
+                         "before the decay, or pass --allow-lr-rewarm to re-warm it")
+    return f"note: {effect}"
+
+
+def is_rewarm(step: int, warmup: int, schedule_multiplier: float, old_lr: float, new_lr: float) -> bool:
+    """Whether a resume at `step` re-warms the LR: the checkpoint was past its warm-up (`warmup` steps) and
+    decaying (its schedule's multiplier at its last step below 1), and the LR of the next step is more than
+    REWARM_TOLERANCE times the checkpoint's. In the warm-up the LR rises anyway; in a WSD run's stable phase it
+    has not decayed, so a higher --lr there is a new peak, not a re-warm."""
+    decaying = step > warmup and schedule_multiplier < 1 and not math.isclose(schedule_multiplier, 1)
+    return decaying and new_lr > REWARM_TOLERANCE * old_lr
 
 
 def flat_dict(nested: dict, prefix: str = "") -> dict:

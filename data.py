@@ -11,6 +11,7 @@ data.json records the tokenizer (name, n_vocab, end-of-text id) and the counts; 
 """
 
 import bisect
+import codecs
 import collections
 import functools
 import glob
@@ -22,6 +23,7 @@ import queue
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -278,7 +280,23 @@ def _text_pieces(path: str):
     if replacements:  # rare, so only then is the file read again, to tell the two apart
         invalid = replacements - _count_in_file(path, "\ufffd".encode())
         if invalid:
-            print(f"warning: {path}: {invalid:,} invalid UTF-8 sequences replaced with U+FFFD", file=sys.stderr)
+            print(f"warning: {path}: {invalid:,} invalid UTF-8 sequences replaced with U+FFFD, the first at line "
+                  f"{_first_invalid_line(path)}", file=sys.stderr)
+
+
+def _first_invalid_line(path: str, block: int = 1 << 24) -> int | None:
+    """The line (from 1) of the file's first invalid UTF-8 sequence, read a block at a time; None if it has none."""
+    decoder, line = codecs.getincrementaldecoder("utf-8")(), 1
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(block)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:  # e.object: the bytes held back from the last block, then this one
+                return line + e.object.count(b"\n", 0, e.start)
+            if not chunk:
+                return None
+            line += chunk.count(b"\n")
 
 
 def _text_of(record, where: str) -> str:
@@ -289,8 +307,12 @@ def _text_of(record, where: str) -> str:
 
 
 def _jsonl_pieces(path: str):
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # decoded a line at a time, so that invalid UTF-8 is reported at its line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start + 1} of the line)") from None
             if line.strip():
                 try:
                     record = json.loads(line)
@@ -531,7 +553,7 @@ def _encode(pieces, enc: tiktoken.Encoding):
         pool.shutdown(cancel_futures=True)
 
 
-# --val-tokens auto: the val split is the last 0.5% of the corpus, within these bounds.
+# --val-tokens auto: the val split is the first 0.5% of the corpus, within these bounds.
 VAL_PER_MILLE = 5
 MAX_VAL_TOKENS = 1_000_000  # plenty for a steady val loss, and what a default eval can use; 200M tokens reach it
 # The least auto val split: one micro-batch at train.py's defaults (--batch-size 16 of --seq-len 1,024) plus one
@@ -567,12 +589,24 @@ class _ShardWriter:
         self.pending.append(tokens)
         self.n_pending += len(tokens)
 
-    def write(self, split: str, n: int) -> None:
+    def _path(self, split: str, index: int) -> str:
+        return os.path.join(self.out_dir, f"{split}_{index:06d}.bin")
+
+    def write(self, split: str, n: int, skip: int = 0) -> None:
+        """Write pending tokens [skip, skip + n) as the split's next shard; the others stay pending, in order."""
         self.wait()  # the previous shard is on disk (or its error is raised here), its memory free
         buf = np.concatenate(self.pending)
-        path = os.path.join(self.out_dir, f"{split}_{len(self.counts[split]):06d}.bin")
-        self.writing = self.pool.submit(write_shard, path, buf[:n], self.n_vocab)
+        path = self._path(split, len(self.counts[split]))
+        self.writing = self.pool.submit(write_shard, path, buf[skip:skip + n], self.n_vocab)
         self.counts[split].append(n)
+        self.pending, self.n_pending = [buf[:skip], buf[skip + n:]], len(buf) - n
+
+    def prepend(self, split: str, n: int) -> None:
+        """Put the first n pending tokens in front of the split's first shard, which is written anew."""
+        self.wait()
+        buf, path = np.concatenate(self.pending), self._path(split, 0)
+        write_shard(path, np.concatenate([buf[:n], read_shard(path)]), self.n_vocab)
+        self.counts[split][0] += n
         self.pending, self.n_pending = [buf[n:]], len(buf) - n
 
     def wait(self) -> None:
@@ -585,11 +619,12 @@ class _ShardWriter:
 
 def _flush(shards: _ShardWriter, shard_tokens: int, val_tokens: int | None) -> None:
     """Write the shards that the pending tokens complete. An explicit val_tokens: the first val_tokens tokens
-    go to val, then train shards follow. Auto (None): the val split is the corpus's last tokens, and how many
-    is known only at the end, so MAX_VAL_TOKENS always stay pending."""
+    go to val, then train shards follow. Auto (None): the val split is the corpus's first tokens, and how many
+    is known only at the end, so the first MAX_VAL_TOKENS stay pending and train shards are written from there
+    on; _finish puts what val leaves of them in front of the first train shard."""
     if val_tokens is None:
-        while shards.n_pending >= shard_tokens + MAX_VAL_TOKENS:
-            shards.write("train", shard_tokens)
+        while shards.n_pending >= MAX_VAL_TOKENS + shard_tokens:
+            shards.write("train", shard_tokens, skip=MAX_VAL_TOKENS)
         return
     while True:
         split, size = ("val", val_tokens) if val_tokens and not shards.counts["val"] else ("train", shard_tokens)
@@ -599,24 +634,29 @@ def _flush(shards: _ShardWriter, shard_tokens: int, val_tokens: int | None) -> N
 
 
 def _finish(shards: _ShardWriter, shard_tokens: int, val_tokens: int | None, desc: str) -> None:
-    """Write what is still pending: the last train shard; under auto the rest of train and then val, the last
-    default_val_tokens(total) tokens. DataError when no train token is left."""
+    """Write what is still pending. Auto (None): val is the first default_val_tokens(total) tokens; if train
+    shards were written past the held MAX_VAL_TOKENS, the held tokens after val go in front of the first of
+    them, so train starts right after val either way. Then the last train shard. DataError when no train
+    token is left."""
     total = shards.total
-    if val_tokens is not None:
-        if (val_tokens and not shards.counts["val"]) or (shards.n_pending == 0 and not shards.counts["train"]):
-            raise DataError(f"{desc} has only {total:,} tokens, not more than --val-tokens {val_tokens:,}; "
-                            f"lower --val-tokens")
-        if shards.n_pending:
-            shards.write("train", shards.n_pending)
-        return
-    val = default_val_tokens(total)
-    if total <= val:
-        raise DataError(f"{desc} has only {total:,} tokens: --val-tokens auto keeps at least {MIN_VAL_TOKENS:,} "
-                        f"for val (one eval batch of 16 x 1,024, plus 1) and leaves none for train; "
-                        f"give a smaller --val-tokens N")
-    while shards.n_pending > val:
-        shards.write("train", min(shards.n_pending - val, shard_tokens))
-    shards.write("val", val)
+    if val_tokens is None:
+        val = default_val_tokens(total)
+        if total <= val:
+            raise DataError(f"{desc} has only {total:,} tokens: --val-tokens auto keeps at least "
+                            f"{MIN_VAL_TOKENS:,} for val (one eval batch of 16 x 1,024, plus 1) and leaves none "
+                            f"for train; give a smaller --val-tokens N")
+        if shards.counts["train"]:
+            shards.write("val", val)
+            if val < MAX_VAL_TOKENS:
+                shards.prepend("train", MAX_VAL_TOKENS - val)
+        else:  # all still pending: the shards of --val-tokens val
+            _flush(shards, shard_tokens, val)
+        val_tokens = val
+    if (val_tokens and not shards.counts["val"]) or (shards.n_pending == 0 and not shards.counts["train"]):
+        raise DataError(f"{desc} has only {total:,} tokens, not more than --val-tokens {val_tokens:,}; "
+                        f"lower --val-tokens")
+    if shards.n_pending:
+        shards.write("train", shards.n_pending)
 
 
 def _val_summary(val_tokens: int | None, val: int, total: int) -> str:
@@ -629,7 +669,7 @@ def _val_summary(val_tokens: int | None, val: int, total: int) -> str:
         why = f"the least: one eval batch of 16 x 1,024, plus 1; {val / total:.1%} of the corpus"
     else:
         why = f"the cap; {val / total:.2%} of the corpus"
-    return f"val: last {val:,} tokens ({why}, --val-tokens auto)"
+    return f"val: first {val:,} tokens ({why}, --val-tokens auto)"
 
 
 def _summary(stats: dict, val_tokens: int | None, max_tokens: int | None) -> str:
@@ -645,9 +685,10 @@ def _summary(stats: dict, val_tokens: int | None, max_tokens: int | None) -> str
 
 def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_tokens: int | None, desc: str,
            max_tokens: int | None = None, tokenizer: str | None = None) -> dict:
-    """Tokenize pieces into out_dir: val_000000.bin (val_tokens a number: the first val_tokens tokens; None:
-    the last default_val_tokens(total)) and train_*.bin of shard_tokens each, at most max_tokens in all; then
-    the record (DATA_RECORD), last, so that it describes only shards that are all on disk. -> the record."""
+    """Tokenize pieces into out_dir: val_000000.bin (the first val_tokens tokens; None: the first
+    default_val_tokens(total)) and train_*.bin of shard_tokens each (under auto the first one may hold up to
+    MAX_VAL_TOKENS more: _finish), at most max_tokens in all; then the record (DATA_RECORD), last, so that it
+    describes only shards that are all on disk. -> the record."""
     t0 = time.time()
     shards, documents = _ShardWriter(out_dir, enc.n_vocab), 0
     progress = Progress(max_tokens, desc, unit="tok", unit_scale=True)
@@ -663,18 +704,18 @@ def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_
             _flush(shards, shard_tokens, val_tokens)
             if shards.total == max_tokens:
                 break
-        progress.close()
         if documents == 0:
             raise DataError(f"no documents found in {desc}")
         _finish(shards, shard_tokens, val_tokens, desc)
         shards.wait()
     finally:  # no thread is left encoding or writing, even after an error (callers may delete out_dir)
+        progress.close()  # also before an error's line, which must not land on the progress bar's
         encoded.close()
         shards.close()
     counts = shards.counts
     stats = {"documents": documents, "tokens": sum(counts["val"]) + sum(counts["train"]),
              "val_tokens": sum(counts["val"]), "train_tokens": sum(counts["train"]),
-             "train_shards": len(counts["train"]), "val_from": "start" if val_tokens is not None else "end",
+             "train_shards": len(counts["train"]), "val_from": "start",
              "max_tokens": max_tokens, "seconds": round(time.time() - t0, 3)}
     print(_summary(stats, val_tokens, max_tokens))
     record = {"tokenizer": tokenizer or enc.name, "n_vocab": enc.n_vocab, "eot": enc.eot_token, **stats}
@@ -684,31 +725,84 @@ def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_
 
 def _check_sizes(shard_tokens: int, val_tokens: int | None, max_tokens: int | None) -> None:
     """ValueError for sizes no preparation can meet, before anything is read."""
-    if not 0 < shard_tokens < 2**31:
-        raise ValueError(f"shard_tokens must be in [1, 2**31), got {shard_tokens}")
+    # Under auto the first train shard also takes what val leaves of the MAX_VAL_TOKENS held back (_finish).
+    limit, under = (2**31 - MAX_VAL_TOKENS, " under --val-tokens auto") if val_tokens is None else (2**31, "")
+    if not 0 < shard_tokens < limit:
+        raise ValueError(f"--shard-tokens must be in [1, {limit:,}){under}, got {shard_tokens:,}")
     if val_tokens is not None and not 0 <= val_tokens < 2**31:
-        raise ValueError(f"val_tokens must be in [0, 2**31), got {val_tokens}")
+        raise ValueError(f"--val-tokens must be auto or in [0, 2**31), got {val_tokens:,}")
     least = MIN_VAL_TOKENS if val_tokens is None else val_tokens
     if max_tokens is not None and max_tokens <= least:
         raise ValueError(f"--max-tokens {max_tokens:,} leaves no train tokens after the val split ({least:,} "
                          f"tokens{', the least of --val-tokens auto' if val_tokens is None else ''})")
 
 
-def _output_dir(out_dir) -> str:
-    """out_dir, created if need be; DataError when it cannot be written or already holds shards."""
-    out_dir = os.fspath(out_dir)
+# A preparation is written into OUT.partial-<pid> and renamed to OUT only once it is whole, so OUT is either
+# complete or absent, whatever stops the process.
+PARTIAL_SUFFIX = ".partial-"
+
+
+def _local_paths(source: str) -> list[str]:
+    """The files and directories that source names here (itself, or a glob's matches); none for a hub name."""
+    return [source] if os.path.exists(source) else glob.glob(source, recursive=True)
+
+
+def _check_out(out_dir: str, inputs: list[str]) -> None:
+    """Refuse, before anything is read, an --out that is, holds or lies inside one of the inputs, or that holds
+    anything at all: a preparation goes into a new or empty directory, so no file of the user's is replaced."""
+    out = os.path.realpath(out_dir)
+    for path in inputs:
+        real = os.path.realpath(path)
+        common = os.path.commonpath([out, real])
+        if common in (out, real):
+            how = "is" if out == real else "holds" if common == out else "is inside"
+            raise UsageError(f"--out {out_dir} {how} the input {path}; choose an output directory apart from --input")
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise DataError(f"--out {out_dir} is a file, not a directory")
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    shards = [n for n in names if n.startswith(("train_", "val_")) and n.endswith(".bin")]
+    if shards:
+        raise DataError(f"{out_dir} already holds shards ({shards[0]}, ...); remove them or choose another --out")
+    if names:
+        more = ", ..." if len(names) > 1 else ""
+        raise DataError(f"--out {out_dir} is not empty (it holds {names[0]}{more}); choose a new or empty directory")
+
+
+def _lock(directory: str) -> int | None:
+    """A descriptor of directory that holds an exclusive flock on it until it is closed or the process ends;
+    None when another process holds it or there is no flock (Windows, some network filesystems)."""
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _partial_dir(out_dir: str) -> tuple[str, int | None]:
+    """(a new directory next to out_dir, where a symlink out_dir points, to prepare into; the descriptor that
+    locks it). Partial directories that no process holds locked were left by a preparation that was killed:
+    they are removed first."""
+    base = os.path.realpath(out_dir) + PARTIAL_SUFFIX
+    for leftover in glob.glob(glob.escape(base) + "*"):
+        if leftover[len(base):].isdigit() and (fd := _lock(leftover)) is not None:
+            shutil.rmtree(leftover, ignore_errors=True)
+            os.close(fd)
+            print(f"data: removed {leftover}, left by a preparation that was killed", file=sys.stderr)
+    path = f"{base}{os.getpid()}"
+    try:
+        os.makedirs(path)
     except OSError as e:
         raise DataError(f"cannot create output directory {out_dir} ({e.strerror})") from None
-    if not os.access(out_dir, os.W_OK):
-        raise DataError(f"output directory {out_dir} is not writable")
-    existing = sorted(glob.glob(os.path.join(glob.escape(out_dir), "train_*.bin"))
-                      + glob.glob(os.path.join(glob.escape(out_dir), "val_*.bin")))
-    if existing:
-        raise DataError(f"{out_dir} already holds shards ({os.path.basename(existing[0])}, ...); "
-                        f"remove them or choose another output directory")
-    return out_dir
+    return path, _lock(path)
 
 
 def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_000_000,
@@ -717,21 +811,38 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
     """Tokenize source (text file, directory, glob, .jsonl/.parquet with a 'text' field, a datasets
     save_to_disk directory, or a Hugging Face hub dataset) into out_dir/train_NNNNNN.bin (shard_tokens each,
     the last one shorter) and out_dir/val_000000.bin, then record the tokenizer and the counts in
-    out_dir/data.json. Streams: memory stays bounded by one shard.
+    out_dir/data.json. Streams: memory stays bounded by one shard. out_dir must be new or empty and apart
+    from the input; it appears, whole, only when the preparation has succeeded (PARTIAL_SUFFIX).
 
-    val_tokens None (--val-tokens auto): the val split is the corpus's last default_val_tokens(total) tokens,
-    0.5% of it within [MIN_VAL_TOKENS, MAX_VAL_TOKENS], so that any corpus gets one that fits it. The total
-    is known only at the end: up to MAX_VAL_TOKENS more stay in memory until then. A number: the first
-    val_tokens tokens, as before auto existed (the default corpus passes one, so its shards do not change).
-    max_tokens: stop after that many tokens in all, val and train, cut exactly there. hf_config, hf_split
-    (default train): for a Hugging Face dataset; hf_split also picks a save_to_disk DatasetDict's split.
+    val_tokens None (--val-tokens auto): the val split is the corpus's first default_val_tokens(total)
+    tokens, 0.5% of it within [MIN_VAL_TOKENS, MAX_VAL_TOKENS], so that any corpus gets one that fits it, and
+    a larger --max-tokens only lengthens it (up to the same MAX_VAL_TOKENS tokens from 200M tokens on). The
+    total is known only at the end: the first MAX_VAL_TOKENS tokens stay in memory until then. A number: the
+    first val_tokens tokens (the default corpus passes one). max_tokens: stop after that many tokens in all,
+    val and train, cut exactly there. hf_config, hf_split (default train): for a Hugging Face dataset;
+    hf_split also picks a save_to_disk DatasetDict's split.
     Returns the record: tokenizer, n_vocab, eot, documents, tokens, val_tokens, train_tokens, train_shards,
     val_from, max_tokens, seconds."""
     _check_sizes(shard_tokens, val_tokens, max_tokens)
+    source, out_dir = os.fspath(source), os.fspath(out_dir)
+    _check_out(out_dir, _local_paths(source))
     pieces = _source_pieces(source, hf_config, hf_split)
-    out_dir = _output_dir(out_dir)
-    return _build(pieces, out_dir, get_tokenizer(tokenizer), shard_tokens, val_tokens, desc=os.fspath(source),
-                  max_tokens=max_tokens, tokenizer=tokenizer)
+    partial, lock = _partial_dir(out_dir)
+    try:
+        record = _build(pieces, partial, get_tokenizer(tokenizer), shard_tokens, val_tokens, desc=source,
+                        max_tokens=max_tokens, tokenizer=tokenizer)
+        try:
+            os.rename(partial, os.path.realpath(out_dir))  # replaces it only if it is an empty directory
+        except OSError as e:
+            raise DataError(f"cannot move the finished shards to --out {out_dir} ({e.strerror}); "
+                            f"nothing was written there") from None
+    except BaseException:  # an error, Ctrl-C or SIGTERM (main): no part of the preparation is left
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    finally:
+        if lock is not None:
+            os.close(lock)
+    return record
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -756,11 +867,17 @@ def stdlib_sources() -> list[str]:
     return files
 
 
-def default_corpus(cache_dir=None, tokenizer: str = "gpt2") -> str:
-    """The directory of the default corpus's shards, built on first use and reused afterwards.
-    Lives in cache_dir (default: <cache_root()>/corpus), keyed by Python version and tokenizer."""
+def default_corpus_dir(cache_dir=None, tokenizer: str = "gpt2") -> str:
+    """Where default_corpus keeps its shards: in cache_dir (default: <cache_root()>/corpus), keyed by Python
+    version and tokenizer. Only the path: nothing is built."""
     root = os.fspath(cache_dir) if cache_dir is not None else os.path.join(cache_root(), "corpus")
-    out = os.path.join(root, f"stdlib-v{CORPUS_VERSION}-py{platform.python_version()}-{tokenizer}")
+    return os.path.join(root, f"stdlib-v{CORPUS_VERSION}-py{platform.python_version()}-{tokenizer}")
+
+
+def default_corpus(cache_dir=None, tokenizer: str = "gpt2") -> str:
+    """The directory of the default corpus's shards (default_corpus_dir), built on first use and reused
+    afterwards."""
+    out = default_corpus_dir(cache_dir, tokenizer)
     marker = os.path.join(out, CORPUS_MARKER)
     if os.path.exists(marker):
         return out
@@ -1292,15 +1409,18 @@ def build_parser() -> ArgumentParser:
                              "document per record), a directory written by datasets' save_to_disk (its 'text' "
                              "column), or a Hugging Face hub dataset as owner/name or hf:name (streamed; set "
                              "HF_HUB_OFFLINE=1 to use only the local HF cache)")
-    parser.add_argument("--out", required=True, metavar="DIR", help="output directory (must not hold shards yet)")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="output directory: new or empty, apart from --input; it appears only once the "
+                             "preparation is complete (until then the shards are in DIR.partial-PID)")
     parser.add_argument("--tokenizer", default="gpt2",
                         help="tiktoken encoding; gpt2 (default) works offline via the package index")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
                         help="tokens per train shard (default: %(default)s)")
     parser.add_argument("--val-tokens", type=int_or_auto, default="auto", metavar="N|auto",
-                        help=f"tokens for the validation shard. auto (default): the last "
+                        help=f"tokens for the validation shard, always the first ones. auto (default): "
                              f"{VAL_PER_MILLE / 10:g}%% of the corpus, at least {MIN_VAL_TOKENS:,} (one eval "
-                             f"batch of 16 x 1,024, plus 1) and at most {MAX_VAL_TOKENS:,}; N: the first N tokens")
+                             f"batch of 16 x 1,024, plus 1) and at most {MAX_VAL_TOKENS:,}, so a smaller "
+                             f"--max-tokens gives a prefix of a larger one's val split; N: the first N tokens")
     parser.add_argument("--max-tokens", type=int, default=None, metavar="N",
                         help="stop after N tokens in all, val and train (a sample of a large dataset); the "
                              "progress then shows N and an ETA (default: the whole input)")
@@ -1312,14 +1432,36 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so it stops a preparation the
+    same way: its threads end and its partial output is removed."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
+    except UsageError as e:
+        return report_error(e)
+    # Ctrl-C's own handler too, whatever the process had installed (train.py's start-up handler exits at once)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminate),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+    try:
         val_tokens = None if args.val_tokens == "auto" else args.val_tokens
         prepare(args.input, args.out, args.tokenizer, args.shard_tokens, val_tokens,
                 max_tokens=args.max_tokens, hf_config=args.hf_config, hf_split=args.hf_split)
     except (UsageError, DataError, ValueError, OSError) as e:
         return report_error(e)
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        print(f"{'terminated' if terminated else 'interrupted'}; nothing written to {args.out}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
 
 

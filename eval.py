@@ -2,13 +2,15 @@
 
     python eval.py --ckpt out/ckpt_00000150.pt --task hellaswag --n 1000       # the hub's Rowan/hellaswag
     python eval.py --ckpt out/hf --task hellaswag --hellaswag-path hellaswag_val.jsonl   # an export.py directory
-    python eval.py --ckpt out/ckpt_00000150.pt --task bpb --data data/mine
+    python eval.py --ckpt out/ckpt_00000150.pt --task bpb                  # the val split it trained with
 
 --ckpt takes a train.py checkpoint (a file or a sharded directory) or a Hugging Face directory written by
 export.py (recognised by its config.json). The figures come from the code training logs them with
 (evaluate.Evaluator), so on the same weights, tokens and precision this script prints what metrics.jsonl
 holds: hellaswag_acc and hellaswag_acc_sum, or val_loss and val_bpb over the first --n val tokens, taken
 --batch-size sequences of the model's seq_len at a time as a training run with that micro-batch takes them.
+bpb reads the val split of the data the checkpoint trained on unless --data names other shards, and then
+says so; the shards' tokenizer must be the model's, as train.py requires.
 """
 
 import argparse
@@ -17,12 +19,13 @@ import sys
 
 import torch
 
-from checkpoint import CheckpointError
-from cli import ArgumentParser, UsageError, report_error
+from checkpoint import META_FILE, CheckpointError, load_newest
+from cli import ArgumentParser, UsageError, closed_stdout, first_line, report_error
 from config import EvalConfig
-from data import DataError, default_corpus
+from data import DataError, check_vocab, default_corpus, default_corpus_dir
 from distributed import DistInfo
 from evaluate import Evaluator
+from export import is_run_directory
 from hardware import DEVICES, autocast, resolve_device
 from sample import load_model
 
@@ -39,8 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=None, metavar="N",
                    help=f"hellaswag: the first N examples (default: all); bpb: N val tokens "
                         f"(default: {defaults.eval_tokens}, as --eval-tokens)")
-    p.add_argument("--data", metavar="DIR", help="bpb: the directory of val_*.bin shards (default: the stdlib "
-                                                 "corpus, as train.py)")
+    p.add_argument("--data", metavar="DIR",
+                   help="bpb: the directory of val_*.bin shards (default: the data the checkpoint trained on, "
+                        "its recorded --data; an export.py directory records none: the stdlib corpus, with a note)")
     p.add_argument("--hellaswag-path", default=defaults.hellaswag_path,
                    help=f"a hub dataset name or a .jsonl / .parquet file (default: {defaults.hellaswag_path})")
     p.add_argument("--batch-size", type=int, default=16, help="bpb: sequences per forward (default: 16)")
@@ -58,6 +62,48 @@ def load(path: str, device: torch.device):
     return load_model(ckpt=path, device=device)
 
 
+def trained_config(path: str) -> dict | None:
+    """The train.py config that the checkpoint at path recorded (its meta's train_config; for a run directory,
+    that of its newest checkpoint whose meta reads), {} when it has none; None for an export.py directory.
+    Only the meta is read: a file's tensors are memory-mapped, not loaded (load has verified the file)."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return None
+
+    def meta(ckpt):
+        file = os.path.join(ckpt, META_FILE) if os.path.isdir(ckpt) else ckpt
+        try:
+            return (torch.load(file, map_location="cpu", weights_only=True, mmap=True),)
+        except Exception as e:
+            raise CheckpointError(f"{file}: {first_line(e)}") from None
+
+    found = load_newest(path, meta, warn=lambda line: None) if is_run_directory(path) else (path, *meta(path))
+    return (found[1].get("train_config") if found else None) or {}
+
+
+def val_data(given: str | None, train_config: dict | None, ckpt: str) -> tuple[str | None, str | None]:
+    """bpb: (the directory whose val split to score, None for the default corpus; a note to print with the
+    figures, or None). By default the data the checkpoint trained on (its recorded --data, None being the
+    default corpus, as in train.py); UsageError when that directory is not there. Another --data is scored
+    with a note that it is not the checkpoint's. Nothing recorded (an export.py directory): --data, or the
+    default corpus with a note."""
+    recorded = (train_config or {}).get("data") or {}
+    if "data" not in recorded:
+        if given is None:
+            return None, (f"note: {ckpt} records no training data, so this is the default corpus; give --data "
+                          f"for the data it trained on")
+        return given, None
+    trained = recorded["data"]
+    if given is None:
+        if trained is not None and not os.path.isdir(trained):
+            raise UsageError(f"--ckpt {ckpt} trained on --data {trained}, which is not there; give --data DIR "
+                             f"for the shards to score")
+        return trained, None
+    if os.path.realpath(given) == os.path.realpath(trained or default_corpus_dir()):
+        return given, None
+    return given, (f"note: --data {given} is not the data the checkpoint trained on "
+                   f"({trained or 'the default corpus'}): these figures do not compare with the run's")
+
+
 def check_args(a: argparse.Namespace) -> None:
     """The numbers, before anything is loaded."""
     if a.n is not None and a.n < 1:
@@ -66,16 +112,20 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError(f"--batch-size must be >= 1, got {a.batch_size}")
 
 
-def prepare(a: argparse.Namespace, model, device: torch.device) -> Evaluator:
-    """An Evaluator for the task, its inputs read and checked (one-line errors before any forward)."""
+def prepare(a: argparse.Namespace, model, device: torch.device, data_dir: str | None = None) -> Evaluator:
+    """An Evaluator for the task, its inputs read and checked (one-line errors before any forward). data_dir:
+    bpb's shards (None: the default corpus), which must be of the model's tokenizer (data.check_vocab)."""
     seq_len = model.config.max_seq_len
     if a.task == "hellaswag":
         cfg = EvalConfig(eval_interval=0, hellaswag_path=a.hellaswag_path)
         evaluator = Evaluator(cfg, None, DistInfo(), device, model.config.vocab_size, seed=0)
         evaluator.load_hellaswag(seq_len, a.n)
         return evaluator
+    data_dir = data_dir or default_corpus()
+    if problem := check_vocab(model.config.vocab_size, data_dir):
+        raise DataError(problem)
     cfg = EvalConfig(eval_tokens=a.n or EvalConfig().eval_tokens)
-    evaluator = Evaluator(cfg, a.data or default_corpus(), DistInfo(), device, model.config.vocab_size, seed=0)
+    evaluator = Evaluator(cfg, data_dir, DistInfo(), device, model.config.vocab_size, seed=0)
     evaluator.check_val(a.batch_size, seq_len)
     return evaluator
 
@@ -108,10 +158,16 @@ def main(argv=None) -> int:
         check_args(a)
         device, _ = resolve_device(a.device)
         model = load(a.ckpt, device)
-        evaluator = prepare(a, model, device)
+        data_dir, note = val_data(a.data, trained_config(a.ckpt), a.ckpt) if a.task == "bpb" else (None, None)
+        evaluator = prepare(a, model, device, data_dir)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
-    print("\n".join(report(a, evaluator, model, device)))
+    lines = report(a, evaluator, model, device)
+    lines[1:1] = [note] if note else []  # under the line that says what was evaluated
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # `| head -n 1`: the reader has what it wanted
+        return closed_stdout()
     return 0
 
 

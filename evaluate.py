@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -219,8 +220,9 @@ def eval_batches(eval_tokens: int, val_windows: int, micro_batch: int, seq_len: 
 
 def eval_tokens_note(eval_tokens: int, val_windows: int, val_tokens: int, micro_batch: int, seq_len: int,
                      world_size: int) -> str | None:
-    """The start-up note when --eval-tokens asks for more than the val split holds (eval_batches then reads
-    less), or when the split holds less than one batch on every rank (some windows are read twice); else None."""
+    """The start-up note when --eval-tokens asks for less than one batch on every rank (eval_batches reads one),
+    or for more than the val split holds (it reads less), or when the split holds less than one batch on every
+    rank (some windows are read twice); else None."""
     step = micro_batch * world_size
     batches = eval_batches(eval_tokens, val_windows, micro_batch, seq_len, world_size)
     shape = (f"{batches} batch{'es' if batches > 1 else ''} of {micro_batch} x {seq_len} on each of {world_size} "
@@ -228,6 +230,9 @@ def eval_tokens_note(eval_tokens: int, val_windows: int, val_tokens: int, micro_
     if val_windows < step:
         return (f"note: the val split ({val_tokens:,} tokens) holds {val_windows} windows of {seq_len}, fewer "
                 f"than one batch on every rank; each eval reads {step * seq_len:,} tokens ({shape}), some twice")
+    if eval_tokens < step * seq_len:
+        return (f"note: --eval-tokens {eval_tokens:,} rounds up to one whole batch: each eval reads "
+                f"{step * seq_len:,} tokens ({shape})")
     if max(1, eval_tokens // (step * seq_len)) > batches:
         return (f"note: --eval-tokens {eval_tokens:,} is more than the val split holds ({val_tokens:,} tokens); "
                 f"each eval reads all of it that whole batches hold: {batches * step * seq_len:,} tokens ({shape})")
@@ -237,6 +242,18 @@ def eval_tokens_note(eval_tokens: int, val_windows: int, val_tokens: int, micro_
 # ----------------------------------------------------------------------------- the Evaluator
 
 
+@contextmanager
+def eval_mode(model: torch.nn.Module):
+    """The model in eval mode, back in the mode it was in afterwards, even when the eval fails: training goes
+    on after an eval skipped for lack of memory (train.evaluate_if_due)."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
 class Evaluator:
     def __init__(self, cfg, data_dir: str | None, info: "distributed.DistInfo", device: torch.device,
                  vocab_size: int, seed: int):
@@ -244,7 +261,7 @@ class Evaluator:
         self.cfg, self.data_dir, self.info, self.device = cfg, data_dir, info, device
         self.vocab_size, self.seed = vocab_size, seed
         self.token_bytes = None  # check_val: bytes per token id, when the ids are GPT-2's
-        self.val_note = None  # check_val: the note when --eval-tokens is more than the val split holds
+        self.val_note = None  # check_val: the note when each eval reads other than --eval-tokens (eval_tokens_note)
         self.choices = []  # load_hellaswag: (inputs, targets, label) per example, on the CPU
 
     def due(self, done: int, max_steps: int) -> bool:
@@ -262,7 +279,7 @@ class Evaluator:
         """Fail at start-up, not at the first eval: no usable val split (DataError), a sample prompt whose
         GPT-2 token ids the model's vocabulary cannot hold (an empty one starts from the end-of-text id), or
         HellaSwag rows that cannot be read or encoded (UsageError). The flags alone are checked in config.py.
-        Then, on rank 0, the note (val_note) when --eval-tokens is more than the val split holds."""
+        Then, on rank 0, the note (val_note) when each eval reads other than --eval-tokens asks."""
         if self.cfg.eval_interval:
             self.check_val(micro_batch, seq_len)
         if self.cfg.sample_tokens:
@@ -277,9 +294,10 @@ class Evaluator:
             message(self.val_note)
 
     def check_val(self, micro_batch: int, seq_len: int) -> None:
-        """The val split must be readable; val_note says when --eval-tokens asks for more than it holds (each
-        eval then reads only what it holds: eval_batches); and the bytes per token for val_bpb, when the
-        model's ids can be GPT-2's (a larger vocabulary means another tokenizer, whose bytes we do not know)."""
+        """The val split must be readable; val_note says when each eval reads other than --eval-tokens asks
+        (less than one batch, or more than the split holds: eval_batches); and the bytes per token for val_bpb,
+        when the model's ids can be GPT-2's (a larger vocabulary means another tokenizer, whose bytes we do not
+        know)."""
         loader = self._loader(micro_batch, seq_len, ranks=False)
         loader.close()
         self.val_note = eval_tokens_note(self.cfg.eval_tokens, loader.num_windows,
@@ -317,22 +335,18 @@ class Evaluator:
         loader = self._loader(micro_batch, seq_len)
         n_batches = eval_batches(self.cfg.eval_tokens, loader.num_windows, micro_batch, seq_len,
                                  self.info.world_size)
-        training = model.training
-        model.eval()
         sums = torch.zeros(4, device=self.device)  # nats, tokens; nats of the tokens with text, their bytes
         progress = Progress(n_batches, "eval", unit="batch", enabled=self.info.is_main)
-        for _ in range(n_batches):
-            x, y = next(loader)
-            with autocast():
-                _, losses = forward(x, y, reduction="none")
-            sums[0] += losses.float().sum()
-            sums[1] += y.numel()
-            if self.token_bytes is not None:
-                sums[2:] += bpb_sums(losses, y, self.token_bytes)
-            progress.update()
-        progress.close()
-        model.train(training)
-        loader.close()
+        with eval_mode(model), closing(loader), closing(progress):
+            for _ in range(n_batches):
+                x, y = next(loader)
+                with autocast():
+                    _, losses = forward(x, y, reduction="none")
+                sums[0] += losses.float().sum()
+                sums[1] += y.numel()
+                if self.token_bytes is not None:
+                    sums[2:] += bpb_sums(losses, y, self.token_bytes)
+                progress.update()
         nats, tokens, text_nats, n_bytes = distributed.mean_across_ranks(sums, self.info).tolist()
         metrics = {"val_loss": nats / tokens}
         if self.token_bytes is not None and n_bytes > 0:
@@ -354,20 +368,17 @@ class Evaluator:
         counted, mine = len(mine), mine or self.choices[:1]
         rounds = math.ceil(len(self.choices) / self.info.world_size)
         counts = torch.zeros(2, device=self.device)  # right by mean loss, right by summed loss
-        training = model.training
-        model.eval()
         progress = Progress(rounds, "hellaswag", unit="example", enabled=self.info.is_main)
-        for i in range(rounds):
-            x, y, label = mine[min(i, len(mine) - 1)]
-            x, y = x.to(self.device), y.to(self.device)
-            with hardware.autocast(self.device, autocast_dtype):
-                _, losses = model(x, y, reduction="none")
-            mean, total = ending_scores(losses, y)
-            if i < counted:
-                counts += torch.stack([mean.argmin() == label, total.argmin() == label]).float()
-            progress.update()
-        progress.close()
-        model.train(training)
+        with eval_mode(model), closing(progress):
+            for i in range(rounds):
+                x, y, label = mine[min(i, len(mine) - 1)]
+                x, y = x.to(self.device), y.to(self.device)
+                with hardware.autocast(self.device, autocast_dtype):
+                    _, losses = model(x, y, reduction="none")
+                mean, total = ending_scores(losses, y)
+                if i < counted:
+                    counts += torch.stack([mean.argmin() == label, total.argmin() == label]).float()
+                progress.update()
         right, right_sum = (distributed.mean_across_ranks(counts, self.info) * self.info.world_size).tolist()
         n = len(self.choices)
         return {"hellaswag_acc": round(right) / n, "hellaswag_acc_sum": round(right_sum) / n}

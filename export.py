@@ -1,6 +1,7 @@
 """Move weights between our checkpoints and Hugging Face transformers' Qwen3ForCausalLM layout.
 
     python export.py --ckpt out/ckpt_00000150.pt --out hf_model   # write a transformers directory
+    python export.py --ckpt out --out hf_model                    # a run directory: its newest good checkpoint
     python sample.py --hf hf_model                                  # read it back (load_hf)
 
 The directory holds config.json, model.safetensors (float32, the vocabulary padded as in training),
@@ -19,7 +20,9 @@ load_hf(DIR) reads such a directory, or any bias-free Qwen3ForCausalLM directory
 import argparse
 import dataclasses
 import glob
+import itertools
 import json
+import math
 import os
 import shutil
 import sys
@@ -28,7 +31,8 @@ import tempfile
 import torch
 
 import checkpoint
-from cli import ArgumentParser, UsageError, first_line, report_error
+import memory
+from cli import ArgumentParser, UsageError, closed_stdout, first_line, report_error
 from checkpoint import CheckpointError
 from data import DataError, get_tokenizer
 from fp8 import te_to_plain_state_dict
@@ -54,6 +58,7 @@ TOP_RENAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "mode
                "lm_head.weight": "lm_head.weight"}
 # config.json key for the tokenizer's vocabulary size; "vocab_size" is the padded one, the tensors' row count.
 UNPADDED_VOCAB_KEY = "unpadded_vocab_size"
+LAYER_PREFIX = "model.layers."
 # The JSON type of each config.json entry config_from_hf reads (null counts as absent), checked so that a
 # wrong one is a one-line error rather than a TypeError inside ModelConfig.
 HF_CONFIG_TYPES = {
@@ -124,22 +129,56 @@ def to_hf(config: ModelConfig, state: dict) -> dict:
     return out
 
 
-def check_hf_weights(config: ModelConfig, hf_state: dict) -> None:
-    """ValueError (one line) unless hf_state holds the Hugging Face weights of GPT(config) at their shapes (a
-    tied lm_head may be there too: it is not read). Checked here, so that a mismatch is this line rather than a
-    load_state_dict error in whatever builds the model."""
-    with torch.device("meta"):  # shapes only, no memory
-        expected = {k: v.shape for k, v in to_hf(config, GPT(config).state_dict()).items()}
-    missing = [k for k in expected if k not in hf_state]
-    unknown = sorted(set(hf_state) - set(expected) - {TOP_RENAMES["lm_head.weight"]})
+def hf_shapes(config: ModelConfig) -> tuple[dict, dict]:
+    """(the shape of each Hugging Face weight outside the layers, the shape of each one of a layer by its name
+    under model.layers.{i}.), by arithmetic on the config's sizes: nothing is built, whatever they claim."""
+    top = {TOP_RENAMES[name]: shape for name, shape in memory.outer_shapes(config).items()}
+    layer = {}
+    for name, shape in memory.block_shapes(config).items():
+        if name in BLOCK_FUSED:
+            layer.update({hf: (rows, *shape[1:]) for hf, rows in zip(BLOCK_FUSED[name], row_split(name, config))})
+        else:
+            layer[BLOCK_RENAMES[name]] = shape
+    return top, layer
+
+
+def _layer_and_name(name: str) -> tuple[int, str] | None:
+    """"model.layers.{i}.{rest}" -> (i, rest); None for another name."""
+    if not name.startswith(LAYER_PREFIX):
+        return None
+    index, _, rest = name[len(LAYER_PREFIX):].partition(".")
+    return (int(index), rest) if index.isascii() and index.isdigit() and str(int(index)) == index else None
+
+
+def check_hf_weights(config: ModelConfig, shapes: dict) -> None:
+    """ValueError (one line) unless `shapes` (name -> shape, as a safetensors header has them) holds the Hugging
+    Face weights of GPT(config) at their shapes (a tied lm_head may be there too: it is not read). Checked
+    before anything is loaded or built, so that a mismatch is this line rather than a load_state_dict error,
+    and by arithmetic: a config.json that claims 10**12 layers costs no more than the weights that are there."""
+    top, layer = hf_shapes(config)
+
+    def expected(name):
+        if name in top:
+            return top[name]
+        found = _layer_and_name(name)
+        return layer.get(found[1]) if found and found[0] < config.n_layer else None
+
+    def in_order():  # walked lazily: it stops at the fourth missing name, past at most the weights present
+        embed = TOP_RENAMES["embed.weight"]
+        yield embed
+        for i in range(config.n_layer):
+            yield from (f"{LAYER_PREFIX}{i}.{name}" for name in layer)
+        yield from (name for name in top if name != embed)
 
     def dims(shape):
         return "x".join(map(str, shape))
 
-    shapes = [f"{k} {dims(hf_state[k].shape)} (config: {dims(shape)})" for k, shape in expected.items()
-              if k in hf_state and hf_state[k].shape != shape]
+    missing = list(itertools.islice((name for name in in_order() if name not in shapes), 4))
+    unknown = sorted(name for name in shapes if expected(name) is None and name != TOP_RENAMES["lm_head.weight"])
+    wrong = [f"{name} {dims(shape)} (config: {dims(expected(name))})" for name, shape in sorted(shapes.items())
+             if expected(name) is not None and tuple(shape) != expected(name)]
     problems = [f"{what} {', '.join(items[:3])}{', ...' if len(items) > 3 else ''}"
-                for what, items in (("missing", missing), ("unknown", unknown), ("wrong shape", shapes)) if items]
+                for what, items in (("missing", missing), ("unknown", unknown), ("wrong shape", wrong)) if items]
     if problems:
         raise ValueError(f"weights do not match the config: {'; '.join(problems)}")
 
@@ -199,6 +238,11 @@ def check_json_types(d: dict, types: dict) -> None:
             if value is not None and (not isinstance(value, JSON_TYPES[kind])
                                       or isinstance(value, bool) != (kind == "true or false")):
                 raise ValueError(f"{key} must be {kind}, got {json.dumps(value)}")
+            # Python's json reads integers of any length and Infinity or NaN; no model size is either.
+            if kind == "an integer" and value is not None and not -2**63 <= value < 2**63:
+                raise ValueError(f"{key} must be a 64-bit integer, got {value}")
+            if kind == "a number" and value is not None and not math.isfinite(value):
+                raise ValueError(f"{key} must be a finite number, got {json.dumps(value)}")
 
 
 def config_from_hf(d: dict) -> ModelConfig:
@@ -278,6 +322,17 @@ def read_newest_checkpoint(run_dir: str, warn) -> tuple[str, ModelConfig, dict]:
     raise CheckpointError(f"{run_dir}: {found} (ckpt_N.pt files or ckpt_N directories){hint}")
 
 
+def read_ckpt(path: str, report) -> tuple[ModelConfig, dict]:
+    """(config, weights) of a --ckpt: a checkpoint (file or sharded directory), or a run directory (a train.py
+    --out-dir), whose newest checkpoint that verifies and loads is taken, as --resume would (damaged ones are
+    reported and skipped); which one it took is said through report."""
+    if not is_run_directory(path):
+        return read_checkpoint(path)
+    found, config, state = read_newest_checkpoint(path, report)
+    report(f"checkpoint {found} (step {checkpoint.checkpoint_step(found)}): the newest good one in {path}")
+    return config, state
+
+
 def _verified_best(run_dir: str) -> str | None:
     """The run's best-val-loss checkpoint (checkpoint.best_path), if there is one and it verifies: kept apart
     from the ckpt_N ones, it may be all that is left of a run stopped before its first regular checkpoint."""
@@ -291,41 +346,72 @@ def _verified_best(run_dir: str) -> str | None:
     return None
 
 
+def read_json_object(path: str) -> dict:
+    """A JSON file that must hold an object. ValueError (one line) naming the file, and for a syntax error the
+    line (json's message has it)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = json.load(f)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError; nesting too deep
+        raise ValueError(f"{path}: not valid JSON: {first_line(e)}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return d
+
+
+def weight_files(directory: str) -> list[str]:
+    """The paths of a Hugging Face directory's weights: the files its model.safetensors.index.json maps the
+    tensors to, or model.safetensors. ValueError (one line, naming the index) for an index of another shape."""
+    index_path = os.path.join(directory, "model.safetensors.index.json")
+    if not os.path.isfile(index_path):
+        return [os.path.join(directory, "model.safetensors")]
+    weight_map = read_json_object(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index_path}: weight_map must be an object of tensor names to file names")
+    return [os.path.join(directory, name) for name in sorted(set(weight_map.values()))]
+
+
+def _read_safetensors(path: str, read):
+    """read(path), a safetensors file's error as one line naming it."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{path} not found")
+    try:
+        return read(path)
+    except Exception as e:  # safetensors' own error type differs between its versions
+        raise ValueError(f"cannot read {path}: {first_line(e)}") from None
+
+
+def _header_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, from a safetensors file's header alone."""
+    with _safetensors().safe_open(path, framework="pt") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+
+
 def load_hf(directory: str) -> tuple[ModelConfig, dict]:
-    """A Hugging Face Qwen3ForCausalLM directory -> (ModelConfig, our state dict)."""
+    """A Hugging Face Qwen3ForCausalLM directory -> (ModelConfig, our state dict). The weights' names and
+    shapes are checked against config.json from the files' headers before any tensor is read."""
     load_file = _safetensors().load_file
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{directory} is not a Hugging Face model directory (no config.json)")
-    with open(config_path) as f:
-        try:
-            d = json.load(f)
-            if not isinstance(d, dict):
-                raise ValueError("not a JSON object")
-            config = config_from_hf(d)
-        except KeyError as e:
-            raise ValueError(f"{config_path} lacks {e}") from None
-        except ValueError as e:  # also invalid JSON
-            raise ValueError(f"{config_path}: {e}") from None
-    index_path = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index_path):
-        with open(index_path) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    hf_state = {}
-    for name in files:
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            raise ValueError(f"{path} not found")
-        try:
-            hf_state.update(load_file(path))
-        except Exception as e:  # safetensors' own error type differs between its versions
-            raise ValueError(f"cannot read {path}: {first_line(e)}") from None
+    d = read_json_object(config_path)
     try:
-        check_hf_weights(config, hf_state)
+        config = config_from_hf(d)
+    except KeyError as e:
+        raise ValueError(f"{config_path} lacks {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{config_path}: {e}") from None
+    paths = weight_files(directory)
+    shapes = {}
+    for path in paths:
+        shapes.update(_read_safetensors(path, _header_shapes))
+    try:
+        check_hf_weights(config, shapes)
     except ValueError as e:
         raise ValueError(f"{directory}: {e}") from None
+    hf_state = {}
+    for path in paths:
+        hf_state.update(_read_safetensors(path, load_file))
     return config, from_hf(config, hf_state)
 
 
@@ -529,7 +615,8 @@ def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: str = "
 def main(argv=None) -> int:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", required=True, metavar="PATH",
-                        help="a checkpoint written by train.py (a .pt file or a sharded directory)")
+                        help="a checkpoint written by train.py (a .pt file or a sharded directory), or a run's "
+                             "--out-dir: its newest good one")
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="output directory: created if needed, else it must be empty (or --overwrite)")
     parser.add_argument("--tokenizer", default="gpt2", help="the tokenizer the model was trained with")
@@ -539,12 +626,16 @@ def main(argv=None) -> int:
     try:
         args = parser.parse_args(argv)
         check_target(args.out, args.overwrite)  # before a checkpoint that may take minutes to read
-        config, state = read_checkpoint(args.ckpt)
+        config, state = read_ckpt(args.ckpt, lambda line: print(line, file=sys.stderr, flush=True))
         export_hf(config, state, args.out, args.tokenizer, args.overwrite)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
-    print(f"wrote {args.out}: Qwen3ForCausalLM, {config.n_layer} layers, vocab {config.padded_vocab_size} "
-          f"(padded from {config.vocab_size}), {'tied' if config.tie_embeddings else 'untied'} embeddings")
+    try:
+        print(f"wrote {args.out}: Qwen3ForCausalLM, {config.n_layer} layers, vocab {config.padded_vocab_size} "
+              f"(padded from {config.vocab_size}), {'tied' if config.tie_embeddings else 'untied'} embeddings",
+              flush=True)
+    except BrokenPipeError:
+        return closed_stdout()
     return 0
 
 

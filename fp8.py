@@ -24,8 +24,8 @@ import math
 import os
 import re
 import sys
-from contextlib import nullcontext
-from dataclasses import dataclass, field
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -54,6 +54,9 @@ TE_FP8_ATTN_MIN_VERSION = (2, 8)
 FP8_TOKEN_MULTIPLE = 16
 # The TE modules of a block, by name; each adds a `<name>._extra_state` entry to the state dict.
 TE_MODULES = ("attn.qkv", "attn.core_attention", "attn.proj", "mlp")
+# The fp8_meta entry a TE module gets when TE's activation recompute first stashes its delayed-scaling state:
+# its place in a global buffer (quantization.py, copy_forward_fp8_meta_tensors_for_recompute; TE 2.4 to 2.20).
+TE_RECOMPUTE_POSITION = "global_fp8_buffer_pos_fwd_recompute"
 
 
 @dataclass
@@ -313,6 +316,65 @@ def te_autocast(fp8_recipe):
 def fp8_context(fp8_recipe):
     """te_autocast(fp8_recipe), or a no-op when there is no TE recipe (fp8 off or torchao)."""
     return nullcontext() if fp8_recipe is None else te_autocast(fp8_recipe)
+
+
+# ----------------------------------------------------------------------------- --batch-size auto's probes
+
+
+def is_delayed(fp8_recipe) -> bool:
+    """Delayed scaling: the recipe that keeps per-module state (scales, an amax history) between forwards."""
+    return fp8_recipe is not None and fp8_recipe.delayed()
+
+
+def probe_recipe(fp8_recipe):
+    """The recipe --batch-size auto's probes run under: delayed scaling's copy with reduce_amax off.
+
+    Leaving a delayed-scaling autocast all-reduces the amaxes over every rank when reduce_amax is set (TE's
+    default; quantization.py, reduce_and_update_fp8_tensors), so each probe would be a collective; ranks
+    probe on their own and run out of memory at different sizes, which would leave those collectives out
+    of step. Current scaling reduces nothing outside tensor or sequence parallelism: it stays as it is."""
+    return replace(fp8_recipe, reduce_amax=False) if is_delayed(fp8_recipe) else fp8_recipe
+
+
+def fp8_state_manager():
+    """TE's FP8GlobalStateManager: in quantization.py from TE 2.9, in fp8.py before (later a deprecated alias)."""
+    try:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+    except ImportError:
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+    return FP8GlobalStateManager
+
+
+def reset_delayed_scaling(model: nn.Module) -> None:
+    """Every TE module of `model` back to a new module's delayed-scaling state: scales 1 and an amax history
+    of zeros (TransformerEngineBaseModule.reset_fp8_meta_tensors), and no place yet in TE's global amax and
+    recompute buffers, which are emptied (FP8GlobalStateManager.reset).
+
+    A module takes its place in the amax buffers once, under the key of its first autocast's recipe
+    (add_fp8_tensors_to_global_buffer); from TE 2.8 that key spells out reduce_amax, so a model that ran
+    under probe_recipe would otherwise go on reducing its amaxes under it, on each rank alone. Run it
+    outside any autocast, between forwards."""
+    modules = [m for m in model.modules() if hasattr(m, "reset_fp8_meta_tensors")]
+    if not modules:
+        return
+    manager = fp8_state_manager()
+    for module in modules:
+        module.reset_fp8_meta_tensors()
+        for key in (manager.get_buffer_info(), TE_RECOMPUTE_POSITION):
+            module.fp8_meta.pop(key, None)
+    manager.reset()
+
+
+@contextmanager
+def probing(model: nn.Module, fp8_recipe):
+    """Around --batch-size auto's probes of `model`: -> the recipe they run under (probe_recipe). Afterwards
+    a delayed-scaling model starts training as a new one would (reset_delayed_scaling): the probes' amaxes,
+    of all-zero batches at sizes that may not fit, leave nothing in its 1,024-step history."""
+    try:
+        yield probe_recipe(fp8_recipe)
+    finally:
+        if is_delayed(fp8_recipe):
+            reset_delayed_scaling(model)
 
 
 # ----------------------------------------------------------------------------- torchao

@@ -140,40 +140,62 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer + self.activations + self.recompute
 
 
-def param_numels(cfg: ModelConfig) -> dict[str, int]:
-    """Elements of every parameter, by its name in the model (a tied lm_head is the embedding)."""
+def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter of one block, by its name inside the block. Every block has the same ones,
+    so a size multiplies them by n_layer instead of walking the layers: a claimed depth costs nothing."""
     D, hd, F = cfg.n_embd, cfg.resolved_head_dim, cfg.resolved_ffn_dim
-    H, K, V = cfg.n_head, cfg.n_kv_head, cfg.padded_vocab_size
-    numels = {"embed.weight": V * D}
-    for i in range(cfg.n_layer):
-        numels.update({
-            f"blocks.{i}.attn.qkv.layer_norm_weight": D, f"blocks.{i}.attn.qkv.weight": (H + 2 * K) * hd * D,
-            f"blocks.{i}.attn.q_norm.weight": hd, f"blocks.{i}.attn.k_norm.weight": hd,
-            f"blocks.{i}.attn.proj.weight": H * hd * D, f"blocks.{i}.mlp.layer_norm_weight": D,
-            f"blocks.{i}.mlp.fc1_weight": 2 * F * D, f"blocks.{i}.mlp.fc2_weight": D * F,
-        })
-    numels["norm.weight"] = D
+    H, K = cfg.n_head, cfg.n_kv_head
+    return {"attn.qkv.layer_norm_weight": (D,), "attn.qkv.weight": ((H + 2 * K) * hd, D),
+            "attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,), "attn.proj.weight": (D, H * hd),
+            "mlp.layer_norm_weight": (D,), "mlp.fc1_weight": (2 * F, D), "mlp.fc2_weight": (D, F)}
+
+
+def outer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter outside the blocks (a tied lm_head is the embedding: not a parameter)."""
+    V, D = cfg.padded_vocab_size, cfg.n_embd
+    shapes = {"embed.weight": (V, D), "norm.weight": (D,)}
     if not cfg.tie_embeddings:
-        numels["lm_head.weight"] = V * D
+        shapes["lm_head.weight"] = (V, D)
+    return shapes
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Every parameter, the embedding included, by arithmetic on the shapes."""
+    block = sum(math.prod(shape) for shape in block_shapes(cfg).values())
+    return sum(math.prod(shape) for shape in outer_shapes(cfg).values()) + cfg.n_layer * block
+
+
+def param_numels(cfg: ModelConfig) -> dict[str, int]:
+    """Elements of every parameter, by its name in the model: one entry per layer's, so only for a model
+    about to be built; a size check takes param_count."""
+    block = {name: math.prod(shape) for name, shape in block_shapes(cfg).items()}
+    numels = {name: math.prod(shape) for name, shape in outer_shapes(cfg).items()}
+    for i in range(cfg.n_layer):
+        numels.update({f"blocks.{i}.{name}": n for name, n in block.items()})
     return numels
+
+
+def _state_bytes(name: str, numel: int, optimizer: str) -> int:
+    """Optimizer state of one parameter (named as in the model, or inside a block)."""
+    if optimizer == "adamw":
+        return 2 * FP32 * numel
+    if optimizer == "adamw8bit":
+        eight_bit = numel >= BNB_MIN_8BIT_SIZE and name not in ("embed.weight", "lm_head.weight")
+        return 2 * numel + 2 * FP32 * math.ceil(numel / BNB_BLOCK) if eight_bit else 2 * FP32 * numel
+    if optimizer == "muon":
+        from optim import MUON_MATRICES
+
+        return FP32 * numel if name.endswith(MUON_MATRICES) else 2 * FP32 * numel
+    raise ValueError(f"unknown optimizer {optimizer!r}")
 
 
 def optimizer_state_bytes_estimate(cfg: ModelConfig, optimizer: str) -> int:
     """Optimizer state of the whole model, as optim.optimizer_state_bytes measures it (step counters aside)."""
-    numels = param_numels(cfg)
-    if optimizer == "adamw":
-        return 2 * FP32 * sum(numels.values())
-    if optimizer == "adamw8bit":
-        total = BNB_QMAPS
-        for name, n in numels.items():
-            eight_bit = n >= BNB_MIN_8BIT_SIZE and name not in ("embed.weight", "lm_head.weight")
-            total += 2 * n + 2 * FP32 * math.ceil(n / BNB_BLOCK) if eight_bit else 2 * FP32 * n
-        return total
-    if optimizer == "muon":
-        from optim import MUON_MATRICES
+    def total(shapes):
+        return sum(_state_bytes(name, math.prod(shape), optimizer) for name, shape in shapes.items())
 
-        return sum(FP32 * n if name.endswith(MUON_MATRICES) else 2 * FP32 * n for name, n in numels.items())
-    raise ValueError(f"unknown optimizer {optimizer!r}")
+    qmaps = BNB_QMAPS if optimizer == "adamw8bit" else 0
+    return qmaps + total(outer_shapes(cfg)) + cfg.n_layer * total(block_shapes(cfg))
 
 
 def _norm_bytes(width: int, fused: bool) -> int:
@@ -252,7 +274,7 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: 
     """Training memory per device before anything is allocated: float32 parameters and gradients, the
     optimizer's state, and the activations of one micro-batch. shards: FSDP2 world size (parameters,
     gradients and optimizer state are split across it; activations are not)."""
-    n_params = sum(param_numels(cfg).values())
+    n_params = param_count(cfg)
     activations, recompute = activation_bytes(cfg, batch_size, seq_len, act_ckpt, autocast_dtype, device_type)
     return MemoryEstimate(params=FP32 * n_params // shards, grads=FP32 * n_params // shards,
                           optimizer=optimizer_state_bytes_estimate(cfg, optimizer) // shards,
@@ -380,7 +402,7 @@ def memory_report(cfg) -> str:
     estimates = {mode: estimate_memory(model_cfg, batch_size, model_cfg.max_seq_len, cfg.optim.name, mode,
                                        autocast_dtype, device_type, shards)
                  for mode in ACT_CKPT_MODES}
-    n_params = sum(param_numels(model_cfg).values())
+    n_params = param_count(model_cfg)
     sharding = f", FSDP2 over {shards} ranks" if shards > 1 else ""
     where = f"cuda ({cfg.speed.target_gpu.strip()}, not this machine)" if target else device_type
     lines = [
@@ -479,7 +501,7 @@ def probe_reserve_bytes(cfg: ModelConfig, optimizer: str, dist_mode: str) -> int
     state (allocated at the first step), and under DDP its gradient buckets, a float32 copy of every gradient
     (gradient_as_bucket_view is off) that the probe of the bare model does not allocate. This is the safety
     margin: with more than one rank there is no out-of-memory retry, so a tight fit must be right."""
-    buckets = FP32 * sum(param_numels(cfg).values()) if dist_mode == "ddp" else 0
+    buckets = FP32 * param_count(cfg) if dist_mode == "ddp" else 0
     return optimizer_state_bytes_estimate(cfg, optimizer) + buckets
 
 
@@ -489,7 +511,8 @@ def auto_batch_size(model: nn.Module, per_rank: int, multiple: int, reserve: int
     per step) and is a multiple of `multiple` (FP8's token rule).
 
     Each probe runs a forward (inside forward_context(): the training step's autocast, TE's FP8 one
-    included) and a backward at that size while a placeholder holds `reserve` bytes (probe_reserve_bytes).
+    included, with fp8.probing's recipe: no collective inside) and a backward at that size while a
+    placeholder holds `reserve` bytes (probe_reserve_bytes).
     Probe the bare model (activation checkpointing applied, not yet wrapped): a DDP backward would wait on
     the other ranks. Ranks agree on the smallest answer.
     """

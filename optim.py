@@ -183,7 +183,7 @@ def lr_multiplier(step: int, max_steps: int, warmup: int, schedule: str, min_lr_
 def schedule_warning(warmup: int, max_steps: int, schedule: str, decay_frac: float) -> str | None:
     """What is wrong with a warm-up that does not fit the run, for a start-up warning, or None. Not refused:
     a short test run with the default warm-up is legitimate, but the user should know its LR never peaks."""
-    if warmup >= max_steps:
+    if warmup > max_steps:
         peak = lr_multiplier(max_steps - 1, max_steps, warmup, schedule, 0.0, decay_frac)
         return (f"warning: --warmup {warmup} is not shorter than the run ({max_steps} steps): the LR reaches only "
                 f"{100 * peak:.0f}% of its peak; lower --warmup")
@@ -194,10 +194,55 @@ def schedule_warning(warmup: int, max_steps: int, schedule: str, decay_frac: flo
     return None
 
 
+def batch_warmup_warning(warmup_steps: int, start: float, max_steps: int, layout) -> str | None:
+    """schedule_warning's counterpart for the batch warm-up: a ramp whose last step, the run's, is still short
+    of the whole global batch, or None. layout: the run's config.BatchLayout, whose at_step gives a step's."""
+    last = layout.at_step(max_steps - 1, warmup_steps, start).grad_accum
+    if last == layout.grad_accum:
+        return None
+    return (f"warning: --batch-warmup-steps {warmup_steps} is not shorter than the run ({max_steps} steps): the "
+            f"global batch reaches only {last} of its {layout.grad_accum} micro-steps; lower --batch-warmup-steps")
+
+
 def set_lr(optimizer: torch.optim.Optimizer, multiplier: float) -> None:
     """Every group's LR to its peak ("base_lr") times `multiplier`."""
     for group in optimizer.param_groups:
         group["lr"] = group["base_lr"] * multiplier
+
+
+def current_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The LR the optimizer applies now to the parameters --lr is the peak of (Muon's matrices under muon, the
+    decayed matrices under AdamW): build_optimizer puts their group first."""
+    return optimizer.param_groups[0]["lr"]
+
+
+def current_multiplier(optimizer: torch.optim.Optimizer) -> float:
+    """The multiplier set_lr last applied: the fraction of its peak every group's LR is at."""
+    group = optimizer.param_groups[0]
+    return group["lr"] / group["base_lr"]
+
+
+def group_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's settings, every key but its parameters: what the run's config and device decide."""
+    return [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+
+
+def apply_group_settings(optimizer: torch.optim.Optimizer, settings: list[dict]) -> None:
+    """Give each parameter group `settings` (group_settings of this optimizer), keeping its parameters and state.
+
+    Optimizer.load_state_dict takes a checkpoint's groups, settings and all: taken before it and applied after,
+    these keep the LRs, weight decay, betas, momentum and Newton-Schulz dtype of the run that loads it."""
+    for group, own in zip(optimizer.param_groups, settings, strict=True):
+        params = group["params"]
+        group.clear()
+        group.update(own, params=params)
+        if group.get("fused") or group.get("capturable"):
+            # load_state_dict placed AdamW's step counts by the checkpoint's flags; the fused and capturable
+            # kernels want them on the parameter's device, as torch places them for groups that say so.
+            for p in params:
+                state = optimizer.state.get(p, {})
+                if torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- parameter groups

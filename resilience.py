@@ -5,6 +5,7 @@ Plain logic, no model or data: train.py wires it.
 import math
 import os
 import signal
+import socket
 import sys
 
 
@@ -86,15 +87,34 @@ def stop_at_once_during_startup() -> None:
 
 class StopSignals:
     """SIGTERM (preemption) and SIGINT (Ctrl-C) ask the run to stop after the current step; a second
-    SIGINT exits at once. train.py checks `requested` between steps, checkpoints and exits 0."""
+    SIGINT exits at once, even while a checkpoint is being written (writes are atomic: a temporary name is
+    never taken for a checkpoint). train.py checks `requested` between steps, checkpoints and exits 0.
+
+    Python runs a handler once for all the deliveries of a signal since it last looked, so two Ctrl-Cs inside
+    one long C call (a matmul, an fsync) would reach it as one. The interpreter also writes one byte per
+    delivery to its wakeup fd: the handler counts those."""
 
     def __init__(self):
         self.requested = None  # the name of the signal that asked
+        self.sigints = 0
+        self.wakeup, self.wakeup_writer = socket.socketpair()
+        for end in (self.wakeup, self.wakeup_writer):
+            end.setblocking(False)
+        self.previous_wakeup = signal.set_wakeup_fd(self.wakeup_writer.fileno(), warn_on_full_buffer=False)
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
 
+    def _delivered(self) -> bytes:
+        """The signal numbers delivered since the last call, one byte each."""
+        try:
+            return self.wakeup.recv(4096)
+        except BlockingIOError:
+            return b""
+
     def _handle(self, signum, frame):
+        # Each delivery wrote one byte; this call's own may have been read already, by the call before it.
+        self.sigints += max(self._delivered().count(signal.SIGINT), int(signum == signal.SIGINT))
         name = signal.Signals(signum).name
-        if self.requested and signum == signal.SIGINT:
+        if self.sigints >= 2 or (self.requested and signum == signal.SIGINT):
             print(f"\n{name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
             os._exit(130)
         self.requested = name
@@ -104,6 +124,9 @@ class StopSignals:
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        signal.set_wakeup_fd(self.previous_wakeup)
+        self.wakeup.close()
+        self.wakeup_writer.close()
 
 
 class TrainingHalted(Exception):

@@ -1,6 +1,7 @@
 """The run directory (--out-dir): one run at a time in it, and a fresh run never lands on an old one.
 
-    lock, resume = claim(cfg.ckpt)   # rank 0: create and lock out_dir, then fresh or resume; lock.release()
+    lock, resume, replaced = claim(cfg.ckpt)   # rank 0: create and lock out_dir, fresh or resume; lock.release()
+    replace_outputs(replaced, staged_config)   # once the new run has passed its start-up checks
 
 Two runs writing one directory would replace each other's checkpoints and interleave metrics.jsonl, so the
 first takes an exclusive flock on `.lock` and the second stops at once, naming the holder's pid. The kernel
@@ -8,19 +9,30 @@ drops the lock when its process dies, however it dies, so a killed run never blo
 
 A fresh run into a directory that holds a run (checkpoints, best, metrics.jsonl) is refused unless the
 user says what to do: --resume continues it, --overwrite removes it first, --resume auto continues it when
-it has a checkpoint and starts fresh otherwise (what a restart script or a cluster scheduler wants).
+it has a checkpoint and starts fresh otherwise (what a restart script or a cluster scheduler wants). A run
+stopped before its first checkpoint left nothing to resume and nothing to lose (metrics.jsonl at most): a
+rerun starts fresh there, with a note, and --resume says so.
+
+Every name the run writes in the directory must be free for it: a directory where metrics.jsonl goes would
+fail the run mid-way, so it is refused here, before anything is written.
 """
 
 import errno
 import os
 import sys
 
-from checkpoint import best_path, list_checkpoints, remove
+from checkpoint import DIGEST_SUFFIX, best_path, list_checkpoints, remove
 from cli import UsageError
 
 LOCK_FILE = ".lock"
 METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.toml"
+TRACE_FILE = "trace.json"  # --profile (telemetry.py)
 RESUME_MODES = ("off", "on", "auto")
+
+
+class NothingToDo(Exception):
+    """A resumed run already at its last step: said in one line, and a success (a restart loop must stop)."""
 
 
 class RunLock:
@@ -33,7 +45,10 @@ class RunLock:
             self.fd = None
             return
         path = os.path.join(out_dir, LOCK_FILE)
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UsageError(f"--out-dir {out_dir}: cannot open its lock file {path}: {e.strerror or e}") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -65,30 +80,68 @@ def run_outputs(out_dir: str, checkpoints: list[str]) -> list[str]:
     return found
 
 
-def decide_resume(outputs: list[str], has_checkpoint: bool, resume: str, overwrite: bool) -> bool:
-    """Resume (True) or start fresh (False) in a directory holding `outputs`. Pure.
+def misplaced(out_dir: str, sharded: bool) -> str | None:
+    """Why a name this run writes in out_dir is taken by something of the other kind (a directory where a file
+    goes, say), or None. sharded: the run writes DCP directories (FSDP2), and its best is one. The names of
+    later checkpoints are left out: a checkpoint that cannot be written stops the run in one line
+    (CheckpointError), and nothing is lost."""
+    best = best_path(out_dir, sharded)
+    replaced = [os.path.join(out_dir, name) for name in (METRICS_FILE, CONFIG_FILE)]  # written, then renamed
+    replaced += [] if sharded else [best, best + DIGEST_SUFFIX]
+    files = [os.path.join(out_dir, LOCK_FILE), os.path.join(out_dir, TRACE_FILE), *replaced]
+    files += [f"{path}.tmp" for path in replaced]
+    directories = [best, f"{best}.tmp"] if sharded else []
+    for path in files:
+        if os.path.lexists(path) and not os.path.isfile(path):
+            kind = "a directory" if os.path.isdir(path) else "not a regular file"
+            return f"{path} is {kind}, where this run writes a file"
+    for path in directories:
+        if os.path.lexists(path) and not os.path.isdir(path):
+            return f"{path} is not a directory, where this run writes a checkpoint directory"
+    return None
 
-    on: resume (the Checkpointer refuses when there is nothing to resume); auto: resume when there is a
-    checkpoint; off: start fresh, which an earlier run's outputs forbid unless overwrite."""
-    if resume == "on" or (resume == "auto" and has_checkpoint):
+
+def decide_resume(out_dir: str, outputs: list[str], has_checkpoint: bool, resume: str, overwrite: bool) -> bool:
+    """Resume (True) or start fresh (False) in out_dir, which holds `outputs`. Pure.
+
+    on: resume, which needs a checkpoint; auto: resume when there is a checkpoint; off: start fresh. A fresh
+    start replaces an earlier run only with overwrite, unless that run never wrote a checkpoint (no ckpt_N, no
+    best): its metrics.jsonl is all it left, and nothing a rerun could continue."""
+    if has_checkpoint and resume != "off":
         return True
-    if outputs and not overwrite and resume == "off":
-        names = ", ".join(sorted(os.path.basename(p) for p in outputs)[:3]) + (", ..." if len(outputs) > 3 else "")
-        directory = os.path.dirname(outputs[0]) or "."
-        raise UsageError(f"--out-dir {directory} already holds a run ({names}): pass --resume to continue it, "
-                         "--overwrite to replace it, or choose another --out-dir")
+    kept = outputs if has_checkpoint else [p for p in outputs if os.path.basename(p) != METRICS_FILE]
+    if resume == "on":
+        if kept:  # a best without any ckpt_N
+            reason = (f"only {os.path.basename(kept[0])}, which is never resumed from; pass --overwrite instead of "
+                      "--resume to start over there")
+        elif outputs:
+            reason = ("the run there stopped before its first one; --resume auto (or no --resume) starts it fresh, "
+                      f"replacing its {METRICS_FILE}")
+        else:
+            reason = "--resume auto starts fresh where there is none"
+        raise UsageError(f"--resume: --out-dir {out_dir} holds no checkpoint to resume from: {reason}")
+    if kept and not overwrite:
+        names = ", ".join(sorted(os.path.basename(p) for p in kept)[:3]) + (", ..." if len(kept) > 3 else "")
+        choices = "pass --resume to continue it, --overwrite" if has_checkpoint else "pass --overwrite"
+        raise UsageError(f"--out-dir {out_dir} already holds a run ({names}): {choices} to replace it, or choose "
+                         "another --out-dir")
     return False
 
 
-def remove_outputs(outputs: list[str]) -> None:
-    """--overwrite: delete an earlier run's outputs (asked for explicitly)."""
-    for path in outputs:
+def replace_outputs(replaced: list[str], staged_config: str | None) -> None:
+    """Once the new run has passed its start-up checks, with its config.toml written under a temporary name
+    (rank 0; None elsewhere): delete what --overwrite replaces (asked for explicitly), then rename the new
+    config.toml into place. Every write comes before anything is removed."""
+    for path in replaced:
         remove(path)
+    if staged_config is not None:
+        os.replace(staged_config, staged_config.removesuffix(".tmp"))
 
 
-def claim(ckpt_cfg) -> tuple[RunLock, bool, list[str]]:
+def claim(ckpt_cfg, sharded: bool = False) -> tuple[RunLock, bool, list[str]]:
     """Create and lock --out-dir, decide fresh or resume -> (lock, resume, what --overwrite replaces: the
-    caller removes it once the run has passed its start-up checks). ckpt_cfg: config.CheckpointConfig."""
+    caller removes it once the run has passed its start-up checks). ckpt_cfg: config.CheckpointConfig;
+    sharded: the run writes DCP directories (misplaced)."""
     out_dir = ckpt_cfg.out_dir
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -96,12 +149,17 @@ def claim(ckpt_cfg) -> tuple[RunLock, bool, list[str]]:
         raise UsageError(f"--out-dir {out_dir} cannot be created: {e.strerror}") from None
     if not os.access(out_dir, os.W_OK):
         raise UsageError(f"--out-dir {out_dir} is not writable")
+    if problem := misplaced(out_dir, sharded):
+        raise UsageError(f"{problem}: move it aside or choose another --out-dir")
     lock = RunLock(out_dir)
     try:
         checkpoints = list_checkpoints(out_dir)
         outputs = run_outputs(out_dir, checkpoints)
-        resume = decide_resume(outputs, bool(checkpoints), ckpt_cfg.resume, ckpt_cfg.overwrite)
+        resume = decide_resume(out_dir, outputs, bool(checkpoints), ckpt_cfg.resume, ckpt_cfg.overwrite)
     except UsageError:
         lock.release()
         raise
+    if outputs and not resume and not ckpt_cfg.overwrite:  # decide_resume allows only a metrics.jsonl here
+        print(f"note: the earlier run in --out-dir {out_dir} left no checkpoint; starting fresh, its {METRICS_FILE} "
+              "is replaced", file=sys.stderr)
     return lock, resume, outputs if not resume and ckpt_cfg.overwrite else []

@@ -19,10 +19,10 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from checkpoint import CheckpointError, checkpoint_step
-from cli import ArgumentParser, UsageError, report_error
+from checkpoint import CheckpointError
+from cli import ArgumentParser, UsageError, closed_stdout, report_error
 from data import DataError, get_tokenizer
-from export import check_names, is_run_directory, load_hf, read_checkpoint, read_newest_checkpoint
+from export import check_names, is_run_directory, load_hf, read_ckpt
 from hardware import DEVICES, resolve_device
 from model import GPT, KVCache
 
@@ -166,23 +166,12 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def read_ckpt(path: str, report=say) -> tuple:
-    """(config, weights) of --ckpt: a checkpoint (file or sharded directory), or a run directory (a train.py
-    --out-dir), whose newest checkpoint that verifies and loads is taken, as --resume would (damaged ones
-    are reported and skipped); which one is said through report."""
-    if not is_run_directory(path):
-        return read_checkpoint(path)
-    if os.path.isfile(os.path.join(path, "config.json")):
-        raise UsageError(f"--ckpt {path} is a Hugging Face directory (it has a config.json); pass it as --hf")
-    found, config, state = read_newest_checkpoint(path, report)
-    report(f"checkpoint {found} (step {checkpoint_step(found)}): the newest good one in {path}")
-    return config, state
-
-
 def load_model(ckpt: str | None = None, hf: str | None = None, device: torch.device | str = "cpu",
                report=say) -> GPT:
-    """A GPT in eval mode from a train.py checkpoint or run directory (read_ckpt) or from a Hugging Face
-    directory written by export.py."""
+    """A GPT in eval mode from a train.py checkpoint or run directory (export.read_ckpt; which checkpoint of a
+    run directory is said through report) or from a Hugging Face directory written by export.py."""
+    if ckpt is not None and is_run_directory(ckpt) and os.path.isfile(os.path.join(ckpt, "config.json")):
+        raise UsageError(f"--ckpt {ckpt} is a Hugging Face directory (it has a config.json); pass it as --hf")
     config, state = read_ckpt(ckpt, report) if ckpt is not None else load_hf(hf)
     check_names(config, state)
     model = GPT(config)
@@ -280,7 +269,10 @@ def main(argv=None) -> int:
         seed = draw_seed()
         if temperature > 0:  # greedy decoding draws nothing: no seed to repeat
             say(f"seed {seed} (pass --seed {seed} to repeat)")
-    print_samples(model, enc, text, a, temperature, top_k, seed)
+    try:
+        print_samples(model, enc, text, a, temperature, top_k, seed)
+    except BrokenPipeError:  # `| head`: the reader has what it wanted
+        return closed_stdout()
     return 0
 
 

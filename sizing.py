@@ -35,6 +35,9 @@ HEAD_DIM, SMALL_HEAD_DIM, SMALL_WIDTH = 128, 64, 512
 GQA_RATIO = 2  # query heads per key/value head
 BASE_WIDTH = 128  # the default model's width, where optim.DEFAULT_LRS were measured
 BATCH_COEFF, BATCH_EXPONENT = 0.292, 0.3271  # DeepSeek LLM (2024), optimal batch in tokens against compute C
+# --tokens-per-param's range: from a smoke test's horizon (124k tokens at 124M) to well past the most
+# over-trained models (Qwen3 0.6B: 36T tokens, 60,000 per parameter).
+TOKENS_PER_PARAM_RANGE = (1e-3, 1e6)
 
 # Published GPT-2 sizes as aliases: a depth plus the overrides that reproduce GPT-2's context and width (and,
 # for 1.5B, the 25 heads of 64 that 1600 needs; 25 is odd, so it is full multi-head attention, as GPT-2 was).
@@ -65,8 +68,9 @@ class SizeConfig:
     def validate(self) -> None:
         if self.depth is not None and self.depth < 1:
             raise ValueError(f"--depth must be >= 1, got {self.depth}")
-        if not self.tokens_per_param > 0:
-            raise ValueError(f"--tokens-per-param must be positive, got {self.tokens_per_param}")
+        low, high = TOKENS_PER_PARAM_RANGE
+        if not low <= self.tokens_per_param <= high:  # nan and inf fail too
+            raise ValueError(f"--tokens-per-param must be in [{low:g}, {high:g}], got {self.tokens_per_param}")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -95,7 +99,7 @@ def param_count(model_cfg: ModelConfig) -> int:
     """Every parameter, the embedding included (Chinchilla counts it), without building the model."""
     import memory  # memory imports torch and the distributed code; sizing stays importable without them
 
-    return sum(memory.param_numels(model_cfg).values())
+    return memory.param_count(model_cfg)
 
 
 def compute_optimal_batch(params: int, tokens: float, granule: int) -> int:
@@ -126,7 +130,7 @@ def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
         values["optim.adam_lr"] = (float(f"{adam_lr * BASE_WIDTH / width:.3g}"), f"{adam_lr:g}·{BASE_WIDTH}/n_embd")
     params = param_count(model_cfg)
     tokens_per_param = explicit.get("size.tokens_per_param", SizeConfig.tokens_per_param)
-    tokens = round(tokens_per_param * params)
+    tokens = max(1, round(tokens_per_param * params))  # 0 would be max_tokens' "unset"
     values["schedule.max_tokens"] = (tokens, f"{tokens_per_param:g}/param x {params / 1e6:.1f}M params")
     micro = explicit.get("data.batch_size", micro_batch)
     granule = model_cfg.max_seq_len * (micro if isinstance(micro, int) else 1)

@@ -4,7 +4,7 @@ the phase timer, torch.profiler and torch.compile's compilation time.
     telemetry = Telemetry(cfg, is_main, device, start_step, max_steps, flops, peak, wandb_run, optimizer)
     with telemetry.timer("forward"): ...                      # train_step's phases
     with telemetry.loop():                                    # progress bar and profiler
-        record = telemetry.step_record(step, loss, grad_norm, finite, seconds, lr, layout, world_size, health)
+        record = telemetry.step_record(step, loss, grad_norm, finite, seconds, layout, world_size, health)
         telemetry.log(record)                                 # metrics.jsonl, wandb, progress, profiler
 
 Only rank 0 writes anything; the other ranks run the same calls as no-ops, so the loop has no rank checks.
@@ -27,7 +27,7 @@ import sizing
 from checkpoint import best_path, list_checkpoints
 from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values, wandb_key_present
 from hardware import peak_memory_gib
-from optim import describe_param_groups, optimizer_state_bytes
+from optim import current_lr, describe_param_groups, optimizer_state_bytes
 from progress import Progress, duration
 
 DATA_WAIT_WARN = 0.05  # warn when waiting for batches takes more than this fraction of a step
@@ -250,10 +250,11 @@ class Telemetry:
         """Seconds of training since the run started, across resumes (metrics.jsonl's time_s)."""
         return self.time_offset + (time.perf_counter() - self.loop_start if self.loop_start else 0.0)
 
-    def step_record(self, step: int, loss: float, grad_norm: float, finite: bool, seconds: float, lr: float,
-                    layout, world_size: int, health) -> dict:
+    def step_record(self, step: int, loss: float, grad_norm: float, finite: bool, seconds: float, layout,
+                    world_size: int, health) -> dict:
         """The metrics.jsonl line of the step that has index `step` (0-based) and is counted as done=step+1;
-        prints the warnings it calls for (skipped update, spike, slow data) and, once, the compilation time."""
+        prints the warnings it calls for (skipped update, spike, slow data) and, once, the compilation time.
+        Its "lr" is the one the optimizer applied (optim.current_lr), not one recomputed from the flags."""
         self.step_times.append(seconds)
         self.step_tokens.append(layout.tokens_per_step)
         self.tokens += layout.tokens_per_step
@@ -265,7 +266,8 @@ class Telemetry:
         self.last_loss = loss
         record = {
             "step": done, "tokens": self.tokens, "time_s": round(self.elapsed(), 3),
-            "train_loss": loss if finite else None, "lr": lr, "grad_norm": grad_norm if finite else None,
+            "train_loss": loss if finite else None, "lr": current_lr(self.optimizer),
+            "grad_norm": grad_norm if finite else None,
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": per_device,
             # per device; equal to the whole job's utilisation of its devices
             "mfu": self.mfu(per_device),

@@ -32,9 +32,9 @@ from data import DataError, ShardLoader, check_split, check_vocab, default_corpu
 from evaluate import Evaluator
 from export import load_hf
 from model import ModelConfig, flops_per_token
-from optim import build_optimizer, lr_multiplier, schedule_warning, set_lr
+from optim import batch_warmup_warning, build_optimizer, lr_multiplier, schedule_warning, set_lr
 from resilience import Guard, StopSignals, TrainingHalted, stop_at_once_during_startup
-from rundir import RunLock, claim, remove_outputs
+from rundir import NothingToDo, RunLock, claim, replace_outputs
 from telemetry import Telemetry, message, print_table, start_wandb, startup_rows
 
 
@@ -100,26 +100,31 @@ def build_model(cfg: Config, device: torch.device):
 
 
 def build_layout(cfg: Config, model, info, device, autocast_dtype, fp8_recipe) -> BatchLayout:
-    """The batch layout; --batch-size auto probes the bare model, under the training forward's autocast, for
+    """The batch layout; --batch-size auto probes the bare model, under the training forward's autocast (FP8
+    delayed scaling's without its cross-rank amax reduction, its state reset afterwards: fp8.probing), for
     the largest micro-batch that fits."""
     micro = None
     if cfg.data.batch_size == "auto":
         multiple = fp8.batch_multiple(cfg.fp8.mode, model.config.max_seq_len)
         reserve = memory.probe_reserve_bytes(model.config, cfg.optim.name, info.mode)
-        micro = memory.auto_batch_size(model, config.per_rank_sequences(cfg, info.world_size), multiple, reserve,
-                                       lambda: forward_context(device, autocast_dtype, fp8_recipe), device, info)
+        with fp8.probing(model, fp8_recipe) as probe_recipe:
+            micro = memory.auto_batch_size(model, config.per_rank_sequences(cfg, info.world_size), multiple,
+                                           reserve, lambda: forward_context(device, autocast_dtype, probe_recipe),
+                                           device, info)
     return config.batch_layout(cfg, info.world_size, micro)
 
 
-def prepare_outputs(cfg: Config, info) -> tuple[str, bool, RunLock | None, list[str]]:
-    """Claim --out-dir on rank 0 (rundir.claim: the lock, fresh or resume) -> (the data directory, whether to
-    resume, the lock, what --overwrite will replace). Rank 0 tokenizes the default corpus once; the other
-    ranks find it cached. Every rank gets rank 0's answers or its error, so none waits on a rank that failed."""
-    answer, lock, replaced, failure = None, None, [], None
+def prepare_outputs(cfg: Config, info, command_line: dict) -> tuple[str, bool, RunLock | None, list, str | None]:
+    """Claim --out-dir on rank 0 (rundir.claim: the lock, fresh or resume) and write its new config.toml under a
+    temporary name (config.stage_config) -> (the data directory, whether to resume, the lock, what --overwrite
+    will replace, that file or None). Rank 0 tokenizes the default corpus once; the other ranks find it cached.
+    Every rank gets rank 0's answers or its error, so none waits on a rank that failed."""
+    answer, lock, replaced, staged, failure = None, None, [], None, None
     if info.is_main:
         try:
-            lock, resume, replaced = claim(cfg.ckpt)
+            lock, resume, replaced = claim(cfg.ckpt, sharded=info.mode == "fsdp")
             answer = (cfg.data.data or default_corpus(), resume)
+            staged = config.stage_config(cfg, resume, command_line)
         except Exception as e:  # a bug keeps its traceback on rank 0; the other ranks get one line
             failure, answer = e, e if isinstance(e, (UsageError, DataError)) else UsageError(f"rank 0: {e!r}")
             if lock is not None:
@@ -127,11 +132,12 @@ def prepare_outputs(cfg: Config, info) -> tuple[str, bool, RunLock | None, list[
     answer = distributed.broadcast_object(answer, info)
     if isinstance(answer, Exception):
         raise failure or answer
-    return (*answer, lock, replaced)
+    return (*answer, lock, replaced, staged)
 
 
-def setup(cfg: Config) -> Run:
-    """Build and check everything; every user mistake surfaces here, before the first step."""
+def setup(cfg: Config, command_line: dict | None = None) -> Run:
+    """Build and check everything; every user mistake surfaces here, before the first step. command_line: the
+    flags that made cfg, as config.build_parser parses them, for config.check_config_edits."""
     if problem := distributed.check_launch(cfg.dist.dist):
         raise UsageError(problem)
     device, device_reason = hardware.resolve_device(cfg.speed.device)
@@ -144,16 +150,16 @@ def setup(cfg: Config) -> Run:
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank if info.mode != "none" else torch.cuda.current_device())
     reasons = {"device": device_reason, "dtype": dtype_reason, "tf32": hardware.set_tf32(device, cfg.speed.tf32)}
-    data_dir, resume, lock, replaced = prepare_outputs(cfg, info)
+    data_dir, resume, lock, replaced, staged = prepare_outputs(cfg, info, command_line or {})
     try:
         run = build_run(cfg, info, device, autocast_dtype, fp8_recipe, data_dir, resume, lock, reasons)
     except BaseException:
         if lock is not None:  # a run built in this process later (bench/ladder.py, tests) may claim it again
             lock.release()
+        if staged is not None:
+            os.remove(staged)
         raise
-    remove_outputs(replaced)  # --overwrite: only once this run has passed every start-up check
-    if info.is_main:
-        config.write_config(cfg, os.path.join(cfg.ckpt.out_dir, "config.toml"))
+    replace_outputs(replaced, staged)  # only now that this run has passed every start-up check
     return run
 
 
@@ -187,8 +193,10 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
         layout = config.resume_layout(cfg, layout, meta, warn)
         max_steps = config.max_steps(cfg, layout)
         start_step, start_tokens = meta["step"], tokens_trained(meta, layout.tokens_per_step)
+        if note := config.resume_lr(cfg, meta, max_steps):
+            warn(note)
     if start_step >= max_steps:
-        raise UsageError(f"nothing to do: already at step {start_step} of {max_steps}")
+        raise NothingToDo(f"nothing to do: already at step {start_step} of {max_steps}")
     if cfg.log.profile and max_steps - start_step < PROFILE_WAIT + PROFILE_ACTIVE:
         raise UsageError(f"--profile needs at least {PROFILE_WAIT + PROFILE_ACTIVE} steps to run")
 
@@ -205,8 +213,10 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
     if info.is_main:
         print_table(startup_rows(run, data_dir, reasons))
         s = cfg.schedule
-        if warning := schedule_warning(s.warmup, max_steps, s.schedule, s.decay_frac):
-            message(warning)
+        for warning in (schedule_warning(s.warmup, max_steps, s.schedule, s.decay_frac),
+                        batch_warmup_warning(s.batch_warmup_steps, s.batch_warmup_start, max_steps, layout)):
+            if warning:
+                message(warning)
     return run
 
 
@@ -254,6 +264,8 @@ def run_loop(run: Run) -> str | None:
     step, oom_retried = run.start_step, False
     try:
         with run.telemetry.loop():
+            if run.start_step:  # resumed
+                recount_restored_eval(run, run.start_step)
             while step < run.max_steps:
                 t0 = time.perf_counter()
                 multiplier = run.guard.lr_scale * lr_multiplier(step, run.max_steps, s.warmup, s.schedule,
@@ -272,20 +284,23 @@ def run_loop(run: Run) -> str | None:
                     continue
                 train_loss = loss.item()  # the host sync makes the step time honest on CUDA
                 record = run.telemetry.step_record(step, train_loss, grad_norm.item(), finite, time.perf_counter() - t0,
-                                                   run.cfg.optim.lr * multiplier, run.step_layout,
-                                                   run.info.world_size, run.guard.health)
+                                                   run.step_layout, run.info.world_size, run.guard.health)
                 if run.cfg.data.packing == "bos":  # what the packing throws away, over the shards packed so far
                     record["data_cropped_frac"] = run.loader.cropped_fraction
                 step += 1
+                signalled = stop_requested(run, signals)
+                # The step's checkpoint before its eval: an eval that fails cannot cost it.
+                saved = save_if_due(run, step, regular=run.checkpointer.due(step, run.max_steps) or signalled)
                 improved, stop_early = evaluate_if_due(run, record, step)
                 run.telemetry.log(record)
                 if run.guard.must_roll_back():
                     step = rollback(run)
                     if stop_requested(run, signals):  # the checkpoint just restored is where a resume starts
                         return f"stopped by {signals.requested or 'a signal to another rank'} after a rollback"
+                    recount_restored_eval(run, step)
                     continue
-                stopped = save_if_due(run, step, improved, stop_early, signals)
-                if stopped:
+                saved = save_if_due(run, step, regular=stop_early, best=improved, written=saved)
+                if stopped := stop_reason(run, step, signals, signalled, stop_early, saved):
                     return stopped
         return run.guard.unfinished_streak()
     finally:
@@ -294,37 +309,86 @@ def run_loop(run: Run) -> str | None:
 
 def evaluate_if_due(run: Run, record: dict, done: int) -> tuple[bool, bool]:
     """Validation loss and bits per byte, HellaSwag accuracy (all into the record) and a sample, when the
-    Evaluator says so -> (improved, stop early)."""
+    Evaluator says so -> (improved, stop early). An eval that runs out of memory is skipped (the record's
+    "eval_skipped" says so) and training goes on; any other failure ends the run, after the step's checkpoint."""
     if not run.evaluator.due(done, run.max_steps):
         return False, False
-    write = run.telemetry.write
-    record.update(run.evaluator.val_metrics(run.compiled, run.model, run.autocast, run.layout.micro_batch,
-                                            run.layout.seq_len))
-    record.update(run.evaluator.hellaswag(run.model, run.autocast_dtype))
+    figures = unless_out_of_memory(run, done, lambda: evaluation(run))
+    if figures is None:
+        record["eval_skipped"] = "out of memory"
+        return False, False
+    metrics, text = figures
+    record.update(metrics)
     improved, stop_early = run.guard.early_stop.update(record["val_loss"])
+    write = run.telemetry.write
     write(f"step {done}: train loss {run.telemetry.last_loss:.4f}, {run.evaluator.describe(record)}"
           + (" (best so far)" if improved else ""))
-    text = run.evaluator.sample(run.model, run.autocast_dtype)
     if text is not None:
         write(f"sample at step {done}: {text!r}")
     return improved, stop_early
+
+
+def evaluation(run: Run) -> tuple[dict, str | None]:
+    """One eval's figures and sample (evaluate.Evaluator)."""
+    evaluator, layout = run.evaluator, run.layout
+    metrics = evaluator.val_metrics(run.compiled, run.model, run.autocast, layout.micro_batch, layout.seq_len)
+    metrics.update(evaluator.hellaswag(run.model, run.autocast_dtype))
+    return metrics, evaluator.sample(run.model, run.autocast_dtype)
+
+
+def unless_out_of_memory(run: Run, done: int, measure):
+    """measure() -> what it returns, or None when it runs out of memory: the eval of step `done` is skipped,
+    with a warning, and the memory it held goes back to the allocator's pool."""
+    try:
+        return measure()
+    except torch.cuda.OutOfMemoryError:
+        pass  # the exception holds the eval's tensors until here: the cache is emptied below
+    if run.device.type == "cuda":
+        torch.cuda.empty_cache()
+    run.telemetry.write(f"warning: out of memory in the eval of step {done}; skipped, training goes on")
+    return None
+
+
+def recount_restored_eval(run: Run, done: int) -> None:
+    """A regular checkpoint is written before its step's eval (run_loop), so the early stopping it holds has
+    not counted that eval. Once one is restored (a resume, a rollback), measure its val loss again and count
+    it, as the run that wrote it did; best stays as it is (it may hold a later step). An early stop's
+    checkpoint, written after its eval, has counted it already: a resume from it counts it twice, one eval
+    nearer to stopping again."""
+    if not run.evaluator.due(done, run.max_steps):
+        return
+    layout = run.layout
+    metrics = unless_out_of_memory(run, done, lambda: run.evaluator.val_metrics(
+        run.compiled, run.model, run.autocast, layout.micro_batch, layout.seq_len))
+    if metrics is not None:
+        run.guard.early_stop.update(metrics["val_loss"])
+        run.telemetry.write(f"step {done}: val loss {metrics['val_loss']:.4f}, measured again for early stopping "
+                            "(the checkpoint precedes its eval)")
 
 
 def stop_requested(run: Run, signals: StopSignals) -> bool:
     return distributed.any_across_ranks(signals.requested is not None, run.info, run.device)
 
 
-def save_if_due(run: Run, done: int, improved: bool, stop_early: bool, signals: StopSignals) -> str | None:
-    """Checkpoint when due, when the best val loss improved, or before stopping, but never inside a streak of
-    non-finite steps (resilience.Guard); -> why the run stops, if it does."""
-    signalled = stop_requested(run, signals)
-    regular = run.guard.may_checkpoint() and (run.checkpointer.due(done, run.max_steps) or signalled or stop_early)
-    if regular or improved:  # skipped steps leave the weights as they were, so a new best is still good
+def save_if_due(run: Run, done: int, regular: bool, best: bool = False, written: bool = False) -> bool:
+    """Write step `done`'s regular checkpoint when asked, unless `written` (it is on disk already), and the
+    best one when the val loss improved: a second name for the regular one when that exists. Never a regular
+    one inside a streak of non-finite steps (resilience.Guard). -> whether the step's regular one is on disk."""
+    regular = regular and not written and run.guard.may_checkpoint()
+    if best and written:
+        run.checkpointer.link_best(done)
+    elif regular or best:  # skipped steps leave the weights as they were, so a new best is still good
         run.checkpointer.save(done, run.model, run.optimizer, run.loader, run.guard, run.telemetry.tokens,
-                              regular=regular, best=improved, batch_tokens=run.layout.tokens_per_step)
+                              regular=regular, best=best, batch_tokens=run.layout.tokens_per_step)
+    return written or regular
+
+
+def stop_reason(run: Run, done: int, signals: StopSignals, signalled: bool, stop_early: bool,
+                saved: bool) -> str | None:
+    """Why the run stops after step `done` (saved: its checkpoint is on disk), or None when it goes on."""
     if signalled:
-        saved = "checkpoint written" if regular else "no checkpoint inside a streak of non-finite steps"
-        return (f"stopped by {signals.requested or 'a signal to another rank'} at step {done}; {saved}. "
+        written = "checkpoint written" if saved else "no checkpoint inside a streak of non-finite steps"
+        return (f"stopped by {signals.requested or 'a signal to another rank'} at step {done}; {written}. "
                 "Resume with the same command plus --resume")
     if stop_early:
         return (f"early stop at step {done}: val loss has not improved on {run.guard.early_stop.best:.4f} for "
@@ -339,6 +403,8 @@ def rollback(run: Run) -> int:
     except UsageError:
         raise TrainingHalted(f"{run.cfg.resilience.max_bad_steps} non-finite steps in a row and no checkpoint to "
                              "roll back to yet; restart with a lower --lr") from None
+    if fp8.is_delayed(run.fp8_recipe):  # the restored weights start a fresh amax history, as a resume's do
+        fp8.reset_delayed_scaling(run.model)
     run.guard.rolled_back(meta)
     run.telemetry.rewind(meta["step"], tokens_trained(meta, run.layout.tokens_per_step))
     run.telemetry.write(f"rolled back to step {meta['step']} after {run.cfg.resilience.max_bad_steps} non-finite "
@@ -368,7 +434,12 @@ def main(argv=None):
         if cfg.speed.estimate_memory:
             print(memory.memory_report(cfg))
             return
-        run = setup(cfg)
+        # Which settings the flags gave, and --config's name: config.parse_args merges them into cfg.
+        run = setup(cfg, vars(config.build_parser().parse_args(argv)))
+    except NothingToDo as e:  # a success: a restart loop must stop, not retry
+        if os.environ.get("RANK", "0") == "0":
+            message(str(e))
+        return
     except (UsageError, DataError, CheckpointError, ValueError) as e:
         # Only setup is guarded: ValueError there is config validation in model.py / optim.py, while an
         # exception inside the loop is a bug and keeps its traceback. Every rank fails alike; rank 0 says why.

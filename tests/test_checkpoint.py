@@ -16,13 +16,17 @@ import torch
 import torch.multiprocessing as mp
 
 import checkpoint
+import config
 import distributed
 import fp8
+import optim
 from config import ResilienceConfig
 from conftest import REPO
 from fp8 import TE_MODULES
 from model import GPT, ModelConfig
-from resilience import Guard
+from optim import OptimConfig, build_optimizer
+from resilience import Guard, LossHealth
+from telemetry import Telemetry
 
 CFG = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
 
@@ -60,8 +64,11 @@ class StubLoader:
         assert state == {"position": 7}
 
 
-def one_step(model):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def adamw(model):
+    return build_optimizer(model, OptimConfig(name="adamw", lr=1e-2), model.row_blocks(), "cpu")
+
+
+def one_step(model, optimizer):
     idx = torch.randint(0, CFG.vocab_size, (2, CFG.max_seq_len), generator=torch.Generator().manual_seed(0))
     model(idx, idx)[1].backward()
     optimizer.step()
@@ -83,9 +90,8 @@ def save_and_resume(out_dir, info, shard):
         for model in (trained, fresh):
             distributed.apply_fsdp(model, model.blocks, None, reshard_after_forward=True)
     ckpt = checkpoint.Checkpointer(str(out_dir), 1, 2, info, CFG, {}, data_id=[["train_000000.bin", 10, "ab"]])
-    ckpt.save(1, trained, one_step(trained), StubLoader(), Guard(ResilienceConfig()), tokens=64)
-    meta = ckpt.restore(fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2), StubLoader(),
-                        warn=lambda text: pytest.fail(text))
+    ckpt.save(1, trained, one_step(trained, adamw(trained)), StubLoader(), Guard(ResilienceConfig()), tokens=64)
+    meta = ckpt.restore(fresh, adamw(fresh), StubLoader(), warn=lambda text: pytest.fail(text))
     return meta, full(trained), full(fresh), loaded
 
 
@@ -169,7 +175,7 @@ def saved_file(tmp_path):
     torch.manual_seed(0)
     model = GPT(CFG)
     state = {"version": checkpoint.CHECKPOINT_VERSION, "step": 3, "model_config": dataclasses.asdict(CFG),
-             "model": model.state_dict(), "optimizer": one_step(model).state_dict()}
+             "model": model.state_dict(), "optimizer": one_step(model, adamw(model)).state_dict()}
     path = str(tmp_path / "ckpt.pt")
     checkpoint.save_file(state, path)
     return path
@@ -244,10 +250,40 @@ def test_every_reader_verifies_the_checksum_first(damage, tmp_path, capsys):
 
 def test_pruning_keeps_the_newest_and_never_touches_later_steps():
     paths = [f"d/ckpt_{s:08d}.pt" for s in (3, 6, 9, 99)]
-    assert checkpoint.prunable(paths, 9, keep=2) == ["d/ckpt_00000003.pt"]
-    assert checkpoint.prunable(paths, 9, keep=1) == ["d/ckpt_00000003.pt", "d/ckpt_00000006.pt"]
-    assert checkpoint.prunable(paths, 3, keep=1) == []
-    assert checkpoint.prunable(paths, 12, keep=5) == []
+
+    def good(path):
+        return True
+
+    assert checkpoint.prunable(paths, 9, 2, good) == ["d/ckpt_00000003.pt"]
+    assert checkpoint.prunable(paths, 9, 1, good) == ["d/ckpt_00000003.pt", "d/ckpt_00000006.pt"]
+    assert checkpoint.prunable(paths, 3, 1, good) == []
+    assert checkpoint.prunable(paths, 12, 5, good) == []
+
+
+def test_pruning_keeps_the_newest_good_ones_and_never_deletes_a_damaged_one():
+    paths = [f"d/ckpt_{s:08d}.pt" for s in (1, 2, 3, 4)]
+    damaged = {"d/ckpt_00000003.pt"}
+    assert checkpoint.prunable(paths, 4, 2, lambda path: path not in damaged) == ["d/ckpt_00000001.pt"]
+    assert checkpoint.prunable(paths, 4, 1, lambda path: path not in damaged) == ["d/ckpt_00000001.pt",
+                                                                                  "d/ckpt_00000002.pt"]
+
+
+def test_a_damaged_checkpoint_does_not_count_toward_keep_ckpts_and_each_one_is_hashed_once(tiny_data, tmp_path,
+                                                                                            monkeypatch):
+    import train
+    from conftest import TINY_FLAGS
+
+    args = ["--out-dir", str(tmp_path), *TINY_FLAGS, "--data", tiny_data, "--eval-interval", "0", "--device", "cpu",
+            "--keep-ckpts", "2"]
+    train.main([*args, "--max-steps", "3", "--ckpt-interval", "1"])  # ckpt_2, ckpt_3
+    ckpt_3 = checkpoint.checkpoint_path(str(tmp_path), 3, sharded=False)
+    os.truncate(ckpt_3, os.path.getsize(ckpt_3) // 2)
+    verified, verify = [], checkpoint.verify
+    monkeypatch.setattr(checkpoint, "verify", lambda path: (verified.append(path), verify(path)))
+    train.main([*args, "--max-steps", "6", "--ckpt-interval", "2", "--resume"])  # from ckpt_2; writes 4 and 6
+    names = [os.path.basename(p) for p in checkpoint.list_checkpoints(str(tmp_path))]
+    assert names == ["ckpt_00000003.pt", "ckpt_00000004.pt", "ckpt_00000006.pt"]  # two good ones, the damaged kept
+    assert sorted(verified) == [checkpoint.checkpoint_path(str(tmp_path), s, sharded=False) for s in (2, 3)]
 
 
 def test_a_damaged_later_checkpoint_does_not_make_new_ones_disappear(tiny_data, tmp_path):
@@ -299,6 +335,68 @@ def test_resuming_on_other_shards_is_refused_unless_allowed(tmp_path):
     allowed = run_train(out, other, "--max-steps", "4", "--resume", "--allow-data-change")
     assert allowed.returncode == 0, allowed.stderr
     assert run_train(out, first, "--max-steps", "6", "--resume", "--allow-data-change").returncode == 0
+
+
+# ----------------------------------------------------------------------------- what a resume trains with
+
+
+@pytest.mark.parametrize("name, changed", [
+    ("muon", dict(lr=5e-3)), ("muon", dict(adam_lr=1e-2)), ("muon", dict(weight_decay=0.0)),
+    ("muon", dict(momentum=0.8)), ("muon", dict(ns_dtype="bf16")), ("muon", dict(beta2=0.99)),
+    ("adamw", dict(lr=5e-3)),
+])
+def test_a_resume_trains_with_the_optimizer_settings_it_is_given(name, changed, tmp_path):
+    """The checkpoint holds the optimizer's state; the settings are the resuming run's: its groups, the LR it
+    logs, and its next update, which is the one the trained optimizer takes once given those settings."""
+    saved_cfg = OptimConfig(name=name, lr=1e-3, adam_lr=3e-3, ns_dtype="fp32")
+    cfg = dataclasses.replace(saved_cfg, **changed)
+    torch.manual_seed(0)
+    trained = GPT(CFG)
+    trained_opt = build_optimizer(trained, saved_cfg, trained.row_blocks(), "cpu")
+    optim.set_lr(trained_opt, 0.25)
+    one_step(trained, trained_opt)
+    ckpt = checkpoint.Checkpointer(str(tmp_path), 1, 2, distributed.DistInfo(), CFG, {}, data_id=[])
+    ckpt.save(1, trained, trained_opt, StubLoader(), Guard(ResilienceConfig()), tokens=64)
+    resumed = GPT(CFG)
+    resumed_opt = build_optimizer(resumed, cfg, resumed.row_blocks(), "cpu")
+    settings = optim.group_settings(resumed_opt)
+    assert settings != optim.group_settings(trained_opt)
+    meta = ckpt.restore(resumed, resumed_opt, StubLoader(), warn=lambda text: pytest.fail(text))
+    assert meta["lr_multiplier"] == 0.25 and optim.group_settings(resumed_opt) == settings
+
+    optim.apply_group_settings(trained_opt, settings)
+    for model, optimizer in ((trained, trained_opt), (resumed, resumed_opt)):
+        optim.set_lr(optimizer, 0.5)
+        one_step(model, optimizer)
+    for (key, a), b in zip(trained.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), key
+    telemetry = Telemetry(config.parse_args(["--out-dir", str(tmp_path)]), False, torch.device("cpu"), 1, 9, 1.0,
+                          None, None, resumed_opt)
+    record = telemetry.step_record(1, 5.0, 1.0, True, 0.1, config.BatchLayout(2, 32, 1, 1), 1, LossHealth())
+    assert record["lr"] == 0.5 * cfg.lr
+
+
+def test_extending_a_decayed_run_is_refused_unless_the_rewarm_is_asked_for(tiny_data, tmp_path, capsys):
+    """The LR of the last step is saved with the checkpoint: a finished WSD run, its LR down to 10% of the
+    peak, resumed with more steps would jump back up to the peak."""
+    import train
+    from conftest import TINY_FLAGS
+
+    flags = ["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--eval-interval", "0", "--warmup", "1",
+             "--device", "cpu", "--dtype", "fp32"]
+    train.main([*flags, "--max-steps", "4"])
+    with pytest.raises(SystemExit) as refused:
+        train.main([*flags, "--max-steps", "6", "--resume"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and not any("Traceback" in line for line in err) and err[-1] == (
+        "error: --resume: the LR goes from 0.0006 at the checkpoint (step 4) to 0.006 at the next step, up again "
+        "after its decay had begun; resume from a checkpoint from before the decay, or pass --allow-lr-rewarm to "
+        "re-warm it")
+    train.main([*flags, "--max-steps", "6", "--resume", "--allow-lr-rewarm", "--lr", "1e-3"])
+    note = "note: the LR goes from 0.0006 at the checkpoint (step 4) to 0.001 at the next step"
+    assert note in capsys.readouterr().err
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert [json.loads(line)["lr"] for line in f][4] == 1e-3  # the resumed run's --lr, as the optimizer has it
 
 
 def test_the_converter_refuses_what_it_cannot_convert_in_one_line(tmp_path, capsys):

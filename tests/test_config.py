@@ -6,12 +6,14 @@ import ast
 import dataclasses
 import glob
 import os
+import re
 
 import pytest
 
 import config
 from cli import UsageError
 from config import BatchLayout, Config
+from optim import lr_multiplier
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,6 +85,8 @@ def test_flags_land_in_their_section(argv, section, name, value):
     (["--fp8", "te", "--sample-tokens", "4"], "needs the plain backend's KV cache"),
     (["--keep-ckpts", "0"], "--keep-ckpts must be >= 1"),
     (["--ddp-bucket-mb", "0"], "--ddp-bucket-mb must be positive"),
+    (["--n-layer", str(10**20)], "--n-layer must be a 64-bit integer"),
+    (["--n-embd", str(-10**30)], "--n-embd must be a 64-bit integer"),
 ])
 def test_contradictions_are_caught_from_the_flags_alone(argv, message):
     with pytest.raises(UsageError, match=message):
@@ -230,6 +234,9 @@ def test_flags_override_the_file_and_the_file_overrides_the_dial(tmp_path):
     ("[model]\nn_layer = \n", "--config"),  # not TOML
     ("[schedule]\nmax_steps = 5\nmax_tokens = 100\n", "give --max-tokens or --max-steps, not both"),
     ("[model]\nn_layer = 0\n", "n_layer must be positive"),
+    ("[model]\nn_layer = 100000000000000000000\n", r"--n-layer must be a 64-bit integer, in \[-2\*\*63, 2\*\*63\)"),
+    ("[size]\ndepth = 100000000000000000000\n", "--depth must be a 64-bit integer"),
+    ("[size]\ndepth = 4\ntokens_per_param = 1e-30\n", r"--tokens-per-param must be in \[0.001, 1e\+06\]"),
 ])
 def test_bad_config_files_are_one_line(tmp_path, text, message):
     path = tmp_path / "bad.toml"
@@ -294,6 +301,43 @@ def test_resume_at_another_world_size_derives_grad_accum_or_refuses():
     layout = config.batch_layout(bigger, world_size=1)
     assert config.resume_layout(bigger, layout, saved, notes.append) == layout
     assert len(notes) == 1
+
+
+def lr_on_resume(saved_flags, flags, step, lr_scale=1.0, **meta):
+    """config.resume_lr for the checkpoint at `step` of a run with saved_flags (its last LR multiplier as the
+    Checkpointer records it), resumed with flags."""
+    saved = config.parse_args(saved_flags)
+    s = saved.schedule
+    multiplier = lr_scale * lr_multiplier(step - 1, s.max_steps, s.warmup, s.schedule, s.min_lr_ratio, s.decay_frac)
+    meta = {"step": step, "lr_multiplier": multiplier, "lr_scale": lr_scale, "train_config": config.to_dict(saved),
+            **meta}
+    cfg = config.parse_args(flags)
+    return config.resume_lr(cfg, meta, cfg.schedule.max_steps)
+
+
+def test_a_resume_that_changes_the_lr_schedule_says_what_it_does_and_refuses_a_rewarm():
+    extended = "the LR goes from 0.0006 at the checkpoint (step 20) to 0.00384 at the next step"
+    with pytest.raises(UsageError, match=f"^--resume: {re.escape(extended)}, up again after its decay had begun"):
+        lr_on_resume(["--max-steps", "20"], ["--max-steps", "24"], 20)  # a finished WSD run, 10% of its peak
+    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "24", "--allow-lr-rewarm"], 20) == f"note: {extended}"
+    with pytest.raises(UsageError, match="after its decay had begun"):  # cosine, halfway down, made longer
+        lr_on_resume(["--schedule", "cosine", "--max-steps", "100"], ["--schedule", "cosine", "--max-steps", "150"], 60)
+    with pytest.raises(UsageError, match="after its decay had begun"):  # a higher peak, mid-decay
+        lr_on_resume(["--max-steps", "20"], ["--max-steps", "20", "--lr", "2e-2"], 18)
+    # Told, not refused: in the warm-up, in the stable phase (a new peak there is no re-warm), after a rollback
+    # halved the LR, a lower LR mid-decay, and a rise within rounding.
+    assert lr_on_resume(["--max-steps", "2"], ["--max-steps", "3"], 2) == (
+        "note: the LR goes from 0.0008 at the checkpoint (step 2) to 0.0012 at the next step")
+    assert lr_on_resume(["--max-steps", "100"], ["--max-steps", "200", "--lr", "1e-2"], 50) == (
+        "note: the LR goes from 0.006 at the checkpoint (step 50) to 0.01 at the next step")
+    assert lr_on_resume(["--max-steps", "100"], ["--lr", "1e-2"], 50, lr_scale=0.5).endswith(
+        "from 0.003 at the checkpoint (step 50) to 0.005 at the next step")
+    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "24", "--lr", "5e-4"], 20).endswith(
+        "to 0.00032 at the next step")
+    assert not config.is_rewarm(20, 15, 0.1, 6e-4, 1.005 * 6e-4) and config.is_rewarm(20, 15, 0.1, 6e-4, 6.1e-4)
+    # Nothing the LR depends on changed, or a checkpoint from before the multiplier was recorded: nothing to say.
+    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "20", "--eval-interval", "5"], 20) is None
+    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "24"], 20, lr_multiplier=None) is None
 
 
 def test_every_problem_with_the_flags_is_reported_at_once():

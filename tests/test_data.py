@@ -5,6 +5,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -262,6 +263,7 @@ def test_prepare_hugging_face_dataset_streams_the_train_split(gpt2, tmp_path, mo
     ("missing", "not found"), ("mistyped-path", "not found"), ("empty-dir", "no text"), ("glob", "no text"),
     ("out-under-file", "cannot create"), ("existing-shards", "already holds shards"),
     ("too-few-tokens", "lower --val-tokens"), ("no-text-field", "doc.jsonl:2"),
+    ("not-utf8", "doc.jsonl:3: not UTF-8 (invalid start byte at byte 11 of the line)"),
     ("binary", "image.png: a binary file"), ("binary-in-glob", "image.png: a binary file"),
     ("compressed", "docs.jsonl.gz: gzip-compressed; compressed input is not supported")])
 def test_prepare_errors(gpt2, tmp_path, monkeypatch, case, words):
@@ -278,7 +280,8 @@ def test_prepare_errors(gpt2, tmp_path, monkeypatch, case, words):
     elif case == "glob":
         source = "*.nothing"
     elif case == "out-under-file":
-        out = "doc.txt/out"
+        (tmp_path / "file").write_text("")
+        out = "file/out"
     elif case == "existing-shards":
         write_shard(tmp_path / "empty" / "train_000000.bin", np.arange(10), 50257)
         out = "empty"
@@ -286,6 +289,9 @@ def test_prepare_errors(gpt2, tmp_path, monkeypatch, case, words):
         pass
     elif case == "no-text-field":
         (tmp_path / "doc.jsonl").write_text('{"text": "ok"}\n{"body": "no"}\n')
+        source = "doc.jsonl"
+    elif case == "not-utf8":
+        (tmp_path / "doc.jsonl").write_bytes(b'{"text": "ok"}\n' * 2 + b'{"text": "\xff"}\n')
         source = "doc.jsonl"
     elif case.startswith("binary"):
         (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
@@ -308,7 +314,11 @@ def test_invalid_utf8_is_replaced_with_one_warning_per_file(gpt2, tmp_path, monk
     data.prepare(tmp_path / "src", tmp_path / "out", val_tokens=1)
     _check(gpt2[0], tmp_path / "out", [(raw * 3).decode(errors="replace"), DOCS[0]])
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
-    assert warnings == [f"warning: {tmp_path / 'src' / 'a.txt'}: 12 invalid UTF-8 sequences replaced with U+FFFD"]
+    assert warnings == [f"warning: {tmp_path / 'src' / 'a.txt'}: 12 invalid UTF-8 sequences replaced with U+FFFD, "
+                        "the first at line 1"]
+    assert data._first_invalid_line(str(tmp_path / "src" / "b.txt")) is None
+    (tmp_path / "late.txt").write_bytes("é\n".encode() * 5 + b"ok \xe2\x82")  # a character cut short at the end
+    assert all(data._first_invalid_line(str(tmp_path / "late.txt"), block) == 6 for block in (1, 2, 3, 64))
 
 
 def _reference_shards(enc, docs, shard_tokens, val_tokens):
@@ -362,7 +372,99 @@ def test_prepare_error_midway_leaves_no_thread_running(gpt2, tmp_path, monkeypat
     with pytest.raises(DataError, match="doc.jsonl:201" if failing == "reader" else "disk full"):
         data.prepare(tmp_path / "doc.jsonl", tmp_path / "out", shard_tokens=100, val_tokens=10)
     assert len(written) >= 10  # shards were being written when it failed
+    assert os.listdir(tmp_path) == ["doc.jsonl"]  # and none is left: no --out, no partial directory
     assert not [t.name for t in threading.enumerate() if t.name.startswith(("tokenizer", "shard-writer"))]
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_a_stopped_preparation_leaves_nothing_and_the_rerun_completes(gpt2, tmp_path, monkeypatch, capsys, stop):
+    """A signal while shards are being written: one line, 128 + the signal's number, no --out and no partial
+    directory. The rerun completes, into an empty --out too; a partial directory that no live process holds
+    (a killed run's) is removed, one that is held is left alone."""
+    docs = _corpus(tmp_path, 60)
+    args = ["--input", str(tmp_path / "docs.jsonl"), "--out", str(tmp_path / "out"), "--shard-tokens", "997",
+            "--val-tokens", "100"]
+    real_write_shard = data.write_shard
+
+    def write_shard(path, tokens, vocab_size):  # runs in the writer thread; the signal reaches the main one
+        if path.endswith("train_000003.bin"):
+            os.kill(os.getpid(), getattr(signal, stop))
+        real_write_shard(path, tokens, vocab_size)
+
+    def escaped(*args):  # a signal that data.main leaves unhandled fails this test, not the whole session
+        raise AssertionError("the signal escaped data.main")
+
+    monkeypatch.setattr(data, "write_shard", write_shard)
+    previous = signal.signal(signal.SIGTERM, escaped)
+    try:
+        code = data.main(args)
+    except KeyboardInterrupt:
+        code = "KeyboardInterrupt"
+    finally:
+        handler = signal.signal(signal.SIGTERM, previous)
+    assert code == 128 + getattr(signal, stop) and handler == escaped  # data.main's own handler is gone
+    assert capsys.readouterr().err.splitlines()[-1:] == [
+        f"{'interrupted' if stop == 'SIGINT' else 'terminated'}; nothing written to {tmp_path / 'out'}"]
+    assert os.listdir(tmp_path) == ["docs.jsonl"]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("tokenizer", "shard-writer"))]
+
+    monkeypatch.setattr(data, "write_shard", real_write_shard)
+    for pid in (1, 99999999):
+        (tmp_path / f"out.partial-{pid}").mkdir()
+        write_shard(str(tmp_path / f"out.partial-{pid}" / "train_000000.bin"), np.arange(10), 50257)
+    held = data._lock(str(tmp_path / "out.partial-1"))  # as a running preparation holds its own
+    (tmp_path / "out").mkdir()  # an empty --out is taken too
+    try:
+        assert data.main(args) == 0
+    finally:
+        os.close(held)
+    assert f"data: removed {tmp_path / 'out.partial-99999999'}" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "out", "out.partial-1"]
+    _check(gpt2[0], tmp_path / "out", docs)
+
+
+@pytest.mark.parametrize("case, error, words", [
+    ("user-file", DataError, "--out out is not empty (it holds data.json); choose a new or empty directory"),
+    ("prepared", DataError, "out already holds shards (train_000000.bin, ...)"),
+    ("input-file", UsageError, "--out src/a.txt is the input src/a.txt"),
+    ("input-dir", UsageError, "--out src is the input src"),
+    ("inside-input", UsageError, "--out src/shards is inside the input src"),
+    ("holds-input", UsageError, "--out out holds the input out/b.txt"),
+    ("glob", UsageError, "--out out holds the input out/b.txt")])
+def test_out_must_be_new_or_empty_and_apart_from_the_input(tmp_path, monkeypatch, case, error, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text(DOCS[0])
+    (tmp_path / "out").mkdir()
+    source, out = "src", "out"
+    if case == "user-file":
+        (tmp_path / "out" / "data.json").write_text('{"mine": true}')
+    elif case == "prepared":
+        write_shard(tmp_path / "out" / "train_000000.bin", np.arange(10), 50257)
+    elif case.startswith("input"):
+        source = out = "src/a.txt" if case == "input-file" else "src"
+    elif case == "inside-input":
+        out = "src/shards"
+    else:
+        (tmp_path / "out" / "b.txt").write_text(DOCS[1])
+        source = "out/b.txt" if case == "holds-input" else "*/b.txt"
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(error) as e:
+        data.prepare(source, out, val_tokens=1)
+    assert str(e.value).startswith(words) and "\n" not in str(e.value)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing written or lost
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--shard-tokens", "0"], "--shard-tokens must be in [1, 2,146,483,648) under --val-tokens auto, got 0"),
+    (["--shard-tokens", "2147000000"], "--shard-tokens must be in [1, 2,146,483,648) under --val-tokens auto"),
+    (["--shard-tokens", "0", "--val-tokens", "5"], "--shard-tokens must be in [1, 2,147,483,648), got 0"),
+    (["--val-tokens", "-1"], "--val-tokens must be auto or in [0, 2**31), got -1")])
+def test_cli_size_errors_name_the_flag(tmp_path, capsys, flags, message):
+    assert data.main(["--input", "missing", "--out", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
 
 
 def test_count_in_file_across_blocks(tmp_path):
@@ -384,12 +486,6 @@ def _corpus(tmp_path, n_docs, seed=0) -> list[str]:
     return docs
 
 
-def _train_then_val(out_dir):
-    """The shards' tokens in the corpus's order under --val-tokens auto: the train shards, then val (its end)."""
-    names = sorted(n for n in os.listdir(out_dir) if n.startswith("train_")) + ["val_000000.bin"]
-    return np.concatenate([read_shard(out_dir / n) for n in names]).tolist()
-
-
 def test_default_val_tokens_rule():
     assert data.MIN_VAL_TOKENS == 16 * 1024 + 1 and data.MAX_VAL_TOKENS == 1_000_000
     assert data.default_val_tokens(50_000) == data.MIN_VAL_TOKENS  # 0.5% is 250: one eval batch instead
@@ -399,28 +495,29 @@ def test_default_val_tokens_rule():
     assert data.default_val_tokens(2_500_000_000) == data.default_val_tokens(10**12) == 1_000_000  # the cap
 
 
-def test_prepare_with_default_args_keeps_the_last_tokens_of_a_small_corpus_for_val(gpt2, tmp_path, capsys):
+def test_prepare_with_default_args_keeps_the_first_tokens_of_a_small_corpus_for_val(gpt2, tmp_path, capsys):
     docs = _corpus(tmp_path, 220)
     stats = data.prepare(tmp_path / "docs.jsonl", tmp_path / "out")  # under 1M tokens: refused before auto
     expected = _expected(gpt2[0], docs)
     assert 40_000 < len(expected) < 60_000
     assert stats["val_tokens"] == data.default_val_tokens(len(expected)) == data.MIN_VAL_TOKENS
-    assert read_shard(tmp_path / "out" / "val_000000.bin").tolist() == expected[-data.MIN_VAL_TOKENS:]
-    assert _train_then_val(tmp_path / "out") == expected
+    assert read_shard(tmp_path / "out" / "val_000000.bin").tolist() == expected[:data.MIN_VAL_TOKENS]
+    assert _all_tokens(tmp_path / "out") == expected
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("data: 220 documents") and line.endswith(
-        "val: last 16,385 tokens (the least: one eval batch of 16 x 1,024, plus 1; "
+        "val: first 16,385 tokens (the least: one eval batch of 16 x 1,024, plus 1; "
         f"{16_385 / len(expected):.1%} of the corpus, --val-tokens auto)")
     record = json.loads((tmp_path / "out" / data.DATA_RECORD).read_text())
     assert {k: record[k] for k in ("tokenizer", "n_vocab", "eot", "documents", "tokens", "val_tokens",
                                    "train_tokens", "val_from")} == {
         "tokenizer": "gpt2", "n_vocab": 50257, "eot": EOT, "documents": 220, "tokens": len(expected),
-        "val_tokens": 16_385, "train_tokens": len(expected) - 16_385, "val_from": "end"}
+        "val_tokens": 16_385, "train_tokens": len(expected) - 16_385, "val_from": "start"}
 
 
-def test_auto_val_writes_train_shards_as_it_goes_and_cuts_val_from_the_end(gpt2, tmp_path, monkeypatch, capsys):
+def test_auto_val_writes_train_shards_as_it_goes_and_takes_val_from_the_start(gpt2, tmp_path, monkeypatch, capsys):
     """Bounds made small so that a small corpus meets each rule: 0.5%, then the cap. Train shards are written
-    while streaming (all but the last two full), and the last tokens are val."""
+    while streaming, from the held first MAX_VAL_TOKENS on; val is the first tokens, and what it leaves of the
+    held ones opens the first train shard."""
     docs = _corpus(tmp_path, 60)
     expected = _expected(gpt2[0], docs)
     monkeypatch.setattr(data, "MIN_VAL_TOKENS", 10)
@@ -429,12 +526,12 @@ def test_auto_val_writes_train_shards_as_it_goes_and_cuts_val_from_the_end(gpt2,
         stats = data.prepare(tmp_path / "docs.jsonl", tmp_path / out, shard_tokens=997)
         val = min(cap, len(expected) * 5 // 1000)
         assert stats["val_tokens"] == val and (val == 40) == (out == "cap")
-        assert read_shard(tmp_path / out / "val_000000.bin").tolist() == expected[-val:]
-        assert _train_then_val(tmp_path / out) == expected
+        assert read_shard(tmp_path / out / "val_000000.bin").tolist() == expected[:val]
+        assert _all_tokens(tmp_path / out) == expected
         sizes = [len(read_shard(p)) for p in sorted((tmp_path / out).glob("train_*"))]
-        assert len(sizes) > 5 and set(sizes[:-1]) == {997} and 0 < sizes[-1] <= 997
+        assert len(sizes) > 5 and sizes[0] == 997 + cap - val and set(sizes[1:-1]) == {997} and 0 < sizes[-1] <= 997
         reason = "0.5% of the corpus" if out == "share" else f"the cap; {40 / len(expected):.2%} of the corpus"
-        assert capsys.readouterr().out.strip().endswith(f"val: last {val:,} tokens ({reason}, --val-tokens auto)")
+        assert capsys.readouterr().out.strip().endswith(f"val: first {val:,} tokens ({reason}, --val-tokens auto)")
     data.prepare(tmp_path / "docs.jsonl", tmp_path / "explicit", shard_tokens=997, val_tokens=300)
     assert read_shard(tmp_path / "explicit" / "val_000000.bin").tolist() == expected[:300]  # the first N
     assert capsys.readouterr().out.strip().endswith("; val: first 300 tokens (--val-tokens 300)")
@@ -460,9 +557,30 @@ def test_max_tokens_cuts_at_the_exact_count(gpt2, tmp_path, monkeypatch, capsys)
     assert ", cut at --max-tokens 5,000; val: first 100 tokens" in captured.out
     monkeypatch.setattr(data, "MIN_VAL_TOKENS", 10)
     stats = data.prepare(tmp_path / "docs.jsonl", tmp_path / "auto", shard_tokens=997, max_tokens=5000)
-    assert _train_then_val(tmp_path / "auto") == expected and stats["val_tokens"] == 25  # 0.5% of 5,000
+    assert _all_tokens(tmp_path / "auto") == expected and stats["val_tokens"] == 25  # 0.5% of 5,000
     data.prepare(tmp_path / "docs.jsonl", tmp_path / "all", val_tokens=100, max_tokens=10**9)
     assert "all of it (fewer than --max-tokens 1,000,000,000)" in capsys.readouterr().out
+
+
+def test_auto_val_is_the_same_prefix_under_any_max_tokens(gpt2, tmp_path, monkeypatch):
+    """The rule scaled down (at least 10, at most 40: saturated from 8,000 tokens on): a smaller cap's val split
+    is a prefix of a larger cap's, every cap from saturation on gives the identical val shard, and train
+    starts right after val whether train shards were written while streaming (shards of 997) or not."""
+    expected = _expected(gpt2[0], _corpus(tmp_path, 60))
+    assert len(expected) > 12_000
+    monkeypatch.setattr(data, "MIN_VAL_TOKENS", 10)
+    monkeypatch.setattr(data, "MAX_VAL_TOKENS", 40)
+    vals = {}
+    for cap, shard_tokens in [(3000, 997), (9000, 997), (12_000, 997), (None, 997), (9000, 10**6)]:
+        out = tmp_path / f"{cap}-{shard_tokens}"
+        data.prepare(tmp_path / "docs.jsonl", out, shard_tokens=shard_tokens, max_tokens=cap)
+        vals[cap, shard_tokens] = (out / "val_000000.bin").read_bytes()
+        assert _all_tokens(out) == expected[:cap]
+    assert read_shard(tmp_path / "3000-997" / "val_000000.bin").tolist() == expected[:15]  # 0.5% of 3,000
+    assert len({vals[key] for key in vals if key[0] != 3000}) == 1  # at or past saturation: 40 tokens
+    data.prepare(tmp_path / "docs.jsonl", tmp_path / "explicit", shard_tokens=10**6, val_tokens=40, max_tokens=9000)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "explicit").glob("*.bin")} == {
+        p.name: p.read_bytes() for p in (tmp_path / "9000-1000000").glob("*.bin")}
 
 
 def test_max_tokens_that_leave_no_train_tokens_are_refused(gpt2, tmp_path, capsys):

@@ -1,10 +1,12 @@
 """evaluate.py and eval.py: per-token losses, validation bits per byte, the HellaSwag loader and scorer, and the
 same figures from training, from a checkpoint and from an export."""
 
+import dataclasses
 import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from contextlib import nullcontext
@@ -14,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import checkpoint
 import config
 import distributed
 import eval as eval_cli
@@ -21,7 +24,7 @@ import evaluate
 import export
 import train
 from cli import UsageError
-from conftest import REPO, TINY_FLAGS
+from conftest import REPO, TINY_FLAGS, write_tiny_shards
 from data import get_tokenizer, write_shard
 from evaluate import (Evaluator, Example, bits_per_byte, bpb_sums, choice_batch, ending_scores, load_hellaswag,
                       token_byte_lengths)
@@ -145,6 +148,38 @@ def test_eval_batches_never_read_a_val_window_twice():
     assert evaluate.eval_tokens_note(256, 3, 100, 4, 32, 1) == (
         "note: the val split (100 tokens) holds 3 windows of 32, fewer than one batch on every rank; each eval "
         "reads 128 tokens (1 batch of 4 x 32 on each of 1 rank), some twice")
+
+
+
+def test_eval_tokens_below_one_batch_say_they_round_up():
+    assert evaluate.eval_tokens_note(1, 62, 2000, 4, 32, 1) == (
+        "note: --eval-tokens 1 rounds up to one whole batch: each eval reads 128 tokens (1 batch of 4 x 32 on "
+        "each of 1 rank)")
+    assert evaluate.eval_tokens_note(300, 62, 2000, 4, 32, 3) == (
+        "note: --eval-tokens 300 rounds up to one whole batch: each eval reads 384 tokens (1 batch of 4 x 32 on "
+        "each of 3 ranks)")
+    assert evaluate.eval_tokens_note(128, 62, 2000, 4, 32, 1) is None  # exactly one batch
+
+
+@pytest.mark.parametrize("phase", ["val", "hellaswag"])
+def test_an_eval_that_fails_leaves_the_model_training(tiny_data, phase):
+    """An out-of-memory error mid-eval is skipped and training goes on: in training mode, as it was."""
+    evaluator = Evaluator(eval_config("--eval-tokens", "256"), tiny_data, distributed.DistInfo(),
+                          torch.device("cpu"), 256, seed=0)
+    evaluator.choices = [(torch.zeros(4, 3, dtype=torch.long), torch.zeros(4, 3, dtype=torch.long), 0)]
+    model = torch.nn.Linear(1, 1)
+
+    def out_of_memory(*args, **kwargs):
+        assert not model.training
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    model.forward = out_of_memory
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        if phase == "val":
+            evaluator.val_metrics(model, model, nullcontext, micro_batch=4, seq_len=32)
+        else:
+            evaluator.hellaswag(model)
+    assert model.training
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
@@ -413,3 +448,56 @@ def test_eval_cli_offline_hub_is_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.startswith("error: could not load HellaSwag 'Rowan/hellaswag'"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "--hellaswag-path" in result.stderr
+
+
+def test_val_data_is_the_data_the_checkpoint_trained_on_unless_told(tmp_path, monkeypatch):
+    monkeypatch.setattr(eval_cli, "default_corpus_dir", lambda: str(tmp_path / "corpus"))
+    mine, corpus, gone = (str(tmp_path / name) for name in ("mine", "corpus", "gone"))
+    os.mkdir(mine)
+    os.mkdir(corpus)
+
+    def trained_on(data):
+        return {"data": {"data": data, "batch_size": 16}}
+
+    assert eval_cli.val_data(None, trained_on(mine), "c.pt") == (mine, None)
+    assert eval_cli.val_data(None, trained_on(None), "c.pt") == (None, None)  # the default corpus, as train.py
+    assert eval_cli.val_data(mine + "/.", trained_on(mine), "c.pt") == (mine + "/.", None)  # the same directory
+    assert eval_cli.val_data(corpus, trained_on(None), "c.pt") == (corpus, None)
+    assert eval_cli.val_data(corpus, trained_on(mine), "c.pt") == (corpus, (
+        f"note: --data {corpus} is not the data the checkpoint trained on ({mine}): these figures do not compare "
+        "with the run's"))
+    assert "(the default corpus)" in eval_cli.val_data(mine, trained_on(None), "c.pt")[1]
+    with pytest.raises(UsageError, match=re.escape(f"--ckpt c.pt trained on --data {gone}, which is not there; "
+                                                   "give --data DIR")):
+        eval_cli.val_data(None, trained_on(gone), "c.pt")
+    assert eval_cli.val_data(mine, trained_on(gone), "c.pt")[0] == mine
+    for recorded in (None, {}):  # an export.py directory; a checkpoint that recorded no config
+        assert eval_cli.val_data(None, recorded, "hf") == (
+            None, "note: hf records no training data, so this is the default corpus; give --data for the data it "
+                  "trained on")
+        assert eval_cli.val_data(mine, recorded, "hf") == (mine, None)
+
+
+def test_eval_bpb_reads_the_checkpoints_data_and_refuses_another_tokenizers(tmp_path, tiny_data, capsys):
+    """eval.py on a checkpoint with no --data scores the shards it recorded; other shards get a note; shards of
+    another tokenizer, or recorded shards that are gone, are one line."""
+    trained, other = tmp_path / "trained", tmp_path / "other"
+    shutil.copytree(tiny_data, trained)
+    other.mkdir()
+    write_tiny_shards(other, seed=1)
+    model, ckpt = gpt2_model(), str(tmp_path / "ckpt.pt")
+    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "model": model.state_dict(),
+                          "model_config": dataclasses.asdict(model.config),
+                          "train_config": {"data": {"data": str(trained)}}}, ckpt)
+    args = ["--ckpt", ckpt, "--task", "bpb", "--n", "256", "--batch-size", "4", "--device", "cpu"]
+    own = run_eval(capsys, *args).splitlines()
+    assert f"val tokens of {trained} " in own[0] and own[1].startswith("val_loss")
+    text = run_eval(capsys, *args, "--data", str(other)).splitlines()
+    assert f"val tokens of {other} " in text[0] and text[1].startswith(f"note: --data {other} is not the data")
+    assert text[2] != own[1]  # other tokens, another loss
+    (other / "data.json").write_text(json.dumps({"tokenizer": "cl100k_base", "n_vocab": 100277}))
+    shutil.rmtree(trained)
+    for extra, words in [(["--data", str(other)], "made with the cl100k_base tokenizer"), ([], "which is not there")]:
+        assert eval_cli.main(args + extra) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err

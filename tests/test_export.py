@@ -1,7 +1,9 @@
 import dataclasses
 import json
+import math
 import os
 import stat
+import sys
 
 import pytest
 import torch
@@ -235,6 +237,42 @@ def test_cli(tmp_path, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
+def test_cli_takes_the_newest_good_checkpoint_of_a_run_directory(tmp_path, capsys, monkeypatch):
+    """As sample.py and eval.py do: the newest checkpoint that verifies, and which one is said on stderr."""
+    run = tmp_path / "run"
+    run.mkdir()
+    old, new = tiny_model(True, seed=1), tiny_model(False, seed=2)
+    write_checkpoint(checkpoint.checkpoint_path(str(run), 2, sharded=False), old)
+    newest = checkpoint.checkpoint_path(str(run), 4, sharded=False)
+    write_checkpoint(newest, new)
+    written = []
+    monkeypatch.setattr(export, "export_hf", lambda config, state, *_: written.append((config, state)))
+    argv = ["--ckpt", str(run), "--out", str(tmp_path / "hf")]
+    assert export.main(argv) == 0
+    assert capsys.readouterr().err == f"checkpoint {newest} (step 4): the newest good one in {run}\n"
+    assert written[-1][0] == new.config and torch.equal(written[-1][1]["embed.weight"], new.embed.weight)
+    with open(newest, "r+b") as f:  # damaged: the one before it is taken
+        f.seek(os.path.getsize(newest) // 2)
+        f.write(b"\x00" * 8)
+    assert export.main(argv) == 0
+    skipped, took = capsys.readouterr().err.splitlines()
+    assert "skipping checkpoint" in skipped and took.startswith(f"checkpoint {run / 'ckpt_00000002.pt'} (step 2)")
+    assert written[-1][0] == old.config
+
+
+def test_cli_exits_quietly_when_the_reader_stops(tmp_path, capsys, monkeypatch):
+    """`export.py ... | true`: the closing line meets a closed pipe; no traceback, the status SIGPIPE gives."""
+    write_checkpoint(tmp_path / "ckpt.pt", tiny_model(True))
+    monkeypatch.setattr(export, "export_hf", lambda *_: None)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    stdout = open(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    assert export.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "hf")]) == 141
+    assert capsys.readouterr().err == ""
+    stdout.close()  # a flush into /dev/null now
+
+
 def test_cli_refuses_an_earlier_export_unless_told_to_overwrite(tmp_path, capsys, monkeypatch):
     old, new = tiny_model(True, seed=1), tiny_model(False)
     write_checkpoint(tmp_path / "old.pt", old)
@@ -275,9 +313,16 @@ def _hf_dir(directory, case):
     config = hf_config(model.config, eot=50256)
     config = {"config-list": [config], "string-int": {**config, "num_hidden_layers": "2"},
               "wrong-shape": {**config, "hidden_size": 128}, "missing-layer": {**config, "num_hidden_layers": 3},
-              "extra-layer": {**config, "num_hidden_layers": 1}}.get(case, config)
+              "extra-layer": {**config, "num_hidden_layers": 1}, "huge-depth": {**config, "num_hidden_layers": 10**12},
+              "huge-width": {**config, "hidden_size": 10**30},
+              "inf-theta": {**config, "rope_parameters": {"rope_type": "default", "rope_theta": math.inf}}}.get(case, config)
     if case != "no-config":
-        (directory / "config.json").write_text(json.dumps(config))
+        (directory / "config.json").write_text('{"vocab_size": 50304,\n' if case == "config-syntax" else json.dumps(config))
+    index = {"index-list": [], "index-no-map": {"metadata": {}}, "index-map-list": {"weight_map": ["model.safetensors"]},
+             "index-non-string": {"weight_map": {"model.norm.weight": 1}}}
+    if case.startswith("index"):
+        text = '{"weight_map": {\n  "model.norm.weight": model.safetensors}}' if case == "index-syntax" else json.dumps(index[case])
+        (directory / "model.safetensors.index.json").write_text(text)
 
 
 @pytest.mark.parametrize("case, words", [
@@ -285,7 +330,15 @@ def _hf_dir(directory, case):
     ("config-list", "config.json: not a JSON object"),
     ("string-int", 'config.json: num_hidden_layers must be an integer, got "2"'),
     ("wrong-shape", "wrong shape model.embed_tokens.weight 50304x64 (config: 50304x128)"),
-    ("missing-layer", "missing model.layers.2."), ("extra-layer", "unknown model.layers.1.")])
+    ("missing-layer", "missing model.layers.2."), ("extra-layer", "unknown model.layers.1."),
+    ("huge-depth", "missing model.layers.2."), ("huge-width", "hidden_size must be a 64-bit integer, got 10000"),
+    ("inf-theta", "config.json: rope_theta must be a finite number, got Infinity"),
+    ("config-syntax", "config.json: not valid JSON: Expecting property name enclosed in double quotes: line 2"),
+    ("index-list", "model.safetensors.index.json: not a JSON object"),
+    ("index-no-map", "model.safetensors.index.json: weight_map must be an object of tensor names to file names"),
+    ("index-map-list", "model.safetensors.index.json: weight_map must be an object"),
+    ("index-non-string", "model.safetensors.index.json: weight_map must be an object"),
+    ("index-syntax", "model.safetensors.index.json: not valid JSON: Expecting value: line 2 column 24")])
 def test_load_hf_errors_are_one_line(tmp_path, case, words):
     _hf_dir(tmp_path, case)
     with pytest.raises(ValueError) as e:

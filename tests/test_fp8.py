@@ -1,6 +1,7 @@
 """fp8.py: the FP8 constraint check, TE's environment and recipe plumbing, and torchao float8 training
 (which runs on the CPU, so its numerics are checked here against bf16 on the same weights)."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -262,3 +263,107 @@ def test_fp8_te_auto_batch_size_picks_a_legal_micro_batch_and_trains(tiny_data, 
     assert result.returncode == 0, result.stderr[-2000:]
     micro = int(re.search(r"^batch\s+(\d+) x 8 tokens", result.stdout, re.M).group(1))  # the start-up table
     assert micro % fp8.batch_multiple("te", 8) == 0
+
+
+# ----------------------------------------------------------------------------- --batch-size auto's probes
+
+
+@dataclasses.dataclass
+class FakeDelayedScaling:
+    """Stands in for TE's DelayedScaling (a dataclass with reduce_amax, TE 2.4 to 2.20)."""
+
+    margin: int = 0
+    reduce_amax: bool = True
+
+    def delayed(self):
+        return True
+
+
+class FakeCurrentScaling:
+    def delayed(self):
+        return False
+
+
+class FakeTEModule(torch.nn.Module):
+    """Stands in for a TE module after a delayed-scaling forward: its scales and amax history, and the places
+    TE's global buffers gave it (module/base.py and quantization.py, TE 2.20)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale, self.amax_history = torch.full((3,), 0.5), torch.full((4, 3), 7.0)
+        self.fp8_meta = {"recipe": "the probes'", "buffer_index_and_autocast_key": [0, "forward_probes"],
+                         fp8.TE_RECOMPUTE_POSITION: 0}
+
+    def reset_fp8_meta_tensors(self):
+        self.scale.fill_(1.0)
+        self.amax_history.zero_()
+
+
+class FakeStateManager:
+    def __init__(self):
+        self.resets = 0
+
+    def get_buffer_info(self):
+        return "buffer_index_and_autocast_key"
+
+    def reset(self):
+        self.resets += 1
+
+
+def test_probes_run_under_a_delayed_recipe_that_reduces_nothing_across_ranks():
+    recipe = FakeDelayedScaling(margin=1)
+    assert fp8.probe_recipe(recipe) == FakeDelayedScaling(margin=1, reduce_amax=False)
+    assert recipe.reduce_amax  # a copy: training keeps its own
+    current = FakeCurrentScaling()
+    assert fp8.probe_recipe(current) is current and fp8.probe_recipe(None) is None
+
+
+@pytest.mark.parametrize("recipe", [FakeDelayedScaling(), FakeCurrentScaling(), None])
+def test_after_the_probes_a_delayed_scaling_model_is_as_new(monkeypatch, tiny_data, recipe):
+    """train.build_layout probes under fp8.probing's recipe; afterwards the TE modules have a new one's scales,
+    an empty amax history and no place in TE's global buffers, which are emptied. Other recipes keep no state."""
+    manager = FakeStateManager()
+    monkeypatch.setattr(fp8, "fp8_state_manager", lambda: manager)
+    te_module = FakeTEModule()
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), te_module)
+    model.config = CFG
+    probed = []
+    monkeypatch.setattr(train, "forward_context", lambda device, dtype, fp8_recipe: probed.append(fp8_recipe))
+
+    def auto_batch_size(model, per_rank, multiple, reserve, forward_context, device, info):
+        forward_context()
+        return 4
+
+    monkeypatch.setattr(train.memory, "auto_batch_size", auto_batch_size)
+    cfg = config.parse_args(["--data", tiny_data, "--vocab-size", "256", "--seq-len", "32", "--batch-size", "auto",
+                             "--total-batch-tokens", "256"])
+    layout = train.build_layout(cfg, model, train.distributed.DistInfo(), torch.device("cpu"), None, recipe)
+    assert layout.micro_batch == 4 and probed == [fp8.probe_recipe(recipe)]
+    delayed = isinstance(recipe, FakeDelayedScaling)
+    assert manager.resets == delayed
+    assert te_module.scale.eq(1.0 if delayed else 0.5).all()
+    assert te_module.amax_history.eq(0.0 if delayed else 7.0).all()
+    assert list(te_module.fp8_meta) == (["recipe"] if delayed else
+                                        ["recipe", "buffer_index_and_autocast_key", fp8.TE_RECOMPUTE_POSITION])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fp8.te_installed()), reason="needs CUDA and TE")
+def test_te_probes_leave_no_amax_history_and_training_reduces_amaxes_again():
+    recipe = fp8.te_recipe("delayed", False)
+    model = fp8.build_model(HD128, fp8.FP8Config(mode="te", recipe="delayed"), torch.device("cuda"))
+    x = torch.zeros((16, HD128.max_seq_len), dtype=torch.long, device="cuda")
+    with fp8.probing(model, recipe) as probe:
+        assert recipe.reduce_amax and not probe.reduce_amax
+        with torch.autocast("cuda", torch.bfloat16), fp8.fp8_context(probe):
+            _, loss = model(x, x)
+        loss.backward()
+    delayed = [m for m in model.modules() if "scaling_fwd" in getattr(m, "fp8_meta", {})]
+    assert delayed and not any(m.fp8_meta["scaling_fwd"].amax_history.any() for m in delayed)
+    with torch.autocast("cuda", torch.bfloat16), fp8.fp8_context(recipe):
+        model(x, x)
+    manager = fp8.fp8_state_manager()
+    # Each module's place in the amax buffers, [forward position, forward key, ...], is under training's recipe
+    # (from TE 2.8 the key spells reduce_amax out, so the probes' recipe would have its own key).
+    training_key = manager.get_key_in_buffer(True, recipe, None)
+    assert all(m.fp8_meta[manager.get_buffer_info()][1] == training_key for m in delayed)

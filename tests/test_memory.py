@@ -1,12 +1,16 @@
 """memory.py: activation checkpointing changes memory, never gradients or names; the estimate matches what
 autograd actually saves (measured with saved-tensor hooks) and what the optimizers actually allocate."""
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 
 import fp8
 import memory
 import train
+from cli import UsageError
 from model import GPT, ModelConfig
 from optim import OptimConfig, build_optimizer, canonical_name, optimizer_state_bytes
 
@@ -76,6 +80,17 @@ def test_checkpointing_wraps_the_modules_its_mode_names():
 def test_param_numels_name_every_parameter(cfg):
     model = GPT(cfg)
     assert memory.param_numels(cfg) == {n: p.numel() for n, p in model.named_parameters()}
+
+
+def test_size_checks_cost_nothing_whatever_the_depth():
+    """10**20 layers are counted, estimated and refused at once: one layer's sizes times n_layer, no walk."""
+    one, two, huge = (dataclasses.replace(CFG2, n_layer=n) for n in (1, 2, 10**20))
+    assert memory.param_count(two) == sum(memory.param_numels(two).values()) == GPT(two).num_params()
+    for size in (memory.param_count, *(functools.partial(memory.optimizer_state_bytes_estimate, optimizer=name)
+                                       for name in ("adamw", "adamw8bit", "muon"))):
+        assert size(huge) == size(one) + (10**20 - 1) * (size(two) - size(one))
+    with pytest.raises(UsageError, match=r"this model needs [\d,.]+ GiB for its parameters"):
+        memory.check_fits(huge, "adamw", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw8bit", "muon"])

@@ -755,3 +755,4 @@ def test_a_warmup_that_does_not_fit_the_run_is_named():
     assert "reaches only 67% of its peak" in schedule_warning(15, 10, "wsd", 0.2)
     assert "runs into the decay, which starts at step 80" in schedule_warning(90, 100, "wsd", 0.2)
     assert schedule_warning(90, 100, "cosine", 0.2) is None and schedule_warning(15, 150, "wsd", 0.2) is None
+    assert schedule_warning(10, 10, "cosine", 0.2) is None  # the last step reaches the peak

@@ -76,7 +76,8 @@ def test_sigkill_at_random_points_then_resume_is_bit_identical(data_dir, referen
         resume = ["--resume"] if checkpoint.list_checkpoints(str(tmp_path)) else []
         proc = start(data_dir, tmp_path, *args, *resume)
         if kill == 2:  # this one lands while a checkpoint is being written
-            while proc.poll() is None and not any(n.endswith(".tmp") for n in os.listdir(tmp_path)):
+            while proc.poll() is None and not any(n.startswith("ckpt_") and n.endswith(".tmp")
+                                                 for n in os.listdir(tmp_path)):
                 time.sleep(0.0002)
             mid_write = proc.poll() is None
         else:  # the others at a random step, a random moment into it
@@ -403,9 +404,10 @@ def bad_inputs(root):
     (not_ours / "ckpt_00000002.pt.sha256").write_text("0" * 64)
     a_file = root / "a_file"
     a_file.write_text("x")
-    used = root / "used"  # an earlier run's outputs
+    used = root / "used"  # an earlier run's outputs, a checkpoint among them
     used.mkdir()
     (used / "metrics.jsonl").write_text("")
+    (used / "ckpt_00000002.pt").write_bytes(b"x")
     zero = root / "zero"  # a 0-byte checkpoint whose checksum matches
     zero.mkdir()
     (zero / "ckpt_00000002.pt").write_bytes(b"")
@@ -514,3 +516,36 @@ def test_a_signal_during_startup_is_one_line_and_the_shell_exit_code(capsys):
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGINT, previous[1])
+
+
+def test_two_sigints_during_one_long_call_still_exit_at_once(monkeypatch, capsys):
+    """Python runs a signal's handler once for all deliveries since it last looked, so two Ctrl-Cs that land
+    inside one long C call (a matmul, an fsync while a checkpoint is written) reach it as one; StopSignals
+    counts the deliveries instead, and the second still exits 130."""
+    import threading
+
+    from resilience import StopSignals
+
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    inside = threading.Event()
+
+    def press_ctrl_c_twice():
+        inside.wait()
+        for _ in range(2):
+            time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    signals = StopSignals()
+    try:
+        sender = threading.Thread(target=press_ctrl_c_twice)
+        sender.start()
+        a = torch.rand(2500, 2500)
+        inside.set()
+        torch.mm(a, a)  # one C call that releases the GIL: the handler can only run after it
+        sender.join()
+        time.sleep(0.01)  # the next bytecode boundaries: the handler runs
+    finally:
+        signals.restore()
+    assert signals.requested == "SIGINT" and exits == [130]
+    assert "SIGINT again: exiting now" in capsys.readouterr().err

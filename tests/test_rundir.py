@@ -1,6 +1,7 @@
 """rundir.py: one run per --out-dir (an flock that a killed run does not leave behind), and no fresh run on
 top of an old one unless --resume, --resume auto or --overwrite says what to do."""
 
+import json
 import os
 import signal
 import subprocess
@@ -11,7 +12,11 @@ import pytest
 
 import rundir
 from cli import UsageError
+from config import CheckpointConfig
 from conftest import REPO, TINY_FLAGS
+
+
+NO_CHECKPOINT = r"--resume: --out-dir d holds no checkpoint to resume from: "
 
 
 @pytest.mark.parametrize("outputs, has_ckpt, resume, overwrite, expected", [
@@ -19,17 +24,48 @@ from conftest import REPO, TINY_FLAGS
     ([], False, "auto", False, False),
     (["d/ckpt_00000003.pt"], True, "auto", False, True),
     (["d/metrics.jsonl"], False, "auto", False, False),  # a restart before the first checkpoint starts over
+    (["d/metrics.jsonl"], False, "off", False, False),  # and so does a rerun: there is nothing to lose
     (["d/ckpt_00000003.pt"], True, "on", False, True),
     (["d/ckpt_00000003.pt", "d/metrics.jsonl"], True, "off", True, False),
-    (["d/ckpt_00000003.pt", "d/metrics.jsonl"], True, "off", False, None),
-    (["d/best.pt"], False, "off", False, None),
+    (["d/ckpt_00000003.pt", "d/metrics.jsonl"], True, "off", False,
+     r"--out-dir d already holds a run \(ckpt_00000003.pt, metrics.jsonl\): pass --resume .*--overwrite"),
+    (["d/best.pt"], False, "off", False, r"--out-dir d already holds a run \(best.pt\): pass --overwrite"),
+    (["d/best.pt", "d/metrics.jsonl"], False, "auto", False, r"already holds a run \(best.pt\)"),
+    (["d/metrics.jsonl"], False, "on", False, NO_CHECKPOINT + r"the run there stopped before its first one; "
+                                              r"--resume auto \(or no --resume\) starts it fresh, replacing its "
+                                              r"metrics.jsonl$"),
+    ([], False, "on", False, NO_CHECKPOINT + "--resume auto starts fresh"),
+    (["d/best.pt"], False, "on", False, NO_CHECKPOINT + "only best.pt, which is never resumed from"),
 ])
 def test_decide_resume(outputs, has_ckpt, resume, overwrite, expected):
-    if expected is None:
-        with pytest.raises(UsageError, match=r"--out-dir d already holds a run \(.*\): pass --resume .*--overwrite"):
-            rundir.decide_resume(outputs, has_ckpt, resume, overwrite)
+    if isinstance(expected, str):
+        with pytest.raises(UsageError, match=expected):
+            rundir.decide_resume("d", outputs, has_ckpt, resume, overwrite)
     else:
-        assert rundir.decide_resume(outputs, has_ckpt, resume, overwrite) is expected
+        assert rundir.decide_resume("d", outputs, has_ckpt, resume, overwrite) is expected
+
+
+@pytest.mark.parametrize("name, sharded", [(".lock", False), ("metrics.jsonl", False), ("config.toml", False),
+                                           ("config.toml.tmp", False), ("best.pt", False), ("trace.json", True)])
+def test_a_directory_where_the_run_writes_a_file_is_refused_before_anything_is_written(tmp_path, name, sharded):
+    (tmp_path / name).mkdir()
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(UsageError, match=rf"^{tmp_path / name} is a directory, where this run writes a file: "):
+        rundir.claim(CheckpointConfig(out_dir=str(tmp_path), resume="auto"), sharded)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_best_must_be_of_the_kind_the_run_writes(tmp_path):
+    (tmp_path / "best").write_text("")  # a sharded run's best is a directory; a single-file run has no "best"
+    assert rundir.misplaced(str(tmp_path), sharded=False) is None
+    assert rundir.misplaced(str(tmp_path), sharded=True) == (f"{tmp_path / 'best'} is not a directory, where this "
+                                                             "run writes a checkpoint directory")
+
+
+def test_a_lock_file_that_cannot_be_opened_is_a_usage_error(tmp_path):
+    (tmp_path / ".lock").mkdir()
+    with pytest.raises(UsageError, match=rf"--out-dir {tmp_path}: cannot open its lock file {tmp_path / '.lock'}"):
+        rundir.RunLock(str(tmp_path))
 
 
 HOLD = "import sys, time, rundir; rundir.RunLock(sys.argv[1]); print('locked', flush=True); time.sleep(60)"
@@ -70,6 +106,23 @@ def test_a_fresh_run_refuses_a_used_out_dir_until_told_what_to_do(tiny_data, tmp
     replaced = train(tmp_path, *common, "--max-steps", "2", "--overwrite")
     assert replaced.returncode == 0
     assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".pt")) == ["ckpt_00000002.pt"]
+
+
+def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tiny_data, tmp_path, capsys):
+    import train
+
+    old = [json.dumps({"step": s, "train_loss": 99.0}) + "\n" for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(old) + '{"step": 4, "tra')  # killed mid-line at step 4
+    args = ["--out-dir", str(tmp_path), *TINY_FLAGS, "--data", tiny_data, "--max-steps", "2", "--eval-interval", "0",
+            "--device", "cpu"]
+    with pytest.raises(SystemExit) as refused:
+        train.main([*args, "--resume"])
+    assert refused.value.code == 2 and "stopped before its first one; --resume auto" in capsys.readouterr().err
+    train.main(args)
+    assert (f"note: the earlier run in --out-dir {tmp_path} left no checkpoint; starting fresh, its metrics.jsonl "
+            "is replaced") in capsys.readouterr().err
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all(r["train_loss"] != 99.0 for r in records)
 
 
 def test_resume_auto_starts_fresh_when_there_is_nothing_to_resume(tiny_data, tmp_path):

@@ -2,6 +2,7 @@ import dataclasses
 import math
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -292,6 +293,20 @@ def test_cli_names_a_run_directory_without_a_good_checkpoint(tmp_path, capsys):
     code, out, err = run_cli(capsys, "--ckpt", str(run))
     assert code == 2 and err.splitlines()[-1] == (f"error: {run}: none of its 1 checkpoints verifies and loads "
                                                   "(ckpt_N.pt files or ckpt_N directories)")
+
+
+def test_cli_exits_quietly_when_the_reader_stops(tmp_path, capsys, monkeypatch):
+    """`sample.py | head -n 2`: the pipe closes under the stream; no traceback, the status SIGPIPE gives."""
+    write_checkpoint(tmp_path / "ckpt.pt", gpt2_sized())
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    stdout = open(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    code, _, err = run_cli(capsys, "--ckpt", str(tmp_path / "ckpt.pt"), "--seed", "1")
+    assert code == 141 and err == ""
+    stdout.write("x" * 100_000)  # stdout now leads nowhere, so the interpreter's last flush at exit succeeds
+    stdout.flush()
+    stdout.close()
 
 
 def test_cli_num_samples_prints_each_under_a_heading(tmp_path, capsys):

@@ -82,12 +82,30 @@ def test_describe_names_each_value_and_its_source():
 
 @pytest.mark.parametrize("argv, message", [
     (["--depth", "0"], "--depth must be >= 1"),
-    (["--depth", "4", "--tokens-per-param", "0"], "--tokens-per-param must be positive"),
+    (["--depth", str(10**20)], r"--depth must be a 64-bit integer, in \[-2\*\*63, 2\*\*63\)"),
     (["--preset", "gpt2-7b"], "invalid choice"),
+    *((["--depth", "4", "--tokens-per-param", value], r"--tokens-per-param must be in \[0.001, 1e\+06\], got")
+      for value in ("0", "-1", "inf", "nan", "1e300", "1e-30")),
+    # The sizes the dial computes with are checked before it runs: these divided by zero, or went negative.
+    (["--depth", "4", "--n-embd", "0"], "--n-embd must be >= 1, got 0"),
+    (["--depth", "4", "--n-embd", "-64"], "--n-embd must be >= 1, got -64"),
+    (["--preset", "gpt2-124m", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--depth", "4", "--n-embd", str(10**30)], "--n-embd must be a 64-bit integer"),
 ])
 def test_bad_dial_values_are_refused(argv, message):
-    with pytest.raises(UsageError, match=message):
+    with pytest.raises(UsageError, match=message) as e:
         config.parse_args(argv)
+    assert "\n" not in str(e.value)
+
+
+def test_the_dial_computes_at_the_ends_of_its_ranges():
+    """The largest sizes a flag takes stay within float range, and the smallest horizon is one token, not 0
+    (max_tokens' "unset")."""
+    huge = config.parse_args(["--depth", str(2**63 - 1), "--n-embd", str(2**63 - 1), "--tokens-per-param", "1e6"])
+    assert huge.schedule.max_tokens > 2**200
+    tiny = config.parse_args(["--depth", "1", "--n-embd", "1", "--head-dim", "2", "--n-head", "1", "--ffn-dim", "1",
+                              "--vocab-size", "1", "--tokens-per-param", "1e-3"])
+    assert tiny.schedule.max_tokens == 1
 
 
 def test_describe_derives_from_the_runs_own_inputs():

@@ -81,6 +81,20 @@ def test_batch_warmup_keeps_max_tokens_the_same_budget():
     assert config.max_steps(cfg, layout) == 7
 
 
+def test_a_batch_warmup_longer_than_the_run_is_warned_about(tmp_path, tiny_data, capsys):
+    from optim import batch_warmup_warning
+
+    layout = config.BatchLayout(micro_batch=1, seq_len=32, grad_accum=4, world_size=1)
+    assert batch_warmup_warning(4, 0.25, 3, layout) == (  # 1, 2, 3 micro-steps of 4
+        "warning: --batch-warmup-steps 4 is not shorter than the run (3 steps): the global batch reaches only 3 "
+        "of its 4 micro-steps; lower --batch-warmup-steps")
+    assert batch_warmup_warning(4, 0.25, 5, layout) is None and batch_warmup_warning(0, 0.25, 1, layout) is None
+    assert batch_warmup_warning(8, 0.25, 8, layout) is None  # its last step rounds up to the whole batch
+    tiny_run(tiny_data, tmp_path, "--batch-size", "1", "--grad-accum", "4", "--batch-warmup-steps", "8",
+             "--max-steps", "2", "--eval-interval", "0")
+    assert "warning: --batch-warmup-steps 8 is not shorter than the run (2 steps)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args", [["--batch-warmup-steps", "4"], ["--batch-warmup-steps", "-1", "--grad-accum", "2"],
                                   ["--batch-warmup-steps", "4", "--grad-accum", "2", "--batch-warmup-start", "0"]])
 def test_bad_batch_warmup_flags_are_usage_errors(args):
@@ -242,6 +256,52 @@ def test_the_resolved_config_is_written_and_reproduces_the_run(tmp_path, tiny_da
     assert (again.model.n_layer, again.model.n_embd, again.data.data) == (2, 64, tiny_data)
 
 
+def test_a_hand_edited_config_toml_is_applied_with_its_own_config_flag_and_otherwise_refused(tmp_path, tiny_data,
+                                                                                             capsys):
+    tiny_run(tiny_data, tmp_path, "--max-steps", "2")
+    path = tmp_path / "config.toml"
+    text = path.read_text()
+    assert not config.hand_edited(text) and not config.hand_edited(text.replace(config.DIGEST_LINE, "# "))
+    edited = text.replace("\nlr = ", "\nlr = 0.001\n# lr was ", 1)
+    assert config.hand_edited(edited)
+    path.write_text(edited)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        tiny_run(tiny_data, tmp_path, "--max-steps", "3", "--resume")
+    assert refused.value.code == 2 and path.read_text() == edited
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {path} was edited by hand and this run does not apply optim.lr = 0.001; pass --config {path} "
+        "--resume to apply the edits, or undo them"]
+    records = tiny_run(tiny_data, tmp_path, "--config", str(path), "--max-steps", "3", "--resume")
+    assert records[-1]["step"] == 3 and "optim.lr 0.006 -> 0.001" in capsys.readouterr().err
+    assert config.read_config_file(str(path))["optim.lr"] == 0.001 and not config.hand_edited(path.read_text())
+
+
+def test_a_finished_run_resumed_has_nothing_to_do_and_exits_0(tmp_path, tiny_data, capsys):
+    from rundir import RunLock
+
+    tiny_run(tiny_data, tmp_path, "--max-steps", "2")
+    for resume in ("auto", "on"):
+        capsys.readouterr()
+        tiny_run(tiny_data, tmp_path, "--max-steps", "2", "--resume", resume)  # returns: no SystemExit
+        assert capsys.readouterr().err.strip().splitlines()[-1] == "nothing to do: already at step 2 of 2"
+    RunLock(str(tmp_path)).release()  # released
+    assert not (tmp_path / "config.toml.tmp").exists()
+
+
+def test_overwrite_removes_nothing_until_the_new_config_is_written(tmp_path, tiny_data, monkeypatch):
+    tiny_run(tiny_data, tmp_path, "--max-steps", "2")
+    before = {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path) if name != ".lock"}
+
+    def disk_full(cfg, path):
+        raise train.UsageError(f"cannot write {path}: No space left on device")
+
+    monkeypatch.setattr(config, "write_config", disk_full)
+    with pytest.raises(SystemExit):
+        tiny_run(tiny_data, tmp_path, "--max-steps", "4", "--overwrite")
+    assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path) if name != ".lock"} == before
+
+
 def test_resume_rejects_a_foreign_checkpoint(tmp_path, tiny_data):
     (tmp_path / "ckpt_00000001.pt").write_bytes(b"not a checkpoint")
     result = run_cli("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--resume", "--device", "cpu")
@@ -333,3 +393,64 @@ def test_samples_run_under_the_training_autocast(tiny_data):
     with pytest.raises(RuntimeError):
         evaluator.sample(model)
     assert evaluator.sample(model, torch.bfloat16).startswith("x")
+
+
+# ----------------------------------------------------------------------------- an eval that fails
+
+
+def test_an_eval_out_of_memory_is_skipped_after_the_checkpoint_and_training_goes_on(tmp_path, tiny_data,
+                                                                                       monkeypatch, capsys):
+    import torch
+
+    original, calls = train.Evaluator.val_metrics, []
+
+    def val_metrics(self, *args, **kwargs):  # the first eval, step 2's, runs out of memory
+        calls.append(args)
+        if len(calls) == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(train.Evaluator, "val_metrics", val_metrics)
+    records = tiny_run(tiny_data, tmp_path, "--max-steps", "4", "--eval-interval", "2", "--ckpt-interval", "2")
+    assert "out of memory in the eval of step 2" in capsys.readouterr().err
+    assert records[1]["eval_skipped"] == "out of memory" and "val_loss" not in records[1]
+    assert "val_loss" in records[3] and "eval_skipped" not in records[3]
+    assert [checkpoint.checkpoint_step(p) for p in checkpoint.list_checkpoints(str(tmp_path))] == [2, 4]
+    # Step 4's eval, the first, improved: best is a second name for ckpt_4, not a second write.
+    best, ckpt_4 = checkpoint.best_path(str(tmp_path), False), checkpoint.checkpoint_path(str(tmp_path), 4, False)
+    assert os.path.samefile(best, ckpt_4)
+
+
+@pytest.mark.parametrize("error, exit_code", [(train.DataError("val_000000.bin: unreadable"), 2),
+                                              (RuntimeError("a bug"), None)])
+def test_an_eval_that_fails_at_the_last_step_leaves_the_final_checkpoint(tmp_path, tiny_data, monkeypatch,
+                                                                         capsys, error, exit_code):
+    def val_metrics(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(train.Evaluator, "val_metrics", val_metrics)
+    if exit_code is None:  # a bug keeps its traceback
+        with pytest.raises(RuntimeError, match="a bug"):
+            tiny_run(tiny_data, tmp_path, "--max-steps", "2")
+    else:
+        with pytest.raises(SystemExit) as exit_info:
+            tiny_run(tiny_data, tmp_path, "--max-steps", "2")
+        assert exit_info.value.code == exit_code
+        assert capsys.readouterr().err.strip().splitlines()[-1] == "error: val_000000.bin: unreadable"
+    checkpoint.verify(checkpoint.checkpoint_path(str(tmp_path), 2, sharded=False))
+
+
+def test_a_resume_counts_the_eval_its_checkpoint_was_written_before(tmp_path, tiny_data):
+    """ckpt_2 is written before step 2's eval; the resumed run measures it again, so its early stopping, and
+    so ckpt_4's, is the uninterrupted run's."""
+    flags = ["--max-steps", "4", "--eval-interval", "2", "--ckpt-interval", "2"]
+    tiny_run(tiny_data, tmp_path / "full", *flags)
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    ckpt = checkpoint.checkpoint_path(str(tmp_path / "full"), 2, sharded=False)
+    for path in (ckpt, ckpt + checkpoint.DIGEST_SUFFIX):
+        shutil.copy(path, resumed_dir)
+    tiny_run(tiny_data, resumed_dir, *flags, "--resume")
+    full, resumed = (checkpoint.load(checkpoint.checkpoint_path(str(d), 4, sharded=False))[0]
+                     for d in (tmp_path / "full", resumed_dir))
+    assert resumed["early_stop"] == full["early_stop"] and full["early_stop"]["best"] < math.inf

@@ -1,0 +1,96 @@
+"""The documentation: docs/flags.md is what the parsers give, the README stays short and keeps CI's test
+command, no page retypes a flag table, and every relative link (and its #section) resolves."""
+
+import glob
+import os
+import re
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "docs"))
+import make_flags  # noqa: E402
+
+README = os.path.join(REPO, "README.md")
+PAGES = [README, os.path.join(REPO, "bench", "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
+TEST_COMMAND = "pip install -r requirements-dev.txt && python -m pytest -q"
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def test_flags_md_is_what_the_parsers_give():
+    assert read(make_flags.FLAGS_MD) == make_flags.render(), "docs/flags.md is stale: run python docs/make_flags.py"
+
+
+def test_check_fails_on_a_stale_file_and_passes_once_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(make_flags, "FLAGS_MD", str(tmp_path / "flags.md"))
+    (tmp_path / "flags.md").write_text("| `--lr` | 6e-3 | typed by hand |\n")
+    assert make_flags.main(["--check"]) == 1
+    assert make_flags.main([]) == 0
+    assert make_flags.main(["--check"]) == 0
+    assert "| `--lr LR` |" in read(tmp_path / "flags.md")
+
+
+def test_split_default_takes_only_a_single_trailing_default():
+    assert make_flags.split_default("tokens per shard (default: 100)") == ("tokens per shard", "100")
+    inside = "the split (default: train), or none"
+    assert make_flags.split_default(inside) == (inside, "")
+    both = "hellaswag: N examples (default: all); bpb: N tokens (default: 16384)"
+    assert make_flags.split_default(both) == (both, "")
+
+
+def test_readme_is_short():
+    text = read(README)
+    assert len(text.splitlines()) <= 250
+    assert len(text.split()) <= 2500
+
+
+def test_readme_keeps_the_test_command_ci_runs():
+    assert TEST_COMMAND in read(README).splitlines()
+    assert read(os.path.join(REPO, ".ci", "run")).splitlines()[-1] == TEST_COMMAND
+
+
+def flag_rows(text: str) -> list[str]:
+    """The table rows whose first cell is a flag in code (`--lr` or `--lr LR`): a flag table's rows."""
+    return [line for line in text.splitlines() if re.match(r"\| *`--[^`|]*` *\|", line)]
+
+
+def test_flag_rows_are_told_from_prose_rows():
+    assert flag_rows("| `--lr LR` | 6e-3 | peak LR |\n| `--resume auto` resumes when it can | a test |") == [
+        "| `--lr LR` | 6e-3 | peak LR |"]
+
+
+def test_no_page_retypes_a_flag_table():
+    for page in PAGES:
+        if page != make_flags.FLAGS_MD:
+            rows = flag_rows(read(page))
+            assert not rows, f"{page}: a hand-typed flag table ({rows[0]}); link docs/flags.md instead"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's id for a Markdown heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: str) -> set[str]:
+    return {anchor(line.lstrip("#")) for line in read(path).splitlines() if line.startswith("#")}
+
+
+def test_anchor_follows_github():
+    assert anchor(" Muon's step across ranks") == "muons-step-across-ranks"
+    assert anchor(" data.py") == "datapy"
+
+
+def test_relative_links_resolve():
+    for page in PAGES:
+        for target in LINK.findall(read(page)):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, section = target.partition("#")
+            resolved = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            assert os.path.exists(resolved), f"{page}: broken link {target}"
+            if section:
+                assert section in anchors(resolved), f"{page}: no section #{section} in {path or 'this page'}"
