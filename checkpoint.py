@@ -493,11 +493,12 @@ class Checkpointer:
         return (bool(self.interval) and done % self.interval == 0) or done == max_steps
 
     def save(self, done: int, model, optimizer, loader, guard, tokens: int, regular: bool = True,
-             best: bool = False, batch_tokens: int | None = None) -> None:
+             best: bool = False, batch_tokens: int | None = None, record: dict | None = None) -> None:
         """`regular`: the ckpt_N checkpoint; `best`: the one kept for the best validation loss. With both,
         the state is gathered and written once and best links to it. tokens: trained so far, all ranks;
         batch_tokens: the global batch per step, which a resume at another world size keeps
-        (config.resume_layout)."""
+        (config.resume_layout). record: the step's metrics.jsonl record, which a resume restores if the log
+        lost it (telemetry.MetricsLog.truncate)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(full=not self.sharded))
@@ -506,7 +507,7 @@ class Checkpointer:
                 "world_size": self.info.world_size, "loader": loader.state_dict(),
                 "data": self.data_id, "rng": rng_state(),
                 "model_config": dataclasses.asdict(self.model_cfg), "train_config": self.run_config,
-                "lr_multiplier": current_multiplier(optimizer), **guard.state_dict()}
+                "lr_multiplier": current_multiplier(optimizer), "record": record, **guard.state_dict()}
         path = checkpoint_path(self.out_dir, done, self.sharded) if regular else self.best_path
         is_main = self.info.is_main
         if self.sharded:

@@ -3,9 +3,8 @@ slice of the val split, HellaSwag accuracy, and a text sample, at a cadence the 
 
     evaluator = Evaluator(cfg.eval, data_dir, info, device, vocab_size, seed)
     evaluator.check(micro_batch, seq_len)      # at start-up: the val split, the prompt, the HellaSwag rows
-    if evaluator.due(done, max_steps):
-        record.update(evaluator.val_metrics(forward, model, autocast, micro_batch, seq_len))  # val_loss, val_bpb
-        record.update(evaluator.hellaswag(model, autocast_dtype))                            # hellaswag_acc
+    if evaluator.due(done, max_steps):  # -> (val_loss, val_bpb, hellaswag_acc..., a sample), None: out of memory
+        result = evaluator.measure(forward, model, autocast, autocast_dtype, micro_batch, seq_len, warn, done)
 
 Bits per byte: the val loss depends on the tokenizer (a larger vocabulary makes fewer, harder predictions),
 so models with different tokenizers are compared on the text instead: val_bpb is the summed loss in nats of
@@ -325,6 +324,26 @@ class Evaluator:
         if top >= self.vocab_size:
             raise UsageError(f"HellaSwag's text encodes to GPT-2 token ids up to {top}, beyond --vocab-size "
                              f"{self.vocab_size}: --eval-hellaswag needs the GPT-2 vocabulary (50257)")
+
+    def measure(self, forward, model: torch.nn.Module, autocast, autocast_dtype: torch.dtype | None,
+                micro_batch: int, seq_len: int, warn, done: int, full: bool = True) -> tuple[dict, str | None] | None:
+        """The eval of step `done`: val_metrics, and with `full` hellaswag and a sample -> (metrics, the sample or
+        None), or None when it runs out of memory: that eval is skipped with a warning through `warn`, the memory
+        it held goes back to the allocator, and training goes on. Any other failure is raised (the step's
+        checkpoint is on disk already: train.run_loop writes it first). Skipping is safe for one process only:
+        under DDP or FSDP2 a rank that skips leaves the others waiting in the eval's collectives."""
+        try:
+            metrics = self.val_metrics(forward, model, autocast, micro_batch, seq_len)
+            if not full:
+                return metrics, None
+            metrics.update(self.hellaswag(model, autocast_dtype))
+            return metrics, self.sample(model, autocast_dtype)
+        except torch.cuda.OutOfMemoryError:
+            pass  # the exception holds the eval's tensors until here: the cache is emptied below
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        warn(f"warning: out of memory in the eval of step {done}; skipped, training goes on")
+        return None
 
     @torch.no_grad()
     def val_metrics(self, forward, model: torch.nn.Module, autocast, micro_batch: int, seq_len: int) -> dict:

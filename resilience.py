@@ -55,20 +55,28 @@ class EarlyStopping:
         self.patience = patience
         self.best = math.inf
         self.evals_since_best = 0
+        self.step = 0  # the step of the last eval counted
 
-    def update(self, val_loss: float) -> tuple[bool, bool]:
-        """-> (improved, should_stop)."""
+    def update(self, val_loss: float, step: int) -> tuple[bool, bool]:
+        """Count the eval of step `step` -> (improved, should_stop)."""
+        self.step = step
         if val_loss < self.best:
             self.best, self.evals_since_best = val_loss, 0
             return True, False
         self.evals_since_best += 1
         return False, bool(self.patience) and self.evals_since_best >= self.patience
 
+    def has_counted(self, step: int) -> bool:
+        """Has the eval of step `step` been counted? A regular checkpoint is written before its step's eval
+        (train.run_loop), so the state it holds has not counted that one."""
+        return self.step is None or self.step >= step
+
     def state_dict(self) -> dict:
-        return {"best": self.best, "evals_since_best": self.evals_since_best}
+        return {"best": self.best, "evals_since_best": self.evals_since_best, "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
         self.best, self.evals_since_best = state["best"], state["evals_since_best"]
+        self.step = state.get("step")  # None: a checkpoint that records none was written after its eval
 
 
 def stop_at_once_during_startup() -> None:

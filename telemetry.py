@@ -97,14 +97,17 @@ class MetricsLog:
     Steps are counted when done, as everywhere in the project: the record of step N is written once N
     optimizer steps are done, and is the state that ckpt_N holds."""
 
-    def __init__(self, out_dir: str, start_step: int, wandb_run, enabled: bool = True):
+    def __init__(self, out_dir: str, start_step: int, wandb_run, enabled: bool = True, restored: dict | None = None):
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.enabled, self.wandb_run = enabled, wandb_run
-        self.last_kept = self.truncate(start_step)
+        self.last_kept = self.truncate(start_step, restored)
 
-    def truncate(self, done: int) -> dict | None:
-        """Keep only the records of steps up to `done` -> the last of them. The kept lines go to a new file
-        that then replaces the old one, so a crash at any moment leaves one or the other whole."""
+    def truncate(self, done: int, restored: dict | None = None) -> dict | None:
+        """Keep only the records of steps up to `done` -> the last of them. `restored`: the record of step
+        `done` that its checkpoint holds, written in when the log lacks it: the checkpoint precedes its step's
+        eval and log line (train.run_loop), so a kill between them leaves the log one record short. The kept
+        lines go to a new file that then replaces the old one, so a crash at any moment leaves one or the other
+        whole."""
         if not self.enabled:  # only rank 0 writes
             return None
         kept, last = [], None
@@ -119,6 +122,9 @@ class MetricsLog:
                             last = record
                     except (ValueError, KeyError, TypeError):
                         pass
+        if restored is not None and restored["step"] == done and (last is None or last["step"] < done):
+            kept.append(json.dumps(restored) + "\n")
+            last = restored
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
             f.writelines(kept)
@@ -230,14 +236,15 @@ class Telemetry:
 
     def __init__(self, cfg, is_main: bool, device: torch.device, start_step: int, max_steps: int,
                  flops_per_token: float, peak_flops: float | None, wandb_run, optimizer: torch.optim.Optimizer,
-                 start_tokens: int = 0):
-        """start_tokens: tokens trained before start_step (a resumed run's checkpoint says how many)."""
+                 start_tokens: int = 0, restored_record: dict | None = None):
+        """start_tokens: tokens trained before start_step (a resumed run's checkpoint says how many);
+        restored_record: the record of start_step that its checkpoint holds (MetricsLog.truncate)."""
         self.cfg, self.device, self.start_step, self.max_steps = cfg, device, start_step, max_steps
         self.tokens = self.start_tokens = start_tokens  # counted step by step: the batch may change across a resume
         self.optimizer = optimizer  # its state's size is reported once it exists, after the first step
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.is_main = is_main
-        self.metrics = MetricsLog(cfg.ckpt.out_dir, start_step, wandb_run, enabled=is_main)
+        self.metrics = MetricsLog(cfg.ckpt.out_dir, start_step, wandb_run, enabled=is_main, restored=restored_record)
         # time_s goes on from the resumed step's record: the run's training time across its processes
         self.time_offset = (self.metrics.last_kept or {}).get("time_s", 0.0) if start_step else 0.0
         self.timer = PhaseTimer(device)
@@ -309,10 +316,10 @@ class Telemetry:
         if self.profiler is not None:
             self.profiler.step()
 
-    def rewind(self, step: int, tokens: int) -> None:
+    def rewind(self, step: int, tokens: int, restored_record: dict | None = None) -> None:
         """Forget the records after `step` steps: they will be redone (after a rollback from a checkpoint
-        holding `tokens`). time_s goes on: the time spent was spent."""
-        self.metrics.truncate(step)
+        holding `tokens` and the step's record). time_s goes on: the time spent was spent."""
+        self.metrics.truncate(step, restored_record)
         self.tokens, self.done = tokens, step
         if self.last_eval is not None and self.last_eval["step"] > step:
             self.last_eval = None

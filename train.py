@@ -185,7 +185,7 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
     checkpointer = Checkpointer(cfg.ckpt.out_dir, cfg.ckpt.ckpt_interval, cfg.ckpt.keep_ckpts, info, model_cfg,
                                 config.to_dict(cfg), fingerprint(loader.paths), cfg.data.allow_data_change,
                                 lambda saved: config.check_resume(saved, cfg))
-    guard, start_step, start_tokens = Guard(cfg.resilience), 0, 0
+    guard, start_step, start_tokens, meta = Guard(cfg.resilience), 0, 0, {}
     if resume:
         warn = message if info.is_main else lambda _: None
         meta = checkpointer.restore(model, optimizer, loader, warn=warn)
@@ -204,7 +204,7 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
     wandb_run, reasons["wandb"] = (start_wandb(cfg.log, cfg.ckpt.out_dir, resume, config.to_dict(cfg))
                                    if info.is_main else (None, ""))
     telemetry = Telemetry(cfg, info.is_main, device, start_step, max_steps, flops_per_token(model_cfg, layout.seq_len),
-                          peak, wandb_run, optimizer, start_tokens)
+                          peak, wandb_run, optimizer, start_tokens, meta.get("record"))
     run = Run(cfg=cfg, model_cfg=model_cfg, info=info, device=device, autocast_dtype=autocast_dtype,
               fp8_recipe=fp8_recipe, model=model, wrapped=wrapped, compiled=compiled, optimizer=optimizer,
               scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16), loader=loader,
@@ -290,7 +290,7 @@ def run_loop(run: Run) -> str | None:
                 step += 1
                 signalled = stop_requested(run, signals)
                 # The step's checkpoint before its eval: an eval that fails cannot cost it.
-                saved = save_if_due(run, step, regular=run.checkpointer.due(step, run.max_steps) or signalled)
+                saved = save_if_due(run, step, record, regular=run.checkpointer.due(step, run.max_steps) or signalled)
                 improved, stop_early = evaluate_if_due(run, record, step)
                 run.telemetry.log(record)
                 if run.guard.must_roll_back():
@@ -299,7 +299,7 @@ def run_loop(run: Run) -> str | None:
                         return f"stopped by {signals.requested or 'a signal to another rank'} after a rollback"
                     recount_restored_eval(run, step)
                     continue
-                saved = save_if_due(run, step, regular=stop_early, best=improved, written=saved)
+                saved = save_if_due(run, step, record, regular=stop_early, best=improved, written=saved)
                 if stopped := stop_reason(run, step, signals, signalled, stop_early, saved):
                     return stopped
         return run.guard.unfinished_streak()
@@ -313,13 +313,13 @@ def evaluate_if_due(run: Run, record: dict, done: int) -> tuple[bool, bool]:
     "eval_skipped" says so) and training goes on; any other failure ends the run, after the step's checkpoint."""
     if not run.evaluator.due(done, run.max_steps):
         return False, False
-    figures = unless_out_of_memory(run, done, lambda: evaluation(run))
-    if figures is None:
+    result = measure(run, done)
+    if result is None:
         record["eval_skipped"] = "out of memory"
         return False, False
-    metrics, text = figures
+    metrics, text = result
     record.update(metrics)
-    improved, stop_early = run.guard.early_stop.update(record["val_loss"])
+    improved, stop_early = run.guard.early_stop.update(record["val_loss"], done)
     write = run.telemetry.write
     write(f"step {done}: train loss {run.telemetry.last_loss:.4f}, {run.evaluator.describe(record)}"
           + (" (best so far)" if improved else ""))
@@ -328,49 +328,28 @@ def evaluate_if_due(run: Run, record: dict, done: int) -> tuple[bool, bool]:
     return improved, stop_early
 
 
-def evaluation(run: Run) -> tuple[dict, str | None]:
-    """One eval's figures and sample (evaluate.Evaluator)."""
-    evaluator, layout = run.evaluator, run.layout
-    metrics = evaluator.val_metrics(run.compiled, run.model, run.autocast, layout.micro_batch, layout.seq_len)
-    metrics.update(evaluator.hellaswag(run.model, run.autocast_dtype))
-    return metrics, evaluator.sample(run.model, run.autocast_dtype)
-
-
-def unless_out_of_memory(run: Run, done: int, measure):
-    """measure() -> what it returns, or None when it runs out of memory: the eval of step `done` is skipped,
-    with a warning, and the memory it held goes back to the allocator's pool."""
-    try:
-        return measure()
-    except torch.cuda.OutOfMemoryError:
-        pass  # the exception holds the eval's tensors until here: the cache is emptied below
-    if run.device.type == "cuda":
-        torch.cuda.empty_cache()
-    run.telemetry.write(f"warning: out of memory in the eval of step {done}; skipped, training goes on")
-    return None
+def measure(run: Run, done: int, full: bool = True):
+    return run.evaluator.measure(run.compiled, run.model, run.autocast, run.autocast_dtype, run.layout.micro_batch,
+                                 run.layout.seq_len, run.telemetry.write, done, full)
 
 
 def recount_restored_eval(run: Run, done: int) -> None:
-    """A regular checkpoint is written before its step's eval (run_loop), so the early stopping it holds has
-    not counted that eval. Once one is restored (a resume, a rollback), measure its val loss again and count
-    it, as the run that wrote it did; best stays as it is (it may hold a later step). An early stop's
-    checkpoint, written after its eval, has counted it already: a resume from it counts it twice, one eval
-    nearer to stopping again."""
-    if not run.evaluator.due(done, run.max_steps):
+    """A regular checkpoint is written before its step's eval (run_loop): once one is restored (a resume, a
+    rollback) whose early stopping has not counted that eval, measure its val loss again and count it, as the
+    run that wrote it did. best stays as it is (it may hold a later step)."""
+    if not run.evaluator.due(done, run.max_steps) or run.guard.early_stop.has_counted(done):
         return
-    layout = run.layout
-    metrics = unless_out_of_memory(run, done, lambda: run.evaluator.val_metrics(
-        run.compiled, run.model, run.autocast, layout.micro_batch, layout.seq_len))
-    if metrics is not None:
-        run.guard.early_stop.update(metrics["val_loss"])
-        run.telemetry.write(f"step {done}: val loss {metrics['val_loss']:.4f}, measured again for early stopping "
-                            "(the checkpoint precedes its eval)")
+    if (result := measure(run, done, full=False)) is not None:
+        run.guard.early_stop.update(result[0]["val_loss"], done)
+        run.telemetry.write(f"step {done}: val loss {result[0]['val_loss']:.4f}, measured again for early "
+                            "stopping (the checkpoint precedes its eval)")
 
 
 def stop_requested(run: Run, signals: StopSignals) -> bool:
     return distributed.any_across_ranks(signals.requested is not None, run.info, run.device)
 
 
-def save_if_due(run: Run, done: int, regular: bool, best: bool = False, written: bool = False) -> bool:
+def save_if_due(run: Run, done: int, record: dict, regular: bool, best: bool = False, written: bool = False) -> bool:
     """Write step `done`'s regular checkpoint when asked, unless `written` (it is on disk already), and the
     best one when the val loss improved: a second name for the regular one when that exists. Never a regular
     one inside a streak of non-finite steps (resilience.Guard). -> whether the step's regular one is on disk."""
@@ -379,7 +358,8 @@ def save_if_due(run: Run, done: int, regular: bool, best: bool = False, written:
         run.checkpointer.link_best(done)
     elif regular or best:  # skipped steps leave the weights as they were, so a new best is still good
         run.checkpointer.save(done, run.model, run.optimizer, run.loader, run.guard, run.telemetry.tokens,
-                              regular=regular, best=best, batch_tokens=run.layout.tokens_per_step)
+                              regular=regular, best=best, batch_tokens=run.layout.tokens_per_step,
+                              record=record)
     return written or regular
 
 
@@ -406,7 +386,7 @@ def rollback(run: Run) -> int:
     if fp8.is_delayed(run.fp8_recipe):  # the restored weights start a fresh amax history, as a resume's do
         fp8.reset_delayed_scaling(run.model)
     run.guard.rolled_back(meta)
-    run.telemetry.rewind(meta["step"], tokens_trained(meta, run.layout.tokens_per_step))
+    run.telemetry.rewind(meta["step"], tokens_trained(meta, run.layout.tokens_per_step), meta.get("record"))
     run.telemetry.write(f"rolled back to step {meta['step']} after {run.cfg.resilience.max_bad_steps} non-finite "
                         f"steps; LR now x{run.guard.lr_scale:g} of the schedule")
     return meta["step"]

@@ -312,11 +312,22 @@ def test_loss_health_tracks_ema_and_flags_spikes():
 
 def test_early_stopping_waits_for_patience():
     stop = EarlyStopping(patience=2)
-    assert stop.update(3.0) == (True, False)
-    assert stop.update(3.1) == (False, False)
-    assert stop.update(2.9) == (True, False)
-    assert stop.update(3.0) == (False, False) and stop.update(3.0) == (False, True)
-    assert EarlyStopping(patience=0).update(1.0) == (True, False)
+    assert stop.update(3.0, 10) == (True, False)
+    assert stop.update(3.1, 20) == (False, False)
+    assert stop.update(2.9, 30) == (True, False)
+    assert stop.update(3.0, 40) == (False, False) and stop.update(3.0, 50) == (False, True)
+    assert EarlyStopping(patience=0).update(1.0, 10) == (True, False)
+
+
+def test_early_stopping_knows_which_evals_it_has_counted():
+    stop = EarlyStopping(patience=2)
+    stop.update(3.0, 10)
+    assert stop.has_counted(10) and not stop.has_counted(20)
+    restored = EarlyStopping(patience=2)
+    restored.load_state_dict(stop.state_dict())
+    assert restored.has_counted(10) and not restored.has_counted(20)
+    restored.load_state_dict({"best": 3.0, "evals_since_best": 0})  # written after its eval: counted
+    assert restored.has_counted(20)
 
 
 def test_early_stop_ends_the_run_and_keeps_the_best(data_dir, tmp_path, capsys):
@@ -415,9 +426,21 @@ def bad_inputs(root):
     hf_list = root / "hf_list"
     hf_list.mkdir()
     (hf_list / "config.json").write_text("[]")
+    hf_index = root / "hf_index"  # a config that parses, beside an index whose weight_map is a list
+    hf_index.mkdir()
+    (hf_index / "config.json").write_text('{"model_type": "qwen3"}')
+    (hf_index / "model.safetensors.index.json").write_text('{"weight_map": []}')
+    config_dir = root / "config_dir"  # a directory where the run writes its config.toml
+    (config_dir / "config.toml").mkdir(parents=True)
     d = ["--data", str(good)]
     out = ["--out-dir", str(root / "out")]
     return [
+        ("tokens per param inf", [*d, *out, "--depth", "2", "--tokens-per-param", "inf"]),
+        ("tokens per param tiny", [*d, *out, "--depth", "2", "--tokens-per-param", "1e-30"]),
+        ("layers beyond counting", [*d, *out, "--n-layer", str(10**20)]),
+        ("depth beyond counting", [*d, *out, "--depth", str(10**20)]),
+        ("from-hf index weight_map a list", [*d, *out, *MODEL, "--from-hf", str(hf_index)]),
+        ("config.toml a directory", [*d, "--out-dir", str(config_dir), *MODEL]),
         ("unknown flag", [*d, *out, "--learning-rate", "1"]),
         ("bad int", [*d, *out, "--n-layer", "two"]),
         ("bad choice", [*d, *out, "--schedule", "linear"]),

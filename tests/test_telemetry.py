@@ -82,3 +82,22 @@ def test_metrics_from_before_one_based_steps_are_cut_at_the_same_step(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
     log = telemetry.MetricsLog(str(tmp_path), start_step=2, wandb_run=None)
     assert [json.loads(line)["step"] for line in open(log.path)] == [0, 1]  # steps 1 and 2 are kept
+
+
+def test_a_resume_restores_the_record_its_checkpoint_holds_when_the_log_lost_it(tmp_path):
+    """The checkpoint precedes its step's log line: a kill between them leaves metrics.jsonl one record short,
+    and the checkpoint's own copy fills the gap; a log that has the record keeps its own (with the eval's)."""
+    import json
+
+    def records(n):
+        return [{"step": s, "train_loss": float(s), "time_s": 0.1 * s} for s in range(1, n + 1)]
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(2)))
+    restored = {"step": 3, "train_loss": 3.0, "time_s": 0.3}
+    log = telemetry.MetricsLog(str(tmp_path), start_step=3, wandb_run=None, restored=restored)
+    assert [json.loads(line) for line in open(log.path)] == [*records(2), restored] and log.last_kept == restored
+
+    evaluated = [*records(2), {**restored, "val_loss": 2.5}, *records(5)[3:]]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evaluated))
+    log = telemetry.MetricsLog(str(tmp_path), start_step=3, wandb_run=None, restored=restored)
+    assert [json.loads(line) for line in open(log.path)] == evaluated[:3]
