@@ -417,10 +417,11 @@ def check_config_edits(path: str, cfg: Config, command_line: dict) -> None:
     that are not this run's, for settings its flags leave alone. command_line: the invocation's flags as
     build_parser parses them ("section.field", and "config_file" for --config). The message names those
     values, or says the file no longer reads as a config."""
-    config_file = command_line.get("config_file")
-    applied = config_file and os.path.isfile(config_file) and os.path.samefile(path, config_file)
-    if applied or not os.path.isfile(path):
+    if not os.path.isfile(path):
         return
+    config_file = command_line.get("config_file")
+    if config_file and os.path.isfile(config_file) and os.path.samefile(path, config_file):
+        return  # the edits apply
     try:
         with open(path, encoding="utf-8") as f:
             edited = hand_edited(f.read())

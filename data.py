@@ -759,6 +759,10 @@ def _check_out(out_dir: str, inputs: list[str]) -> None:
             raise UsageError(f"--out {out_dir} {how} the input {path}; choose an output directory apart from --input")
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
         raise DataError(f"--out {out_dir} is a file, not a directory")
+    parent = os.path.dirname(out) or os.sep
+    if os.path.isdir(out_dir) and os.stat(out).st_dev != os.stat(parent).st_dev:
+        raise UsageError(f"--out {out_dir} is a mount point: the shards are made beside it and renamed into place, "
+                         f"which cannot cross filesystems; choose a new directory inside it, e.g. {out_dir}/shards")
     names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
     shards = [n for n in names if n.startswith(("train_", "val_")) and n.endswith(".bin")]
     if shards:
@@ -801,7 +805,7 @@ def _partial_dir(out_dir: str) -> tuple[str, int | None]:
     try:
         os.makedirs(path)
     except OSError as e:
-        raise DataError(f"cannot create output directory {out_dir} ({e.strerror})") from None
+        raise DataError(f"cannot create {path}, where --out {out_dir} is prepared ({e.strerror})") from None
     return path, _lock(path)
 
 
@@ -829,16 +833,17 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
     pieces = _source_pieces(source, hf_config, hf_split)
     partial, lock = _partial_dir(out_dir)
     try:
-        record = _build(pieces, partial, get_tokenizer(tokenizer), shard_tokens, val_tokens, desc=source,
-                        max_tokens=max_tokens, tokenizer=tokenizer)
+        try:
+            record = _build(pieces, partial, get_tokenizer(tokenizer), shard_tokens, val_tokens, desc=source,
+                            max_tokens=max_tokens, tokenizer=tokenizer)
+        except BaseException:  # an error, Ctrl-C or SIGTERM (main): no part of the preparation is left
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         try:
             os.rename(partial, os.path.realpath(out_dir))  # replaces it only if it is an empty directory
-        except OSError as e:
-            raise DataError(f"cannot move the finished shards to --out {out_dir} ({e.strerror}); "
-                            f"nothing was written there") from None
-    except BaseException:  # an error, Ctrl-C or SIGTERM (main): no part of the preparation is left
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+        except OSError as e:  # the finished work is kept: the user moves it
+            raise DataError(f"cannot move the finished shards to --out {out_dir} ({e.strerror}); they are complete "
+                            f"in {partial}: move that directory there yourself") from None
     finally:
         if lock is not None:
             os.close(lock)

@@ -330,8 +330,9 @@ class Evaluator:
         """The eval of step `done`: val_metrics, and with `full` hellaswag and a sample -> (metrics, the sample or
         None), or None when it runs out of memory: that eval is skipped with a warning through `warn`, the memory
         it held goes back to the allocator, and training goes on. Any other failure is raised (the step's
-        checkpoint is on disk already: train.run_loop writes it first). Skipping is safe for one process only:
-        under DDP or FSDP2 a rank that skips leaves the others waiting in the eval's collectives."""
+        checkpoint is on disk already: train.run_loop writes it first). Only a single process skips: under DDP or
+        FSDP2 a rank that skipped would leave the others waiting in the eval's collectives, so there the error
+        is raised and the run ends, its checkpoint on disk."""
         try:
             metrics = self.val_metrics(forward, model, autocast, micro_batch, seq_len)
             if not full:
@@ -339,7 +340,9 @@ class Evaluator:
             metrics.update(self.hellaswag(model, autocast_dtype))
             return metrics, self.sample(model, autocast_dtype)
         except torch.cuda.OutOfMemoryError:
-            pass  # the exception holds the eval's tensors until here: the cache is emptied below
+            if self.info.world_size > 1:  # the other ranks wait in this eval's collectives: a skip would hang them
+                raise
+            # the exception holds the eval's tensors until here: the cache is emptied below
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         warn(f"warning: out of memory in the eval of step {done}; skipped, training goes on")

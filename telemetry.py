@@ -105,9 +105,7 @@ class MetricsLog:
     def truncate(self, done: int, restored: dict | None = None) -> dict | None:
         """Keep only the records of steps up to `done` -> the last of them. `restored`: the record of step
         `done` that its checkpoint holds, written in when the log lacks it: the checkpoint precedes its step's
-        eval and log line (train.run_loop), so a kill between them leaves the log one record short. The kept
-        lines go to a new file that then replaces the old one, so a crash at any moment leaves one or the other
-        whole."""
+        eval and log line (train.run_loop), so a kill between them leaves the log one record short."""
         if not self.enabled:  # only rank 0 writes
             return None
         kept, last = [], None
@@ -125,13 +123,29 @@ class MetricsLog:
         if restored is not None and restored["step"] == done and (last is None or last["step"] < done):
             kept.append(json.dumps(restored) + "\n")
             last = restored
+        self._replace(kept)
+        return last
+
+    def amend(self, done: int, fields: dict) -> None:
+        """Add to the record of step `done`, the log's last, the `fields` it lacks: the eval a resume measures
+        again, whose step's record its checkpoint restored without it (truncate)."""
+        if not self.enabled or not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            lines = f.readlines()
+        if lines and json.loads(lines[-1])["step"] == done:
+            lines[-1] = json.dumps({**fields, **json.loads(lines[-1])}) + "\n"
+            self._replace(lines)
+
+    def _replace(self, lines: list[str]) -> None:
+        """The log becomes `lines`: written to a new file that then replaces the old one, so a crash at any
+        moment leaves one or the other whole."""
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
-            f.writelines(kept)
+            f.writelines(lines)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        return last
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -315,6 +329,12 @@ class Telemetry:
         self.progress.update()
         if self.profiler is not None:
             self.profiler.step()
+
+    def amend_eval(self, done: int, metrics: dict) -> None:
+        """The eval of step `done`, measured again after a resume or rollback, into that step's record when it
+        lacks it (MetricsLog.amend) and into the summary's last eval."""
+        self.metrics.amend(done, metrics)
+        self.last_eval = {"step": done, "val_loss": metrics["val_loss"], "val_bpb": metrics.get("val_bpb")}
 
     def rewind(self, step: int, tokens: int, restored_record: dict | None = None) -> None:
         """Forget the records after `step` steps: they will be redone (after a rollback from a checkpoint

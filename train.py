@@ -193,10 +193,10 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
         layout = config.resume_layout(cfg, layout, meta, warn)
         max_steps = config.max_steps(cfg, layout)
         start_step, start_tokens = meta["step"], tokens_trained(meta, layout.tokens_per_step)
-        if note := config.resume_lr(cfg, meta, max_steps):
-            warn(note)
-    if start_step >= max_steps:
+    if start_step >= max_steps:  # before the LR check: a finished run has no next step to re-warm
         raise NothingToDo(f"nothing to do: already at step {start_step} of {max_steps}")
+    if resume and (note := config.resume_lr(cfg, meta, max_steps)):
+        warn(note)
     if cfg.log.profile and max_steps - start_step < PROFILE_WAIT + PROFILE_ACTIVE:
         raise UsageError(f"--profile needs at least {PROFILE_WAIT + PROFILE_ACTIVE} steps to run")
 
@@ -336,13 +336,16 @@ def measure(run: Run, done: int, full: bool = True):
 def recount_restored_eval(run: Run, done: int) -> None:
     """A regular checkpoint is written before its step's eval (run_loop): once one is restored (a resume, a
     rollback) whose early stopping has not counted that eval, measure its val loss again and count it, as the
-    run that wrote it did. best stays as it is (it may hold a later step)."""
+    run that wrote it did, and give it to the step's record if the log lost it. best stays as it is (it may
+    hold a later step)."""
     if not run.evaluator.due(done, run.max_steps) or run.guard.early_stop.has_counted(done):
         return
     if (result := measure(run, done, full=False)) is not None:
-        run.guard.early_stop.update(result[0]["val_loss"], done)
-        run.telemetry.write(f"step {done}: val loss {result[0]['val_loss']:.4f}, measured again for early "
-                            "stopping (the checkpoint precedes its eval)")
+        metrics = result[0]
+        run.guard.early_stop.update(metrics["val_loss"], done)
+        run.telemetry.amend_eval(done, metrics)
+        run.telemetry.write(f"step {done}: val loss {metrics['val_loss']:.4f}, measured again for early stopping "
+                            "(the checkpoint precedes its eval)")
 
 
 def stop_requested(run: Run, signals: StopSignals) -> bool:
@@ -419,6 +422,8 @@ def main(argv=None):
     except NothingToDo as e:  # a success: a restart loop must stop, not retry
         if os.environ.get("RANK", "0") == "0":
             message(str(e))
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
         return
     except (UsageError, DataError, CheckpointError, ValueError) as e:
         # Only setup is guarded: ValueError there is config validation in model.py / optim.py, while an

@@ -1,4 +1,5 @@
 import gzip
+import errno
 import hashlib
 import json
 import os
@@ -454,6 +455,27 @@ def test_out_must_be_new_or_empty_and_apart_from_the_input(tmp_path, monkeypatch
     assert str(e.value).startswith(words) and "\n" not in str(e.value)
     assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing written or lost
     assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat("/dev").st_dev,
+                    reason="needs /dev/shm mounted apart from /dev")
+def test_an_out_that_is_a_mount_point_is_refused_before_anything_is_read(tmp_path):
+    (tmp_path / "a.txt").write_text(DOCS[0])
+    with pytest.raises(UsageError, match="--out /dev/shm is a mount point"):
+        data.prepare(str(tmp_path / "a.txt"), "/dev/shm", val_tokens=1)
+
+
+def test_a_finished_preparation_that_cannot_be_moved_into_place_is_kept(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text(DOCS[0])
+
+    def busy(src, dst):
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+
+    monkeypatch.setattr(data.os, "rename", busy)
+    with pytest.raises(data.DataError, match="they are complete in") as e:
+        data.prepare(str(tmp_path / "a.txt"), str(tmp_path / "out"), val_tokens=1)
+    kept = str(e.value).split("they are complete in ")[1].split(":")[0]
+    assert sorted(os.listdir(kept)) == ["data.json", "train_000000.bin", "val_000000.bin"]
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -281,9 +281,10 @@ def test_a_finished_run_resumed_has_nothing_to_do_and_exits_0(tmp_path, tiny_dat
     from rundir import RunLock
 
     tiny_run(tiny_data, tmp_path, "--max-steps", "2")
-    for resume in ("auto", "on"):
+    # A changed LR setting too: a finished run has no next step whose LR could re-warm.
+    for resume, changed in (("auto", []), ("on", []), ("auto", ["--lr", "0.05"])):
         capsys.readouterr()
-        tiny_run(tiny_data, tmp_path, "--max-steps", "2", "--resume", resume)  # returns: no SystemExit
+        tiny_run(tiny_data, tmp_path, "--max-steps", "2", "--resume", resume, *changed)  # returns: no SystemExit
         assert capsys.readouterr().err.strip().splitlines()[-1] == "nothing to do: already at step 2 of 2"
     RunLock(str(tmp_path)).release()  # released
     assert not (tmp_path / "config.toml.tmp").exists()
@@ -444,13 +445,24 @@ def test_a_resume_counts_the_eval_its_checkpoint_was_written_before(tmp_path, ti
     """ckpt_2 is written before step 2's eval; the resumed run measures it again, so its early stopping, and
     so ckpt_4's, is the uninterrupted run's."""
     flags = ["--max-steps", "4", "--eval-interval", "2", "--ckpt-interval", "2"]
-    tiny_run(tiny_data, tmp_path / "full", *flags)
+    full_log = tiny_run(tiny_data, tmp_path / "full", *flags)
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     ckpt = checkpoint.checkpoint_path(str(tmp_path / "full"), 2, sharded=False)
     for path in (ckpt, ckpt + checkpoint.DIGEST_SUFFIX):
         shutil.copy(path, resumed_dir)
-    tiny_run(tiny_data, resumed_dir, *flags, "--resume")
+    resumed_log = tiny_run(tiny_data, resumed_dir, *flags, "--resume")
+    # The copy had no metrics.jsonl: step 2's record comes back from the checkpoint, its eval measured again.
+    keys = ("step", "tokens", "train_loss", "val_loss")
+    assert [[r.get(k) for k in keys] for r in resumed_log] == [[r.get(k) for k in keys] for r in full_log[1:]]
+    assert resumed_log[0]["val_loss"] is not None
     full, resumed = (checkpoint.load(checkpoint.checkpoint_path(str(d), 4, sharded=False))[0]
                      for d in (tmp_path / "full", resumed_dir))
     assert resumed["early_stop"] == full["early_stop"] and full["early_stop"]["best"] < math.inf
+
+
+def test_a_fresh_run_from_a_config_file_into_a_new_out_dir(tmp_path, tiny_data):
+    path = tmp_path / "run.toml"
+    path.write_text(config.to_toml(config.parse_args([*TINY_MODEL, "--max-steps", "2"])))
+    tiny_run(tiny_data, tmp_path / "new", "--config", str(path))
+    assert os.path.exists(tmp_path / "new" / "ckpt_00000002.pt")
