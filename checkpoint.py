@@ -13,7 +13,7 @@ A checkpoint can never run code. A single file loads with torch.load(weights_onl
 keeps its meta in meta.pt, loaded the same way. DCP itself unpickles its `.metadata` file and its
 non-tensor entries with no restriction, so here `.metadata` goes through an allow-list of DCP's own
 metadata classes (_MetadataUnpickler) and every non-tensor entry must load under weights_only first
-(_WeightsOnlyBytes). Every reader (resume, sample.py, export.py, the converters) verifies the checksums
+(_WeightsOnlyBytes). Every reader (resume, sample.py, hf.py, the converters) verifies the checksums
 first.
 
 Checkpoints hold the plain backend's parameter contract: Transformer Engine's per-module `_extra_state`
@@ -50,10 +50,12 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 
 import distributed
 from cli import ArgumentParser, UsageError, report_error
+from config import changed_keys
 from data import data_change
 from fp8 import plain_to_te_state_dict, te_to_plain_state_dict
 from model import INIT_ONLY_FIELDS
-from optim import apply_group_settings, current_multiplier, group_settings
+from optim import apply_group_settings, group_settings
+from schedule import current_multiplier
 
 CHECKPOINT_VERSION = 1
 META_FILE = "meta.pt"
@@ -215,7 +217,7 @@ def verify(path: str) -> None:
 def load_newest(out_dir: str, read, warn):
     """(path, *read(path)) of the newest checkpoint that read(path) verifies and loads, or None. Each one
     read refuses (CheckpointError) is reported through `warn` and skipped, never deleted: the user may want
-    to look at it. read: load with a template (a resume), or export.read_checkpoint (sample, export)."""
+    to look at it. read: load with a template (a resume), or hf.read_checkpoint (sample, export)."""
     for path in reversed(list_checkpoints(out_dir)):
         try:
             return (path, *read(path))
@@ -449,19 +451,6 @@ def prunable(checkpoints: list[str], written: int, keep: int, good) -> list[str]
     return older[:max(len(older) - (keep - 1), 0)]
 
 
-def changed_keys(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:
-    """(dotted key, old value, new value) for every key of two nested dicts whose values differ. Keys on one
-    side only are left out: they are settings added or removed between versions, not changes."""
-    changes = []
-    for key in old.keys() & new.keys():
-        a, b = old[key], new[key]
-        if isinstance(a, dict) and isinstance(b, dict):
-            changes += changed_keys(a, b, f"{prefix}{key}.")
-        elif a != b:
-            changes.append((f"{prefix}{key}", a, b))
-    return sorted(changes)
-
-
 class Checkpointer:
     """Saves and restores the training state in out_dir, and decides when to save.
 
@@ -497,7 +486,7 @@ class Checkpointer:
         """`regular`: the ckpt_N checkpoint; `best`: the one kept for the best validation loss. With both,
         the state is gathered and written once and best links to it. tokens: trained so far, all ranks;
         batch_tokens: the global batch per step, which a resume at another world size keeps
-        (config.resume_layout). record: the step's metrics.jsonl record, which a resume restores if the log
+        (batch.resume_layout). record: the step's metrics.jsonl record, which a resume restores if the log
         lost it (telemetry.MetricsLog.truncate)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -593,7 +582,7 @@ class Checkpointer:
         weights-only file: the optimizer would silently start over), or other training shards."""
         if not (tensors.get("optimizer") or {}).get("state"):
             raise UsageError(f"--resume: the checkpoint of step {meta['step']} in {self.out_dir} has no optimizer "
-                             "state; to start from its weights, export them (export.py) and use --from-hf")
+                             "state; to start from its weights, export them (hf.py) and use --from-hf")
         change = data_change(meta.get("data"), self.data_id)
         if change and not self.allow_data_change:
             raise UsageError(f"--resume: the training shards differ from the checkpoint's: {change}; pass "

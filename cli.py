@@ -23,7 +23,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def int_or_auto(text: str) -> int | str:
-    """A flag's value that is a whole number or the word auto (--batch-size, data.py's --val-tokens)."""
+    """A flag's value that is a whole number or the word auto (--batch-size, prepare.py's --val-tokens)."""
     if text == "auto":
         return text
     try:

@@ -5,13 +5,14 @@
 
 A field's default and help text are written once, on the field; its flag is generated from it (`--n-layer`
 for `n_layer`, or the field's metadata "flag"), with the default appended to the help. The sections of the
-library modules live with them (model.ModelConfig, optim.OptimConfig, fp8.FP8Config), so that code which
-uses a model or an optimizer without train.py gets the same defaults; the sections that only a training run
-has live here.
+library modules live with them (model.ModelConfig, optim.OptimConfig, fp8.FP8Config, sizing.SizeConfig), so
+that code which uses a model or an optimizer without train.py gets the same defaults; the sections that only a
+training run has live here, with the choices of their fields. This file is the schema: it imports only those
+section homes and cli, and the modules that act on a setting import from here.
 
-Everything that can be checked from the flags alone is checked in validate() before anything is built, and
-the quantities derived from several flags (grad accumulation, tokens per step, max steps) are defined once,
-in BatchLayout and max_steps(). A Config is not changed after start-up.
+Everything that can be checked from the flags alone is checked in validate() before anything is built; the
+quantities derived from several flags (grad accumulation, tokens per step, max steps) are defined once, in
+batch.py. A Config is not changed after start-up.
 """
 
 import argparse
@@ -19,25 +20,17 @@ import dataclasses
 import hashlib
 import json
 import math
-import netrc
 import os
 import tomllib
 import typing
-import urllib.parse
 from dataclasses import dataclass, field
 
-import torch
-
 import fp8
-import memory
-import rundir
 import sizing
-from checkpoint import changed_keys
 from cli import ArgumentParser, UsageError, int_or_auto
 from fp8 import FP8Config
-from hardware import DEVICES, DTYPES
 from model import INIT_ONLY_FIELDS, ModelConfig
-from optim import OptimConfig, lr_multiplier
+from optim import OptimConfig
 from sizing import SizeConfig
 
 PROFILE_WAIT, PROFILE_ACTIVE = 5, 3  # torch.profiler: steps skipped, then steps traced (telemetry.py)
@@ -53,7 +46,7 @@ def option(default, help, **metadata):
 
 @dataclass
 class DataConfig:
-    """Where the tokens come from and how many one step takes (the loader, BatchLayout)."""
+    """Where the tokens come from and how many one step takes (the loader, batch.BatchLayout)."""
 
     data: str | None = option(None, "directory of train_*.bin / val_*.bin shards (default: the Python stdlib "
                                     "corpus, tokenized once and cached)")
@@ -74,7 +67,7 @@ class DataConfig:
 
 @dataclass
 class ScheduleConfig:
-    """How long the run is and the LR over it (optim.lr_multiplier), with gradient clipping."""
+    """How long the run is and the LR over it (schedule.lr_multiplier), with gradient clipping."""
 
     max_steps: int = option(150, "optimizer steps to train")
     max_tokens: int = option(0, "train for this many tokens instead of --max-steps (0: off)")
@@ -107,6 +100,9 @@ class EvalConfig:
                                                     "or a local .jsonl / .parquet file in its format")
 
 
+RESUME_MODES = ("off", "on", "auto")
+
+
 @dataclass
 class CheckpointConfig:
     """Where the run writes, what it resumes from; checkpoint.Checkpointer decides when to save."""
@@ -115,11 +111,11 @@ class CheckpointConfig:
     ckpt_interval: int = option(50, "steps between checkpoints (0: only at the end)")
     keep_ckpts: int = option(2, "how many recent checkpoints to keep")
     resume: str = option("off", "continue from the newest good checkpoint in --out-dir; auto: if there is one, "
-                                "else start fresh (for restart scripts)", choices=rundir.RESUME_MODES, nargs="?",
+                                "else start fresh (for restart scripts)", choices=RESUME_MODES, nargs="?",
                          const="on")
     overwrite: bool = option(False, "a fresh run may replace what an earlier run left in --out-dir (checkpoints, "
                                     "best, metrics.jsonl); without it such a directory is refused")
-    from_hf: str | None = option(None, "start from the weights of a Hugging Face Qwen3 directory (export.py "
+    from_hf: str | None = option(None, "start from the weights of a Hugging Face Qwen3 directory (hf.py "
                                        "writes one); its shape replaces the model flags, --seq-len still applies",
                                  metavar="DIR")
 
@@ -150,6 +146,11 @@ class DistConfig:
                                                "one more all-gather)")
 
 
+DEVICES = ("auto", "cuda", "mps", "cpu")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+ACT_CKPT_MODES = ("none", "full", "selective", "alternate")
+
+
 @dataclass
 class SpeedConfig:
     """Device, precision, compilation and activation memory (hardware.py, distributed.parallelize, memory.py)."""
@@ -162,7 +163,7 @@ class SpeedConfig:
     compile: str = option("off", "torch.compile mode for the model",
                           choices=("off", "default", "reduce-overhead", "max-autotune"))
     act_ckpt: str = option("none", "activation checkpointing: every block, every other block, or each "
-                                   "block's MLP", choices=memory.ACT_CKPT_MODES)
+                                   "block's MLP", choices=ACT_CKPT_MODES)
     estimate_memory: bool = option(False, "print the memory estimate for these flags (every --act-ckpt mode) "
                                           "and exit")
     target_gpu: str | None = option(None, "--estimate-memory for a GPU this machine need not have: a name "
@@ -286,11 +287,11 @@ def explicit_values(flags: dict, from_file: dict) -> dict:
     return {**from_file, **flags}
 
 
-def parse_args(argv=None, description: str | None = None, check_machine: bool = False) -> Config:
+def parse_args(argv=None, description: str | None = None, machine_checks=()) -> Config:
     """Flags (over an optional --config file) -> a validated Config. Values the size dial derives (sizing.py)
-    fill in what neither gave. Raises UsageError on bad or contradictory settings. check_machine: also what
-    this machine must have for the run to start (train.py's start-up; not for reading a GPU run's config on
-    a laptop, nor for --estimate-memory)."""
+    fill in what neither gave. Raises UsageError on bad or contradictory settings. machine_checks: functions
+    Config -> what this machine lacks for the run to start, reported with the flags' problems (train.py's
+    start-up; not for reading a GPU run's config on a laptop, nor for --estimate-memory)."""
     flags = vars(build_parser(description).parse_args(argv))
     config_file = flags.pop("config_file", None)
     given = explicit_values(flags, read_config_file(config_file) if config_file else {})
@@ -299,7 +300,7 @@ def parse_args(argv=None, description: str | None = None, check_machine: bool = 
     as_given = _config(given)
     _refuse([*_integer_problems(as_given), *_dial_problems(as_given)])
     cfg = _config({**sizing.resolve(given, DataConfig.batch_size), **given})
-    validate(cfg, check_machine and not cfg.speed.estimate_memory)
+    validate(cfg, () if cfg.speed.estimate_memory else machine_checks)
     return cfg
 
 
@@ -444,11 +445,10 @@ def check_config_edits(path: str, cfg: Config, command_line: dict) -> None:
                      "undo them")
 
 
-def stage_config(cfg: Config, resume: bool, command_line: dict) -> str:
-    """Write the run's OUT/config.toml under a temporary name -> that name (rundir.replace_outputs renames it
-    into place), unless the file there holds edits this run would drop (check_config_edits). A fresh run with
+def stage_config(cfg: Config, path: str, resume: bool, command_line: dict) -> str:
+    """Write the run's OUT/config.toml (path) under a temporary name -> that name (rundir.replace_outputs renames
+    it into place), unless the file there holds edits this run would drop (check_config_edits). A fresh run with
     --overwrite replaces the earlier run, its config.toml with the rest."""
-    path = os.path.join(cfg.ckpt.out_dir, rundir.CONFIG_FILE)
     if resume or not cfg.ckpt.overwrite:
         check_config_edits(path, cfg, command_line)
     write_config(cfg, f"{path}.tmp")
@@ -487,12 +487,13 @@ def describe_change(change: tuple) -> str:
 # ----------------------------------------------------------------------------- start-up checks
 
 
-def validate(cfg: Config, check_machine: bool = False) -> None:
-    """Every check that needs only the flags, and with check_machine those of the machine that cost nothing
-    (CUDA, a W&B key); UsageError with one line naming every problem at once, so that a user fixes a command in
-    one round. Shapes against the machine (FP8, memory) are checked in fp8.prepare and train.setup, still
-    before the first step."""
-    problems = [*_range_problems(cfg), *_combination_problems(cfg), *(_machine_problems(cfg) if check_machine else ())]
+def validate(cfg: Config, machine_checks=()) -> None:
+    """Every check that needs only the flags, and those of the machine that cost nothing (machine_checks:
+    functions Config -> problems, such as CUDA or a W&B key); UsageError with one line naming every problem at
+    once, so that a user fixes a command in one round. Shapes against the machine (FP8, memory) are checked in
+    fp8.prepare and train.setup, still before the first step."""
+    machine = [problem for check in machine_checks for problem in check(cfg)]
+    problems = [*_range_problems(cfg), *_combination_problems(cfg), *machine]
     for check in (cfg.model.validate, lambda: fp8.check_fp8_flags(cfg.fp8.mode, cfg.fp8.recipe, cfg.fp8.attn)):
         try:
             check()
@@ -602,171 +603,7 @@ def _combination_problems(cfg: Config):
         yield "--sample-tokens needs the plain backend's KV cache; it does not run with --fp8 te"
 
 
-def _machine_problems(cfg: Config):
-    """What these flags need of the machine that is known without building anything."""
-    if cfg.data.batch_size == "auto" and (cfg.speed.device not in ("auto", "cuda") or not torch.cuda.is_available()):
-        yield "--batch-size auto needs CUDA: it searches by catching CUDA out-of-memory errors"
-    if cfg.log.wandb and cfg.log.wandb_mode == "online" and not wandb_key_present():
-        yield ("--wandb-mode online needs a W&B API key (WANDB_API_KEY or `wandb login`); use --wandb-mode offline "
-               "to log locally and `wandb sync` later")
-
-
-def wandb_key_present() -> bool:
-    """Whether wandb can log in without asking: WANDB_API_KEY, or the netrc entry `wandb login` writes for its
-    server (WANDB_BASE_URL's host; $NETRC or ~/.netrc)."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
-    try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host or "api.wandb.ai") is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-# ----------------------------------------------------------------------------- derived quantities
-
-
-@dataclass(frozen=True)
-class BatchLayout:
-    """How one optimizer step's batch is cut: micro-batches of `micro_batch` sequences of `seq_len` tokens,
-    `grad_accum` of them on each of `world_size` ranks."""
-
-    micro_batch: int
-    seq_len: int
-    grad_accum: int
-    world_size: int
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Global: all ranks and micro-steps together."""
-        return self.micro_batch * self.seq_len * self.grad_accum * self.world_size
-
-    @property
-    def sequences_per_rank(self) -> int:
-        return self.micro_batch * self.grad_accum
-
-    def with_micro_batch(self, micro_batch: int) -> "BatchLayout":
-        """The same global batch cut into smaller micro-batches (micro_batch must divide sequences_per_rank)."""
-        return dataclasses.replace(self, micro_batch=micro_batch,
-                                   grad_accum=self.sequences_per_rank // micro_batch)
-
-    def at_step(self, step: int, warmup_steps: int, start: float) -> "BatchLayout":
-        """The layout of optimizer step `step` (0-based) under the batch warm-up: fewer micro-steps, same
-        micro-batch (warmup_micro_steps); itself once the warm-up is over. Telemetry counts tokens from it."""
-        micro_steps = warmup_micro_steps(step, self.grad_accum, warmup_steps, start)
-        return self if micro_steps == self.grad_accum else dataclasses.replace(self, grad_accum=micro_steps)
-
-
-def warmup_micro_steps(step: int, grad_accum: int, warmup_steps: int, start: float) -> int:
-    """Micro-steps of optimizer step `step` (0-based) when the global batch ramps linearly from `start` x itself
-    at step 0 to all of it at step warmup_steps, rounded to whole micro-steps (at least one): the batch grows
-    by gradient accumulation, so the micro-batch, its memory and the data order stay as they are, and a
-    resumed run recomputes the same count from the step alone."""
-    if step >= warmup_steps:
-        return grad_accum
-    fraction = start + (1 - start) * step / warmup_steps
-    return max(1, min(grad_accum, math.floor(fraction * grad_accum + 0.5)))  # halves round up, not to even
-
-
-def steps_for_tokens(max_tokens: int, layout: BatchLayout, warmup_steps: int = 0, start: float = 1.0) -> int:
-    """Optimizer steps until at least max_tokens are trained, counting the smaller steps of the batch warm-up,
-    so that --max-tokens is the same budget with it or without it."""
-    tokens, step = 0, 0
-    while step < warmup_steps and tokens < max_tokens:
-        tokens += layout.at_step(step, warmup_steps, start).tokens_per_step
-        step += 1
-    return step + max(0, math.ceil((max_tokens - tokens) / layout.tokens_per_step))
-
-
-def per_rank_sequences(cfg: Config, world_size: int) -> int:
-    """Sequences each rank trains on per step under --total-batch-tokens (what --batch-size auto divides)."""
-    return cfg.data.total_batch_tokens // (cfg.model.max_seq_len * world_size)
-
-
-def batch_layout(cfg: Config, world_size: int = 1, micro_batch: int | None = None) -> BatchLayout:
-    """The layout the flags ask for; micro_batch: the size --batch-size auto found. With
-    --total-batch-tokens, grad_accum is derived so that the global batch is exactly that many tokens."""
-    micro = cfg.data.batch_size if micro_batch is None else micro_batch
-    seq_len = cfg.model.max_seq_len
-    grad_accum = cfg.data.grad_accum
-    if cfg.data.total_batch_tokens:
-        per_micro = micro * seq_len * world_size
-        if cfg.data.total_batch_tokens % per_micro:
-            raise UsageError(f"--total-batch-tokens {cfg.data.total_batch_tokens} is not a multiple of "
-                             f"batch-size * seq-len * world-size = {per_micro}")
-        grad_accum = cfg.data.total_batch_tokens // per_micro
-    return BatchLayout(micro_batch=micro, seq_len=seq_len, grad_accum=grad_accum, world_size=world_size)
-
-
-def max_steps(cfg: Config, layout: BatchLayout) -> int:
-    """--max-steps, or the steps --max-tokens takes with this layout (and the batch warm-up, if on)."""
-    s = cfg.schedule
-    if not s.max_tokens:
-        return s.max_steps
-    return steps_for_tokens(s.max_tokens, layout, s.batch_warmup_steps, s.batch_warmup_start)
-
-
-# The settings that decide the global batch: a resume that changes one of them changes it on purpose.
-BATCH_KEYS = ("data.batch_size", "data.grad_accum", "data.total_batch_tokens", "model.max_seq_len")
-
-
-def resume_layout(cfg: Config, layout: BatchLayout, meta: dict, warn) -> BatchLayout:
-    """The layout of a resumed run. The global batch in tokens is part of a run's identity: resumed at another
-    world size with the same batch settings, the run keeps the checkpoint's global batch by deriving grad
-    accumulation, or is refused when whole micro-batches cannot make it. Settings changed on purpose
-    (BATCH_KEYS) are the user's new batch. Checkpoints from before batch_tokens was recorded are taken as they are."""
-    saved, saved_world = meta.get("batch_tokens"), meta.get("world_size")
-    if saved is None or saved_world == layout.world_size or saved == layout.tokens_per_step:
-        return layout
-    saved_cfg, now = flat_dict(meta.get("train_config", {})), flat_values(cfg)
-    if any(key in saved_cfg and saved_cfg[key] != now[key] for key in BATCH_KEYS):
-        return layout
-    per_micro_step = layout.micro_batch * layout.seq_len * layout.world_size
-    if saved % per_micro_step:
-        raise UsageError(f"--resume at {layout.world_size} ranks: the checkpoint's global batch of {saved:,} "
-                         f"tokens/step ({saved_world} ranks) is not a whole number of micro-steps of "
-                         f"{per_micro_step:,} tokens ({layout.micro_batch} x {layout.seq_len} x {layout.world_size} "
-                         "ranks); choose a --batch-size that divides it, or --total-batch-tokens to change it")
-    resumed = dataclasses.replace(layout, grad_accum=saved // per_micro_step)
-    warn(f"note: resuming on {layout.world_size} ranks (the checkpoint ran on {saved_world}): grad accumulation "
-         f"{layout.grad_accum} -> {resumed.grad_accum} keeps the global batch of {saved:,} tokens/step")
-    return resumed
-
-
-# The settings the LR of a step depends on: the peak, the schedule, and the run's length in steps.
-LR_KEYS = ("optim.lr", "schedule.max_steps", "schedule.max_tokens", "schedule.warmup", "schedule.schedule",
-           "schedule.min_lr_ratio", "schedule.decay_frac", "schedule.batch_warmup_steps",
-           "schedule.batch_warmup_start", *BATCH_KEYS)
-# A resumed LR at most this factor above the checkpoint's is no re-warm: a rounding, or a negligible change.
-REWARM_TOLERANCE = 1.01
-
-
-def resume_lr(cfg: Config, meta: dict, max_steps: int) -> str | None:
-    """What a resume with a changed LR setting (LR_KEYS) does to the LR: a note "the LR goes from X at the
-    checkpoint (step N) to Y at the next step", or None when none changed or the checkpoint predates its
-    recorded "lr_multiplier". UsageError for a re-warm (is_rewarm) unless --allow-lr-rewarm. The LRs are those
-    --lr is the peak of, with the fault-tolerance LR scale the resumed run keeps (meta "lr_scale")."""
-    saved, now = flat_dict(meta.get("train_config", {})), flat_values(cfg)
-    multiplier = meta.get("lr_multiplier")
-    if multiplier is None or not any(key in saved and saved[key] != now[key] for key in LR_KEYS):
-        return None
-    s, step, scale = cfg.schedule, meta["step"], meta["lr_scale"]
-    old = saved["optim.lr"] * multiplier
-    new = cfg.optim.lr * scale * lr_multiplier(step, max_steps, s.warmup, s.schedule, s.min_lr_ratio, s.decay_frac)
-    effect = f"the LR goes from {old:.3g} at the checkpoint (step {step}) to {new:.3g} at the next step"
-    if not s.allow_lr_rewarm and is_rewarm(step, saved["schedule.warmup"], multiplier / scale, old, new):
-        raise UsageError(f"--resume: {effect}, up again after its decay had begun; resume from a checkpoint from "
-                         "before the decay, or pass --allow-lr-rewarm to re-warm it")
-    return f"note: {effect}"
-
-
-def is_rewarm(step: int, warmup: int, schedule_multiplier: float, old_lr: float, new_lr: float) -> bool:
-    """Whether a resume at `step` re-warms the LR: the checkpoint was past its warm-up (`warmup` steps) and
-    decaying (its schedule's multiplier at its last step below 1), and the LR of the next step is more than
-    REWARM_TOLERANCE times the checkpoint's. In the warm-up the LR rises anyway; in a WSD run's stable phase it
-    has not decayed, so a higher --lr there is a new peak, not a re-warm."""
-    decaying = step > warmup and schedule_multiplier < 1 and not math.isclose(schedule_multiplier, 1)
-    return decaying and new_lr > REWARM_TOLERANCE * old_lr
+# ----------------------------------------------------------------------------- comparing configurations
 
 
 def flat_dict(nested: dict, prefix: str = "") -> dict:
@@ -778,3 +615,16 @@ def flat_dict(nested: dict, prefix: str = "") -> dict:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
+
+
+def changed_keys(old: dict, new: dict, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, old value, new value) for every key of two nested dicts whose values differ. Keys on one
+    side only are left out: they are settings added or removed between versions, not changes."""
+    changes = []
+    for key in old.keys() & new.keys():
+        a, b = old[key], new[key]
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += changed_keys(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changes.append((f"{prefix}{key}", a, b))
+    return sorted(changes)

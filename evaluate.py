@@ -1,4 +1,4 @@
-"""Evaluation during training (and after it, through eval.py): validation loss and bits per byte over a fixed
+"""Evaluation during training (and after it, through score.py): validation loss and bits per byte over a fixed
 slice of the val split, HellaSwag accuracy, and a text sample, at a cadence the Evaluator decides itself.
 
     evaluator = Evaluator(cfg.eval, data_dir, info, device, vocab_size, seed)
@@ -29,11 +29,12 @@ import torch
 import distributed
 import hardware
 from cli import UsageError, first_line
-from data import ShardLoader, get_tokenizer
+from data import ShardLoader
 from model import IGNORE_INDEX
 from progress import Progress
 from sample import sample_text
 from telemetry import message
+from tokenizer import get_tokenizer
 
 HELLASWAG_ENDINGS = 4
 
@@ -256,7 +257,7 @@ def eval_mode(model: torch.nn.Module):
 class Evaluator:
     def __init__(self, cfg, data_dir: str | None, info: "distributed.DistInfo", device: torch.device,
                  vocab_size: int, seed: int):
-        """cfg: config.EvalConfig. data_dir: the val shards (None when only HellaSwag runs, in eval.py)."""
+        """cfg: config.EvalConfig. data_dir: the val shards (None when only HellaSwag runs, in score.py)."""
         self.cfg, self.data_dir, self.info, self.device = cfg, data_dir, info, device
         self.vocab_size, self.seed = vocab_size, seed
         self.token_bytes = None  # check_val: bytes per token id, when the ids are GPT-2's

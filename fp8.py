@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 
+import hardware
 from cli import UsageError
 from model import GPT, Block, LayerNormMLP, ModelConfig, RMSNorm, apply_rope
 
@@ -316,6 +317,13 @@ def te_autocast(fp8_recipe):
 def fp8_context(fp8_recipe):
     """te_autocast(fp8_recipe), or a no-op when there is no TE recipe (fp8 off or torchao)."""
     return nullcontext() if fp8_recipe is None else te_autocast(fp8_recipe)
+
+
+@contextmanager
+def forward_context(device: torch.device, autocast_dtype: torch.dtype | None, fp8_recipe):
+    """For a forward pass only, never the backward: torch's autocast, and TE's FP8 one under --fp8 te."""
+    with hardware.autocast(device, autocast_dtype), fp8_context(fp8_recipe):
+        yield
 
 
 # ----------------------------------------------------------------------------- --batch-size auto's probes

@@ -13,11 +13,9 @@ import torch
 
 from cli import UsageError
 
-DEVICES = ("auto", "cuda", "mps", "cpu")
 CPU_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
 CPU_PROBE_SIZE = 1024
 CPU_BF16_MIN_SPEEDUP = 1.3
-DTYPES = ("auto", "bf16", "fp16", "fp32")
 # Dense bf16 tensor-core peak per GPU, from the vendors' datasheets. MFU is always quoted
 # against this number (the llm.c / PaLM convention), whatever dtype the run uses.
 PEAK_BF16_FLOPS = {

@@ -27,9 +27,9 @@ import distributed
 import fp8
 import hardware
 from cli import UsageError
-from model import ModelConfig
+from config import ACT_CKPT_MODES
+from model import ModelConfig, block_shapes, outer_shapes, param_count
 
-ACT_CKPT_MODES = ("none", "full", "selective", "alternate")
 FP32 = 4
 INDEX = 8  # int64 token ids and targets
 # bitsandbytes' 8-bit AdamW (0.50): tensors of at least 4096 elements keep two uint8 states plus one float32
@@ -138,41 +138,6 @@ class MemoryEstimate:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations + self.recompute
-
-
-def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of each parameter of one block, by its name inside the block. Every block has the same ones,
-    so a size multiplies them by n_layer instead of walking the layers: a claimed depth costs nothing."""
-    D, hd, F = cfg.n_embd, cfg.resolved_head_dim, cfg.resolved_ffn_dim
-    H, K = cfg.n_head, cfg.n_kv_head
-    return {"attn.qkv.layer_norm_weight": (D,), "attn.qkv.weight": ((H + 2 * K) * hd, D),
-            "attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,), "attn.proj.weight": (D, H * hd),
-            "mlp.layer_norm_weight": (D,), "mlp.fc1_weight": (2 * F, D), "mlp.fc2_weight": (D, F)}
-
-
-def outer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of each parameter outside the blocks (a tied lm_head is the embedding: not a parameter)."""
-    V, D = cfg.padded_vocab_size, cfg.n_embd
-    shapes = {"embed.weight": (V, D), "norm.weight": (D,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (V, D)
-    return shapes
-
-
-def param_count(cfg: ModelConfig) -> int:
-    """Every parameter, the embedding included, by arithmetic on the shapes."""
-    block = sum(math.prod(shape) for shape in block_shapes(cfg).values())
-    return sum(math.prod(shape) for shape in outer_shapes(cfg).values()) + cfg.n_layer * block
-
-
-def param_numels(cfg: ModelConfig) -> dict[str, int]:
-    """Elements of every parameter, by its name in the model: one entry per layer's, so only for a model
-    about to be built; a size check takes param_count."""
-    block = {name: math.prod(shape) for name, shape in block_shapes(cfg).items()}
-    numels = {name: math.prod(shape) for name, shape in outer_shapes(cfg).items()}
-    for i in range(cfg.n_layer):
-        numels.update({f"blocks.{i}.{name}": n for name, n in block.items()})
-    return numels
 
 
 def _state_bytes(name: str, numel: int, optimizer: str) -> int:
@@ -467,7 +432,7 @@ def micro_batch_for(per_rank: int, fitting: int, multiple: int = 1) -> int:
 
 
 def retry_micro_batch(layout, fp8_mode: str) -> int:
-    """The micro-batch to redo an out-of-memory step with (a config.BatchLayout's): at most half, FP8-legal,
+    """The micro-batch to redo an out-of-memory step with (a batch.BatchLayout's): at most half, FP8-legal,
     dividing the global batch; 0 for none, or with several ranks (one cannot change the layout alone)."""
     multiple = fp8.batch_multiple(fp8_mode, layout.seq_len)
     smaller = micro_batch_for(layout.sequences_per_rank, layout.micro_batch // 2, multiple)
@@ -503,6 +468,12 @@ def probe_reserve_bytes(cfg: ModelConfig, optimizer: str, dist_mode: str) -> int
     margin: with more than one rank there is no out-of-memory retry, so a tight fit must be right."""
     buckets = FP32 * param_count(cfg) if dist_mode == "ddp" else 0
     return optimizer_state_bytes_estimate(cfg, optimizer) + buckets
+
+
+def auto_batch_problems(cfg):
+    """--batch-size auto on a machine without CUDA (a config.Config's; one of train.py's machine checks)."""
+    if cfg.data.batch_size == "auto" and (cfg.speed.device not in ("auto", "cuda") or not torch.cuda.is_available()):
+        yield "--batch-size auto needs CUDA: it searches by catching CUDA out-of-memory errors"
 
 
 def auto_batch_size(model: nn.Module, per_rank: int, multiple: int, reserve: int, forward_context,

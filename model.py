@@ -70,7 +70,7 @@ class ModelConfig:
     norm_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon"})
     tie_embeddings: bool = field(default=True, metadata={
         "flag": "--untied", "action": "store_false", "help": "separate lm_head and embedding weights"})
-    # Initialisation, not shape: export.hf_config leaves it out, so Hugging Face exports stay exact.
+    # Initialisation, not shape: hf.hf_config leaves it out, so Hugging Face exports stay exact.
     zero_init_proj: bool = field(default=False, metadata={
         "help": "initialise attn.proj and mlp.fc2, the projections into the residual stream, to zero: every block "
                 "starts as the identity (init only; not part of the exported architecture)"})
@@ -485,6 +485,41 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         """Unique parameters: a tied embedding / lm_head matrix counts once."""
         return sum(p.numel() for p in self.parameters())
+
+
+def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter of one block, by its name inside the block. Every block has the same ones,
+    so a size multiplies them by n_layer instead of walking the layers: a claimed depth costs nothing."""
+    D, hd, F = cfg.n_embd, cfg.resolved_head_dim, cfg.resolved_ffn_dim
+    H, K = cfg.n_head, cfg.n_kv_head
+    return {"attn.qkv.layer_norm_weight": (D,), "attn.qkv.weight": ((H + 2 * K) * hd, D),
+            "attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,), "attn.proj.weight": (D, H * hd),
+            "mlp.layer_norm_weight": (D,), "mlp.fc1_weight": (2 * F, D), "mlp.fc2_weight": (D, F)}
+
+
+def outer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter outside the blocks (a tied lm_head is the embedding: not a parameter)."""
+    V, D = cfg.padded_vocab_size, cfg.n_embd
+    shapes = {"embed.weight": (V, D), "norm.weight": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    return shapes
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Every parameter, the embedding included, by arithmetic on the shapes."""
+    block = sum(math.prod(shape) for shape in block_shapes(cfg).values())
+    return sum(math.prod(shape) for shape in outer_shapes(cfg).values()) + cfg.n_layer * block
+
+
+def param_numels(cfg: ModelConfig) -> dict[str, int]:
+    """Elements of every parameter, by its name in the model: one entry per layer's, so only for a model
+    about to be built; a size check takes param_count."""
+    block = {name: math.prod(shape) for name, shape in block_shapes(cfg).items()}
+    numels = {name: math.prod(shape) for name, shape in outer_shapes(cfg).items()}
+    for i in range(cfg.n_layer):
+        numels.update({f"blocks.{i}.{name}": n for name, n in block.items()})
+    return numels
 
 
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:

@@ -21,15 +21,17 @@ class LossHealth:
         self.ema, self.var, self.seen = 0.0, 0.0, 0
         self.bad_in_a_row = 0
         self.bad_total = 0
+        self.spike = False  # the step recorded last was one: its record warns
 
     def update(self, loss: float, finite: bool) -> bool:
         """Record one step; returns True when it is a spike worth a warning."""
+        self.spike = False
         if not finite:
             self.bad_in_a_row += 1
             self.bad_total += 1
             return False
         self.bad_in_a_row = 0
-        spike = bool(self.spike_factor) and self.seen >= self.warmup and loss > self.spike_factor * self.ema
+        self.spike = bool(self.spike_factor) and self.seen >= self.warmup and loss > self.spike_factor * self.ema
         if self.seen == 0:
             self.ema = loss
         else:
@@ -37,7 +39,7 @@ class LossHealth:
             self.ema += (1 - self.beta) * delta
             self.var = self.beta * (self.var + (1 - self.beta) * delta * delta)
         self.seen += 1
-        return spike
+        return self.spike
 
     def state_dict(self) -> dict:
         return {"ema": self.ema, "var": self.var, "seen": self.seen, "bad_in_a_row": self.bad_in_a_row,
@@ -156,6 +158,12 @@ class Guard:
         self.early_stop = EarlyStopping(cfg.early_stop_patience)
         self.lr_scale = 1.0
         self.rollbacks = 0
+
+    def observe(self, loss: float, finite: bool) -> LossHealth:
+        """Count one step's loss (finite: its update was applied) -> the run's health, which the step's record
+        reads and must_roll_back and may_checkpoint act on."""
+        self.health.update(loss, finite)
+        return self.health
 
     def may_checkpoint(self) -> bool:
         return self.health.bad_in_a_row == 0

@@ -28,7 +28,6 @@ LOCK_FILE = ".lock"
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.toml"
 TRACE_FILE = "trace.json"  # --profile (telemetry.py)
-RESUME_MODES = ("off", "on", "auto")
 
 
 class NothingToDo(Exception):

@@ -21,10 +21,11 @@ import torch
 
 from checkpoint import CheckpointError
 from cli import ArgumentParser, UsageError, closed_stdout, report_error
-from data import DataError, get_tokenizer
-from export import check_names, is_run_directory, load_hf, read_ckpt
-from hardware import DEVICES, resolve_device
+from config import DEVICES
+from hf import check_names, is_run_directory, load_hf, read_ckpt
+from hardware import resolve_device
 from model import GPT, KVCache
+from tokenizer import DataError, get_tokenizer
 
 
 # Below this, sampling is greedy anyway (at 1e-4 a logit gap of 0.01 already means odds of e^100), and far
@@ -168,8 +169,8 @@ def say(line: str) -> None:
 
 def load_model(ckpt: str | None = None, hf: str | None = None, device: torch.device | str = "cpu",
                report=say) -> GPT:
-    """A GPT in eval mode from a train.py checkpoint or run directory (export.read_ckpt; which checkpoint of a
-    run directory is said through report) or from a Hugging Face directory written by export.py."""
+    """A GPT in eval mode from a train.py checkpoint or run directory (hf.read_ckpt; which checkpoint of a
+    run directory is said through report) or from a Hugging Face directory written by hf.py."""
     if ckpt is not None and is_run_directory(ckpt) and os.path.isfile(os.path.join(ckpt, "config.json")):
         raise UsageError(f"--ckpt {ckpt} is a Hugging Face directory (it has a config.json); pass it as --hf")
     config, state = read_ckpt(ckpt, report) if ckpt is not None else load_hf(hf)
@@ -205,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt", metavar="PATH", help="a checkpoint written by train.py (file or sharded "
                                                        "directory), or a run's --out-dir: its newest good one")
-    source.add_argument("--hf", metavar="DIR", help="a Hugging Face directory written by export.py")
+    source.add_argument("--hf", metavar="DIR", help="a Hugging Face directory written by hf.py")
     prompt = p.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="text to continue (default: start a new document)")
     prompt.add_argument("--prompt-file", metavar="FILE", help="continue the text of FILE (UTF-8, used as it is)")

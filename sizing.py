@@ -27,7 +27,7 @@ derived after it use it: `--depth 12 --n-embd 1024` derives its heads and LR fro
 import math
 from dataclasses import dataclass, field, replace
 
-from model import ModelConfig
+from model import ModelConfig, param_count
 from optim import DEFAULT_LRS, OptimConfig
 
 ASPECT_RATIO = 64  # width per layer
@@ -93,13 +93,6 @@ def shape(depth: int, explicit: dict) -> dict[str, tuple[object, str]]:
         "model.n_head": (n_head, "n_embd/head_dim"),
         "model.n_kv_head": (n_kv_head, f"n_head/{GQA_RATIO}" if n_kv_head != n_head else "odd n_head: MHA"),
     }
-
-
-def param_count(model_cfg: ModelConfig) -> int:
-    """Every parameter, the embedding included (Chinchilla counts it), without building the model."""
-    import memory  # memory imports torch and the distributed code; sizing stays importable without them
-
-    return memory.param_count(model_cfg)
 
 
 def compute_optimal_batch(params: int, tokens: float, granule: int) -> int:

@@ -4,6 +4,7 @@ the phase timer, torch.profiler and torch.compile's compilation time.
     telemetry = Telemetry(cfg, is_main, device, start_step, max_steps, flops, peak, wandb_run, optimizer)
     with telemetry.timer("forward"): ...                      # train_step's phases
     with telemetry.loop():                                    # progress bar and profiler
+        health = guard.observe(loss, finite)                  # resilience.Guard counts the step first
         record = telemetry.step_record(step, loss, grad_norm, finite, seconds, layout, world_size, health)
         telemetry.log(record)                                 # metrics.jsonl, wandb, progress, profiler
 
@@ -12,10 +13,12 @@ Only rank 0 writes anything; the other ranks run the same calls as no-ops, so th
 
 import json
 import math
+import netrc
 import os
 import shlex
 import sys
 import time
+import urllib.parse
 from contextlib import contextmanager
 from statistics import median
 
@@ -25,10 +28,11 @@ import fp8
 import memory
 import sizing
 from checkpoint import best_path, list_checkpoints
-from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values, wandb_key_present
+from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values
 from hardware import peak_memory_gib
-from optim import current_lr, describe_param_groups, optimizer_state_bytes
+from optim import describe_param_groups, optimizer_state_bytes
 from progress import Progress, duration
+from schedule import current_lr
 
 DATA_WAIT_WARN = 0.05  # warn when waiting for batches takes more than this fraction of a step
 # Steps timed to separate torch.compile's one-off compilation (in the first step) from the steady step time.
@@ -160,6 +164,26 @@ class MetricsLog:
             self.wandb_run.finish()
 
 
+def wandb_key_present() -> bool:
+    """Whether wandb can log in without asking: WANDB_API_KEY, or the netrc entry `wandb login` writes for its
+    server (WANDB_BASE_URL's host; $NETRC or ~/.netrc)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host or "api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def wandb_problems(cfg):
+    """What --wandb needs of this machine (a config.Config's; one of train.py's machine checks): a key, for
+    --wandb-mode online."""
+    if cfg.log.wandb and cfg.log.wandb_mode == "online" and not wandb_key_present():
+        yield ("--wandb-mode online needs a W&B API key (WANDB_API_KEY or `wandb login`); use --wandb-mode offline "
+               "to log locally and `wandb sync` later")
+
+
 def wandb_mode(requested: str) -> str:
     if requested != "auto":
         return requested
@@ -275,7 +299,8 @@ class Telemetry:
                     world_size: int, health) -> dict:
         """The metrics.jsonl line of the step that has index `step` (0-based) and is counted as done=step+1;
         prints the warnings it calls for (skipped update, spike, slow data) and, once, the compilation time.
-        Its "lr" is the one the optimizer applied (optim.current_lr), not one recomputed from the flags."""
+        health: the run's resilience.LossHealth, with this step counted (Guard.observe); only read here.
+        Its "lr" is the one the optimizer applied (schedule.current_lr), not one recomputed from the flags."""
         self.step_times.append(seconds)
         self.step_tokens.append(layout.tokens_per_step)
         self.tokens += layout.tokens_per_step
@@ -283,7 +308,6 @@ class Telemetry:
         phases = self.timer.collect()
         tokens_per_sec = layout.tokens_per_step / seconds
         per_device = tokens_per_sec / world_size
-        spike = health.update(loss, finite)
         self.last_loss = loss
         record = {
             "step": done, "tokens": self.tokens, "time_s": round(self.elapsed(), 3),
@@ -299,7 +323,7 @@ class Telemetry:
         if not finite:
             self.write(f"warning: step {done}: loss {loss}, grad norm {grad_norm}: update skipped "
                        f"({health.bad_in_a_row} in a row, {health.bad_total} in all)")
-        if spike:
+        if health.spike:
             self.write(f"warning: step {done}: loss spike {loss:.4f}, {loss / health.ema:.1f}x its running average")
         self._compile_time(record)
         if step == self.start_step:
@@ -430,7 +454,7 @@ def summary_rows(f: dict) -> list[tuple[str, str]]:
     weights = f["best_ckpt"] or f["final_ckpt"]
     if weights:
         rows += [("sample", f"python sample.py --ckpt {shlex.quote(weights)} --prompt \"...\""),
-                 ("export", f"python export.py --ckpt {shlex.quote(weights)} "
+                 ("export", f"python hf.py --ckpt {shlex.quote(weights)} "
                             f"--out {shlex.quote(os.path.join(f['out_dir'], 'hf'))}")]
     rows.append(("plot", f"python bench/plot.py {shlex.quote(f['out_dir'])}"))
     return rows

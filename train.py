@@ -1,7 +1,7 @@
 """Pretrain a Qwen3-style GPT on token shards.
 
     python train.py                          # small model on the embedded stdlib corpus
-    python train.py --data DIR --n-layer 12  # your own shards (see `python data.py --help`)
+    python train.py --data DIR --n-layer 12  # your own shards (see `python prepare.py --help`)
     torchrun --nproc_per_node=8 train.py --dist fsdp --data DIR ...   # data parallel, one node
 
 This file only wires the pieces, and reads top to bottom: config.py turns the flags into a checked Config;
@@ -15,11 +15,11 @@ import os
 import random
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 
+import batch
 import config
 import distributed
 import fp8
@@ -27,15 +27,17 @@ import hardware
 import memory
 from checkpoint import CheckpointError, Checkpointer, tokens_trained
 from cli import UsageError, report_error, report_startup_error
-from config import PROFILE_ACTIVE, PROFILE_WAIT, BatchLayout, Config
-from data import DataError, ShardLoader, check_split, check_vocab, default_corpus, fingerprint
+from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
+from data import DataError, ShardLoader, check_split, check_vocab, fingerprint
 from evaluate import Evaluator
-from export import load_hf
+from hf import load_hf
 from model import ModelConfig, flops_per_token
-from optim import batch_warmup_warning, build_optimizer, lr_multiplier, schedule_warning, set_lr
+from optim import build_optimizer
+from prepare import default_corpus
 from resilience import Guard, StopSignals, TrainingHalted, stop_at_once_during_startup
-from rundir import NothingToDo, RunLock, claim, replace_outputs
-from telemetry import Telemetry, message, print_table, start_wandb, startup_rows
+from rundir import CONFIG_FILE, NothingToDo, RunLock, claim, replace_outputs
+from schedule import batch_warmup_warning, lr_multiplier, schedule_warning, set_lr
+from telemetry import Telemetry, message, print_table, start_wandb, startup_rows, wandb_problems
 
 
 @dataclass
@@ -54,7 +56,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     loader: ShardLoader
-    layout: BatchLayout  # replaced (not changed) by the out-of-memory retry
+    layout: batch.BatchLayout  # replaced (not changed) by the out-of-memory retry
     max_steps: int
     start_step: int
     guard: Guard
@@ -62,23 +64,16 @@ class Run:
     checkpointer: Checkpointer
     telemetry: Telemetry
     lock: RunLock | None  # rank 0's hold on --out-dir
-    step_layout: BatchLayout | None = None  # the step in progress under the batch warm-up (run_loop sets it)
+    step_layout: batch.BatchLayout | None = None  # the step in progress under the batch warm-up (run_loop sets it)
 
     def autocast(self):
-        return forward_context(self.device, self.autocast_dtype, self.fp8_recipe)
+        return fp8.forward_context(self.device, self.autocast_dtype, self.fp8_recipe)
 
     def close(self):
         self.loader.close()
         self.telemetry.close()
         if self.lock is not None:
             self.lock.release()
-
-
-@contextmanager
-def forward_context(device: torch.device, autocast_dtype: torch.dtype | None, fp8_recipe):
-    """For a forward pass only, never the backward: torch's autocast, and TE's FP8 one under --fp8 te."""
-    with hardware.autocast(device, autocast_dtype), fp8.fp8_context(fp8_recipe):
-        yield
 
 
 # ----------------------------------------------------------------------------- setup
@@ -99,7 +94,7 @@ def build_model(cfg: Config, device: torch.device):
     return model, model_cfg, init_reason
 
 
-def build_layout(cfg: Config, model, info, device, autocast_dtype, fp8_recipe) -> BatchLayout:
+def build_layout(cfg: Config, model, info, device, autocast_dtype, fp8_recipe) -> batch.BatchLayout:
     """The batch layout; --batch-size auto probes the bare model, under the training forward's autocast (FP8
     delayed scaling's without its cross-rank amax reduction, its state reset afterwards: fp8.probing), for
     the largest micro-batch that fits."""
@@ -108,10 +103,10 @@ def build_layout(cfg: Config, model, info, device, autocast_dtype, fp8_recipe) -
         multiple = fp8.batch_multiple(cfg.fp8.mode, model.config.max_seq_len)
         reserve = memory.probe_reserve_bytes(model.config, cfg.optim.name, info.mode)
         with fp8.probing(model, fp8_recipe) as probe_recipe:
-            micro = memory.auto_batch_size(model, config.per_rank_sequences(cfg, info.world_size), multiple,
-                                           reserve, lambda: forward_context(device, autocast_dtype, probe_recipe),
+            micro = memory.auto_batch_size(model, batch.per_rank_sequences(cfg, info.world_size), multiple,
+                                           reserve, lambda: fp8.forward_context(device, autocast_dtype, probe_recipe),
                                            device, info)
-    return config.batch_layout(cfg, info.world_size, micro)
+    return batch.batch_layout(cfg, info.world_size, micro)
 
 
 def prepare_outputs(cfg: Config, info, command_line: dict) -> tuple[str, bool, RunLock | None, list, str | None]:
@@ -124,7 +119,7 @@ def prepare_outputs(cfg: Config, info, command_line: dict) -> tuple[str, bool, R
         try:
             lock, resume, replaced = claim(cfg.ckpt, sharded=info.mode == "fsdp")
             answer = (cfg.data.data or default_corpus(), resume)
-            staged = config.stage_config(cfg, resume, command_line)
+            staged = config.stage_config(cfg, os.path.join(cfg.ckpt.out_dir, CONFIG_FILE), resume, command_line)
         except Exception as e:  # a bug keeps its traceback on rank 0; the other ranks get one line
             failure, answer = e, e if isinstance(e, (UsageError, DataError)) else UsageError(f"rank 0: {e!r}")
             if lock is not None:
@@ -142,7 +137,7 @@ def setup(cfg: Config, command_line: dict | None = None) -> Run:
         raise UsageError(problem)
     device, device_reason = hardware.resolve_device(cfg.speed.device)
     autocast_dtype, dtype_reason = hardware.resolve_dtype(cfg.speed.dtype, device)
-    auto_batch = cfg.data.batch_size == "auto"  # config.validate(check_machine) made sure it runs on CUDA
+    auto_batch = cfg.data.batch_size == "auto"  # memory.auto_batch_problems made sure it runs on CUDA
     fp8_recipe = fp8.prepare(cfg.fp8, cfg.model, None if auto_batch else cfg.data.batch_size, device, autocast_dtype)
     info = distributed.init(cfg.dist.dist, device.type)
     # A CPU's auto dtype comes from a timing probe, which ranks sharing a host could answer differently.
@@ -173,7 +168,6 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
     if problem := check_vocab(model_cfg.vocab_size, data_dir):
         raise DataError(f"--from-hf {cfg.ckpt.from_hf}: {problem}" if cfg.ckpt.from_hf else problem)
     layout = build_layout(cfg, model, info, device, autocast_dtype, fp8_recipe)
-    max_steps = config.max_steps(cfg, layout)
     wrapped, compiled = distributed.parallelize(model, info, device, autocast_dtype, cfg.dist, cfg.speed.compile)
     optimizer = build_optimizer(model, cfg.optim, model.row_blocks(), device.type)
     loader = ShardLoader(data_dir, split="train", batch_size=layout.micro_batch, seq_len=layout.seq_len,
@@ -190,12 +184,12 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
         warn = message if info.is_main else lambda _: None
         meta = checkpointer.restore(model, optimizer, loader, warn=warn)
         guard.load_state_dict(meta)
-        layout = config.resume_layout(cfg, layout, meta, warn)
-        max_steps = config.max_steps(cfg, layout)
+        layout = batch.resume_layout(cfg, layout, meta, warn)
         start_step, start_tokens = meta["step"], tokens_trained(meta, layout.tokens_per_step)
+    max_steps = batch.max_steps(cfg, layout)
     if start_step >= max_steps:  # before the LR check: a finished run has no next step to re-warm
         raise NothingToDo(f"nothing to do: already at step {start_step} of {max_steps}")
-    if resume and (note := config.resume_lr(cfg, meta, max_steps)):
+    if resume and (note := batch.resume_lr(cfg, meta, max_steps)):
         warn(note)
     if cfg.log.profile and max_steps - start_step < PROFILE_WAIT + PROFILE_ACTIVE:
         raise UsageError(f"--profile needs at least {PROFILE_WAIT + PROFILE_ACTIVE} steps to run")
@@ -283,8 +277,9 @@ def run_loop(run: Run) -> str | None:
                     shrink_micro_batch(run, loader_state, smaller)
                     continue
                 train_loss = loss.item()  # the host sync makes the step time honest on CUDA
+                health = run.guard.observe(train_loss, finite)
                 record = run.telemetry.step_record(step, train_loss, grad_norm.item(), finite, time.perf_counter() - t0,
-                                                   run.step_layout, run.info.world_size, run.guard.health)
+                                                   run.step_layout, run.info.world_size, health)
                 if run.cfg.data.packing == "bos":  # what the packing throws away, over the shards packed so far
                     record["data_cropped_frac"] = run.loader.cropped_fraction
                 step += 1
@@ -413,7 +408,7 @@ def main(argv=None):
     started = time.perf_counter()
     stop_at_once_during_startup()
     try:
-        cfg = config.parse_args(argv, description=__doc__, check_machine=True)
+        cfg = config.parse_args(argv, description=__doc__, machine_checks=(memory.auto_batch_problems, wandb_problems))
         if cfg.speed.estimate_memory:
             print(memory.memory_report(cfg))
             return

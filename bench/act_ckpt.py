@@ -16,7 +16,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory  # noqa: E402
-from model import GPT, ModelConfig  # noqa: E402
+from config import ACT_CKPT_MODES  # noqa: E402
+from model import GPT, ModelConfig, param_numels  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=4096, n_layer=4, n_head=4, n_kv_head=2, n_embd=256, max_seq_len=256)
 BATCH = 4
@@ -32,7 +33,7 @@ def measured_table(device):
     lines = ["| act-ckpt | fp32 measured | fp32 estimate | bf16 measured | bf16 estimate | bf16 vs none |",
              "|---|---|---|---|---|---|"]
     baseline = None
-    for mode in memory.ACT_CKPT_MODES:
+    for mode in ACT_CKPT_MODES:
         cells = []
         for dtype in (None, torch.bfloat16):
             torch.manual_seed(0)
@@ -48,7 +49,7 @@ def measured_table(device):
 def estimate_table():
     lines = ["| act-ckpt | activations | recomputed in backward (transient) | vs none |", "|---|---|---|---|"]
     base = None
-    for mode in memory.ACT_CKPT_MODES:
+    for mode in ACT_CKPT_MODES:
         held, recompute = memory.activation_bytes(GPT2_SMALL, GPT2_BATCH, GPT2_SMALL.max_seq_len, mode,
                                                   torch.bfloat16, "cuda")
         base = base or held
@@ -61,7 +62,7 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    n_params = sum(memory.param_numels(MODEL).values())
+    n_params = sum(param_numels(MODEL).values())
     text = "\n\n".join([
         f"Measured on {device.type} (torch {torch.__version__}): {n_params / 1e6:.2f}M-parameter model "
         f"({MODEL.n_layer} layers, d={MODEL.n_embd}, heads {MODEL.n_head}q/{MODEL.n_kv_head}kv, vocab "

@@ -1,11 +1,11 @@
-"""Data preparation throughput: data.prepare against raw tiktoken on the same text, tokens/s, medians.
+"""Data preparation throughput: prepare.prepare against raw tiktoken on the same text, tokens/s, medians.
 
     python bench/data_prep.py [--input SRC] [--repeats 5] [--warmup 1] [--shard-tokens N --val-tokens N]
 
-raw: enc.encode_ordinary_batch over the texts data.py would encode (already in memory, the same number of
-threads data.py uses): the ceiling for data preparation. prepare: data.prepare from reading the files to
-fsync'ed shards on disk. SRC is anything `python data.py --input` accepts; the default is the text of the
-default corpus (data.stdlib_sources(), copied in their order into a temporary directory).
+raw: enc.encode_ordinary_batch over the texts prepare.py would encode (already in memory, the same number of
+threads prepare.py uses): the ceiling for data preparation. prepare: prepare.prepare from reading the files to
+fsync'ed shards on disk. SRC is anything `python prepare.py --input` accepts; the default is the text of the
+default corpus (prepare.stdlib_sources(), copied in their order into a temporary directory).
 
 The two are measured in turn (raw, prepare, raw, prepare, ...) after untimed warm-up runs of each, so that
 other work on the machine slows both alike; the ratio is reported both of the medians and as the median of
@@ -27,7 +27,9 @@ import time
 import tiktoken
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
+import prepare  # noqa: E402
+import sources  # noqa: E402
+import tokenizer  # noqa: E402
 
 
 def parse_args(argv):
@@ -36,8 +38,8 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each; the table reports medians")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of each first (page cache, threads)")
     p.add_argument("--tokenizer", default="gpt2")
-    p.add_argument("--shard-tokens", type=int, default=data.CORPUS_SHARD_TOKENS, metavar="N")
-    p.add_argument("--val-tokens", type=int, default=data.CORPUS_VAL_TOKENS, metavar="N")
+    p.add_argument("--shard-tokens", type=int, default=prepare.CORPUS_SHARD_TOKENS, metavar="N")
+    p.add_argument("--val-tokens", type=int, default=prepare.CORPUS_VAL_TOKENS, metavar="N")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
@@ -46,7 +48,7 @@ def parse_args(argv):
 
 def copy_default_corpus(directory: str) -> str:
     """The default corpus's source files, copied into directory as 0000.py, 0001.py, ... (their order)."""
-    for i, path in enumerate(data.stdlib_sources()):
+    for i, path in enumerate(prepare.stdlib_sources()):
         shutil.copyfile(path, os.path.join(directory, f"{i:04d}.py"))
     return directory
 
@@ -66,11 +68,11 @@ def raw_tokens(enc: tiktoken.Encoding, texts: list[str], threads: int) -> int:
 
 def prepare_tokens(source: str, args, out: str) -> int:
     with contextlib.redirect_stdout(io.StringIO()):  # its summary line, once per run
-        return data.prepare(source, out, args.tokenizer, args.shard_tokens, args.val_tokens)["tokens"]
+        return prepare.prepare(source, out, args.tokenizer, args.shard_tokens, args.val_tokens)["tokens"]
 
 
 def measure_pair(enc, texts, threads, source, args, scratch):
-    """One raw run, then one data.prepare run into a fresh directory (removed afterwards, untimed)."""
+    """One raw run, then one prepare.prepare run into a fresh directory (removed afterwards, untimed)."""
     raw = measure(lambda: raw_tokens(enc, texts, threads))
     out = tempfile.mkdtemp(dir=scratch)
     try:
@@ -82,16 +84,16 @@ def measure_pair(enc, texts, threads, source, args, scratch):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    threads = os.cpu_count() or 1  # as data._encode
+    threads = os.cpu_count() or 1  # as prepare._encode
     with tempfile.TemporaryDirectory() as scratch:
         try:
             source = args.input or copy_default_corpus(tempfile.mkdtemp(dir=scratch))
-            enc = data.get_tokenizer(args.tokenizer)
-            texts = [text for text, _ in data._source_pieces(source)]
+            enc = tokenizer.get_tokenizer(args.tokenizer)
+            texts = [text for text, _ in sources.source_pieces(source)]
             for _ in range(args.warmup):
                 measure_pair(enc, texts, threads, source, args, scratch)
             pairs = [measure_pair(enc, texts, threads, source, args, scratch) for _ in range(args.repeats)]
-        except (data.DataError, ValueError, OSError) as e:
+        except (tokenizer.DataError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
 
@@ -110,7 +112,7 @@ def main(argv=None):
         ("CPU s per M tokens (median)", f"{med(raw_cpu):.3f}", f"{med(prep_cpu):.3f}",
          f"{med(raw_cpu) / med(prep_cpu):.3f}"),
     ]
-    header = (f"{args.repeats} runs each", "raw encode_ordinary_batch", "data.prepare", "prepare / raw")
+    header = (f"{args.repeats} runs each", "raw encode_ordinary_batch", "prepare.prepare", "prepare / raw")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]
     print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -42,7 +42,7 @@ import train  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
 from cli import UsageError  # noqa: E402
 from data import DataError  # noqa: E402
-from model import ModelConfig, flops_per_token  # noqa: E402
+from model import ModelConfig, flops_per_token, param_numels  # noqa: E402
 
 # The starting point: everything a plain PyTorch loop does without trying.
 BASE = {"dtype": "fp32", "tf32": False, "sdpa": "math", "fused": False, "compile": "off", "fp8": "off",
@@ -246,7 +246,7 @@ def describe_machine():
 def describe_setup(train_argv, bench):
     cfg = config.parse_args(train_argv)
     m = cfg.model
-    n_params = sum(memory.param_numels(m).values())
+    n_params = sum(param_numels(m).values())
     return (f"model {n_params / 1e6:.2f}M params ({m.n_layer} layers, d={m.n_embd}, heads {m.n_head}q/{m.n_kv_head}kv, "
             f"head_dim {m.resolved_head_dim}, vocab {m.padded_vocab_size}); batch {cfg.data.batch_size} x "
             f"{m.max_seq_len} tokens x {cfg.data.grad_accum} micro-steps; timing: {bench.warmup_steps} warm-up steps, "
@@ -356,7 +356,7 @@ def sweep_main(bench, train_argv, argv):
         for seq_len in seq_lens:
             model_argv = [*GPU_DEFAULTS, *SIZES[size], "--seq-len", str(seq_len), *train_argv]
             m = config.parse_args(model_argv).model
-            n_params = f"{sum(memory.param_numels(m).values()) / 1e6:.0f}M"
+            n_params = f"{sum(param_numels(m).values()) / 1e6:.0f}M"
             for batch in batches:
                 if not torch.cuda.is_available():
                     lines.append(f"| {size} | {n_params} | {seq_len} | {batch} | n/a | | | n/a (no CUDA GPU here) |")
@@ -405,7 +405,7 @@ def projection_main(train_argv):
             m = config.parse_args([*flags, "--seq-len", str(seq), *train_argv]).model
             mfu = projected_mfu(m, seq)
             f = flops_per_token(m, seq)
-            lines.append(f"| {size} | {sum(memory.param_numels(m).values()) / 1e6:.0f}M | {seq} | {f / 1e9:.2f} G | "
+            lines.append(f"| {size} | {sum(param_numels(m).values()) / 1e6:.0f}M | {seq} | {f / 1e9:.2f} G | "
                          f"{100 * mfu:.1f}% | {mfu * H100_PEAK_BF16 / f:,.0f} |")
     print(f"Projection, not a measurement: P = {H100_PEAK_BF16 / 1e12:g} TFLOP/s (H100 SXM dense bf16), "
           f"BW = {H100_HBM_BYTES_PER_S / 1e12:g} TB/s, e_mm = {GEMM_EFFICIENCY}, e_attn = {ATTENTION_EFFICIENCY}, "

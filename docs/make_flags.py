@@ -15,16 +15,16 @@ import sys
 DOCS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(DOCS))
 import config  # noqa: E402
-import data  # noqa: E402
-import eval as eval_cli  # noqa: E402
+import prepare  # noqa: E402
 import sample  # noqa: E402
+import score  # noqa: E402
 
 FLAGS_MD = os.path.join(DOCS, "flags.md")
 # The command lines with a parser builder, in the order a run meets them.
-CLIS = (("train.py", config.build_parser), ("data.py", data.build_parser), ("sample.py", sample.build_parser),
-        ("eval.py", eval_cli.build_parser))
+CLIS = (("train.py", config.build_parser), ("prepare.py", prepare.build_parser), ("sample.py", sample.build_parser),
+        ("score.py", score.build_parser))
 # Command lines whose parser is built inside main(): --help is their reference.
-OTHER_CLIS = ("export.py", "checkpoint.py")
+OTHER_CLIS = ("hf.py", "checkpoint.py")
 DEFAULT_SUFFIX = re.compile(r"\s*\(default: (.*)\)$")
 
 

@@ -1,17 +1,25 @@
-"""Fixtures the test files share: tiny token shards, the tiny model's flags, and a NaN injected into one
-training step (tests poison a step by patching it, so the product carries no test-only flag)."""
+"""Fixtures the test files share: tiny token shards, GPT-2's tokenizer loaded offline, the tiny model's flags, a
+tiny GPT-2-vocabulary model, and a NaN injected into one training step (tests poison a step by patching it, so
+the product carries no test-only flag)."""
 
 import os
 
 import numpy as np
 import pytest
+import tiktoken.load
+import tiktoken.registry
+import torch
 
+import tokenizer
 from data import write_shard
+from model import GPT, ModelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A model and batch small enough for a CPU test to train a few steps in about a second.
 TINY_FLAGS = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
               "--seq-len", "32", "--batch-size", "4"]
+# The GPT-2 vocabulary (HellaSwag's text needs it), otherwise as small as TINY_FLAGS.
+GPT2_TINY = dict(vocab_size=50257, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=32)
 
 
 def write_tiny_shards(root, train_tokens=(5000, 5000, 5000), val_tokens=2000, seed=0, vocab_size=256) -> str:
@@ -31,6 +39,34 @@ def tiny_data(tmp_path_factory):
     """Three train shards of 5,000 random tokens and a val shard of 2,000, over a 256-entry vocabulary:
     enough to exercise every code path quickly."""
     return write_tiny_shards(tmp_path_factory.mktemp("tiny_data"))
+
+
+def no_network(*args, **kwargs):
+    raise ConnectionError("no network in this test")
+
+
+@pytest.fixture(scope="session")
+def gpt2(tmp_path_factory):
+    """GPT-2 loaded from an empty cache with tiktoken's own download disabled: only the PyPI route can work.
+    The loaded encoding stays cached in tokenizer for the rest of the session."""
+    cache = tmp_path_factory.mktemp("tiktoken-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+        mp.setattr(tiktoken.load, "read_file", no_network)
+        mp.delitem(tiktoken.registry.ENCODINGS, "r50k_base", raising=False)
+        tokenizer._load_encoding.cache_clear()
+        enc = tokenizer.get_tokenizer("gpt2")
+    return enc, cache
+
+
+def gpt2_model(seed: int = 0) -> GPT:
+    """Weights larger than the init's, so that the endings' losses are far apart (no near-ties)."""
+    torch.manual_seed(seed)
+    model = GPT(ModelConfig(**GPT2_TINY)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))
+    return model
 
 
 @pytest.fixture
@@ -62,7 +98,7 @@ def inject_nan(monkeypatch):
 
 def write_doc_shards(root, doc_lengths, shard_tokens, bos=50256, vocab_size=50257) -> list[int]:
     """Documents of the given lengths (each counting its leading bos token) laid end to end and cut into train
-    shards of shard_tokens tokens under root, as data.prepare cuts them (a document may span two shards).
+    shards of shard_tokens tokens under root, as prepare.prepare cuts them (a document may span two shards).
     Every other token is its position in the stream (below bos), so a row's tokens tell where they came from;
     -> the documents' start positions."""
     starts = np.cumsum([0, *doc_lengths[:-1]])

@@ -15,11 +15,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+import batch
 import checkpoint
 import config
 import distributed
 import fp8
 import optim
+import schedule
 from config import ResilienceConfig
 from conftest import REPO
 from fp8 import TE_MODULES
@@ -353,7 +355,7 @@ def test_a_resume_trains_with_the_optimizer_settings_it_is_given(name, changed, 
     torch.manual_seed(0)
     trained = GPT(CFG)
     trained_opt = build_optimizer(trained, saved_cfg, trained.row_blocks(), "cpu")
-    optim.set_lr(trained_opt, 0.25)
+    schedule.set_lr(trained_opt, 0.25)
     one_step(trained, trained_opt)
     ckpt = checkpoint.Checkpointer(str(tmp_path), 1, 2, distributed.DistInfo(), CFG, {}, data_id=[])
     ckpt.save(1, trained, trained_opt, StubLoader(), Guard(ResilienceConfig()), tokens=64)
@@ -366,13 +368,13 @@ def test_a_resume_trains_with_the_optimizer_settings_it_is_given(name, changed, 
 
     optim.apply_group_settings(trained_opt, settings)
     for model, optimizer in ((trained, trained_opt), (resumed, resumed_opt)):
-        optim.set_lr(optimizer, 0.5)
+        schedule.set_lr(optimizer, 0.5)
         one_step(model, optimizer)
     for (key, a), b in zip(trained.named_parameters(), resumed.parameters()):
         assert torch.equal(a, b), key
     telemetry = Telemetry(config.parse_args(["--out-dir", str(tmp_path)]), False, torch.device("cpu"), 1, 9, 1.0,
                           None, None, resumed_opt)
-    record = telemetry.step_record(1, 5.0, 1.0, True, 0.1, config.BatchLayout(2, 32, 1, 1), 1, LossHealth())
+    record = telemetry.step_record(1, 5.0, 1.0, True, 0.1, batch.BatchLayout(2, 32, 1, 1), 1, LossHealth())
     assert record["lr"] == 0.5 * cfg.lr
 
 

@@ -1,4 +1,4 @@
-"""config.py: the generated command line, the start-up checks and the derived quantities; and the import
+"""config.py: the generated command line, the start-up checks and the configuration files; and the import
 structure of the whole project (no circles, a model.py that knows nothing of the rest)."""
 
 import argparse
@@ -6,14 +6,15 @@ import ast
 import dataclasses
 import glob
 import os
-import re
 
 import pytest
 
+import batch
 import config
+import memory
+import telemetry
 from cli import UsageError
-from config import BatchLayout, Config
-from optim import lr_multiplier
+from config import Config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,27 +94,7 @@ def test_contradictions_are_caught_from_the_flags_alone(argv, message):
         config.parse_args(argv)
 
 
-# ----------------------------------------------------------------------------- derived quantities
-
-
-def test_batch_layout_is_the_one_tokens_per_step():
-    cfg = config.parse_args(["--batch-size", "4", "--seq-len", "32", "--grad-accum", "3"])
-    layout = config.batch_layout(cfg, world_size=2)
-    assert layout == BatchLayout(micro_batch=4, seq_len=32, grad_accum=3, world_size=2)
-    assert layout.tokens_per_step == 4 * 32 * 3 * 2 and layout.sequences_per_rank == 12
-
-
-def test_a_smaller_micro_batch_keeps_the_global_batch():
-    layout = BatchLayout(micro_batch=8, seq_len=16, grad_accum=2, world_size=1)
-    smaller = layout.with_micro_batch(4)
-    assert (smaller.micro_batch, smaller.grad_accum) == (4, 4)
-    assert smaller.tokens_per_step == layout.tokens_per_step
-
-
-def test_auto_batch_layout_derives_accumulation_from_the_probed_size():
-    cfg = config.parse_args(["--batch-size", "auto", "--total-batch-tokens", "4096", "--seq-len", "64"])
-    assert config.per_rank_sequences(cfg, world_size=2) == 32
-    assert config.batch_layout(cfg, world_size=2, micro_batch=8).grad_accum == 4
+# ----------------------------------------------------------------------------- a run's config
 
 
 def test_the_config_is_not_changed_by_a_run(tmp_path, tiny_data):
@@ -145,7 +126,7 @@ def test_build_model_applies_fp8_and_activation_checkpointing(tiny_data):
     assert model_cfg is cfg.model and init == "random (seed 1337)"
     assert "every block of 2" in train.memory.describe_activation_checkpointing(model)
     layout = train.build_layout(cfg, model, train.distributed.DistInfo(), torch.device("cpu"), None, None)
-    assert layout == BatchLayout(micro_batch=16, seq_len=32, grad_accum=1, world_size=1)
+    assert layout == batch.BatchLayout(micro_batch=16, seq_len=32, grad_accum=1, world_size=1)
 
 
 # ----------------------------------------------------------------------------- import structure
@@ -184,6 +165,13 @@ def test_no_import_circle():
 
     for module in sorted(graph):
         visit(module)
+
+
+def test_config_imports_only_the_homes_of_its_sections():
+    """The schema sits near the ground: the modules that act on a setting import it, never the reverse."""
+    homes = {section.default_factory.__module__ for section in dataclasses.fields(Config)} - {"config"}
+    assert homes == {"model", "optim", "fp8", "sizing"}
+    assert project_imports()["config"] == homes | {"cli"}
 
 
 def test_model_imports_nothing_of_the_project_nor_transformer_engine():
@@ -287,79 +275,15 @@ def test_resume_may_change_init_only_model_fields():
         "model.zero_init_proj False -> True"]
 
 
-def test_resume_at_another_world_size_derives_grad_accum_or_refuses():
-    cfg = config.parse_args(["--batch-size", "4", "--seq-len", "32"])
-    saved = {"batch_tokens": 256, "world_size": 2, "train_config": config.to_dict(cfg)}
-    notes = []
-    one_rank = config.batch_layout(cfg, world_size=1)
-    assert config.resume_layout(cfg, one_rank, saved, notes.append).grad_accum == 2
-    assert "grad accumulation 1 -> 2 keeps the global batch of 256 tokens/step" in notes[0]
-    with pytest.raises(UsageError, match="not a whole number of micro-steps of 384 tokens"):
-        config.resume_layout(cfg, config.batch_layout(cfg, world_size=3), saved, notes.append)
-    # The same world size, a checkpoint that predates batch_tokens, or a batch changed on purpose: as asked.
-    assert config.resume_layout(cfg, one_rank, {**saved, "world_size": 1}, notes.append) == one_rank
-    assert config.resume_layout(cfg, one_rank, {"train_config": saved["train_config"]}, notes.append) == one_rank
-    bigger = config.parse_args(["--batch-size", "4", "--seq-len", "32", "--grad-accum", "4"])
-    layout = config.batch_layout(bigger, world_size=1)
-    assert config.resume_layout(bigger, layout, saved, notes.append) == layout
-    assert len(notes) == 1
-
-
-def lr_on_resume(saved_flags, flags, step, lr_scale=1.0, **meta):
-    """config.resume_lr for the checkpoint at `step` of a run with saved_flags (its last LR multiplier as the
-    Checkpointer records it), resumed with flags."""
-    saved = config.parse_args(saved_flags)
-    s = saved.schedule
-    multiplier = lr_scale * lr_multiplier(step - 1, s.max_steps, s.warmup, s.schedule, s.min_lr_ratio, s.decay_frac)
-    meta = {"step": step, "lr_multiplier": multiplier, "lr_scale": lr_scale, "train_config": config.to_dict(saved),
-            **meta}
-    cfg = config.parse_args(flags)
-    return config.resume_lr(cfg, meta, cfg.schedule.max_steps)
-
-
-def test_a_resume_that_changes_the_lr_schedule_says_what_it_does_and_refuses_a_rewarm():
-    extended = "the LR goes from 0.0006 at the checkpoint (step 20) to 0.00384 at the next step"
-    with pytest.raises(UsageError, match=f"^--resume: {re.escape(extended)}, up again after its decay had begun"):
-        lr_on_resume(["--max-steps", "20"], ["--max-steps", "24"], 20)  # a finished WSD run, 10% of its peak
-    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "24", "--allow-lr-rewarm"], 20) == f"note: {extended}"
-    with pytest.raises(UsageError, match="after its decay had begun"):  # cosine, halfway down, made longer
-        lr_on_resume(["--schedule", "cosine", "--max-steps", "100"], ["--schedule", "cosine", "--max-steps", "150"], 60)
-    with pytest.raises(UsageError, match="after its decay had begun"):  # a higher peak, mid-decay
-        lr_on_resume(["--max-steps", "20"], ["--max-steps", "20", "--lr", "2e-2"], 18)
-    # Told, not refused: in the warm-up, in the stable phase (a new peak there is no re-warm), after a rollback
-    # halved the LR, a lower LR mid-decay, and a rise within rounding.
-    assert lr_on_resume(["--max-steps", "2"], ["--max-steps", "3"], 2) == (
-        "note: the LR goes from 0.0008 at the checkpoint (step 2) to 0.0012 at the next step")
-    assert lr_on_resume(["--max-steps", "100"], ["--max-steps", "200", "--lr", "1e-2"], 50) == (
-        "note: the LR goes from 0.006 at the checkpoint (step 50) to 0.01 at the next step")
-    assert lr_on_resume(["--max-steps", "100"], ["--lr", "1e-2"], 50, lr_scale=0.5).endswith(
-        "from 0.003 at the checkpoint (step 50) to 0.005 at the next step")
-    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "24", "--lr", "5e-4"], 20).endswith(
-        "to 0.00032 at the next step")
-    assert not config.is_rewarm(20, 15, 0.1, 6e-4, 1.005 * 6e-4) and config.is_rewarm(20, 15, 0.1, 6e-4, 6.1e-4)
-    # Nothing the LR depends on changed, or a checkpoint from before the multiplier was recorded: nothing to say.
-    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "20", "--eval-interval", "5"], 20) is None
-    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "24"], 20, lr_multiplier=None) is None
-
-
 def test_every_problem_with_the_flags_is_reported_at_once():
     with pytest.raises(UsageError) as e:
-        config.parse_args(["--batch-size", "auto", "--device", "cpu", "--warmup", "-1"], check_machine=True)
+        config.parse_args(["--batch-size", "auto", "--device", "cpu", "--warmup", "-1"],
+                          machine_checks=(memory.auto_batch_problems, telemetry.wandb_problems))
     text = str(e.value)
     assert text.startswith("3 problems: (1) --warmup must be >= 0") and "\n" not in text
     assert "needs --total-batch-tokens" in text and "needs CUDA" in text
     with pytest.raises(UsageError, match="--target-gpu names the GPU for --estimate-memory"):
         config.parse_args(["--target-gpu", "h100"])
-
-
-def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
-    with pytest.raises(UsageError, match="--wandb-mode online needs a W&B API key"):
-        config.parse_args(["--wandb", "--wandb-mode", "online"], check_machine=True)
-    assert config.parse_args(["--wandb", "--wandb-mode", "online"]).log.wandb  # reading a config is not starting it
-    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    assert config.parse_args(["--wandb", "--wandb-mode", "online"], check_machine=True).log.wandb_mode == "online"
 
 
 def test_a_zero_seq_len_with_the_size_dial_is_a_usage_error():

@@ -328,7 +328,7 @@ def test_after_the_probes_a_delayed_scaling_model_is_as_new(monkeypatch, tiny_da
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), te_module)
     model.config = CFG
     probed = []
-    monkeypatch.setattr(train, "forward_context", lambda device, dtype, fp8_recipe: probed.append(fp8_recipe))
+    monkeypatch.setattr(fp8, "forward_context", lambda device, dtype, fp8_recipe: probed.append(fp8_recipe))
 
     def auto_batch_size(model, per_rank, multiple, reserve, forward_context, device, info):
         forward_context()

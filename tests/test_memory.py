@@ -11,7 +11,8 @@ import fp8
 import memory
 import train
 from cli import UsageError
-from model import GPT, ModelConfig
+from config import ACT_CKPT_MODES
+from model import GPT, ModelConfig, param_numels
 from optim import OptimConfig, build_optimizer, canonical_name, optimizer_state_bytes
 
 CFG = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
@@ -49,7 +50,7 @@ def test_checkpointing_gives_the_same_loss_and_gradients(mode):
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("mode", memory.ACT_CKPT_MODES)
+@pytest.mark.parametrize("mode", ACT_CKPT_MODES)
 def test_checkpointing_keeps_state_dict_names_and_the_optimizer_groups(mode):
     model = model_with(CFG2, mode)
     plain = model_with(CFG2, "none")
@@ -76,18 +77,12 @@ def test_checkpointing_wraps_the_modules_its_mode_names():
 # ----------------------------------------------------------------------------- the estimate vs measurements
 
 
-@pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["tied", "untied"])
-def test_param_numels_name_every_parameter(cfg):
-    model = GPT(cfg)
-    assert memory.param_numels(cfg) == {n: p.numel() for n, p in model.named_parameters()}
-
-
 def test_size_checks_cost_nothing_whatever_the_depth():
-    """10**20 layers are counted, estimated and refused at once: one layer's sizes times n_layer, no walk."""
+    """10**20 layers are estimated and refused at once: one layer's sizes times n_layer, no walk (the count
+    itself: tests/test_model.py)."""
     one, two, huge = (dataclasses.replace(CFG2, n_layer=n) for n in (1, 2, 10**20))
-    assert memory.param_count(two) == sum(memory.param_numels(two).values()) == GPT(two).num_params()
-    for size in (memory.param_count, *(functools.partial(memory.optimizer_state_bytes_estimate, optimizer=name)
-                                       for name in ("adamw", "adamw8bit", "muon"))):
+    for size in (functools.partial(memory.optimizer_state_bytes_estimate, optimizer=name)
+                 for name in ("adamw", "adamw8bit", "muon")):
         assert size(huge) == size(one) + (10**20 - 1) * (size(two) - size(one))
     with pytest.raises(UsageError, match=r"this model needs [\d,.]+ GiB for its parameters"):
         memory.check_fits(huge, "adamw", torch.device("cpu"))
@@ -106,7 +101,7 @@ def test_optimizer_state_estimate_matches_the_allocated_state(name):
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mode", memory.ACT_CKPT_MODES)
+@pytest.mark.parametrize("mode", ACT_CKPT_MODES)
 @pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["tied", "untied"])
 def test_activation_estimate_is_within_10_percent_of_saved_tensor_bytes(cfg, mode, dtype):
     idx, targets = batch(cfg)
@@ -117,14 +112,14 @@ def test_activation_estimate_is_within_10_percent_of_saved_tensor_bytes(cfg, mod
 
 def test_each_mode_saves_what_it_promises():
     idx, targets = batch(CFG2)
-    saved = {mode: memory.saved_tensor_bytes(model_with(CFG2, mode), idx, targets) for mode in memory.ACT_CKPT_MODES}
+    saved = {mode: memory.saved_tensor_bytes(model_with(CFG2, mode), idx, targets) for mode in ACT_CKPT_MODES}
     assert saved["full"] < saved["alternate"] < saved["none"]
     assert saved["full"] < saved["selective"] < saved["none"]
 
 
 def test_estimate_totals_and_sharding():
     one = memory.estimate_memory(CFG2, 4, 48, "adamw", "none", torch.bfloat16, "cuda")
-    n = sum(memory.param_numels(CFG2).values())
+    n = sum(param_numels(CFG2).values())
     assert (one.params, one.grads, one.optimizer, one.recompute) == (4 * n, 4 * n, 8 * n, 0)
     four = memory.estimate_memory(CFG2, 4, 48, "adamw", "full", torch.bfloat16, "cuda", shards=4)
     assert four.params == one.params // 4 and four.optimizer == one.optimizer // 4
@@ -141,7 +136,7 @@ def test_estimate_memory_flag_prints_every_mode_and_builds_nothing(monkeypatch, 
     train.main(["--estimate-memory", "--act-ckpt", "full", "--optimizer", "muon", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "optimizer muon" in out
-    for mode in memory.ACT_CKPT_MODES:
+    for mode in ACT_CKPT_MODES:
         assert f"| {mode}" in out
     assert "| full (selected) |" in out
 
@@ -184,13 +179,13 @@ def test_estimate_memory_for_a_target_gpu_needs_no_gpu(monkeypatch, capsys):
     out = estimate_output(monkeypatch, capsys, "--target-gpu", "h100", "--device", "cuda")
     assert "cuda (h100, not this machine), bf16 autocast (auto" in out
     fits = [line for line in out.splitlines() if line.startswith("  ")]
-    assert [line.split()[0] for line in fits] == list(memory.ACT_CKPT_MODES)
+    assert [line.split()[0] for line in fits] == list(ACT_CKPT_MODES)
     assert all("fits," in line and "GiB headroom" in line for line in fits)
     assert "fit on h100 (H100 80GB" in out and "70.8 GiB for training" in out
 
     out = estimate_output(monkeypatch, capsys, "--target-gpu", "1MiB", "--dtype", "fp32")
     assert "fp32 (requested)" in out and "fit on 1MiB (1MiB of GPU memory)" in out
-    assert sum("does not fit:" in line for line in out.splitlines()) == len(memory.ACT_CKPT_MODES)
+    assert sum("does not fit:" in line for line in out.splitlines()) == len(ACT_CKPT_MODES)
 
 
 def test_estimate_memory_target_gpu_mistakes_are_one_line(monkeypatch, capsys):
@@ -213,7 +208,7 @@ def test_estimate_memory_on_cuda_without_a_gpu_points_to_target_gpu(capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", memory.ACT_CKPT_MODES)
+@pytest.mark.parametrize("mode", ACT_CKPT_MODES)
 def test_activation_estimate_on_cuda_bf16(mode):
     """On CUDA rms_norm runs ATen's fused kernel, which saves less than the CPU decomposition."""
     idx, targets = (t.cuda() for t in batch(CFG2))
@@ -275,7 +270,7 @@ def test_micro_batch_for_keeps_the_fp8_multiple():
 
 
 def test_probe_reserves_the_optimizer_state_and_ddp_buckets():
-    n_params = sum(memory.param_numels(CFG).values())
+    n_params = sum(param_numels(CFG).values())
     state = memory.optimizer_state_bytes_estimate(CFG, "adamw")
     assert memory.probe_reserve_bytes(CFG, "adamw", "none") == state
     assert memory.probe_reserve_bytes(CFG, "adamw", "fsdp") == state

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import model as model_module
-from model import GPT, ModelConfig, flops_per_token, linear_cross_entropy
+from model import GPT, ModelConfig, flops_per_token, linear_cross_entropy, param_count, param_numels
 
 # GQA with 4 query heads per kv head, a head_dim that is not n_embd // n_head, a vocab that needs padding
 # and a small rope_theta so that the rotation is far from the identity over a short sequence.
@@ -196,6 +196,19 @@ def test_row_blocks_split_fused_weights():
     assert blocks["blocks.0.mlp.fc1_weight"] == [96, 96]
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_param_numels_name_every_parameter(tied):
+    model = tiny_model(tie_embeddings=tied)
+    assert param_numels(model.config) == {n: p.numel() for n, p in model.named_parameters()}
+
+
+def test_param_count_costs_nothing_whatever_the_depth():
+    """10**20 layers are counted at once: one layer's sizes times n_layer, no walk."""
+    one, two, huge = (tiny_config(n_layer=n, tie_embeddings=False) for n in (1, 2, 10**20))
+    assert param_count(two) == sum(param_numels(two).values()) == GPT(two).num_params()
+    assert param_count(huge) == param_count(one) + (10**20 - 1) * (param_count(two) - param_count(one))
+
+
 # ----------------------------------------------------------------------------- the fused lm_head + loss
 
 
@@ -373,7 +386,7 @@ def test_zero_init_proj_zeroes_only_the_residual_projections_and_blocks_start_as
 
 
 def test_zero_init_proj_is_not_part_of_the_exported_architecture():
-    export = pytest.importorskip("export")
+    hf = pytest.importorskip("hf")
     plain, zero = tiny_config(), tiny_config(zero_init_proj=True)
-    assert export.hf_config(zero, eot=199) == export.hf_config(plain, eot=199)
-    assert export.config_from_hf(export.hf_config(plain, eot=199)) == plain
+    assert hf.hf_config(zero, eot=199) == hf.hf_config(plain, eot=199)
+    assert hf.config_from_hf(hf.hf_config(plain, eot=199)) == plain

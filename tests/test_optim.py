@@ -747,12 +747,3 @@ def test_muon_recipe_under_fsdp_with_a_sharded_resume_matches_single_process(tmp
     run_muon(model, batches(3, vocab=7), **RECIPE)
     for name, p in model.named_parameters():
         torch.testing.assert_close(distributed[name], p.detach(), rtol=0, atol=1e-10, msg=name)
-
-
-def test_a_warmup_that_does_not_fit_the_run_is_named():
-    from optim import schedule_warning
-
-    assert "reaches only 67% of its peak" in schedule_warning(15, 10, "wsd", 0.2)
-    assert "runs into the decay, which starts at step 80" in schedule_warning(90, 100, "wsd", 0.2)
-    assert schedule_warning(90, 100, "cosine", 0.2) is None and schedule_warning(15, 150, "wsd", 0.2) is None
-    assert schedule_warning(10, 10, "cosine", 0.2) is None  # the last step reaches the peak

@@ -18,8 +18,8 @@ import model
 import train
 from data import write_shard
 from memory import fits_by_trying, largest_fitting_batch, micro_batch_for
-from optim import lr_multiplier
-from resilience import EarlyStopping, LossHealth
+from schedule import lr_multiplier
+from resilience import EarlyStopping, Guard, LossHealth
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
@@ -308,6 +308,31 @@ def test_loss_health_tracks_ema_and_flags_spikes():
     assert not health.update(float("nan"), False) and health.bad_in_a_row == 1 and health.bad_total == 1
     health.update(4.0, True)
     assert health.bad_in_a_row == 0 and health.bad_total == 1
+
+
+def test_the_guard_counts_each_step_and_the_record_only_reads_it(tmp_path, capsys):
+    """The loop shows the health update (Guard.observe); the step's record reads it and warns from it, and
+    must_roll_back acts on it."""
+    import config
+    from batch import BatchLayout
+    from telemetry import Telemetry
+
+    guard = Guard(config.ResilienceConfig(max_bad_steps=2, spike_factor=2.0))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    telemetry = Telemetry(config.parse_args(["--out-dir", str(tmp_path)]), True, torch.device("cpu"), 0, 9, 1.0,
+                          None, None, optimizer)
+    for _ in range(20):  # the running average's warm-up
+        guard.observe(4.0, True)
+    health = guard.observe(9.0, True)
+    assert health is guard.health and health.spike and health.seen == 21
+    telemetry.step_record(0, 9.0, 1.0, True, 0.1, BatchLayout(2, 32, 1, 1), 1, health)
+    assert health.seen == 21 and "loss spike 9.0000" in capsys.readouterr().err
+    health = guard.observe(float("nan"), False)
+    record = telemetry.step_record(0, float("nan"), 1.0, False, 0.1, BatchLayout(2, 32, 1, 1), 1, health)
+    assert health.bad_in_a_row == 1 and record["bad_steps"] == 1 and not guard.must_roll_back()
+    assert "update skipped (1 in a row, 1 in all)" in capsys.readouterr().err
+    guard.observe(float("nan"), False)
+    assert guard.must_roll_back()
 
 
 def test_early_stopping_waits_for_patience():

@@ -9,9 +9,9 @@ import torch
 
 import checkpoint
 import sample
-from data import get_tokenizer
 from model import GPT, KVCache, ModelConfig
 from sample import decode_stream, generate, next_token, sample_text, top_k_filter, top_p_filter
+from tokenizer import get_tokenizer
 
 # GQA (4 query heads per kv head), head_dim not n_embd // n_head, a padded vocab, a small rope_theta so
 # that the rotation matters over a short sequence.
@@ -197,7 +197,7 @@ def test_cli_prints_text(tmp_path, capsys, source):
     path = tmp_path / "ckpt.pt"
     write_checkpoint(path, model)
     if source == "hf":
-        from export import export_hf, read_checkpoint
+        from hf import export_hf, read_checkpoint
 
         path = tmp_path / "hf"
         export_hf(*read_checkpoint(str(tmp_path / "ckpt.pt")), str(path))

@@ -5,19 +5,19 @@ import pytest
 import config
 import sizing
 from cli import UsageError
-from model import GPT
+from model import GPT, param_count
 
 
 @pytest.mark.parametrize("name", list(sizing.PRESETS))
 def test_presets_match_the_published_gpt2_sizes(name):
     """Within 10% of GPT-2's parameter counts with this architecture (GQA, SwiGLU, tied embedding)."""
-    params = sizing.param_count(config.parse_args(["--preset", name]).model)
+    params = param_count(config.parse_args(["--preset", name]).model)
     assert abs(params / sizing.PUBLISHED_PARAMS[name] - 1) < 0.10
 
 
 def test_param_count_is_the_built_models():
     cfg = config.parse_args(["--depth", "3", "--max-steps", "1"]).model
-    assert sizing.param_count(cfg) == GPT(cfg).num_params()
+    assert param_count(cfg) == GPT(cfg).num_params()
 
 
 @pytest.mark.parametrize("depth, width, head_dim, heads, kv_heads", [
@@ -35,7 +35,7 @@ def test_shape_rules(depth, width, head_dim, heads, kv_heads):
 
 def test_derived_training_settings():
     values = {key: value for key, (value, _) in sizing.derive(12, {}).items()}
-    params = sizing.param_count(config.parse_args(["--preset", "gpt2-124m"]).model)
+    params = param_count(config.parse_args(["--preset", "gpt2-124m"]).model)
     assert (values["optim.lr"], values["optim.adam_lr"]) == (pytest.approx(6e-3 * 128 / 768), 5e-4)  # Muon
     adamw = {key: value for key, (value, _) in sizing.derive(12, {"optim.name": "adamw"}).items()}
     assert adamw["optim.lr"] == pytest.approx(3e-3 * 128 / 768) and "optim.adam_lr" not in adamw

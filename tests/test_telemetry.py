@@ -4,8 +4,10 @@ import io
 
 import pytest
 
+import config
 import telemetry
 import train
+from cli import UsageError
 from conftest import TINY_FLAGS
 from progress import Progress
 
@@ -24,7 +26,7 @@ def test_the_summary_names_what_the_run_did_and_what_to_run_next():
     assert rows["mean throughput"] == "10,234 tokens/s, MFU 41.2%"
     assert rows["peak memory"] == "1.50 GiB (allocated by tensors)"
     assert rows["sample"] == 'python sample.py --ckpt out/best.pt --prompt "..."'
-    assert rows["export"] == "python export.py --ckpt out/best.pt --out out/hf"
+    assert rows["export"] == "python hf.py --ckpt out/best.pt --out out/hf"
     assert rows["plot"] == "python bench/plot.py out"
 
 
@@ -101,3 +103,14 @@ def test_a_resume_restores_the_record_its_checkpoint_holds_when_the_log_lost_it(
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evaluated))
     log = telemetry.MetricsLog(str(tmp_path), start_step=3, wandb_run=None, restored=restored)
     assert [json.loads(line) for line in open(log.path)] == evaluated[:3]
+
+
+def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    with pytest.raises(UsageError, match="--wandb-mode online needs a W&B API key"):
+        config.parse_args(["--wandb", "--wandb-mode", "online"], machine_checks=(telemetry.wandb_problems,))
+    assert config.parse_args(["--wandb", "--wandb-mode", "online"]).log.wandb  # reading a config is not starting it
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert config.parse_args(["--wandb", "--wandb-mode", "online"],
+                             machine_checks=(telemetry.wandb_problems,)).log.wandb_mode == "online"

@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 
+import batch
 import checkpoint
 import config
 import train
-from optim import lr_multiplier
 
 from conftest import REPO, TINY_FLAGS as TINY_MODEL
 
@@ -30,61 +30,10 @@ def run_cli(*args, cwd=REPO):
 # ----------------------------------------------------------------------------- schedule and flags
 
 
-@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
-def test_lr_schedule_warms_up_then_decays_to_min(schedule):
-    mults = [lr_multiplier(s, 100, 10, schedule, 0.1, 0.2) for s in range(100)]
-    assert mults[0] == pytest.approx(0.1) and mults[9] == pytest.approx(1.0)
-    assert all(a <= b for a, b in zip(mults[:10], mults[1:10]))
-    assert all(a >= b for a, b in zip(mults[10:], mults[11:]))
-    assert mults[-1] == pytest.approx(0.1)
-
-
-def test_wsd_is_flat_until_the_decay_phase():
-    mults = [lr_multiplier(s, 100, 10, "wsd", 0.0, 0.2) for s in range(100)]
-    assert mults[10:80] == [1.0] * 70
-    assert mults[80] < 1.0 and mults[-1] == 0.0
-
-
-def test_cosine_midpoint():
-    assert lr_multiplier(54, 100, 10, "cosine", 0.0, 0.2) == pytest.approx(0.5)
-
-
-def test_total_batch_tokens_derives_grad_accum():
-    cfg = config.parse_args(["--total-batch-tokens", "4096", "--batch-size", "4", "--seq-len", "256"])
-    assert config.batch_layout(cfg).grad_accum == 4
-    assert config.batch_layout(cfg, world_size=2).grad_accum == 2
-    with pytest.raises(train.UsageError, match="not a multiple"):
-        config.batch_layout(cfg, world_size=3)
-
-
-def test_max_tokens_derives_max_steps():
-    cfg = config.parse_args(["--max-tokens", "10000"])
-    layout = config.BatchLayout(micro_batch=32, seq_len=128, grad_accum=1, world_size=1)  # 4096 tokens a step
-    assert config.max_steps(cfg, layout) == math.ceil(10000 / 4096)
-
-
-def test_batch_warmup_ramps_whole_micro_steps_to_the_full_batch():
-    steps = [config.warmup_micro_steps(step, 8, 4, 0.25) for step in range(6)]
-    assert steps == [2, 4, 5, 7, 8, 8]  # 0.25, 0.4375, 0.625, 0.8125 of 8, rounded; then all of it
-    assert [config.warmup_micro_steps(s, 3, 10, 0.01) for s in (0, 9, 10)] == [1, 3, 3]  # at least one
-    assert config.warmup_micro_steps(0, 8, 0, 0.25) == 8  # off
-    layout = config.BatchLayout(micro_batch=2, seq_len=16, grad_accum=8, world_size=2)
-    assert layout.at_step(1, 4, 0.25) == config.BatchLayout(2, 16, 4, 2) and layout.at_step(4, 4, 0.25) is layout
-
-
-def test_batch_warmup_keeps_max_tokens_the_same_budget():
-    layout = config.BatchLayout(micro_batch=1, seq_len=32, grad_accum=4, world_size=1)  # 32 tokens a micro-step
-    # Ramp: 1, 2, 3, 3 micro-steps (224 tokens short of 4 full steps), then 4 a step.
-    assert config.steps_for_tokens(640, layout, 4, 0.25) == 7 and config.steps_for_tokens(640, layout) == 5
-    assert config.steps_for_tokens(64, layout, 4, 0.25) == 2  # the budget ends inside the ramp
-    cfg = config.parse_args(["--max-tokens", "640", "--batch-warmup-steps", "4", "--grad-accum", "4"])
-    assert config.max_steps(cfg, layout) == 7
-
-
 def test_a_batch_warmup_longer_than_the_run_is_warned_about(tmp_path, tiny_data, capsys):
-    from optim import batch_warmup_warning
+    from schedule import batch_warmup_warning
 
-    layout = config.BatchLayout(micro_batch=1, seq_len=32, grad_accum=4, world_size=1)
+    layout = batch.BatchLayout(micro_batch=1, seq_len=32, grad_accum=4, world_size=1)
     assert batch_warmup_warning(4, 0.25, 3, layout) == (  # 1, 2, 3 micro-steps of 4
         "warning: --batch-warmup-steps 4 is not shorter than the run (3 steps): the global batch reaches only 3 "
         "of its 4 micro-steps; lower --batch-warmup-steps")
@@ -100,6 +49,17 @@ def test_a_batch_warmup_longer_than_the_run_is_warned_about(tmp_path, tiny_data,
 def test_bad_batch_warmup_flags_are_usage_errors(args):
     with pytest.raises(train.UsageError, match="--batch-warmup"):
         config.parse_args(args)
+
+
+def test_start_up_checks_the_machine_with_the_flags(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    with pytest.raises(SystemExit) as e:
+        train.main(["--batch-size", "auto", "--total-batch-tokens", "4096", "--device", "cpu", "--wandb",
+                    "--wandb-mode", "online", "--warmup", "-1", "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: 3 problems: (1) --warmup must be >= 0") and err.count("\n") == 1
+    assert "(2) --batch-size auto needs CUDA" in err and "(3) --wandb-mode online needs a W&B API key" in err
 
 
 @pytest.mark.parametrize("args, message", [
@@ -132,10 +92,10 @@ def test_bad_input_exits_2_with_one_line(tmp_path, tiny_data):
 
 
 def test_a_model_whose_vocabulary_is_not_the_shards_tokenizers_is_refused(tmp_path):
-    import data
+    import prepare
 
     (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 400)
-    data.prepare(str(tmp_path / "corpus.txt"), str(tmp_path / "shards"), val_tokens=2000)  # GPT-2, recorded
+    prepare.prepare(str(tmp_path / "corpus.txt"), str(tmp_path / "shards"), val_tokens=2000)  # GPT-2, recorded
     shards = ["--data", str(tmp_path / "shards"), "--out-dir", str(tmp_path / "out"), "--device", "cpu"]
     for vocab in ("151936", "256"):  # Qwen3's vocabulary, and one too small for GPT-2's ids
         result = run_cli(*shards, *TINY_MODEL, "--vocab-size", vocab)
@@ -358,7 +318,7 @@ def test_from_hf_starts_from_the_exported_weights(tmp_path, tiny_data):
     import torch
 
     from data import ShardLoader
-    from export import main as export_main
+    from hf import main as export_main
     from sample import load_model
 
     gpt2_vocab = ["--vocab-size", "50257"]  # export writes the GPT-2 tokenizer next to the weights

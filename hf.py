@@ -1,8 +1,9 @@
-"""Move weights between our checkpoints and Hugging Face transformers' Qwen3ForCausalLM layout.
+"""Hugging Face import and export: weights between our checkpoints and transformers' Qwen3ForCausalLM layout.
+The command line exports; train.py --from-hf and sample.py --hf import (load_hf).
 
-    python export.py --ckpt out/ckpt_00000150.pt --out hf_model   # write a transformers directory
-    python export.py --ckpt out --out hf_model                    # a run directory: its newest good checkpoint
-    python sample.py --hf hf_model                                  # read it back (load_hf)
+    python hf.py --ckpt out/ckpt_00000150.pt --out hf_model   # export: write a transformers directory
+    python hf.py --ckpt out --out hf_model                    # a run directory: its newest good checkpoint
+    python sample.py --hf hf_model                            # import: read it back (load_hf)
 
 The directory holds config.json, model.safetensors (float32, the vocabulary padded as in training),
 generation_config.json (EOT as bos/eos, the padding ids suppressed so transformers' generate never picks
@@ -31,12 +32,11 @@ import tempfile
 import torch
 
 import checkpoint
-import memory
 from cli import ArgumentParser, UsageError, closed_stdout, first_line, report_error
 from checkpoint import CheckpointError
-from data import DataError, get_tokenizer
 from fp8 import te_to_plain_state_dict
-from model import GPT, VOCAB_MULTIPLE, ModelConfig
+from model import GPT, VOCAB_MULTIPLE, ModelConfig, block_shapes, outer_shapes
+from tokenizer import DataError, get_tokenizer
 
 # Per-block weights that map one to one: our name -> the Hugging Face name under model.layers.{i}.
 BLOCK_RENAMES = {
@@ -132,9 +132,9 @@ def to_hf(config: ModelConfig, state: dict) -> dict:
 def hf_shapes(config: ModelConfig) -> tuple[dict, dict]:
     """(the shape of each Hugging Face weight outside the layers, the shape of each one of a layer by its name
     under model.layers.{i}.), by arithmetic on the config's sizes: nothing is built, whatever they claim."""
-    top = {TOP_RENAMES[name]: shape for name, shape in memory.outer_shapes(config).items()}
+    top = {TOP_RENAMES[name]: shape for name, shape in outer_shapes(config).items()}
     layer = {}
-    for name, shape in memory.block_shapes(config).items():
+    for name, shape in block_shapes(config).items():
         if name in BLOCK_FUSED:
             layer.update({hf: (rows, *shape[1:]) for hf, rows in zip(BLOCK_FUSED[name], row_split(name, config))})
         else:

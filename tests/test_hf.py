@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import checkpoint
-import export
-from data import get_tokenizer
-from export import config_from_hf, export_hf, from_hf, hf_config, load_hf, our_names, read_checkpoint, to_hf
+import hf
+from hf import config_from_hf, export_hf, from_hf, hf_config, load_hf, our_names, read_checkpoint, to_hf
 from model import GPT, ModelConfig
 from sample import generate
+from tokenizer import get_tokenizer
 
 # The GPT-2 vocabulary (export checks it against the tokenizer), otherwise tiny: GQA, head_dim not
 # n_embd // n_head, a small rope_theta so the rotation matters.
@@ -52,10 +52,10 @@ def test_our_names_are_the_model_parameters():
 def test_name_mapping_round_trips(tied):
     model = tiny_model(tied)
     state = model.state_dict()
-    hf = to_hf(model.config, {**state, "blocks.0.attn.qkv._extra_state": torch.zeros(0)})
-    assert ("lm_head.weight" in hf) == (not tied)
-    assert "model.layers.0.self_attn.k_proj.weight" in hf and "model.layers.1.mlp.gate_proj.weight" in hf
-    back = from_hf(model.config, hf)
+    theirs = to_hf(model.config, {**state, "blocks.0.attn.qkv._extra_state": torch.zeros(0)})
+    assert ("lm_head.weight" in theirs) == (not tied)
+    assert "model.layers.0.self_attn.k_proj.weight" in theirs and "model.layers.1.mlp.gate_proj.weight" in theirs
+    back = from_hf(model.config, theirs)
     assert list(back) == list(state)
     assert all(torch.equal(back[k], state[k]) for k in state)
 
@@ -90,16 +90,16 @@ def load_transformers(out, monkeypatch):
 
 def test_transformers_loads_the_export(exported, monkeypatch):
     model, out = exported
-    hf = load_transformers(out, monkeypatch)
-    assert type(hf).__name__ == "Qwen3ForCausalLM"
-    assert hf.config.tie_word_embeddings == model.config.tie_embeddings
-    assert (hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()) == model.config.tie_embeddings
-    assert hf.config.rope_parameters["rope_theta"] == model.config.rope_theta
-    assert hf.config.vocab_size == model.config.padded_vocab_size
+    qwen = load_transformers(out, monkeypatch)
+    assert type(qwen).__name__ == "Qwen3ForCausalLM"
+    assert qwen.config.tie_word_embeddings == model.config.tie_embeddings
+    assert (qwen.lm_head.weight.data_ptr() == qwen.model.embed_tokens.weight.data_ptr()) == model.config.tie_embeddings
+    assert qwen.config.rope_parameters["rope_theta"] == model.config.rope_theta
+    assert qwen.config.vocab_size == model.config.padded_vocab_size
 
     idx = torch.randint(0, model.config.vocab_size, (2, model.config.max_seq_len))
     with torch.no_grad():
-        expected = hf(input_ids=idx).logits
+        expected = qwen(input_ids=idx).logits
         logits, _ = model(idx)
     rel_err = (logits - expected).abs().max() / expected.abs().max()
     assert rel_err < 1e-5, f"relative error {rel_err:.2e}"
@@ -107,7 +107,7 @@ def test_transformers_loads_the_export(exported, monkeypatch):
     # transformers' greedy generate (its generation_config suppresses the padding ids) against ours.
     prompt = idx[:1, :6]
     with torch.no_grad():
-        hf_out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=10)
+        hf_out = qwen.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=10)
     hf_new = hf_out[0, 6:].tolist()
     eot = get_tokenizer().eot_token
     ours = generate(model, prompt[0], 10, temperature=0, eot=eot)
@@ -195,7 +195,7 @@ def test_export_files_get_the_mode_open_gives(tmp_path):
 def test_bpe_merges_rebuild_the_ranks():
     # A toy BPE: "ab" (rank 3) then "abc" (rank 4, built from "ab" + "c"), "bc" ranked after it.
     ranks = {b"a": 0, b"b": 1, b"c": 2, b"ab": 3, b"abc": 4, b"bc": 5}
-    assert export.bpe_merges(ranks) == [(b"a", b"b"), (b"ab", b"c"), (b"b", b"c")]
+    assert hf.bpe_merges(ranks) == [(b"a", b"b"), (b"ab", b"c"), (b"b", b"c")]
 
 
 def write_checkpoint(path, model):
@@ -228,17 +228,17 @@ def test_read_checkpoint_from_a_sharded_directory(tmp_path):
 def test_cli(tmp_path, capsys):
     model = tiny_model(False)
     write_checkpoint(tmp_path / "ckpt.pt", model)
-    assert export.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "hf")]) == 0
+    assert hf.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "hf")]) == 0
     assert "Qwen3ForCausalLM" in capsys.readouterr().out
     config, _ = load_hf(str(tmp_path / "hf"))
     assert config == model.config
-    assert export.main(["--ckpt", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "x")]) == 2
+    assert hf.main(["--ckpt", str(tmp_path / "missing.pt"), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
 
 
 def test_cli_takes_the_newest_good_checkpoint_of_a_run_directory(tmp_path, capsys, monkeypatch):
-    """As sample.py and eval.py do: the newest checkpoint that verifies, and which one is said on stderr."""
+    """As sample.py and score.py do: the newest checkpoint that verifies, and which one is said on stderr."""
     run = tmp_path / "run"
     run.mkdir()
     old, new = tiny_model(True, seed=1), tiny_model(False, seed=2)
@@ -246,29 +246,29 @@ def test_cli_takes_the_newest_good_checkpoint_of_a_run_directory(tmp_path, capsy
     newest = checkpoint.checkpoint_path(str(run), 4, sharded=False)
     write_checkpoint(newest, new)
     written = []
-    monkeypatch.setattr(export, "export_hf", lambda config, state, *_: written.append((config, state)))
+    monkeypatch.setattr(hf, "export_hf", lambda config, state, *_: written.append((config, state)))
     argv = ["--ckpt", str(run), "--out", str(tmp_path / "hf")]
-    assert export.main(argv) == 0
+    assert hf.main(argv) == 0
     assert capsys.readouterr().err == f"checkpoint {newest} (step 4): the newest good one in {run}\n"
     assert written[-1][0] == new.config and torch.equal(written[-1][1]["embed.weight"], new.embed.weight)
     with open(newest, "r+b") as f:  # damaged: the one before it is taken
         f.seek(os.path.getsize(newest) // 2)
         f.write(b"\x00" * 8)
-    assert export.main(argv) == 0
+    assert hf.main(argv) == 0
     skipped, took = capsys.readouterr().err.splitlines()
     assert "skipping checkpoint" in skipped and took.startswith(f"checkpoint {run / 'ckpt_00000002.pt'} (step 2)")
     assert written[-1][0] == old.config
 
 
 def test_cli_exits_quietly_when_the_reader_stops(tmp_path, capsys, monkeypatch):
-    """`export.py ... | true`: the closing line meets a closed pipe; no traceback, the status SIGPIPE gives."""
+    """`hf.py ... | true`: the closing line meets a closed pipe; no traceback, the status SIGPIPE gives."""
     write_checkpoint(tmp_path / "ckpt.pt", tiny_model(True))
-    monkeypatch.setattr(export, "export_hf", lambda *_: None)
+    monkeypatch.setattr(hf, "export_hf", lambda *_: None)
     read_end, write_end = os.pipe()
     os.close(read_end)
     stdout = open(write_end, "w")
     monkeypatch.setattr(sys, "stdout", stdout)
-    assert export.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "hf")]) == 141
+    assert hf.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "hf")]) == 141
     assert capsys.readouterr().err == ""
     stdout.close()  # a flush into /dev/null now
 
@@ -278,7 +278,7 @@ def test_cli_refuses_an_earlier_export_unless_told_to_overwrite(tmp_path, capsys
     write_checkpoint(tmp_path / "old.pt", old)
     write_checkpoint(tmp_path / "new.pt", new)
     out = tmp_path / "hf"
-    assert export.main(["--ckpt", str(tmp_path / "old.pt"), "--out", str(out)]) == 0
+    assert hf.main(["--ckpt", str(tmp_path / "old.pt"), "--out", str(out)]) == 0
     # Make it a sharded export, as transformers writes a large model: loaders read the index, if there is one.
     shard = "model-00001-of-00001.safetensors"
     (out / "model.safetensors").rename(out / shard)
@@ -288,20 +288,20 @@ def test_cli_refuses_an_earlier_export_unless_told_to_overwrite(tmp_path, capsys
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     argv = ["--ckpt", str(tmp_path / "new.pt"), "--out", str(out)]
-    assert export.main(argv) == 2
+    assert hf.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "--overwrite" in err and err.count("\n") == 1
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing touched
 
-    assert export.main(argv + ["--overwrite"]) == 0
+    assert hf.main(argv + ["--overwrite"]) == 0
     assert not (out / shard).exists() and not (out / "model.safetensors.index.json").exists()
     assert (out / "notes.txt").read_text() == "mine"
-    hf = load_transformers(out, monkeypatch)
-    assert type(hf).__name__ == "Qwen3ForCausalLM" and not hf.config.tie_word_embeddings  # the new config
+    qwen = load_transformers(out, monkeypatch)
+    assert type(qwen).__name__ == "Qwen3ForCausalLM" and not qwen.config.tie_word_embeddings  # the new config
     idx = torch.randint(0, new.config.vocab_size, (1, 16))
     with torch.no_grad():
         expected, _ = new(idx)
-        torch.testing.assert_close(hf(input_ids=idx).logits, expected, rtol=0, atol=1e-4)
+        torch.testing.assert_close(qwen(input_ids=idx).logits, expected, rtol=0, atol=1e-4)
 
 
 def _hf_dir(directory, case):
@@ -309,7 +309,7 @@ def _hf_dir(directory, case):
     model = tiny_model(True)
     if case != "no-weights":
         weights = {k: v.clone() for k, v in to_hf(model.config, model.state_dict()).items()}
-        export._safetensors().save_file(weights, str(directory / "model.safetensors"))
+        hf._safetensors().save_file(weights, str(directory / "model.safetensors"))
     config = hf_config(model.config, eot=50256)
     config = {"config-list": [config], "string-int": {**config, "num_hidden_layers": "2"},
               "wrong-shape": {**config, "hidden_size": 128}, "missing-layer": {**config, "num_hidden_layers": 3},
@@ -352,36 +352,36 @@ def test_cli_refuses_a_non_empty_directory_and_writes_into_an_empty_one(tmp_path
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     argv = ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out)]
-    assert export.main(argv) == 2
+    assert hf.main(argv) == 2
     assert capsys.readouterr().err == (f"error: {out} is not empty (notes.txt); pass --overwrite to replace an "
                                        "earlier export there (other files stay), or choose another directory\n")
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
-    assert export.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "ckpt.pt")]) == 2
+    assert hf.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "ckpt.pt")]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path / 'ckpt.pt'} exists and is not a directory\n"
     (out / "notes.txt").unlink()
-    assert export.main(argv) == 0  # an empty directory is fine
-    assert {p.name for p in out.iterdir()} == set(export.EXPORT_FILES) - {"model.safetensors.index.json"}
+    assert hf.main(argv) == 0  # an empty directory is fine
+    assert {p.name for p in out.iterdir()} == set(hf.EXPORT_FILES) - {"model.safetensors.index.json"}
 
 
 def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, capsys, monkeypatch):
     write_checkpoint(tmp_path / "old.pt", tiny_model(True, seed=1))
     write_checkpoint(tmp_path / "new.pt", tiny_model(False))
     out = tmp_path / "hf"
-    assert export.main(["--ckpt", str(tmp_path / "old.pt"), "--out", str(out)]) == 0
-    (out / f"{export.STAGING_PREFIX}killed").mkdir()  # what an export killed halfway leaves behind
+    assert hf.main(["--ckpt", str(tmp_path / "old.pt"), "--out", str(out)]) == 0
+    (out / f"{hf.STAGING_PREFIX}killed").mkdir()  # what an export killed halfway leaves behind
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
 
     def full_disk(*_):
         raise OSError(28, "No space left on device")
 
     with monkeypatch.context() as m:  # fails after model.safetensors and config.json are written
-        m.setattr(export, "write_gpt2_tokenizer", full_disk)
-        assert export.main(["--ckpt", str(tmp_path / "new.pt"), "--out", str(out), "--overwrite"]) == 2
-        assert export.main(["--ckpt", str(tmp_path / "new.pt"), "--out", str(tmp_path / "fresh")]) == 2
+        m.setattr(hf, "write_gpt2_tokenizer", full_disk)
+        assert hf.main(["--ckpt", str(tmp_path / "new.pt"), "--out", str(out), "--overwrite"]) == 2
+        assert hf.main(["--ckpt", str(tmp_path / "new.pt"), "--out", str(tmp_path / "fresh")]) == 2
     assert capsys.readouterr().err.count("No space left on device") == 2
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     assert not (tmp_path / "fresh").exists()  # a directory the failed export made is gone again
 
-    assert export.main(["--ckpt", str(tmp_path / "new.pt"), "--out", str(out), "--overwrite"]) == 0
+    assert hf.main(["--ckpt", str(tmp_path / "new.pt"), "--out", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(before)  # the killed export's leftovers are gone
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False

@@ -1,11 +1,11 @@
-"""Evaluate a trained model outside training: HellaSwag accuracy, or validation bits per byte (and loss).
+"""Score a checkpoint outside training: HellaSwag accuracy, or bits per byte (and loss) on a val split.
 
-    python eval.py --ckpt out/ckpt_00000150.pt --task hellaswag --n 1000       # the hub's Rowan/hellaswag
-    python eval.py --ckpt out/hf --task hellaswag --hellaswag-path hellaswag_val.jsonl   # an export.py directory
-    python eval.py --ckpt out/ckpt_00000150.pt --task bpb                  # the val split it trained with
+    python score.py --ckpt out/ckpt_00000150.pt --task hellaswag --n 1000       # the hub's Rowan/hellaswag
+    python score.py --ckpt out/hf --task hellaswag --hellaswag-path hellaswag_val.jsonl   # an hf.py directory
+    python score.py --ckpt out/ckpt_00000150.pt --task bpb                  # the val split it trained with
 
 --ckpt takes a train.py checkpoint (a file or a sharded directory) or a Hugging Face directory written by
-export.py (recognised by its config.json). The figures come from the code training logs them with
+hf.py (recognised by its config.json). The figures come from the code training logs them with
 (evaluate.Evaluator), so on the same weights, tokens and precision this script prints what metrics.jsonl
 holds: hellaswag_acc and hellaswag_acc_sum, or val_loss and val_bpb over the first --n val tokens, taken
 --batch-size sequences of the model's seq_len at a time as a training run with that micro-batch takes them.
@@ -21,12 +21,13 @@ import torch
 
 from checkpoint import META_FILE, CheckpointError, load_newest
 from cli import ArgumentParser, UsageError, closed_stdout, first_line, report_error
-from config import EvalConfig
-from data import DataError, check_vocab, default_corpus, default_corpus_dir
+from config import DEVICES, EvalConfig
+from data import DataError, check_vocab
 from distributed import DistInfo
 from evaluate import Evaluator
-from export import is_run_directory
-from hardware import DEVICES, autocast, resolve_device
+from hf import is_run_directory
+from hardware import autocast, resolve_device
+from prepare import default_corpus, default_corpus_dir
 from sample import load_model
 
 TASKS = ("hellaswag", "bpb")
@@ -37,14 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = EvalConfig()
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ckpt", required=True, metavar="PATH",
-                   help="a train.py checkpoint (file or sharded directory) or an export.py directory")
+                   help="a train.py checkpoint (file or sharded directory) or an hf.py directory")
     p.add_argument("--task", required=True, choices=TASKS)
     p.add_argument("--n", type=int, default=None, metavar="N",
                    help=f"hellaswag: the first N examples (default: all); bpb: N val tokens "
                         f"(default: {defaults.eval_tokens}, as --eval-tokens)")
     p.add_argument("--data", metavar="DIR",
                    help="bpb: the directory of val_*.bin shards (default: the data the checkpoint trained on, "
-                        "its recorded --data; an export.py directory records none: the stdlib corpus, with a note)")
+                        "its recorded --data; an hf.py directory records none: the stdlib corpus, with a note)")
     p.add_argument("--hellaswag-path", default=defaults.hellaswag_path,
                    help=f"a hub dataset name or a .jsonl / .parquet file (default: {defaults.hellaswag_path})")
     p.add_argument("--batch-size", type=int, default=16, help="bpb: sequences per forward (default: 16)")
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load(path: str, device: torch.device):
-    """The model at path: an export.py directory if it holds config.json, else a train.py checkpoint."""
+    """The model at path: an hf.py directory if it holds config.json, else a train.py checkpoint."""
     if not os.path.exists(path):
         raise UsageError(f"--ckpt {path}: no such file or directory")
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -64,7 +65,7 @@ def load(path: str, device: torch.device):
 
 def trained_config(path: str) -> dict | None:
     """The train.py config that the checkpoint at path recorded (its meta's train_config; for a run directory,
-    that of its newest checkpoint whose meta reads), {} when it has none; None for an export.py directory.
+    that of its newest checkpoint whose meta reads), {} when it has none; None for an hf.py directory.
     Only the meta is read: a file's tensors are memory-mapped, not loaded (load has verified the file)."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return None
@@ -84,7 +85,7 @@ def val_data(given: str | None, train_config: dict | None, ckpt: str) -> tuple[s
     """bpb: (the directory whose val split to score, None for the default corpus; a note to print with the
     figures, or None). By default the data the checkpoint trained on (its recorded --data, None being the
     default corpus, as in train.py); UsageError when that directory is not there. Another --data is scored
-    with a note that it is not the checkpoint's. Nothing recorded (an export.py directory): --data, or the
+    with a note that it is not the checkpoint's. Nothing recorded (an hf.py directory): --data, or the
     default corpus with a note."""
     recorded = (train_config or {}).get("data") or {}
     if "data" not in recorded:

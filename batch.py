@@ -1,0 +1,158 @@
+"""Where the batch is decided: how a step's tokens are cut into micro-batches across ranks, how many steps a
+run takes, and what a resume keeps of both (its global batch, the LR of its next step).
+
+    layout = batch_layout(cfg, world_size)             # micro-batch, seq-len, grad accumulation, world size
+    steps = max_steps(cfg, layout)                     # --max-steps, or the steps --max-tokens takes
+    layout = resume_layout(cfg, layout, meta, warn)    # a resume at another world size keeps the global batch
+"""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from cli import UsageError
+from config import Config, flat_dict, flat_values
+from schedule import lr_multiplier
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """How one optimizer step's batch is cut: micro-batches of `micro_batch` sequences of `seq_len` tokens,
+    `grad_accum` of them on each of `world_size` ranks."""
+
+    micro_batch: int
+    seq_len: int
+    grad_accum: int
+    world_size: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Global: all ranks and micro-steps together."""
+        return self.micro_batch * self.seq_len * self.grad_accum * self.world_size
+
+    @property
+    def sequences_per_rank(self) -> int:
+        return self.micro_batch * self.grad_accum
+
+    def with_micro_batch(self, micro_batch: int) -> "BatchLayout":
+        """The same global batch cut into smaller micro-batches (micro_batch must divide sequences_per_rank)."""
+        return dataclasses.replace(self, micro_batch=micro_batch,
+                                   grad_accum=self.sequences_per_rank // micro_batch)
+
+    def at_step(self, step: int, warmup_steps: int, start: float) -> "BatchLayout":
+        """The layout of optimizer step `step` (0-based) under the batch warm-up: fewer micro-steps, same
+        micro-batch (warmup_micro_steps); itself once the warm-up is over. Telemetry counts tokens from it."""
+        micro_steps = warmup_micro_steps(step, self.grad_accum, warmup_steps, start)
+        return self if micro_steps == self.grad_accum else dataclasses.replace(self, grad_accum=micro_steps)
+
+
+def warmup_micro_steps(step: int, grad_accum: int, warmup_steps: int, start: float) -> int:
+    """Micro-steps of optimizer step `step` (0-based) when the global batch ramps linearly from `start` x itself
+    at step 0 to all of it at step warmup_steps, rounded to whole micro-steps (at least one): the batch grows
+    by gradient accumulation, so the micro-batch, its memory and the data order stay as they are, and a
+    resumed run recomputes the same count from the step alone."""
+    if step >= warmup_steps:
+        return grad_accum
+    fraction = start + (1 - start) * step / warmup_steps
+    return max(1, min(grad_accum, math.floor(fraction * grad_accum + 0.5)))  # halves round up, not to even
+
+
+def steps_for_tokens(max_tokens: int, layout: BatchLayout, warmup_steps: int = 0, start: float = 1.0) -> int:
+    """Optimizer steps until at least max_tokens are trained, counting the smaller steps of the batch warm-up,
+    so that --max-tokens is the same budget with it or without it."""
+    tokens, step = 0, 0
+    while step < warmup_steps and tokens < max_tokens:
+        tokens += layout.at_step(step, warmup_steps, start).tokens_per_step
+        step += 1
+    return step + max(0, math.ceil((max_tokens - tokens) / layout.tokens_per_step))
+
+
+def per_rank_sequences(cfg: Config, world_size: int) -> int:
+    """Sequences each rank trains on per step under --total-batch-tokens (what --batch-size auto divides)."""
+    return cfg.data.total_batch_tokens // (cfg.model.max_seq_len * world_size)
+
+
+def batch_layout(cfg: Config, world_size: int = 1, micro_batch: int | None = None) -> BatchLayout:
+    """The layout the flags ask for; micro_batch: the size --batch-size auto found. With
+    --total-batch-tokens, grad_accum is derived so that the global batch is exactly that many tokens."""
+    micro = cfg.data.batch_size if micro_batch is None else micro_batch
+    seq_len = cfg.model.max_seq_len
+    grad_accum = cfg.data.grad_accum
+    if cfg.data.total_batch_tokens:
+        per_micro = micro * seq_len * world_size
+        if cfg.data.total_batch_tokens % per_micro:
+            raise UsageError(f"--total-batch-tokens {cfg.data.total_batch_tokens} is not a multiple of "
+                             f"batch-size * seq-len * world-size = {per_micro}")
+        grad_accum = cfg.data.total_batch_tokens // per_micro
+    return BatchLayout(micro_batch=micro, seq_len=seq_len, grad_accum=grad_accum, world_size=world_size)
+
+
+def max_steps(cfg: Config, layout: BatchLayout) -> int:
+    """--max-steps, or the steps --max-tokens takes with this layout (and the batch warm-up, if on)."""
+    s = cfg.schedule
+    if not s.max_tokens:
+        return s.max_steps
+    return steps_for_tokens(s.max_tokens, layout, s.batch_warmup_steps, s.batch_warmup_start)
+
+
+# The settings that decide the global batch: a resume that changes one of them changes it on purpose.
+BATCH_KEYS = ("data.batch_size", "data.grad_accum", "data.total_batch_tokens", "model.max_seq_len")
+
+
+def resume_layout(cfg: Config, layout: BatchLayout, meta: dict, warn) -> BatchLayout:
+    """The layout of a resumed run. The global batch in tokens is part of a run's identity: resumed at another
+    world size with the same batch settings, the run keeps the checkpoint's global batch by deriving grad
+    accumulation, or is refused when whole micro-batches cannot make it. Settings changed on purpose
+    (BATCH_KEYS) are the user's new batch. Checkpoints from before batch_tokens was recorded are taken as they are."""
+    saved, saved_world = meta.get("batch_tokens"), meta.get("world_size")
+    if saved is None or saved_world == layout.world_size or saved == layout.tokens_per_step:
+        return layout
+    saved_cfg, now = flat_dict(meta.get("train_config", {})), flat_values(cfg)
+    if any(key in saved_cfg and saved_cfg[key] != now[key] for key in BATCH_KEYS):
+        return layout
+    per_micro_step = layout.micro_batch * layout.seq_len * layout.world_size
+    if saved % per_micro_step:
+        raise UsageError(f"--resume at {layout.world_size} ranks: the checkpoint's global batch of {saved:,} "
+                         f"tokens/step ({saved_world} ranks) is not a whole number of micro-steps of "
+                         f"{per_micro_step:,} tokens ({layout.micro_batch} x {layout.seq_len} x {layout.world_size} "
+                         "ranks); choose a --batch-size that divides it, or --total-batch-tokens to change it")
+    resumed = dataclasses.replace(layout, grad_accum=saved // per_micro_step)
+    warn(f"note: resuming on {layout.world_size} ranks (the checkpoint ran on {saved_world}): grad accumulation "
+         f"{layout.grad_accum} -> {resumed.grad_accum} keeps the global batch of {saved:,} tokens/step")
+    return resumed
+
+
+# The settings the LR of a step depends on: the peak, the schedule, and the run's length in steps.
+LR_KEYS = ("optim.lr", "schedule.max_steps", "schedule.max_tokens", "schedule.warmup", "schedule.schedule",
+           "schedule.min_lr_ratio", "schedule.decay_frac", "schedule.batch_warmup_steps",
+           "schedule.batch_warmup_start", *BATCH_KEYS)
+# A resumed LR at most this factor above the checkpoint's is no re-warm: a rounding, or a negligible change.
+REWARM_TOLERANCE = 1.01
+
+
+def resume_lr(cfg: Config, meta: dict, max_steps: int) -> str | None:
+    """What a resume with a changed LR setting (LR_KEYS) does to the LR: a note "the LR goes from X at the
+    checkpoint (step N) to Y at the next step", or None when none changed or the checkpoint predates its
+    recorded "lr_multiplier". UsageError for a re-warm (is_rewarm) unless --allow-lr-rewarm. The LRs are those
+    --lr is the peak of, with the fault-tolerance LR scale the resumed run keeps (meta "lr_scale")."""
+    saved, now = flat_dict(meta.get("train_config", {})), flat_values(cfg)
+    multiplier = meta.get("lr_multiplier")
+    if multiplier is None or not any(key in saved and saved[key] != now[key] for key in LR_KEYS):
+        return None
+    s, step, scale = cfg.schedule, meta["step"], meta["lr_scale"]
+    old = saved["optim.lr"] * multiplier
+    new = cfg.optim.lr * scale * lr_multiplier(step, max_steps, s.warmup, s.schedule, s.min_lr_ratio, s.decay_frac)
+    effect = f"the LR goes from {old:.3g} at the checkpoint (step {step}) to {new:.3g} at the next step"
+    if not s.allow_lr_rewarm and is_rewarm(step, saved["schedule.warmup"], multiplier / scale, old, new):
+        raise UsageError(f"--resume: {effect}, up again after its decay had begun; resume from a checkpoint from "
+                         "before the decay, or pass --allow-lr-rewarm to re-warm it")
+    return f"note: {effect}"
+
+
+def is_rewarm(step: int, warmup: int, schedule_multiplier: float, old_lr: float, new_lr: float) -> bool:
+    """Whether a resume at `step` re-warms the LR: the checkpoint was past its warm-up (`warmup` steps) and
+    decaying (its schedule's multiplier at its last step below 1), and the LR of the next step is more than
+    REWARM_TOLERANCE times the checkpoint's. In the warm-up the LR rises anyway; in a WSD run's stable phase it
+    has not decayed, so a higher --lr there is a new peak, not a re-warm."""
+    decaying = step > warmup and schedule_multiplier < 1 and not math.isclose(schedule_multiplier, 1)
+    return decaying and new_lr > REWARM_TOLERANCE * old_lr

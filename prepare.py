@@ -1,0 +1,531 @@
+"""Tokenize a corpus into token shards (data.py's format) and data.json, the record of the tokenizer and the
+counts. Reads text, .jsonl and .parquet files, directories and globs of them, datasets save_to_disk
+directories and Hugging Face hub datasets (sources.py). Also builds the embedded default corpus, the Python
+standard library's own sources, which train.py uses when it is given no --data.
+
+    python prepare.py --input corpus.txt --out data/mine       # then: python train.py --data data/mine
+"""
+
+import collections
+import glob
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import sys
+import sysconfig
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import tiktoken
+
+from cli import ArgumentParser, UsageError, int_or_auto, report_error
+from data import CORPUS_MARKER, TOKEN_DTYPES, read_shard, shard_version, write_data_record, write_shard
+from progress import Progress
+from sources import file_pieces, source_pieces
+from tokenizer import CACHE_ENV, DataError, atomic_write, cache_root, get_tokenizer
+
+ENCODE_CHARS_PER_THREAD = 4 << 20  # characters read but not yet taken back encoded, per tokenizer thread
+ENCODE_BATCH_CHARS = 1 << 16  # characters a tokenizer thread encodes as one task: small, so threads end together
+
+
+def _ids(enc: tiktoken.Encoding, text: str) -> np.ndarray:
+    """enc.encode_ordinary(text) as uint32, straight from tiktoken's buffer (tiktoken >= 0.9): no Python int
+    per token, which costs about a tenth of the encoding itself, with the GIL held."""
+    try:
+        return enc.encode_to_numpy(text, disallowed_special=())
+    except UnicodeEncodeError:  # lone surrogates (JSON escapes can make them): replaced as encode_ordinary does
+        return enc.encode_to_numpy(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"),
+                                   disallowed_special=())
+
+
+def _tokens(enc: tiktoken.Encoding, batch: list, dtype: np.dtype) -> np.ndarray:
+    """The tokens of a batch of (text, starts_a_document) pieces in the shard dtype, the EOT token before each
+    document. Runs in a tokenizer thread; numpy copies once, and casts on the way (ids fit the dtype)."""
+    eot = np.array([enc.eot_token], dtype=np.uint32)
+    parts = []
+    for text, starts in batch:
+        if starts:
+            parts.append(eot)
+        parts.append(_ids(enc, text))
+    return np.concatenate(parts, dtype=dtype, casting="unsafe")
+
+
+def _batches(pieces, chars: int):
+    """Consecutive pieces grouped into lists of about `chars` characters (a piece is never split); empty
+    documents are dropped, as they would add only a lone EOT."""
+    batch, n = [], 0
+    for text, starts in pieces:
+        if not text and starts:
+            continue
+        batch.append((text, starts))
+        n += len(text)
+        if n >= chars:
+            yield batch
+            batch, n = [], 0
+    if batch:
+        yield batch
+
+
+def _encode(pieces, enc: tiktoken.Encoding):
+    """(tokens, documents) per batch of pieces, in order, all cores encoding while this thread reads ahead.
+
+    Small batches go to a pool of tokenizer threads (tiktoken releases the GIL while it encodes), with up to
+    ENCODE_CHARS_PER_THREAD characters per thread in flight: reading the next pieces and whatever the caller
+    does with a result (writing a shard) overlap with encoding, the threads finish together rather than
+    waiting on the longest text of a large batch, and memory stays bounded."""
+    threads = os.cpu_count() or 1
+    dtype = TOKEN_DTYPES[shard_version(enc.n_vocab)]
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenizer")
+    in_flight, chars = collections.deque(), 0  # (future, documents, characters) in submission order
+    try:
+        for batch in _batches(pieces, ENCODE_BATCH_CHARS):
+            n = sum(len(text) for text, _ in batch)
+            in_flight.append((pool.submit(_tokens, enc, batch, dtype), sum(starts for _, starts in batch), n))
+            chars += n
+            while chars > threads * ENCODE_CHARS_PER_THREAD:
+                future, documents, n = in_flight.popleft()
+                chars -= n
+                yield future.result(), documents
+        for future, documents, _ in in_flight:
+            yield future.result(), documents
+    finally:  # also on an error or a stop: no thread outlives the call
+        pool.shutdown(cancel_futures=True)
+
+
+# --val-tokens auto: the val split is the first 0.5% of the corpus, within these bounds.
+VAL_PER_MILLE = 5
+MAX_VAL_TOKENS = 1_000_000  # plenty for a steady val loss, and what a default eval can use; 200M tokens reach it
+# The least auto val split: one micro-batch at train.py's defaults (--batch-size 16 of --seq-len 1,024) plus one
+# token, as a window's targets are its tokens shifted by one. Any less and a default run's evaluation cannot
+# read one whole batch without reading some windows twice.
+MIN_VAL_TOKENS = 16 * 1024 + 1
+
+
+def default_val_tokens(total: int) -> int:
+    """The val split of --val-tokens auto for a corpus of `total` tokens: 0.5% of it, at least MIN_VAL_TOKENS
+    (one eval batch), at most MAX_VAL_TOKENS. Pure, so the rule is tested without a large corpus."""
+    return min(MAX_VAL_TOKENS, max(MIN_VAL_TOKENS, total * VAL_PER_MILLE // 1000))
+
+
+class _ShardWriter:
+    """The shards of one preparation. Tokens encoded but not yet written wait in `pending`; write() hands the
+    first n of them to a writer thread, which writes (and fsyncs) that shard while the next is being encoded,
+    one shard at a time, so memory stays bounded."""
+
+    def __init__(self, out_dir: str, n_vocab: int):
+        self.out_dir, self.n_vocab = out_dir, n_vocab
+        self.pending, self.n_pending = [], 0
+        self.counts = {"val": [], "train": []}  # tokens per shard written
+        self.pool, self.writing = ThreadPoolExecutor(1, thread_name_prefix="shard-writer"), None
+
+    @property
+    def total(self) -> int:
+        """Tokens taken so far, written or pending."""
+        return sum(self.counts["val"]) + sum(self.counts["train"]) + self.n_pending
+
+    def add(self, tokens: np.ndarray) -> None:
+        self.pending.append(tokens)
+        self.n_pending += len(tokens)
+
+    def _path(self, split: str, index: int) -> str:
+        return os.path.join(self.out_dir, f"{split}_{index:06d}.bin")
+
+    def write(self, split: str, n: int, skip: int = 0) -> None:
+        """Write pending tokens [skip, skip + n) as the split's next shard; the others stay pending, in order."""
+        self.wait()  # the previous shard is on disk (or its error is raised here), its memory free
+        buf = np.concatenate(self.pending)
+        path = self._path(split, len(self.counts[split]))
+        self.writing = self.pool.submit(write_shard, path, buf[skip:skip + n], self.n_vocab)
+        self.counts[split].append(n)
+        self.pending, self.n_pending = [buf[:skip], buf[skip + n:]], len(buf) - n
+
+    def prepend(self, split: str, n: int) -> None:
+        """Put the first n pending tokens in front of the split's first shard, which is written anew."""
+        self.wait()
+        buf, path = np.concatenate(self.pending), self._path(split, 0)
+        write_shard(path, np.concatenate([buf[:n], read_shard(path)]), self.n_vocab)
+        self.counts[split][0] += n
+        self.pending, self.n_pending = [buf[n:]], len(buf) - n
+
+    def wait(self) -> None:
+        if self.writing is not None:
+            self.writing.result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def _flush(shards: _ShardWriter, shard_tokens: int, val_tokens: int | None) -> None:
+    """Write the shards that the pending tokens complete. An explicit val_tokens: the first val_tokens tokens
+    go to val, then train shards follow. Auto (None): the val split is the corpus's first tokens, and how many
+    is known only at the end, so the first MAX_VAL_TOKENS stay pending and train shards are written from there
+    on; _finish puts what val leaves of them in front of the first train shard."""
+    if val_tokens is None:
+        while shards.n_pending >= MAX_VAL_TOKENS + shard_tokens:
+            shards.write("train", shard_tokens, skip=MAX_VAL_TOKENS)
+        return
+    while True:
+        split, size = ("val", val_tokens) if val_tokens and not shards.counts["val"] else ("train", shard_tokens)
+        if shards.n_pending < size:
+            return
+        shards.write(split, size)
+
+
+def _finish(shards: _ShardWriter, shard_tokens: int, val_tokens: int | None, desc: str) -> None:
+    """Write what is still pending. Auto (None): val is the first default_val_tokens(total) tokens; if train
+    shards were written past the held MAX_VAL_TOKENS, the held tokens after val go in front of the first of
+    them, so train starts right after val either way. Then the last train shard. DataError when no train
+    token is left."""
+    total = shards.total
+    if val_tokens is None:
+        val = default_val_tokens(total)
+        if total <= val:
+            raise DataError(f"{desc} has only {total:,} tokens: --val-tokens auto keeps at least "
+                            f"{MIN_VAL_TOKENS:,} for val (one eval batch of 16 x 1,024, plus 1) and leaves none "
+                            f"for train; give a smaller --val-tokens N")
+        if shards.counts["train"]:
+            shards.write("val", val)
+            if val < MAX_VAL_TOKENS:
+                shards.prepend("train", MAX_VAL_TOKENS - val)
+        else:  # all still pending: the shards of --val-tokens val
+            _flush(shards, shard_tokens, val)
+        val_tokens = val
+    if (val_tokens and not shards.counts["val"]) or (shards.n_pending == 0 and not shards.counts["train"]):
+        raise DataError(f"{desc} has only {total:,} tokens, not more than --val-tokens {val_tokens:,}; "
+                        f"lower --val-tokens")
+    if shards.n_pending:
+        shards.write("train", shards.n_pending)
+
+
+def _val_summary(val_tokens: int | None, val: int, total: int) -> str:
+    """What the val split is and which rule chose it, for the summary line."""
+    if val_tokens is not None:
+        return f"val: first {val:,} tokens (--val-tokens {val_tokens})" if val else "val: none (--val-tokens 0)"
+    if val == total * VAL_PER_MILLE // 1000:
+        why = f"{VAL_PER_MILLE / 10:g}% of the corpus"
+    elif val == MIN_VAL_TOKENS:
+        why = f"the least: one eval batch of 16 x 1,024, plus 1; {val / total:.1%} of the corpus"
+    else:
+        why = f"the cap; {val / total:.2%} of the corpus"
+    return f"val: first {val:,} tokens ({why}, --val-tokens auto)"
+
+
+def _summary(stats: dict, val_tokens: int | None, max_tokens: int | None) -> str:
+    """The `data:` line that ends a preparation."""
+    line = (f"data: {stats['documents']:,} documents, {stats['tokens']:,} tokens ({stats['train_tokens']:,} "
+            f"train in {stats['train_shards']} shards) in {stats['seconds']:.1f}s "
+            f"({stats['tokens'] / max(stats['seconds'], 1e-9) / 1e6:.2f}M tok/s)")
+    if max_tokens is not None:
+        line += (f", cut at --max-tokens {max_tokens:,}" if stats["tokens"] == max_tokens
+                 else f", all of it (fewer than --max-tokens {max_tokens:,})")
+    return f"{line}; {_val_summary(val_tokens, stats['val_tokens'], stats['tokens'])}"
+
+
+def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_tokens: int | None, desc: str,
+           max_tokens: int | None = None, tokenizer: str | None = None) -> dict:
+    """Tokenize pieces into out_dir: val_000000.bin (the first val_tokens tokens; None: the first
+    default_val_tokens(total)) and train_*.bin of shard_tokens each (under auto the first one may hold up to
+    MAX_VAL_TOKENS more: _finish), at most max_tokens in all; then the record (data.json), last, so that it
+    describes only shards that are all on disk. -> the record."""
+    t0 = time.time()
+    shards, documents = _ShardWriter(out_dir, enc.n_vocab), 0
+    progress = Progress(max_tokens, desc, unit="tok", unit_scale=True)
+    encoded = _encode(pieces, enc)
+    try:
+        for tokens, docs in encoded:
+            if max_tokens is not None and shards.total + len(tokens) >= max_tokens:
+                tokens = tokens[:max_tokens - shards.total]
+                docs = int(np.count_nonzero(tokens == enc.eot_token))  # the text never encodes to it
+            documents += docs
+            shards.add(tokens)
+            progress.update(len(tokens))
+            _flush(shards, shard_tokens, val_tokens)
+            if shards.total == max_tokens:
+                break
+        if documents == 0:
+            raise DataError(f"no documents found in {desc}")
+        _finish(shards, shard_tokens, val_tokens, desc)
+        shards.wait()
+    finally:  # no thread is left encoding or writing, even after an error (callers may delete out_dir)
+        progress.close()  # also before an error's line, which must not land on the progress bar's
+        encoded.close()
+        shards.close()
+    counts = shards.counts
+    stats = {"documents": documents, "tokens": sum(counts["val"]) + sum(counts["train"]),
+             "val_tokens": sum(counts["val"]), "train_tokens": sum(counts["train"]),
+             "train_shards": len(counts["train"]), "val_from": "start",
+             "max_tokens": max_tokens, "seconds": round(time.time() - t0, 3)}
+    print(_summary(stats, val_tokens, max_tokens))
+    record = {"tokenizer": tokenizer or enc.name, "n_vocab": enc.n_vocab, "eot": enc.eot_token, **stats}
+    write_data_record(out_dir, record)
+    return record
+
+
+def _check_sizes(shard_tokens: int, val_tokens: int | None, max_tokens: int | None) -> None:
+    """ValueError for sizes no preparation can meet, before anything is read."""
+    # Under auto the first train shard also takes what val leaves of the MAX_VAL_TOKENS held back (_finish).
+    limit, under = (2**31 - MAX_VAL_TOKENS, " under --val-tokens auto") if val_tokens is None else (2**31, "")
+    if not 0 < shard_tokens < limit:
+        raise ValueError(f"--shard-tokens must be in [1, {limit:,}){under}, got {shard_tokens:,}")
+    if val_tokens is not None and not 0 <= val_tokens < 2**31:
+        raise ValueError(f"--val-tokens must be auto or in [0, 2**31), got {val_tokens:,}")
+    least = MIN_VAL_TOKENS if val_tokens is None else val_tokens
+    if max_tokens is not None and max_tokens <= least:
+        raise ValueError(f"--max-tokens {max_tokens:,} leaves no train tokens after the val split ({least:,} "
+                         f"tokens{', the least of --val-tokens auto' if val_tokens is None else ''})")
+
+
+# A preparation is written into OUT.partial-<pid> and renamed to OUT only once it is whole, so OUT is either
+# complete or absent, whatever stops the process.
+PARTIAL_SUFFIX = ".partial-"
+
+
+def _local_paths(source: str) -> list[str]:
+    """The files and directories that source names here (itself, or a glob's matches); none for a hub name."""
+    return [source] if os.path.exists(source) else glob.glob(source, recursive=True)
+
+
+def _check_out(out_dir: str, inputs: list[str]) -> None:
+    """Refuse, before anything is read, an --out that is, holds or lies inside one of the inputs, or that holds
+    anything at all: a preparation goes into a new or empty directory, so no file of the user's is replaced."""
+    out = os.path.realpath(out_dir)
+    for path in inputs:
+        real = os.path.realpath(path)
+        common = os.path.commonpath([out, real])
+        if common in (out, real):
+            how = "is" if out == real else "holds" if common == out else "is inside"
+            raise UsageError(f"--out {out_dir} {how} the input {path}; choose an output directory apart from --input")
+    if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
+        raise DataError(f"--out {out_dir} is a file, not a directory")
+    parent = os.path.dirname(out) or os.sep
+    if os.path.isdir(out_dir) and os.stat(out).st_dev != os.stat(parent).st_dev:
+        raise UsageError(f"--out {out_dir} is a mount point: the shards are made beside it and renamed into place, "
+                         f"which cannot cross filesystems; choose a new directory inside it, e.g. {out_dir}/shards")
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    shards = [n for n in names if n.startswith(("train_", "val_")) and n.endswith(".bin")]
+    if shards:
+        raise DataError(f"{out_dir} already holds shards ({shards[0]}, ...); remove them or choose another --out")
+    if names:
+        more = ", ..." if len(names) > 1 else ""
+        raise DataError(f"--out {out_dir} is not empty (it holds {names[0]}{more}); choose a new or empty directory")
+
+
+def _lock(directory: str) -> int | None:
+    """A descriptor of directory that holds an exclusive flock on it until it is closed or the process ends;
+    None when another process holds it or there is no flock (Windows, some network filesystems)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _partial_dir(out_dir: str) -> tuple[str, int | None]:
+    """(a new directory next to out_dir, where a symlink out_dir points, to prepare into; the descriptor that
+    locks it). Partial directories that no process holds locked were left by a preparation that was killed:
+    they are removed first."""
+    base = os.path.realpath(out_dir) + PARTIAL_SUFFIX
+    for leftover in glob.glob(glob.escape(base) + "*"):
+        if leftover[len(base):].isdigit() and (fd := _lock(leftover)) is not None:
+            shutil.rmtree(leftover, ignore_errors=True)
+            os.close(fd)
+            print(f"data: removed {leftover}, left by a preparation that was killed", file=sys.stderr)
+    path = f"{base}{os.getpid()}"
+    try:
+        os.makedirs(path)
+    except OSError as e:
+        raise DataError(f"cannot create {path}, where --out {out_dir} is prepared ({e.strerror})") from None
+    return path, _lock(path)
+
+
+def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_000_000,
+            val_tokens: int | None = None, *, max_tokens: int | None = None, hf_config: str | None = None,
+            hf_split: str | None = None) -> dict:
+    """Tokenize source (text file, directory, glob, .jsonl/.parquet with a 'text' field, a datasets
+    save_to_disk directory, or a Hugging Face hub dataset) into out_dir/train_NNNNNN.bin (shard_tokens each,
+    the last one shorter) and out_dir/val_000000.bin, then record the tokenizer and the counts in
+    out_dir/data.json. Streams: memory stays bounded by one shard. out_dir must be new or empty and apart
+    from the input; it appears, whole, only when the preparation has succeeded (PARTIAL_SUFFIX).
+
+    val_tokens None (--val-tokens auto): the val split is the corpus's first default_val_tokens(total)
+    tokens, 0.5% of it within [MIN_VAL_TOKENS, MAX_VAL_TOKENS], so that any corpus gets one that fits it, and
+    a larger --max-tokens only lengthens it (up to the same MAX_VAL_TOKENS tokens from 200M tokens on). The
+    total is known only at the end: the first MAX_VAL_TOKENS tokens stay in memory until then. A number: the
+    first val_tokens tokens (the default corpus passes one). max_tokens: stop after that many tokens in all,
+    val and train, cut exactly there. hf_config, hf_split (default train): for a Hugging Face dataset;
+    hf_split also picks a save_to_disk DatasetDict's split.
+    Returns the record: tokenizer, n_vocab, eot, documents, tokens, val_tokens, train_tokens, train_shards,
+    val_from, max_tokens, seconds."""
+    _check_sizes(shard_tokens, val_tokens, max_tokens)
+    source, out_dir = os.fspath(source), os.fspath(out_dir)
+    _check_out(out_dir, _local_paths(source))
+    pieces = source_pieces(source, hf_config, hf_split)
+    partial, lock = _partial_dir(out_dir)
+    try:
+        try:
+            record = _build(pieces, partial, get_tokenizer(tokenizer), shard_tokens, val_tokens, desc=source,
+                            max_tokens=max_tokens, tokenizer=tokenizer)
+        except BaseException:  # an error, Ctrl-C or SIGTERM (main): no part of the preparation is left
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+        try:
+            os.rename(partial, os.path.realpath(out_dir))  # replaces it only if it is an empty directory
+        except OSError as e:  # the finished work is kept: the user moves it
+            raise DataError(f"cannot move the finished shards to --out {out_dir} ({e.strerror}); they are complete "
+                            f"in {partial}: move that directory there yourself") from None
+    finally:
+        if lock is not None:
+            os.close(lock)
+    return record
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The embedded default corpus: the Python standard library's own sources
+
+STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "__pycache__"}
+CORPUS_VERSION = 1  # bump when the corpus recipe changes, so old caches are not reused
+CORPUS_VAL_TOKENS = 131_072
+CORPUS_SHARD_TOKENS = 1_000_000
+
+
+def stdlib_sources() -> list[str]:
+    """The standard library's .py files (no tests, no idlelib, no site-packages) in a fixed shuffled order,
+    so that the val split and each train shard sample the whole library rather than an alphabetical slice."""
+    files = []
+    for root, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirs[:] = [d for d in dirs if d not in STDLIB_SKIP_DIRS]
+        files += [os.path.join(root, n) for n in names if n.endswith(".py")]
+    files.sort()
+    random.Random(0).shuffle(files)
+    return files
+
+
+def default_corpus_dir(cache_dir=None, tokenizer: str = "gpt2") -> str:
+    """Where default_corpus keeps its shards: in cache_dir (default: <cache_root()>/corpus), keyed by Python
+    version and tokenizer. Only the path: nothing is built."""
+    root = os.fspath(cache_dir) if cache_dir is not None else os.path.join(cache_root(), "corpus")
+    return os.path.join(root, f"stdlib-v{CORPUS_VERSION}-py{platform.python_version()}-{tokenizer}")
+
+
+def default_corpus(cache_dir=None, tokenizer: str = "gpt2") -> str:
+    """The directory of the default corpus's shards (default_corpus_dir), built on first use and reused
+    afterwards."""
+    out = default_corpus_dir(cache_dir, tokenizer)
+    marker = os.path.join(out, CORPUS_MARKER)
+    if os.path.exists(marker):
+        return out
+    files = stdlib_sources()
+    if not files:
+        raise DataError(f"no Python sources under {sysconfig.get_paths()['stdlib']} for the default corpus")
+    enc = get_tokenizer(tokenizer)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+    except OSError as e:
+        raise DataError(f"cannot create the corpus cache {tmp} ({e.strerror}); set {CACHE_ENV}") from None
+    try:
+        stats = _build(file_pieces(files), tmp, enc, CORPUS_SHARD_TOKENS, CORPUS_VAL_TOKENS,
+                       desc=f"default corpus ({len(files)} stdlib files)", tokenizer=tokenizer)
+        stats.update(python=platform.python_version(), tokenizer=tokenizer, files=len(files))
+        atomic_write(os.path.join(tmp, CORPUS_MARKER), json.dumps(stats, indent=1).encode())
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.isdir(out) and not os.path.exists(marker):
+        shutil.rmtree(out, ignore_errors=True)  # a half-built cache, e.g. copied in part
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if not os.path.exists(marker):  # unless another process finished the same build first
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(
+        description="Tokenize a corpus into llm.c-format token shards: OUT/val_000000.bin and "
+                    "OUT/train_000000.bin, ..., and OUT/data.json (the tokenizer and the counts). Each document "
+                    "is preceded by the end-of-text token.")
+    parser.add_argument("--input", required=True, metavar="SRC",
+                        help="a text file (one document), a directory (its text-like, .jsonl and .parquet files, "
+                             "recursively), a quoted glob, a .jsonl or .parquet file with a 'text' field (one "
+                             "document per record), a directory written by datasets' save_to_disk (its 'text' "
+                             "column), or a Hugging Face hub dataset as owner/name or hf:name (streamed; set "
+                             "HF_HUB_OFFLINE=1 to use only the local HF cache)")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="output directory: new or empty, apart from --input; it appears only once the "
+                             "preparation is complete (until then the shards are in DIR.partial-PID)")
+    parser.add_argument("--tokenizer", default="gpt2",
+                        help="tiktoken encoding; gpt2 (default) works offline via the package index")
+    parser.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
+                        help="tokens per train shard (default: %(default)s)")
+    parser.add_argument("--val-tokens", type=int_or_auto, default="auto", metavar="N|auto",
+                        help=f"tokens for the validation shard, always the first ones. auto (default): "
+                             f"{VAL_PER_MILLE / 10:g}%% of the corpus, at least {MIN_VAL_TOKENS:,} (one eval "
+                             f"batch of 16 x 1,024, plus 1) and at most {MAX_VAL_TOKENS:,}, so a smaller "
+                             f"--max-tokens gives a prefix of a larger one's val split; N: the first N tokens")
+    parser.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                        help="stop after N tokens in all, val and train (a sample of a large dataset); the "
+                             "progress then shows N and an ETA (default: the whole input)")
+    parser.add_argument("--hf-config", metavar="NAME",
+                        help="the configuration (subset) of a Hugging Face hub dataset, e.g. sample-10BT")
+    parser.add_argument("--hf-split", metavar="SPLIT",
+                        help="the split of a Hugging Face dataset, on the hub or a save_to_disk DatasetDict "
+                             "(default: train)")
+    return parser
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so it stops a preparation the
+    same way: its threads end and its partial output is removed."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def main(argv=None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as e:
+        return report_error(e)
+    # Ctrl-C's own handler too, whatever the process had installed (train.py's start-up handler exits at once)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminate),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+    try:
+        val_tokens = None if args.val_tokens == "auto" else args.val_tokens
+        prepare(args.input, args.out, args.tokenizer, args.shard_tokens, val_tokens,
+                max_tokens=args.max_tokens, hf_config=args.hf_config, hf_split=args.hf_split)
+    except (UsageError, DataError, ValueError, OSError) as e:
+        return report_error(e)
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        print(f"{'terminated' if terminated else 'interrupted'}; nothing written to {args.out}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,272 @@
+"""The inputs of a preparation (prepare.py), as one stream of (text, starts_a_document) pieces.
+
+A text file is one document, read in pieces cut where tokenizing is unchanged; a .jsonl or .parquet file, a
+datasets save_to_disk directory or a Hugging Face hub dataset gives one document per record (its 'text'
+field). Directories and globs are read recursively, in sorted order. source_pieces checks a source before
+any work and reads it lazily.
+"""
+
+import codecs
+import glob
+import json
+import os
+import re
+import sys
+
+from cli import UsageError, first_line
+from tokenizer import DataError
+
+TEXT_CHUNK_CHARS = 1 << 20  # a large text file is read and tokenized this many characters at a time
+SNIFF_BYTES = 8192  # the start of a file that decides whether it is text
+# Signatures of compressed formats. No text file starts with one, and their bytes would tokenize as noise.
+COMPRESSED = {"gzip": rb"\x1f\x8b", "bzip2": rb"BZh[1-9]1AY&SY", "xz": rb"\xfd7zXZ\x00", "zstd": rb"\x28\xb5\x2f\xfd",
+              "zip": rb"PK\x03\x04"}
+HF_PREFIX = "hf:"
+
+
+def _safe_cut(text: str, start: int = 0) -> int:
+    """The index just after the last newline (at or after start) that has a non-space character before it and
+    a letter after it; 0 if there is none. No pre-token of tiktoken's encodings crosses such a newline, so
+    the two sides encode to the same ids separately as together."""
+    i = text.rfind("\n", start, len(text) - 1)
+    while i > 0:
+        if not text[i - 1].isspace() and text[i + 1].isalpha():
+            return i + 1
+        i = text.rfind("\n", start, i)
+    return 0
+
+
+def _count_in_file(path: str, pattern: bytes, block: int = 1 << 24) -> int:
+    """How often pattern occurs in the file's bytes, read a block at a time."""
+    count, tail = 0, b""
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            count += (tail + chunk).count(pattern)
+            tail = (tail + chunk)[1 - len(pattern):]  # too short to hold a whole match, so none counts twice
+    return count
+
+
+def _text_pieces(path: str):
+    """One text file as one document, read in pieces so a huge file never sits in memory whole. Invalid UTF-8
+    becomes U+FFFD, with one warning for the file."""
+    starts = True
+    rest = ""
+    replacements = 0  # U+FFFD read: one per invalid sequence, and those the file really holds
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while chunk := f.read(TEXT_CHUNK_CHARS):
+            replacements += chunk.count("\ufffd")
+            rest += chunk
+            if len(chunk) < TEXT_CHUNK_CHARS:
+                break  # a text read returns fewer characters only at the end of the file: the last piece
+            cut = _safe_cut(rest, start=max(len(rest) - len(chunk) - 1, 0))  # the older part has no cut
+            if cut:
+                yield rest[:cut], starts
+                starts, rest = False, rest[cut:]
+    if rest:
+        yield rest, starts
+    if replacements:  # rare, so only then is the file read again, to tell the two apart
+        invalid = replacements - _count_in_file(path, "\ufffd".encode())
+        if invalid:
+            print(f"warning: {path}: {invalid:,} invalid UTF-8 sequences replaced with U+FFFD, the first at line "
+                  f"{_first_invalid_line(path)}", file=sys.stderr)
+
+
+def _first_invalid_line(path: str, block: int = 1 << 24) -> int | None:
+    """The line (from 1) of the file's first invalid UTF-8 sequence, read a block at a time; None if it has none."""
+    decoder, line = codecs.getincrementaldecoder("utf-8")(), 1
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(block)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:  # e.object: the bytes held back from the last block, then this one
+                return line + e.object.count(b"\n", 0, e.start)
+            if not chunk:
+                return None
+            line += chunk.count(b"\n")
+
+
+def _text_of(record, where: str) -> str:
+    text = record.get("text") if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise DataError(f"{where}: record has no string 'text' field")
+    return text
+
+
+def _jsonl_pieces(path: str):
+    with open(path, "rb") as f:  # decoded a line at a time, so that invalid UTF-8 is reported at its line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not UTF-8 ({e.reason} at byte {e.start + 1} of the line)") from None
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
+                yield _text_of(record, f"{path}:{lineno}"), True
+
+
+def _parquet_pieces(path: str):
+    import pyarrow.parquet as pq  # only needed for parquet input
+
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:
+        raise DataError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
+    if "text" not in pf.schema_arrow.names:
+        raise DataError(f"{path}: parquet file has no 'text' column (columns: {pf.schema_arrow.names})")
+    for batch in pf.iter_batches(columns=["text"], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            yield _text_of({"text": text}, path), True
+
+
+def file_pieces(paths):
+    for path in paths:
+        if path.endswith(".jsonl"):
+            yield from _jsonl_pieces(path)
+        elif path.endswith(".parquet"):
+            yield from _parquet_pieces(path)
+        else:
+            yield from _text_pieces(path)
+
+
+def _not_text(path: str) -> str | None:
+    """Why path cannot be tokenized (it is compressed, binary, or part of a datasets save_to_disk directory),
+    or None when it can."""
+    if path.endswith(".parquet"):
+        return None
+    if path.endswith(".arrow"):
+        return "an Arrow file (datasets' save_to_disk writes these): pass its directory as --input"
+    directory = os.path.dirname(path) or "."
+    if os.path.basename(path) in SAVED_METADATA and saved_dataset_kind(os.listdir(directory)):
+        return f"the metadata of the datasets save_to_disk directory {directory}: pass the directory as --input"
+    with open(path, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    compressed = next((name for name, signature in COMPRESSED.items() if re.match(signature, head)), None)
+    if compressed:
+        return f"{compressed}-compressed; compressed input is not supported, decompress it first"
+    if b"\0" in head:
+        return f"a binary file (NUL bytes in its first {SNIFF_BYTES} bytes), not UTF-8 text"
+    return None
+
+
+def _files_under(directory: str) -> list[str]:
+    """Text-like, .jsonl and .parquet files under directory, recursively, sorted; hidden ones skipped, and so
+    are other files that are not text (.arrow files among them).
+
+    A datasets save_to_disk directory met here (inside a directory, or matched by a glob) is refused with a
+    DataError rather than skipped: its documents are in Arrow files, which are never read as text, and its
+    JSON metadata is no document either, so skipping it would leave its documents out without a word.
+    Given as --input on its own, it is read (_saved_pieces)."""
+    found = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        if kind := saved_dataset_kind(names):
+            raise DataError(f"{root}: a datasets save_to_disk directory ({kind}) within the input; its "
+                            f"documents are in Arrow files: pass it as --input on its own")
+        found += [os.path.join(root, n) for n in names if not n.startswith(".")]
+    return sorted(p for p in found if _not_text(p) is None)
+
+
+# The files of a datasets save_to_disk directory: a Dataset has these two (and data-*.arrow), a DatasetDict
+# has dataset_dict.json and one such Dataset directory per split.
+SAVED_DATASET = ("dataset_info.json", "state.json")
+SAVED_DATASET_DICT = "dataset_dict.json"
+SAVED_METADATA = {*SAVED_DATASET, SAVED_DATASET_DICT}
+
+
+def saved_dataset_kind(names) -> str | None:
+    """"DatasetDict" or "Dataset" when the file names of a directory are those datasets' save_to_disk
+    writes, else None. Pure: takes the listing, so a test needs no directory."""
+    names = set(names)
+    if SAVED_DATASET_DICT in names:
+        return "DatasetDict"
+    if set(SAVED_DATASET) <= names:
+        return "Dataset"
+    return None
+
+
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("reading a Hugging Face dataset needs the datasets package: pip install datasets") from None
+    return datasets
+
+
+def _saved_pieces(path: str, kind: str, split: str | None):
+    """The 'text' column of a save_to_disk directory (of --hf-split, default train, for a DatasetDict), read
+    with datasets.load_from_disk. The split and the column are checked now; the rows are read lazily."""
+    datasets = _import_datasets()
+    try:
+        ds = datasets.load_from_disk(path)
+    except Exception as e:
+        raise DataError(f"{path}: could not load the save_to_disk {kind} ({first_line(e)})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        split = split or "train"
+        if split not in ds:
+            raise DataError(f"{path}: no split {split!r} in this DatasetDict (splits: {', '.join(ds)}); "
+                            f"choose one with --hf-split")
+        ds, where = ds[split], f"{path} split {split}"
+    elif split:
+        raise UsageError(f"--hf-split {split}: {path} is a save_to_disk Dataset, a single split; drop --hf-split")
+    else:
+        where = path
+    if "text" not in ds.column_names:
+        raise DataError(f"{where}: no 'text' column (columns: {', '.join(ds.column_names)})")
+    return ((_text_of({"text": text}, where), True)
+            for batch in ds.select_columns(["text"]).iter(batch_size=1024) for text in batch["text"])
+
+
+def _hf_pieces(source: str, config: str | None = None, split: str = "train"):
+    """A Hugging Face hub dataset NAME (or NAME:CONFIG, the older spelling of --hf-config), its split, streamed.
+    Set HF_HUB_OFFLINE=1 to use only the local cache."""
+    datasets = _import_datasets()
+    name, _, named = source.removeprefix(HF_PREFIX).partition(":")
+    if named and config:
+        raise UsageError(f"--input {source} names the config {named!r} and --hf-config names {config!r}; "
+                         f"give it once, with --hf-config")
+    config = config or named or None
+    try:
+        ds = datasets.load_dataset(name, config, split=split, streaming=True)
+    except Exception as e:
+        what = f"{name!r}" + (f" (config {config!r}, split {split!r})" if config else f" (split {split!r})")
+        raise DataError(f"could not load Hugging Face dataset {what}: {first_line(e)}") from None
+    return ((_text_of(record, f"dataset {name}"), True) for record in ds)
+
+
+def _is_hf_name(source: str) -> bool:
+    if source.startswith(HF_PREFIX):
+        return True
+    # "owner/name[:config]", unless its first part exists here: then it is a mistyped local path.
+    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?", source)) and not os.path.exists(source.split("/")[0])
+
+
+def source_pieces(source, hf_config: str | None = None, hf_split: str | None = None):
+    """The (text, starts_a_document) pieces of a file, directory, glob, datasets save_to_disk directory or
+    Hugging Face hub dataset. Checks that the source exists now, before any work; reads lazily. hf_config
+    applies to a hub dataset, hf_split (default train) to a hub dataset or a save_to_disk DatasetDict."""
+    source = os.fspath(source)
+    if os.path.isdir(source) and (kind := saved_dataset_kind(os.listdir(source))):
+        if hf_config:
+            raise UsageError(f"--hf-config {hf_config}: {source} is a save_to_disk {kind}, which has no configs")
+        return _saved_pieces(source, kind, hf_split)
+    if os.path.isdir(source) or os.path.isfile(source) or any(c in source for c in "*?["):
+        if hf_config or hf_split:
+            flag = "--hf-config" if hf_config else "--hf-split"
+            raise UsageError(f"{flag} applies to Hugging Face datasets (a hub name or a save_to_disk "
+                             f"directory), not to {source}")
+        matches = [source] if os.path.exists(source) else sorted(glob.glob(source, recursive=True))
+        for path in matches:  # a file named or globbed must be text; a directory's other files are skipped
+            if not os.path.isdir(path) and (why := _not_text(path)):
+                raise DataError(f"{path}: {why}")
+        files = [f for m in matches for f in (_files_under(m) if os.path.isdir(m) else [m])]
+        if not files:
+            raise DataError(f"no text, .jsonl or .parquet files found in {source}")
+        return file_pieces(files)
+    if _is_hf_name(source):
+        return _hf_pieces(source, hf_config, hf_split or "train")
+    raise DataError(f"input {source} not found: expected a file, a directory, a glob, "
+                    f"or a Hugging Face dataset as owner/name or {HF_PREFIX}NAME")

@@ -1,0 +1,124 @@
+"""batch.py: how a step's batch is cut, how many steps a run takes, and what a resume keeps of both."""
+
+import math
+import re
+
+import pytest
+
+import batch
+import config
+from cli import UsageError
+from schedule import lr_multiplier
+
+
+# ----------------------------------------------------------------------------- the layout of a step
+
+
+def test_batch_layout_is_the_one_tokens_per_step():
+    cfg = config.parse_args(["--batch-size", "4", "--seq-len", "32", "--grad-accum", "3"])
+    layout = batch.batch_layout(cfg, world_size=2)
+    assert layout == batch.BatchLayout(micro_batch=4, seq_len=32, grad_accum=3, world_size=2)
+    assert layout.tokens_per_step == 4 * 32 * 3 * 2 and layout.sequences_per_rank == 12
+
+
+def test_a_smaller_micro_batch_keeps_the_global_batch():
+    layout = batch.BatchLayout(micro_batch=8, seq_len=16, grad_accum=2, world_size=1)
+    smaller = layout.with_micro_batch(4)
+    assert (smaller.micro_batch, smaller.grad_accum) == (4, 4)
+    assert smaller.tokens_per_step == layout.tokens_per_step
+
+
+def test_auto_batch_layout_derives_accumulation_from_the_probed_size():
+    cfg = config.parse_args(["--batch-size", "auto", "--total-batch-tokens", "4096", "--seq-len", "64"])
+    assert batch.per_rank_sequences(cfg, world_size=2) == 32
+    assert batch.batch_layout(cfg, world_size=2, micro_batch=8).grad_accum == 4
+
+
+def test_total_batch_tokens_derives_grad_accum():
+    cfg = config.parse_args(["--total-batch-tokens", "4096", "--batch-size", "4", "--seq-len", "256"])
+    assert batch.batch_layout(cfg).grad_accum == 4
+    assert batch.batch_layout(cfg, world_size=2).grad_accum == 2
+    with pytest.raises(UsageError, match="not a multiple"):
+        batch.batch_layout(cfg, world_size=3)
+
+
+def test_max_tokens_derives_max_steps():
+    cfg = config.parse_args(["--max-tokens", "10000"])
+    layout = batch.BatchLayout(micro_batch=32, seq_len=128, grad_accum=1, world_size=1)  # 4096 tokens a step
+    assert batch.max_steps(cfg, layout) == math.ceil(10000 / 4096)
+
+
+def test_batch_warmup_ramps_whole_micro_steps_to_the_full_batch():
+    steps = [batch.warmup_micro_steps(step, 8, 4, 0.25) for step in range(6)]
+    assert steps == [2, 4, 5, 7, 8, 8]  # 0.25, 0.4375, 0.625, 0.8125 of 8, rounded; then all of it
+    assert [batch.warmup_micro_steps(s, 3, 10, 0.01) for s in (0, 9, 10)] == [1, 3, 3]  # at least one
+    assert batch.warmup_micro_steps(0, 8, 0, 0.25) == 8  # off
+    layout = batch.BatchLayout(micro_batch=2, seq_len=16, grad_accum=8, world_size=2)
+    assert layout.at_step(1, 4, 0.25) == batch.BatchLayout(2, 16, 4, 2) and layout.at_step(4, 4, 0.25) is layout
+
+
+def test_batch_warmup_keeps_max_tokens_the_same_budget():
+    layout = batch.BatchLayout(micro_batch=1, seq_len=32, grad_accum=4, world_size=1)  # 32 tokens a micro-step
+    # Ramp: 1, 2, 3, 3 micro-steps (224 tokens short of 4 full steps), then 4 a step.
+    assert batch.steps_for_tokens(640, layout, 4, 0.25) == 7 and batch.steps_for_tokens(640, layout) == 5
+    assert batch.steps_for_tokens(64, layout, 4, 0.25) == 2  # the budget ends inside the ramp
+    cfg = config.parse_args(["--max-tokens", "640", "--batch-warmup-steps", "4", "--grad-accum", "4"])
+    assert batch.max_steps(cfg, layout) == 7
+
+
+# ----------------------------------------------------------------------------- resuming
+
+
+def test_resume_at_another_world_size_derives_grad_accum_or_refuses():
+    cfg = config.parse_args(["--batch-size", "4", "--seq-len", "32"])
+    saved = {"batch_tokens": 256, "world_size": 2, "train_config": config.to_dict(cfg)}
+    notes = []
+    one_rank = batch.batch_layout(cfg, world_size=1)
+    assert batch.resume_layout(cfg, one_rank, saved, notes.append).grad_accum == 2
+    assert "grad accumulation 1 -> 2 keeps the global batch of 256 tokens/step" in notes[0]
+    with pytest.raises(UsageError, match="not a whole number of micro-steps of 384 tokens"):
+        batch.resume_layout(cfg, batch.batch_layout(cfg, world_size=3), saved, notes.append)
+    # The same world size, a checkpoint that predates batch_tokens, or a batch changed on purpose: as asked.
+    assert batch.resume_layout(cfg, one_rank, {**saved, "world_size": 1}, notes.append) == one_rank
+    assert batch.resume_layout(cfg, one_rank, {"train_config": saved["train_config"]}, notes.append) == one_rank
+    bigger = config.parse_args(["--batch-size", "4", "--seq-len", "32", "--grad-accum", "4"])
+    layout = batch.batch_layout(bigger, world_size=1)
+    assert batch.resume_layout(bigger, layout, saved, notes.append) == layout
+    assert len(notes) == 1
+
+
+def lr_on_resume(saved_flags, flags, step, lr_scale=1.0, **meta):
+    """batch.resume_lr for the checkpoint at `step` of a run with saved_flags (its last LR multiplier as the
+    Checkpointer records it), resumed with flags."""
+    saved = config.parse_args(saved_flags)
+    s = saved.schedule
+    multiplier = lr_scale * lr_multiplier(step - 1, s.max_steps, s.warmup, s.schedule, s.min_lr_ratio, s.decay_frac)
+    meta = {"step": step, "lr_multiplier": multiplier, "lr_scale": lr_scale, "train_config": config.to_dict(saved),
+            **meta}
+    cfg = config.parse_args(flags)
+    return batch.resume_lr(cfg, meta, cfg.schedule.max_steps)
+
+
+def test_a_resume_that_changes_the_lr_schedule_says_what_it_does_and_refuses_a_rewarm():
+    extended = "the LR goes from 0.0006 at the checkpoint (step 20) to 0.00384 at the next step"
+    with pytest.raises(UsageError, match=f"^--resume: {re.escape(extended)}, up again after its decay had begun"):
+        lr_on_resume(["--max-steps", "20"], ["--max-steps", "24"], 20)  # a finished WSD run, 10% of its peak
+    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "24", "--allow-lr-rewarm"], 20) == f"note: {extended}"
+    with pytest.raises(UsageError, match="after its decay had begun"):  # cosine, halfway down, made longer
+        lr_on_resume(["--schedule", "cosine", "--max-steps", "100"], ["--schedule", "cosine", "--max-steps", "150"], 60)
+    with pytest.raises(UsageError, match="after its decay had begun"):  # a higher peak, mid-decay
+        lr_on_resume(["--max-steps", "20"], ["--max-steps", "20", "--lr", "2e-2"], 18)
+    # Told, not refused: in the warm-up, in the stable phase (a new peak there is no re-warm), after a rollback
+    # halved the LR, a lower LR mid-decay, and a rise within rounding.
+    assert lr_on_resume(["--max-steps", "2"], ["--max-steps", "3"], 2) == (
+        "note: the LR goes from 0.0008 at the checkpoint (step 2) to 0.0012 at the next step")
+    assert lr_on_resume(["--max-steps", "100"], ["--max-steps", "200", "--lr", "1e-2"], 50) == (
+        "note: the LR goes from 0.006 at the checkpoint (step 50) to 0.01 at the next step")
+    assert lr_on_resume(["--max-steps", "100"], ["--lr", "1e-2"], 50, lr_scale=0.5).endswith(
+        "from 0.003 at the checkpoint (step 50) to 0.005 at the next step")
+    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "24", "--lr", "5e-4"], 20).endswith(
+        "to 0.00032 at the next step")
+    assert not batch.is_rewarm(20, 15, 0.1, 6e-4, 1.005 * 6e-4) and batch.is_rewarm(20, 15, 0.1, 6e-4, 6.1e-4)
+    # Nothing the LR depends on changed, or a checkpoint from before the multiplier was recorded: nothing to say.
+    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "20", "--eval-interval", "5"], 20) is None
+    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "24"], 20, lr_multiplier=None) is None

@@ -1,0 +1,644 @@
+import errno
+import glob
+import gzip
+import hashlib
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import types
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import data
+import prepare
+import sources
+from cli import UsageError
+from data import DataError, ShardLoader, read_shard, write_shard
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EOT = 50256
+
+
+# ----------------------------------------------------------------------------------------------------------
+# prepare()
+
+
+DOCS = [
+    "Hello world.\nIt's a test, isn't it?  Two  spaces.\n",
+    "naïve café, ünïcödé: 日本語\n\n    indented\n\tend",
+    "x.\n/y  \nz 123\n",
+]
+
+
+def _all_tokens(out_dir):
+    shards = [n for n in os.listdir(out_dir) if n.endswith(".bin")]
+    names = sorted(shards, key=lambda n: (not n.startswith("val_"), n))  # val first
+    assert names[0] == "val_000000.bin" and all(n.startswith("train_") for n in names[1:])
+    return np.concatenate([read_shard(out_dir / n) for n in names]).tolist()
+
+
+def _expected(enc, docs):
+    return [t for doc in docs for t in [EOT] + enc.encode_ordinary(doc)]
+
+
+def _check(enc, out_dir, docs):
+    tokens = _all_tokens(out_dir)
+    assert tokens == _expected(enc, docs)
+    assert enc.decode(tokens) == "".join("<|endoftext|>" + d for d in docs)
+
+
+def test_prepare_text_file_in_pieces_equals_whole_file_encoding(gpt2, tmp_path, monkeypatch):
+    enc = gpt2[0]
+    rng = random.Random(0)
+    parts = ["foo", "Bar", ".", "/", " ", "  ", "\n", "\n\n", "'s", "12", "é", "\t", "x\ny", ".\nb", " \nc"]
+    text = "".join(rng.choice(parts) for _ in range(3000))
+    (tmp_path / "book.txt").write_text(text, encoding="utf-8")
+    monkeypatch.setattr(sources, "TEXT_CHUNK_CHARS", 16)  # many pieces, cut only where encoding is unchanged
+    assert len(list(sources._text_pieces(str(tmp_path / "book.txt")))) > 20
+    stats = prepare.prepare(tmp_path / "book.txt", tmp_path / "out", shard_tokens=500, val_tokens=100)
+    _check(enc, tmp_path / "out", [text])
+    assert stats["documents"] == 1 and stats["val_tokens"] == 100 and stats["train_shards"] > 2
+    assert all(len(read_shard(p)) == 500 for p in sorted((tmp_path / "out").glob("train_*"))[:-1])
+
+
+def test_prepare_directory_recursive_and_glob(gpt2, tmp_path):
+    src = tmp_path / "src"
+    (src / "b").mkdir(parents=True)
+    (src / "a.txt").write_text(DOCS[0])
+    (src / "b" / "c.md").write_text(DOCS[1])
+    (src / "b" / "d.txt").write_text(DOCS[2])
+    (src / "image.bin").write_bytes(b"\x89PNG\0\0binary")  # not text: skipped
+    (src / ".hidden.txt").write_text("skipped")
+    prepare.prepare(src, tmp_path / "dir", val_tokens=3)
+    _check(gpt2[0], tmp_path / "dir", DOCS)
+    prepare.prepare(str(src / "**" / "*.txt"), tmp_path / "glob", val_tokens=3)
+    _check(gpt2[0], tmp_path / "glob", [DOCS[0], DOCS[2]])
+
+
+def test_prepare_jsonl_and_parquet(gpt2, tmp_path):
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(DOCS)))
+    pq.write_table(pa.table({"text": DOCS, "id": [0, 1, 2]}), tmp_path / "docs.parquet")
+    prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "jsonl", val_tokens=5)
+    prepare.prepare(tmp_path / "docs.parquet", tmp_path / "parquet", val_tokens=5)
+    _check(gpt2[0], tmp_path / "jsonl", DOCS)
+    _check(gpt2[0], tmp_path / "parquet", DOCS)
+
+
+def test_prepare_hugging_face_dataset_streams_the_train_split(gpt2, tmp_path, monkeypatch):
+    calls = []
+
+    def load_dataset(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+        return iter({"text": d} for d in DOCS)
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    prepare.prepare("someone/corpus:small", tmp_path / "hf", val_tokens=5)
+    assert calls == [("someone/corpus", "small", "train", True)]
+    _check(gpt2[0], tmp_path / "hf", DOCS)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing", "not found"), ("mistyped-path", "not found"), ("empty-dir", "no text"), ("glob", "no text"),
+    ("out-under-file", "cannot create"), ("existing-shards", "already holds shards"),
+    ("too-few-tokens", "lower --val-tokens"), ("no-text-field", "doc.jsonl:2"),
+    ("not-utf8", "doc.jsonl:3: not UTF-8 (invalid start byte at byte 11 of the line)"),
+    ("binary", "image.png: a binary file"), ("binary-in-glob", "image.png: a binary file"),
+    ("compressed", "docs.jsonl.gz: gzip-compressed; compressed input is not supported")])
+def test_prepare_errors(gpt2, tmp_path, monkeypatch, case, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "doc.txt").write_text(DOCS[0])
+    (tmp_path / "empty").mkdir()
+    source, out = "doc.txt", "out"
+    if case == "missing":
+        source = "missing"
+    elif case == "mistyped-path":
+        source = "empty/missing"  # looks like owner/name, but "empty" is a local directory
+    elif case == "empty-dir":
+        source = "empty"
+    elif case == "glob":
+        source = "*.nothing"
+    elif case == "out-under-file":
+        (tmp_path / "file").write_text("")
+        out = "file/out"
+    elif case == "existing-shards":
+        write_shard(tmp_path / "empty" / "train_000000.bin", np.arange(10), 50257)
+        out = "empty"
+    elif case == "too-few-tokens":
+        pass
+    elif case == "no-text-field":
+        (tmp_path / "doc.jsonl").write_text('{"text": "ok"}\n{"body": "no"}\n')
+        source = "doc.jsonl"
+    elif case == "not-utf8":
+        (tmp_path / "doc.jsonl").write_bytes(b'{"text": "ok"}\n' * 2 + b'{"text": "\xff"}\n')
+        source = "doc.jsonl"
+    elif case.startswith("binary"):
+        (tmp_path / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+        source = "image.png" if case == "binary" else "*.*"
+    elif case == "compressed":
+        (tmp_path / "docs.jsonl.gz").write_bytes(gzip.compress(b'{"text": "ok"}\n'))
+        source = "docs.jsonl.gz"
+    with pytest.raises(DataError) as e:
+        prepare.prepare(source, out, val_tokens=10_000 if case == "too-few-tokens" else 1)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_invalid_utf8_is_replaced_with_one_warning_per_file(gpt2, tmp_path, monkeypatch, capsys):
+    # Four invalid sequences (the last a character cut short), and one U+FFFD that is really in the file.
+    raw = b"caf\xe9 ok\n" + "\ufffd is fine\n".encode() + b"\xff\xfe end \xe2\x82\n"
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_bytes(raw * 3)
+    (tmp_path / "src" / "b.txt").write_text(DOCS[0])
+    monkeypatch.setattr(sources, "TEXT_CHUNK_CHARS", 8)  # counted across many pieces
+    prepare.prepare(tmp_path / "src", tmp_path / "out", val_tokens=1)
+    _check(gpt2[0], tmp_path / "out", [(raw * 3).decode(errors="replace"), DOCS[0]])
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [f"warning: {tmp_path / 'src' / 'a.txt'}: 12 invalid UTF-8 sequences replaced with U+FFFD, "
+                        "the first at line 1"]
+    assert sources._first_invalid_line(str(tmp_path / "src" / "b.txt")) is None
+    (tmp_path / "late.txt").write_bytes("é\n".encode() * 5 + b"ok \xe2\x82")  # a character cut short at the end
+    assert all(sources._first_invalid_line(str(tmp_path / "late.txt"), block) == 6 for block in (1, 2, 3, 64))
+
+
+def _reference_shards(enc, docs, shard_tokens, val_tokens):
+    """The shard files prepare must write, made the plain way: encode_ordinary per document, the EOT token
+    before each non-empty one, the first val_tokens tokens to val, the rest in train shards of shard_tokens."""
+    tokens = np.array([t for doc in docs if doc for t in [EOT] + enc.encode_ordinary(doc)], dtype="<u2")
+    splits = {"val_000000.bin": tokens[:val_tokens]}
+    for i, start in enumerate(range(val_tokens, len(tokens), shard_tokens)):
+        splits[f"train_{i:06d}.bin"] = tokens[start:start + shard_tokens]
+    return {name: struct.pack("<256i", 20240520, 1, len(t), *[0] * 253) + t.tobytes() for name, t in splits.items()}
+
+
+@pytest.mark.parametrize("batch_chars, chars_in_flight", [(40, 100), (None, None)])
+def test_prepare_shards_are_byte_identical_to_a_plain_reference(gpt2, tmp_path, monkeypatch, batch_chars,
+                                                                 chars_in_flight):
+    # Pipelined encoding (small batches, many in flight, written by another thread) changes nothing on disk.
+    rng = random.Random(1)
+    words = ["the", " cat", "Über", "日本語", "\n", "  ", "\t", "'s", "42", ".", "<|endoftext|>", "\ud800", "é"]
+    docs = ["".join(rng.choice(words) for _ in range(rng.randrange(0, 300))) for _ in range(60)]  # JSON: surrogates
+    docs[5] = ""  # an empty document: skipped
+    book = "".join(rng.choice(["word", " ", "\n", ".\n", "x\ny", "ü"]) for _ in range(5000))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "src" / "b.txt").write_text(book, encoding="utf-8")
+    monkeypatch.setattr(sources, "TEXT_CHUNK_CHARS", 64)  # the book in many pieces
+    if batch_chars:
+        monkeypatch.setattr(prepare, "ENCODE_BATCH_CHARS", batch_chars)
+        monkeypatch.setattr(prepare, "ENCODE_CHARS_PER_THREAD", chars_in_flight)
+    prepare.prepare(tmp_path / "src", tmp_path / "out", shard_tokens=997, val_tokens=300)
+    written = {p.name: p.read_bytes() for p in (tmp_path / "out").glob("*.bin")}
+    expected = _reference_shards(gpt2[0], docs + [book], shard_tokens=997, val_tokens=300)
+    assert len(expected) > 5 and written == expected
+
+
+@pytest.mark.parametrize("failing", ["reader", "writer"])
+def test_prepare_error_midway_leaves_no_thread_running(gpt2, tmp_path, monkeypatch, failing):
+    # default_corpus deletes its directory after an error: nothing may still be encoding or writing into it.
+    lines = [json.dumps({"text": DOCS[0] * 5})] * 200 + ['{"body": "no text"}']
+    (tmp_path / "doc.jsonl").write_text("\n".join(lines) + "\n")
+    monkeypatch.setattr(prepare, "ENCODE_BATCH_CHARS", 100)
+    monkeypatch.setattr(prepare, "ENCODE_CHARS_PER_THREAD", 200)
+    written, real_write_shard = [], prepare.write_shard
+
+    def write_shard(path, tokens, vocab_size):
+        if failing == "writer" and len(written) == 10:
+            raise DataError("disk full")
+        written.append(path)
+        real_write_shard(path, tokens, vocab_size)
+
+    monkeypatch.setattr(prepare, "write_shard", write_shard)
+    with pytest.raises(DataError, match="doc.jsonl:201" if failing == "reader" else "disk full"):
+        prepare.prepare(tmp_path / "doc.jsonl", tmp_path / "out", shard_tokens=100, val_tokens=10)
+    assert len(written) >= 10  # shards were being written when it failed
+    assert os.listdir(tmp_path) == ["doc.jsonl"]  # and none is left: no --out, no partial directory
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("tokenizer", "shard-writer"))]
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_a_stopped_preparation_leaves_nothing_and_the_rerun_completes(gpt2, tmp_path, monkeypatch, capsys, stop):
+    """A signal while shards are being written: one line, 128 + the signal's number, no --out and no partial
+    directory. The rerun completes, into an empty --out too; a partial directory that no live process holds
+    (a killed run's) is removed, one that is held is left alone."""
+    docs = _corpus(tmp_path, 60)
+    args = ["--input", str(tmp_path / "docs.jsonl"), "--out", str(tmp_path / "out"), "--shard-tokens", "997",
+            "--val-tokens", "100"]
+    real_write_shard = prepare.write_shard
+
+    def write_shard(path, tokens, vocab_size):  # runs in the writer thread; the signal reaches the main one
+        if path.endswith("train_000003.bin"):
+            os.kill(os.getpid(), getattr(signal, stop))
+        real_write_shard(path, tokens, vocab_size)
+
+    def escaped(*args):  # a signal that prepare.main leaves unhandled fails this test, not the whole session
+        raise AssertionError("the signal escaped prepare.main")
+
+    monkeypatch.setattr(prepare, "write_shard", write_shard)
+    previous = signal.signal(signal.SIGTERM, escaped)
+    try:
+        code = prepare.main(args)
+    except KeyboardInterrupt:
+        code = "KeyboardInterrupt"
+    finally:
+        handler = signal.signal(signal.SIGTERM, previous)
+    assert code == 128 + getattr(signal, stop) and handler == escaped  # prepare.main's own handler is gone
+    assert capsys.readouterr().err.splitlines()[-1:] == [
+        f"{'interrupted' if stop == 'SIGINT' else 'terminated'}; nothing written to {tmp_path / 'out'}"]
+    assert os.listdir(tmp_path) == ["docs.jsonl"]
+    assert not [t.name for t in threading.enumerate() if t.name.startswith(("tokenizer", "shard-writer"))]
+
+    monkeypatch.setattr(prepare, "write_shard", real_write_shard)
+    for pid in (1, 99999999):
+        (tmp_path / f"out.partial-{pid}").mkdir()
+        write_shard(str(tmp_path / f"out.partial-{pid}" / "train_000000.bin"), np.arange(10), 50257)
+    held = prepare._lock(str(tmp_path / "out.partial-1"))  # as a running preparation holds its own
+    (tmp_path / "out").mkdir()  # an empty --out is taken too
+    try:
+        assert prepare.main(args) == 0
+    finally:
+        os.close(held)
+    assert f"data: removed {tmp_path / 'out.partial-99999999'}" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "out", "out.partial-1"]
+    _check(gpt2[0], tmp_path / "out", docs)
+
+
+@pytest.mark.parametrize("case, error, words", [
+    ("user-file", DataError, "--out out is not empty (it holds data.json); choose a new or empty directory"),
+    ("prepared", DataError, "out already holds shards (train_000000.bin, ...)"),
+    ("input-file", UsageError, "--out src/a.txt is the input src/a.txt"),
+    ("input-dir", UsageError, "--out src is the input src"),
+    ("inside-input", UsageError, "--out src/shards is inside the input src"),
+    ("holds-input", UsageError, "--out out holds the input out/b.txt"),
+    ("glob", UsageError, "--out out holds the input out/b.txt")])
+def test_out_must_be_new_or_empty_and_apart_from_the_input(tmp_path, monkeypatch, case, error, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text(DOCS[0])
+    (tmp_path / "out").mkdir()
+    source, out = "src", "out"
+    if case == "user-file":
+        (tmp_path / "out" / "data.json").write_text('{"mine": true}')
+    elif case == "prepared":
+        write_shard(tmp_path / "out" / "train_000000.bin", np.arange(10), 50257)
+    elif case.startswith("input"):
+        source = out = "src/a.txt" if case == "input-file" else "src"
+    elif case == "inside-input":
+        out = "src/shards"
+    else:
+        (tmp_path / "out" / "b.txt").write_text(DOCS[1])
+        source = "out/b.txt" if case == "holds-input" else "*/b.txt"
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(error) as e:
+        prepare.prepare(source, out, val_tokens=1)
+    assert str(e.value).startswith(words) and "\n" not in str(e.value)
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing written or lost
+    assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat("/dev").st_dev,
+                    reason="needs /dev/shm mounted apart from /dev")
+def test_an_out_that_is_a_mount_point_is_refused_before_anything_is_read(tmp_path):
+    (tmp_path / "a.txt").write_text(DOCS[0])
+    with pytest.raises(UsageError, match="--out /dev/shm is a mount point"):
+        prepare.prepare(str(tmp_path / "a.txt"), "/dev/shm", val_tokens=1)
+
+
+def test_a_finished_preparation_that_cannot_be_moved_into_place_is_kept(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text(DOCS[0])
+
+    def busy(src, dst):
+        raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+
+    monkeypatch.setattr(prepare.os, "rename", busy)
+    with pytest.raises(DataError, match="they are complete in") as e:
+        prepare.prepare(str(tmp_path / "a.txt"), str(tmp_path / "out"), val_tokens=1)
+    kept = str(e.value).split("they are complete in ")[1].split(":")[0]
+    assert sorted(os.listdir(kept)) == ["data.json", "train_000000.bin", "val_000000.bin"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--shard-tokens", "0"], "--shard-tokens must be in [1, 2,146,483,648) under --val-tokens auto, got 0"),
+    (["--shard-tokens", "2147000000"], "--shard-tokens must be in [1, 2,146,483,648) under --val-tokens auto"),
+    (["--shard-tokens", "0", "--val-tokens", "5"], "--shard-tokens must be in [1, 2,147,483,648), got 0"),
+    (["--val-tokens", "-1"], "--val-tokens must be auto or in [0, 2**31), got -1")])
+def test_cli_size_errors_name_the_flag(tmp_path, capsys, flags, message):
+    assert prepare.main(["--input", "missing", "--out", str(tmp_path / "out"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# --val-tokens auto and --max-tokens
+
+
+def _corpus(tmp_path, n_docs, seed=0) -> list[str]:
+    """n_docs documents of 50 to 400 words (about a token each) in tmp_path/docs.jsonl."""
+    rng = random.Random(seed)
+    words = ["the", " cat", " sat", ".", "\n", " on", " 42", " mat", ",", " é", " Über"]
+    docs = ["".join(rng.choice(words) for _ in range(rng.randrange(50, 400))) for _ in range(n_docs)]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    return docs
+
+
+def test_default_val_tokens_rule():
+    assert prepare.MIN_VAL_TOKENS == 16 * 1024 + 1 and prepare.MAX_VAL_TOKENS == 1_000_000
+    assert prepare.default_val_tokens(50_000) == prepare.MIN_VAL_TOKENS  # 0.5% is 250: one eval batch instead
+    assert prepare.default_val_tokens(3_277_000) == 16_385  # where 0.5% takes over
+    assert prepare.default_val_tokens(10_000_000) == 50_000  # 0.5%
+    assert prepare.default_val_tokens(200_000_000) == 1_000_000
+    assert prepare.default_val_tokens(2_500_000_000) == prepare.default_val_tokens(10**12) == 1_000_000  # the cap
+
+
+def test_prepare_with_default_args_keeps_the_first_tokens_of_a_small_corpus_for_val(gpt2, tmp_path, capsys):
+    docs = _corpus(tmp_path, 220)
+    stats = prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "out")  # under 1M tokens: refused before auto
+    expected = _expected(gpt2[0], docs)
+    assert 40_000 < len(expected) < 60_000
+    assert stats["val_tokens"] == prepare.default_val_tokens(len(expected)) == prepare.MIN_VAL_TOKENS
+    assert read_shard(tmp_path / "out" / "val_000000.bin").tolist() == expected[:prepare.MIN_VAL_TOKENS]
+    assert _all_tokens(tmp_path / "out") == expected
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("data: 220 documents") and line.endswith(
+        "val: first 16,385 tokens (the least: one eval batch of 16 x 1,024, plus 1; "
+        f"{16_385 / len(expected):.1%} of the corpus, --val-tokens auto)")
+    record = json.loads((tmp_path / "out" / data.DATA_RECORD).read_text())
+    assert {k: record[k] for k in ("tokenizer", "n_vocab", "eot", "documents", "tokens", "val_tokens",
+                                   "train_tokens", "val_from")} == {
+        "tokenizer": "gpt2", "n_vocab": 50257, "eot": EOT, "documents": 220, "tokens": len(expected),
+        "val_tokens": 16_385, "train_tokens": len(expected) - 16_385, "val_from": "start"}
+
+
+def test_auto_val_writes_train_shards_as_it_goes_and_takes_val_from_the_start(gpt2, tmp_path, monkeypatch, capsys):
+    """Bounds made small so that a small corpus meets each rule: 0.5%, then the cap. Train shards are written
+    while streaming, from the held first MAX_VAL_TOKENS on; val is the first tokens, and what it leaves of the
+    held ones opens the first train shard."""
+    docs = _corpus(tmp_path, 60)
+    expected = _expected(gpt2[0], docs)
+    monkeypatch.setattr(prepare, "MIN_VAL_TOKENS", 10)
+    for cap, out in [(150, "share"), (40, "cap")]:
+        monkeypatch.setattr(prepare, "MAX_VAL_TOKENS", cap)
+        stats = prepare.prepare(tmp_path / "docs.jsonl", tmp_path / out, shard_tokens=997)
+        val = min(cap, len(expected) * 5 // 1000)
+        assert stats["val_tokens"] == val and (val == 40) == (out == "cap")
+        assert read_shard(tmp_path / out / "val_000000.bin").tolist() == expected[:val]
+        assert _all_tokens(tmp_path / out) == expected
+        sizes = [len(read_shard(p)) for p in sorted((tmp_path / out).glob("train_*"))]
+        assert len(sizes) > 5 and sizes[0] == 997 + cap - val and set(sizes[1:-1]) == {997} and 0 < sizes[-1] <= 997
+        reason = "0.5% of the corpus" if out == "share" else f"the cap; {40 / len(expected):.2%} of the corpus"
+        assert capsys.readouterr().out.strip().endswith(f"val: first {val:,} tokens ({reason}, --val-tokens auto)")
+    prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "explicit", shard_tokens=997, val_tokens=300)
+    assert read_shard(tmp_path / "explicit" / "val_000000.bin").tolist() == expected[:300]  # the first N
+    assert capsys.readouterr().out.strip().endswith("; val: first 300 tokens (--val-tokens 300)")
+
+
+def test_auto_val_refuses_a_corpus_too_small_to_leave_train_tokens(gpt2, tmp_path):
+    (tmp_path / "doc.txt").write_text(DOCS[0] * 100)
+    with pytest.raises(DataError) as e:
+        prepare.prepare(tmp_path / "doc.txt", tmp_path / "out")
+    assert "--val-tokens auto keeps at least 16,385 for val" in str(e.value) and "\n" not in str(e.value)
+    assert not list((tmp_path / "out").glob("*.bin"))
+
+
+def test_max_tokens_cuts_at_the_exact_count(gpt2, tmp_path, monkeypatch, capsys):
+    docs = _corpus(tmp_path, 60)
+    expected = _expected(gpt2[0], docs)[:5000]
+    stats = prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "explicit", shard_tokens=997, val_tokens=100,
+                         max_tokens=5000)
+    assert _all_tokens(tmp_path / "explicit") == expected
+    assert stats["tokens"] == 5000 and stats["val_tokens"] == 100 and stats["documents"] == expected.count(EOT)
+    captured = capsys.readouterr()
+    assert "5,000/5,000 tok" in captured.err  # the progress knows the total: a count out of it, and an ETA
+    assert ", cut at --max-tokens 5,000; val: first 100 tokens" in captured.out
+    monkeypatch.setattr(prepare, "MIN_VAL_TOKENS", 10)
+    stats = prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "auto", shard_tokens=997, max_tokens=5000)
+    assert _all_tokens(tmp_path / "auto") == expected and stats["val_tokens"] == 25  # 0.5% of 5,000
+    prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "all", val_tokens=100, max_tokens=10**9)
+    assert "all of it (fewer than --max-tokens 1,000,000,000)" in capsys.readouterr().out
+
+
+def test_auto_val_is_the_same_prefix_under_any_max_tokens(gpt2, tmp_path, monkeypatch):
+    """The rule scaled down (at least 10, at most 40: saturated from 8,000 tokens on): a smaller cap's val split
+    is a prefix of a larger cap's, every cap from saturation on gives the identical val shard, and train
+    starts right after val whether train shards were written while streaming (shards of 997) or not."""
+    expected = _expected(gpt2[0], _corpus(tmp_path, 60))
+    assert len(expected) > 12_000
+    monkeypatch.setattr(prepare, "MIN_VAL_TOKENS", 10)
+    monkeypatch.setattr(prepare, "MAX_VAL_TOKENS", 40)
+    vals = {}
+    for cap, shard_tokens in [(3000, 997), (9000, 997), (12_000, 997), (None, 997), (9000, 10**6)]:
+        out = tmp_path / f"{cap}-{shard_tokens}"
+        prepare.prepare(tmp_path / "docs.jsonl", out, shard_tokens=shard_tokens, max_tokens=cap)
+        vals[cap, shard_tokens] = (out / "val_000000.bin").read_bytes()
+        assert _all_tokens(out) == expected[:cap]
+    assert read_shard(tmp_path / "3000-997" / "val_000000.bin").tolist() == expected[:15]  # 0.5% of 3,000
+    assert len({vals[key] for key in vals if key[0] != 3000}) == 1  # at or past saturation: 40 tokens
+    prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "explicit", shard_tokens=10**6, val_tokens=40, max_tokens=9000)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "explicit").glob("*.bin")} == {
+        p.name: p.read_bytes() for p in (tmp_path / "9000-1000000").glob("*.bin")}
+
+
+def test_max_tokens_that_leave_no_train_tokens_are_refused(gpt2, tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text(DOCS[0])
+    for kwargs, words in [({"val_tokens": 100, "max_tokens": 100}, "(100 tokens)"),
+                          ({"max_tokens": 16_385}, "(16,385 tokens, the least of --val-tokens auto)")]:
+        with pytest.raises(ValueError, match="leaves no train tokens after the val split " + re.escape(words)):
+            prepare.prepare(tmp_path / "doc.txt", tmp_path / "out", **kwargs)
+    assert prepare.main(["--input", str(tmp_path / "doc.txt"), "--out", str(tmp_path / "out"),
+                      "--max-tokens", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --max-tokens 0 leaves no train tokens") and err.count("\n") == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Hugging Face datasets: the hub (--hf-config, --hf-split) and save_to_disk directories
+
+
+def test_hf_config_and_split_reach_load_dataset(gpt2, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    calls = []
+
+    def load_dataset(name, config, split, streaming):
+        calls.append((name, config, split, streaming))
+        return iter({"text": d} for d in DOCS)
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    assert prepare.main(["--input", "HuggingFaceFW/fineweb-edu", "--hf-config", "sample-10BT", "--hf-split",
+                      "validation", "--out", str(tmp_path / "cli"), "--val-tokens", "5"]) == 0
+    prepare.prepare("hf:corpus", tmp_path / "plain", val_tokens=5)
+    prepare.prepare("someone/corpus:small", tmp_path / "colon", val_tokens=5)  # the older spelling still works
+    assert calls == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "validation", True),
+                     ("corpus", None, "train", True), ("someone/corpus", "small", "train", True)]
+    _check(gpt2[0], tmp_path / "cli", DOCS)
+    capsys.readouterr()
+    (tmp_path / "doc.txt").write_text(DOCS[0])
+    for args, words in [(["--input", "someone/corpus:small", "--hf-config", "big"], "give it once, with --hf-config"),
+                        (["--input", str(tmp_path / "doc.txt"), "--hf-split", "test"],
+                         "--hf-split applies to Hugging Face datasets")]:
+        assert prepare.main([*args, "--out", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1, err
+    assert len(calls) == 3
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """save_to_disk directories: a Dataset of DOCS, a DatasetDict (train: DOCS, validation: reversed), and a
+    Dataset without a 'text' column."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    root = tmp_path_factory.mktemp("saved")
+    datasets.Dataset.from_dict({"text": DOCS, "id": [0, 1, 2]}).save_to_disk(str(root / "ds"))
+    splits = {"train": datasets.Dataset.from_dict({"text": DOCS}),
+              "validation": datasets.Dataset.from_dict({"text": DOCS[::-1]})}
+    datasets.DatasetDict(splits).save_to_disk(str(root / "dd"))
+    datasets.Dataset.from_dict({"body": DOCS, "id": [0, 1, 2]}).save_to_disk(str(root / "notext"))
+    return root
+
+
+def test_prepare_save_to_disk_directories(gpt2, tmp_path, saved):
+    prepare.prepare(saved / "ds", tmp_path / "ds", val_tokens=5)
+    _check(gpt2[0], tmp_path / "ds", DOCS)
+    prepare.prepare(saved / "dd", tmp_path / "dd", val_tokens=5)  # the train split by default
+    _check(gpt2[0], tmp_path / "dd", DOCS)
+    prepare.prepare(saved / "dd", tmp_path / "validation", val_tokens=5, hf_split="validation")
+    _check(gpt2[0], tmp_path / "validation", DOCS[::-1])
+    prepare.prepare(saved / "dd" / "validation", tmp_path / "one-split", val_tokens=5)  # a split's own directory
+    _check(gpt2[0], tmp_path / "one-split", DOCS[::-1])
+
+
+@pytest.mark.parametrize("source, kwargs, error, words", [
+    ("dd", {"hf_split": "test"}, DataError, "no split 'test' in this DatasetDict (splits: train, validation)"),
+    ("notext", {}, DataError, "no 'text' column (columns: body, id)"),
+    ("ds", {"hf_split": "train"}, UsageError, "is a save_to_disk Dataset, a single split; drop --hf-split"),
+    ("dd", {"hf_config": "x"}, UsageError, "is a save_to_disk DatasetDict, which has no configs"),
+    ("nested", {}, DataError, "a datasets save_to_disk directory (Dataset) within the input"),
+    ("ds/*", {}, DataError, "an Arrow file (datasets' save_to_disk writes these): pass its directory"),
+    ("ds/state.json", {}, DataError, "the metadata of the datasets save_to_disk directory"),
+])
+def test_save_to_disk_mistakes_are_one_line(gpt2, tmp_path, saved, source, kwargs, error, words):
+    if source == "nested":  # text files beside a save_to_disk directory: its documents would be left out
+        source = tmp_path / "corpus"
+        shutil.copytree(saved / "ds", source / "hf")
+        (source / "a.txt").write_text(DOCS[0])
+    else:
+        source = str(saved / source)
+    with pytest.raises(error) as e:
+        prepare.prepare(source, tmp_path / "out", val_tokens=5, **kwargs)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_arrow_files_in_a_text_directory_are_skipped(gpt2, tmp_path, saved):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text(DOCS[0])
+    shutil.copyfile(next((saved / "ds").glob("*.arrow")), tmp_path / "src" / "stray.arrow")
+    prepare.prepare(tmp_path / "src", tmp_path / "out", val_tokens=3)
+    _check(gpt2[0], tmp_path / "out", [DOCS[0]])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Default corpus
+
+
+def test_stdlib_sources_are_the_library_without_tests():
+    files = prepare.stdlib_sources()
+    assert files == prepare.stdlib_sources() and 300 < len(files) < 3000
+    assert all(f.endswith(".py") for f in files)
+    parts = {p for f in files for p in f.split(os.sep)}
+    assert not parts & {"test", "tests", "idlelib", "site-packages"}
+    assert any(f.endswith(os.sep + "os.py") for f in files)
+
+
+def test_default_corpus_is_built_once_and_rebuilt_when_incomplete(gpt2, tmp_path, monkeypatch):
+    small = [f for f in prepare.stdlib_sources() if 2000 < os.path.getsize(f) < 6000][:6]
+    monkeypatch.setattr(prepare, "stdlib_sources", lambda: small)
+    monkeypatch.setattr(prepare, "CORPUS_VAL_TOKENS", 200)
+    monkeypatch.setattr(prepare, "CORPUS_SHARD_TOKENS", 1000)
+    path = prepare.default_corpus(tmp_path)
+    assert os.path.dirname(path) == str(tmp_path) and "gpt2" in os.path.basename(path)
+    texts = [open(f, encoding="utf-8").read() for f in small]
+    assert _all_tokens(tmp_path / os.path.basename(path)) == _expected(gpt2[0], texts)
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("rebuilt a complete cache")
+
+    with monkeypatch.context() as m:
+        m.setattr(prepare, "_build", no_rebuild)
+        assert prepare.default_corpus(tmp_path) == path
+    os.remove(os.path.join(path, data.CORPUS_MARKER))  # as if a build had stopped half way
+    open(os.path.join(path, "train_000000.bin"), "wb").close()
+    assert prepare.default_corpus(tmp_path) == path
+    assert _all_tokens(tmp_path / os.path.basename(path)) == _expected(gpt2[0], texts)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]  # no temporary directory left
+    assert data.data_record(path)["n_vocab"] == 50257 and data.check_vocab(151_936, path) is not None
+
+
+@pytest.fixture(scope="module")
+def stdlib_corpus(gpt2, tmp_path_factory):
+    """The default corpus, really built, into a cache of its own."""
+    return prepare.default_corpus(tmp_path_factory.mktemp("cache"))
+
+
+def test_default_corpus_real_build(stdlib_corpus):
+    path = stdlib_corpus
+    meta = json.load(open(os.path.join(path, data.CORPUS_MARKER)))
+    assert meta["tokens"] > 2_000_000 and meta["train_shards"] >= 3 and meta["val_tokens"] == 131_072
+    loader = ShardLoader(path, "train", batch_size=2, seq_len=64, prefetch=0)
+    x, y = next(loader)
+    assert x.shape == (2, 64) and int(x.max()) < 50257
+
+
+# The sha256 of the default corpus's shards (each name, then its bytes, in name order) per Python version, as
+# the corpus is that version's standard library.
+STDLIB_CORPUS_SHA256 = {"3.11.7": "152cbdd14fe86653f1cfdaa32918371565208c0b43b6eab5d7742a62f949d4d0"}
+
+
+def test_default_corpus_shards_are_pinned(stdlib_corpus):
+    if platform.python_version() not in STDLIB_CORPUS_SHA256:
+        pytest.skip(f"no digest recorded for Python {platform.python_version()}'s standard library")
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(stdlib_corpus, "*.bin"))):
+        digest.update(os.path.basename(path).encode())
+        digest.update(open(path, "rb").read())
+    assert digest.hexdigest() == STDLIB_CORPUS_SHA256[platform.python_version()]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _cli(*args, cwd, env=None):
+    return subprocess.run([sys.executable, os.path.join(REPO, "prepare.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_missing_input_exits_2_with_one_line(tmp_path):
+    r = _cli("--input", "missing", "--out", "x", cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and r.stderr.count("\n") == 1
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_help_documents_every_flag(tmp_path):
+    r = _cli("--help", cwd=tmp_path)
+    assert r.returncode == 0
+    for flag in ["--input", "--out", "--tokenizer", "--shard-tokens", "--val-tokens", "auto", "--max-tokens",
+                 "--hf-config", "--hf-split", "save_to_disk", "HF_HUB_OFFLINE"]:
+        assert flag in r.stdout
+
+
+def test_cli_writes_shards(gpt2, tmp_path):
+    (tmp_path / "doc.txt").write_text(DOCS[0] * 20)
+    env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(gpt2[1]))
+    r = _cli("--input", "doc.txt", "--out", "out", "--val-tokens", "7", "--shard-tokens", "100", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    _check(gpt2[0], tmp_path / "out", [DOCS[0] * 20])

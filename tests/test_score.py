@@ -1,0 +1,137 @@
+"""score.py: the same figures from training, from a checkpoint and from an export; its refusals in one line."""
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import checkpoint
+import hf
+import score
+import train
+from cli import UsageError
+from conftest import REPO, TINY_FLAGS, gpt2_model, write_tiny_shards
+
+FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.jsonl")
+
+
+def run_score(capsys, *args) -> str:
+    assert score.main(list(args)) == 0
+    return capsys.readouterr().out
+
+
+def test_training_checkpoint_and_export_agree(tmp_path, tiny_data, capsys):
+    """A tiny GPT-2-vocabulary run logs val_bpb and hellaswag_acc; score.py gives the same figures from its
+    checkpoint and from its Hugging Face export."""
+    out = tmp_path / "out"
+    flags = list(TINY_FLAGS)
+    flags[flags.index("--vocab-size") + 1] = "50257"
+    train.main(["--data", tiny_data, "--out-dir", str(out), *flags, "--max-steps", "3", "--warmup", "1",
+                "--eval-interval", "3", "--eval-tokens", "256", "--eval-hellaswag", "8",
+                "--hellaswag-path", FIXTURE, "--dtype", "fp32", "--device", "cpu"])
+    err = capsys.readouterr().err
+    with open(out / "metrics.jsonl") as f:
+        record = [json.loads(line) for line in f][-1]
+    assert re.search(r"step 3: train loss [\d.]+, val loss [\d.]+, val bpb [\d.]+, hellaswag [\d.]+ \(sum", err)
+    # The tiny shards' ids 0..255 are GPT-2's single-byte tokens: bits per byte is the loss in bits.
+    assert record["val_bpb"] == pytest.approx(record["val_loss"] / math.log(2), rel=1e-6)
+    n = 8
+    ckpt = str(out / "ckpt_00000003.pt")
+    assert hf.main(["--ckpt", ckpt, "--out", str(tmp_path / "hf")]) == 0
+    for model_path in (ckpt, str(tmp_path / "hf")):
+        text = run_score(capsys, "--ckpt", model_path, "--task", "hellaswag", "--hellaswag-path", FIXTURE,
+                        "--device", "cpu")
+        right = int(re.search(r"hellaswag_acc +[\d.]+ \((\d+)/8", text).group(1))
+        right_sum = int(re.search(r"hellaswag_acc_sum +[\d.]+ \((\d+)/8", text).group(1))
+        assert (right / n, right_sum / n) == (record["hellaswag_acc"], record["hellaswag_acc_sum"])
+    # Training's micro-batch (4) and eval tokens (256): the same val windows.
+    text = run_score(capsys, "--ckpt", str(tmp_path / "hf"), "--task", "bpb", "--data", tiny_data, "--n", "256",
+                    "--batch-size", "4", "--device", "cpu")
+    assert float(re.search(r"val_loss +([\d.]+)", text).group(1)) == pytest.approx(record["val_loss"], abs=1e-4)
+    assert float(re.search(r"val_bpb +([\d.]+)", text).group(1)) == pytest.approx(record["val_bpb"], abs=1e-4)
+
+
+def test_score_refuses_bad_input_in_one_line(tmp_path, tiny_data, capsys):
+    model_dir = tmp_path / "hf"
+    model = gpt2_model()
+    hf.export_hf(model.config, model.state_dict(), str(model_dir))
+    cases = [(["--ckpt", str(tmp_path / "missing.pt"), "--task", "hellaswag"], "no such file or directory"),
+             (["--ckpt", str(model_dir), "--task", "mmlu"], "invalid choice: 'mmlu'"),
+             (["--ckpt", str(model_dir), "--task", "hellaswag", "--n", "0"], "--n must be >= 1"),
+             (["--ckpt", str(model_dir), "--task", "hellaswag", "--hellaswag-path", "x.jsonl"], "no such file"),
+             (["--ckpt", str(model_dir), "--task", "bpb", "--data", str(tmp_path)], "val"),
+             (["--task", "bpb"], "--ckpt")]
+    for args, message in cases:
+        assert score.main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_score_offline_hub_is_one_line(tmp_path):
+    model = gpt2_model()
+    hf.export_hf(model.config, model.state_dict(), str(tmp_path / "hf"))
+    result = subprocess.run([sys.executable, "score.py", "--ckpt", str(tmp_path / "hf"), "--task", "hellaswag"],
+                            cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                            timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: could not load HellaSwag 'Rowan/hellaswag'"), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "--hellaswag-path" in result.stderr
+
+
+def test_val_data_is_the_data_the_checkpoint_trained_on_unless_told(tmp_path, monkeypatch):
+    monkeypatch.setattr(score, "default_corpus_dir", lambda: str(tmp_path / "corpus"))
+    mine, corpus, gone = (str(tmp_path / name) for name in ("mine", "corpus", "gone"))
+    os.mkdir(mine)
+    os.mkdir(corpus)
+
+    def trained_on(data):
+        return {"data": {"data": data, "batch_size": 16}}
+
+    assert score.val_data(None, trained_on(mine), "c.pt") == (mine, None)
+    assert score.val_data(None, trained_on(None), "c.pt") == (None, None)  # the default corpus, as train.py
+    assert score.val_data(mine + "/.", trained_on(mine), "c.pt") == (mine + "/.", None)  # the same directory
+    assert score.val_data(corpus, trained_on(None), "c.pt") == (corpus, None)
+    assert score.val_data(corpus, trained_on(mine), "c.pt") == (corpus, (
+        f"note: --data {corpus} is not the data the checkpoint trained on ({mine}): these figures do not compare "
+        "with the run's"))
+    assert "(the default corpus)" in score.val_data(mine, trained_on(None), "c.pt")[1]
+    with pytest.raises(UsageError, match=re.escape(f"--ckpt c.pt trained on --data {gone}, which is not there; "
+                                                   "give --data DIR")):
+        score.val_data(None, trained_on(gone), "c.pt")
+    assert score.val_data(mine, trained_on(gone), "c.pt")[0] == mine
+    for recorded in (None, {}):  # an hf.py directory; a checkpoint that recorded no config
+        assert score.val_data(None, recorded, "hf") == (
+            None, "note: hf records no training data, so this is the default corpus; give --data for the data it "
+                  "trained on")
+        assert score.val_data(mine, recorded, "hf") == (mine, None)
+
+
+def test_score_bpb_reads_the_checkpoints_data_and_refuses_another_tokenizers(tmp_path, tiny_data, capsys):
+    """score.py on a checkpoint with no --data scores the shards it recorded; other shards get a note; shards of
+    another tokenizer, or recorded shards that are gone, are one line."""
+    trained, other = tmp_path / "trained", tmp_path / "other"
+    shutil.copytree(tiny_data, trained)
+    other.mkdir()
+    write_tiny_shards(other, seed=1)
+    model, ckpt = gpt2_model(), str(tmp_path / "ckpt.pt")
+    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "model": model.state_dict(),
+                          "model_config": dataclasses.asdict(model.config),
+                          "train_config": {"data": {"data": str(trained)}}}, ckpt)
+    args = ["--ckpt", ckpt, "--task", "bpb", "--n", "256", "--batch-size", "4", "--device", "cpu"]
+    own = run_score(capsys, *args).splitlines()
+    assert f"val tokens of {trained} " in own[0] and own[1].startswith("val_loss")
+    text = run_score(capsys, *args, "--data", str(other)).splitlines()
+    assert f"val tokens of {other} " in text[0] and text[1].startswith(f"note: --data {other} is not the data")
+    assert text[2] != own[1]  # other tokens, another loss
+    (other / "data.json").write_text(json.dumps({"tokenizer": "cl100k_base", "n_vocab": 100277}))
+    shutil.rmtree(trained)
+    for extra, words in [(["--data", str(other)], "made with the cl100k_base tokenizer"), ([], "which is not there")]:
+        assert score.main(args + extra) == 2
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, err
