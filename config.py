@@ -288,12 +288,19 @@ def explicit_values(flags: dict, from_file: dict) -> dict:
 
 
 def parse_args(argv=None, description: str | None = None, machine_checks=()) -> Config:
-    """Flags (over an optional --config file) -> a validated Config. Values the size dial derives (sizing.py)
-    fill in what neither gave. Raises UsageError on bad or contradictory settings. machine_checks: functions
-    Config -> what this machine lacks for the run to start, reported with the flags' problems (train.py's
-    start-up; not for reading a GPU run's config on a laptop, nor for --estimate-memory)."""
-    flags = vars(build_parser(description).parse_args(argv))
-    config_file = flags.pop("config_file", None)
+    """Flags (over an optional --config file) -> a validated Config (parse_command_line's)."""
+    return parse_command_line(argv, description, machine_checks)[0]
+
+
+def parse_command_line(argv=None, description: str | None = None, machine_checks=()) -> tuple[Config, dict]:
+    """Flags (over an optional --config file) -> (a validated Config, the flags as given: "section.field" and
+    "config_file" for --config, for check_config_edits). Values the size dial derives (sizing.py) fill in what
+    neither gave. Raises UsageError on bad or contradictory settings. machine_checks: functions Config -> what
+    this machine lacks for the run to start, reported with the flags' problems (train.py's start-up; not for
+    reading a GPU run's config on a laptop, nor for --estimate-memory)."""
+    command_line = vars(build_parser(description).parse_args(argv))
+    flags = {key: value for key, value in command_line.items() if key != "config_file"}
+    config_file = command_line.get("config_file")
     given = explicit_values(flags, read_config_file(config_file) if config_file else {})
     if given.get("schedule.max_tokens", 1) < 1:  # 0 is the field's "unset", not a length a user can ask for
         raise UsageError(f"--max-tokens must be >= 1, got {given['schedule.max_tokens']}")
@@ -301,7 +308,7 @@ def parse_args(argv=None, description: str | None = None, machine_checks=()) -> 
     _refuse([*_integer_problems(as_given), *_dial_problems(as_given)])
     cfg = _config({**sizing.resolve(given, DataConfig.batch_size), **given})
     validate(cfg, () if cfg.speed.estimate_memory else machine_checks)
-    return cfg
+    return cfg, command_line
 
 
 def _config(values: dict) -> Config:
@@ -403,7 +410,7 @@ def settings_digest(text: str) -> str:
 
 def hand_edited(text: str) -> bool:
     """Whether a file that to_toml wrote was changed since: its lines other than the digest's no longer have
-    that digest. A file without one (written before files carried it, or by hand) is not."""
+    that digest. A file without one (written by hand, say) is not."""
     lines = text.splitlines(keepends=True)
     found = [i for i, line in enumerate(lines) if line.startswith(DIGEST_LINE)]
     if not found:

@@ -348,17 +348,21 @@ class Telemetry:
         """Write the step's record, move the progress bar, advance the profiler."""
         self.metrics.log(record)
         if "val_loss" in record:
-            self.last_eval = {"step": record["step"], "val_loss": record["val_loss"], "val_bpb": record.get("val_bpb")}
+            self._remember_eval(record["step"], record)
         self.progress.set_postfix(f"loss {self.last_loss:.3f}, {record['tokens_per_sec']:,.0f} tok/s")
         self.progress.update()
         if self.profiler is not None:
             self.profiler.step()
 
+    def _remember_eval(self, done: int, metrics: dict) -> None:
+        """The summary's last eval: step `done`'s val loss and bpb."""
+        self.last_eval = {"step": done, "val_loss": metrics["val_loss"], "val_bpb": metrics.get("val_bpb")}
+
     def amend_eval(self, done: int, metrics: dict) -> None:
         """The eval of step `done`, measured again after a resume or rollback, into that step's record when it
         lacks it (MetricsLog.amend) and into the summary's last eval."""
         self.metrics.amend(done, metrics)
-        self.last_eval = {"step": done, "val_loss": metrics["val_loss"], "val_bpb": metrics.get("val_bpb")}
+        self._remember_eval(done, metrics)
 
     def rewind(self, step: int, tokens: int, restored_record: dict | None = None) -> None:
         """Forget the records after `step` steps: they will be redone (after a rollback from a checkpoint

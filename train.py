@@ -408,12 +408,11 @@ def main(argv=None):
     started = time.perf_counter()
     stop_at_once_during_startup()
     try:
-        cfg = config.parse_args(argv, description=__doc__, machine_checks=(memory.auto_batch_problems, wandb_problems))
+        cfg, command_line = config.parse_command_line(argv, __doc__, (memory.auto_batch_problems, wandb_problems))
         if cfg.speed.estimate_memory:
             print(memory.memory_report(cfg))
             return
-        # Which settings the flags gave, and --config's name: config.parse_args merges them into cfg.
-        run = setup(cfg, vars(config.build_parser().parse_args(argv)))
+        run = setup(cfg, command_line)
     except NothingToDo as e:  # a success: a restart loop must stop, not retry
         if os.environ.get("RANK", "0") == "0":
             message(str(e))
