@@ -436,7 +436,8 @@ def main(argv=None):
             run.telemetry.summary(outcome, time.perf_counter() - started, run.guard.early_stop.best,
                                   run.info.world_size)
         run.close()
-        distributed.shutdown(run.info)
+        info, run = run.info, None  # the models go before the process group (distributed.shutdown says why)
+        distributed.shutdown(info)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Fixtures the test files share: tiny token shards, GPT-2's tokenizer loaded offline, the tiny model's flags, a
 tiny GPT-2-vocabulary model, and a NaN injected into one training step (tests poison a step by patching it, so
-the product carries no test-only flag)."""
+the product carries no test-only flag), and the process group every multi-process test runs in."""
 
 import os
 
@@ -9,7 +9,9 @@ import pytest
 import tiktoken.load
 import tiktoken.registry
 import torch
+import torch.multiprocessing as mp
 
+import distributed
 import tokenizer
 from data import write_shard
 from model import GPT, ModelConfig
@@ -108,3 +110,21 @@ def write_doc_shards(root, doc_lengths, shard_tokens, bos=50256, vocab_size=5025
     for i, first in enumerate(range(0, len(tokens), shard_tokens)):
         write_shard(os.path.join(root, f"train_{i:06d}.bin"), tokens[first:first + shard_tokens], vocab_size)
     return starts.tolist()
+
+
+def spawn_on_gloo(body, world_size: int, tmp_path, *args) -> None:
+    """Run body(rank, world_size, *args) in world_size processes joined by gloo; raises if any rank fails."""
+    mp.spawn(_gloo_process, args=(body, world_size, str(tmp_path / "rdzv"), args), nprocs=world_size, join=True)
+
+
+def _gloo_process(rank, body, world_size, init_file, args):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    info = distributed.DistInfo(rank=rank, local_rank=rank, world_size=world_size, mode="ddp")
+    try:
+        body(rank, world_size, *args)  # returns, so its models are unreferenced before the shutdown collects
+        dist.barrier()  # neither rank tears down gloo while another still works
+    finally:
+        distributed.shutdown(info)

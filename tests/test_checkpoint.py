@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import batch
 import checkpoint
@@ -23,7 +22,7 @@ import fp8
 import optim
 import schedule
 from config import ResilienceConfig
-from conftest import REPO
+from conftest import REPO, spawn_on_gloo
 from fp8 import TE_MODULES
 from model import GPT, ModelConfig
 from optim import OptimConfig, build_optimizer
@@ -97,19 +96,11 @@ def save_and_resume(out_dir, info, shard):
     return meta, full(trained), full(fresh), loaded
 
 
-def fsdp_worker(rank, world_size, init_file, out_dir, result_file):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        info = distributed.DistInfo(rank=rank, local_rank=rank, world_size=world_size, mode="fsdp")
-        meta, trained, resumed, loaded = save_and_resume(out_dir, info, shard=True)
-        if rank == 0:
-            torch.save({"step": meta["step"], "trained": trained, "resumed": resumed, "loaded": loaded}, result_file)
-        dist.barrier()  # neither rank tears down gloo while the other still works
-    finally:
-        dist.destroy_process_group()
+def fsdp_worker(rank, world_size, out_dir, result_file):
+    info = distributed.DistInfo(rank=rank, local_rank=rank, world_size=world_size, mode="fsdp")
+    meta, trained, resumed, loaded = save_and_resume(out_dir, info, shard=True)
+    if rank == 0:
+        torch.save({"step": meta["step"], "trained": trained, "resumed": resumed, "loaded": loaded}, result_file)
 
 
 def check_resumed(trained, resumed, loaded):
@@ -132,8 +123,7 @@ def test_a_te_model_with_fp8_state_resumes_from_fsdp2_dcp(tmp_path):
     """The DCP template comes from a fresh TE model (empty extra state) while the trained one's is not:
     saved as it was, DCP's planner would refuse the size mismatch and no checkpoint would load."""
     result_file = tmp_path / "result.pt"
-    mp.spawn(fsdp_worker, args=(2, str(tmp_path / "rdzv"), str(tmp_path / "out"), str(result_file)), nprocs=2,
-             join=True)
+    spawn_on_gloo(fsdp_worker, 2, tmp_path, str(tmp_path / "out"), str(result_file))
     result = torch.load(result_file)
     assert result["step"] == 1
     check_resumed(result["trained"], result["resumed"], result["loaded"])

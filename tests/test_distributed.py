@@ -9,14 +9,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import checkpoint
 import distributed
+from conftest import REPO, spawn_on_gloo
 from data import write_shard
 from model import GPT, ModelConfig
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # B=4, T=32: 128 tokens per micro-batch. 256 tokens per step is 2 micro-steps on 1 rank, 1 on 2 ranks.
 COMMON = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
           "--seq-len", "32", "--batch-size", "4", "--total-batch-tokens", "256", "--warmup", "2",
@@ -88,46 +87,38 @@ def test_fsdp_with_activation_checkpointing_matches_one_process(data_dir, single
     np.testing.assert_allclose(train, reference_train, rtol=2e-6)
 
 
-def fsdp_numerics_worker(rank, world_size, init_file, out_file):
+def fsdp_numerics_worker(rank, world_size, out_file):
     """FSDP2 with bf16 block parameters against DDP under bf16 autocast, on the same weights and batch."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        torch.manual_seed(0)
-        cfg = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
-        sharded, reference = GPT(cfg), GPT(cfg)
-        reference.load_state_dict(sharded.state_dict())
-        block_inputs = []
-        for block in sharded.blocks:
-            block.register_forward_pre_hook(lambda _, args: block_inputs.append([str(a.dtype) for a in args]))
-        distributed.apply_fsdp(sharded, sharded.blocks, torch.bfloat16, reshard_after_forward=True)
-        ddp = torch.nn.parallel.DistributedDataParallel(reference)
-        idx = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), generator=torch.Generator().manual_seed(rank))
-        losses = {}
-        for name, model in (("fsdp", sharded), ("ddp", ddp)):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                losses[name] = model(idx, idx)[1]
-            if name == "fsdp":  # between forward and backward: the root stays gathered, the blocks do not
-                root_gathered = not isinstance(sharded.embed.weight, DTensor)
-                block_sharded = isinstance(sharded.blocks[0].attn.qkv.weight, DTensor)
-            losses[name].backward()
-        grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
-        if rank == 0:
-            torch.save({"losses": {k: v.item() for k, v in losses.items()}, "block_inputs": block_inputs,
-                        "root_gathered": root_gathered, "block_sharded": block_sharded, "grads": grads,
-                        "reference_grads": {n: p.grad for n, p in reference.named_parameters()}}, out_file)
-        dist.barrier()  # neither rank tears down gloo (or DDP's reducer) while the other still works
-        del ddp, sharded
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
+    sharded, reference = GPT(cfg), GPT(cfg)
+    reference.load_state_dict(sharded.state_dict())
+    block_inputs = []
+    for block in sharded.blocks:
+        block.register_forward_pre_hook(lambda _, args: block_inputs.append([str(a.dtype) for a in args]))
+    distributed.apply_fsdp(sharded, sharded.blocks, torch.bfloat16, reshard_after_forward=True)
+    ddp = torch.nn.parallel.DistributedDataParallel(reference)
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), generator=torch.Generator().manual_seed(rank))
+    losses = {}
+    for name, model in (("fsdp", sharded), ("ddp", ddp)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[name] = model(idx, idx)[1]
+        if name == "fsdp":  # between forward and backward: the root stays gathered, the blocks do not
+            root_gathered = not isinstance(sharded.embed.weight, DTensor)
+            block_sharded = isinstance(sharded.blocks[0].attn.qkv.weight, DTensor)
+        losses[name].backward()
+    grads = {n: p.grad.full_tensor() for n, p in sharded.named_parameters()}
+    if rank == 0:
+        torch.save({"losses": {k: v.item() for k, v in losses.items()}, "block_inputs": block_inputs,
+                    "root_gathered": root_gathered, "block_sharded": block_sharded, "grads": grads,
+                    "reference_grads": {n: p.grad for n, p in reference.named_parameters()}}, out_file)
 
 
 def test_fsdp_mixed_precision_keeps_ddp_numerics(tmp_path):
     out_file = tmp_path / "out.pt"
-    mp.spawn(fsdp_numerics_worker, args=(2, str(tmp_path / "rdzv"), str(out_file)), nprocs=2, join=True)
+    spawn_on_gloo(fsdp_numerics_worker, 2, tmp_path, str(out_file))
     out = torch.load(out_file)
     # The residual stream and the RoPE tables reach every block in fp32, as under DDP (FSDP2's default
     # cast_forward_inputs would hand them over in bf16).
@@ -138,6 +129,31 @@ def test_fsdp_mixed_precision_keeps_ddp_numerics(tmp_path):
     for name, grad in out["grads"].items():
         ref = out["reference_grads"][name]
         assert (grad - ref).norm() <= 5e-3 * ref.norm(), name
+
+
+def test_shutdown_frees_ddp_before_leaving_the_process_group(tmp_path):
+    """DDP can sit in a reference cycle (its autograd hooks) that reference counting never frees; left to
+    interpreter exit it aborts gloo processes now and then, so shutdown collects it while Python is whole."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        gc.disable()  # the cycle must survive until shutdown, as it would when no collection happens to run
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        ddp(torch.ones(1, 2)).sum().backward()
+        ddp.cycle = ddp  # whether torch's own hooks form one depends on what ran before in this process
+        alive = weakref.ref(ddp)
+        del ddp
+        assert alive() is not None
+        distributed.shutdown(distributed.DistInfo(world_size=1, mode="ddp"))
+        assert alive() is None and not dist.is_initialized()
+    finally:
+        gc.enable()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 @pytest.mark.gpu

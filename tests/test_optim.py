@@ -6,11 +6,11 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import optim
+from conftest import spawn_on_gloo
 from optim import OptimConfig, build_optimizer, describe_param_groups, optimizer_state_bytes
 
 # ----------------------------------------------------------------------------- a stand-in model
@@ -290,46 +290,37 @@ def run_muon(model, data, **cfg):
     return opt
 
 
-def distributed_worker(rank, world_size, init_file, out_file, mode):
-    import torch.distributed as dist
+def distributed_worker(rank, world_size, out_file, mode):
+    # Uneven shards: qkv has 15 rows (blocks 9/3/3) and the embedding 7; with 3 ranks the
+    # 4-row proj and fc2 leave the last rank no rows at all.
+    model = ToyGPT(vocab=7, d=4, h=3, k=1, hd=3, f=5, n_layer=2, tied=False).double()
+    per_rank = 6 // world_size
+    data = [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+            for x, y in batches(3, vocab=7)]
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        # Uneven shards: qkv has 15 rows (blocks 9/3/3) and the embedding 7; with 3 ranks the
-        # 4-row proj and fc2 leave the last rank no rows at all.
-        model = ToyGPT(vocab=7, d=4, h=3, k=1, hd=3, f=5, n_layer=2, tied=False).double()
-        per_rank = 6 // world_size
-        data = [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
-                for x, y in batches(3, vocab=7)]
-        if mode == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
-            with pytest.raises(ValueError, match="use --optimizer adamw"):
-                build_optimizer(model, OptimConfig(name="adamw8bit"), {}, "cpu")
-            run_muon(model, data)
-            full = {n: p.full_tensor() for n, p in model.named_parameters()}
-        else:
-            ddp = nn.parallel.DistributedDataParallel(model)
-            opt = build_optimizer(ddp, OptimConfig(name="muon", lr=0.05, adam_lr=0.01, weight_decay=0.1,
-                                                   ns_dtype="fp64"), model.row_blocks(), "cpu")
-            train(ddp, opt, data)
-            full = dict(model.named_parameters())
-        if rank == 0:
-            torch.save({n: t.detach().clone() for n, t in full.items()}, out_file)
-        dist.barrier()  # neither rank tears down gloo while another still works
-    finally:
-        dist.destroy_process_group()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        with pytest.raises(ValueError, match="use --optimizer adamw"):
+            build_optimizer(model, OptimConfig(name="adamw8bit"), {}, "cpu")
+        run_muon(model, data)
+        full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = build_optimizer(ddp, OptimConfig(name="muon", lr=0.05, adam_lr=0.01, weight_decay=0.1,
+                                               ns_dtype="fp64"), model.row_blocks(), "cpu")
+        train(ddp, opt, data)
+        full = dict(model.named_parameters())
+    if rank == 0:
+        torch.save({n: t.detach().clone() for n, t in full.items()}, out_file)
 
 
 @pytest.mark.parametrize("mode,world_size", [("fsdp", 2), ("fsdp", 3), ("ddp", 2)])
 def test_muon_distributed_matches_single_process(mode, world_size, tmp_path):
     out_file = tmp_path / "params.pt"
-    mp.spawn(distributed_worker, args=(world_size, str(tmp_path / "rdzv"), str(out_file), mode),
-             nprocs=world_size, join=True)
+    spawn_on_gloo(distributed_worker, world_size, tmp_path, str(out_file), mode)
     distributed = torch.load(out_file)
 
     make = lambda: ToyGPT(vocab=7, d=4, h=3, k=1, hd=3, f=5, n_layer=2, tied=False).double()  # noqa: E731
@@ -695,53 +686,45 @@ def test_resume_is_bit_identical_with_recipe_options(name, options):
         assert all("row_sq_avg" in s for i, s in saved["optimizer"]["state"].items() if "momentum_buffer" in s)
 
 
-def recipe_fsdp_resume_worker(rank, world_size, init_file, out_file, ckpt_dir):
+def recipe_fsdp_resume_worker(rank, world_size, out_file, ckpt_dir):
     """FSDP2 on uneven shards with every Muon recipe option: two steps, a sharded (DCP) save, a fresh model and
     optimizer restored from it, a third step."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        per_rank = 6 // world_size
-        data = [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
-                for x, y in batches(3, vocab=7)]
+    per_rank = 6 // world_size
+    data = [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+            for x, y in batches(3, vocab=7)]
 
-        def sharded():
-            model = ToyGPT(vocab=7, d=4, h=3, k=1, hd=3, f=5, n_layer=2, tied=False).double()
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
-            cfg = OptimConfig(name="muon", lr=0.05, adam_lr=0.01, weight_decay=0.1, ns_dtype="fp64", **RECIPE)
-            return model, build_optimizer(model, cfg, model.row_blocks(), "cpu")
+    def sharded():
+        model = ToyGPT(vocab=7, d=4, h=3, k=1, hd=3, f=5, n_layer=2, tied=False).double()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        cfg = OptimConfig(name="muon", lr=0.05, adam_lr=0.01, weight_decay=0.1, ns_dtype="fp64", **RECIPE)
+        return model, build_optimizer(model, cfg, model.row_blocks(), "cpu")
 
-        options = StateDictOptions(full_state_dict=False)
-        model, opt = sharded()
-        train(model, opt, data[:2])
-        model_sd, optim_sd = get_state_dict(model, opt, options=options)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=ckpt_dir)
-        model, opt = sharded()
-        model_sd, optim_sd = get_state_dict(model, opt, options=options)
-        state = {"model": model_sd, "optimizer": optim_sd}
-        dcp.load(state, checkpoint_id=ckpt_dir)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=options)
-        train(model, opt, data[2:])
-        full = {n: p.full_tensor() for n, p in model.named_parameters()}
-        if rank == 0:
-            torch.save({n: t.detach().clone() for n, t in full.items()}, out_file)
-        dist.barrier()  # neither rank tears down gloo while another still works
-    finally:
-        dist.destroy_process_group()
+    options = StateDictOptions(full_state_dict=False)
+    model, opt = sharded()
+    train(model, opt, data[:2])
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=ckpt_dir)
+    model, opt = sharded()
+    model_sd, optim_sd = get_state_dict(model, opt, options=options)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
+    train(model, opt, data[2:])
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    if rank == 0:
+        torch.save({n: t.detach().clone() for n, t in full.items()}, out_file)
 
 
 def test_muon_recipe_under_fsdp_with_a_sharded_resume_matches_single_process(tmp_path):
     out_file = tmp_path / "params.pt"
-    mp.spawn(recipe_fsdp_resume_worker, args=(3, str(tmp_path / "rdzv"), str(out_file), str(tmp_path / "dcp")),
-             nprocs=3, join=True)
+    spawn_on_gloo(recipe_fsdp_resume_worker, 3, tmp_path, str(out_file), str(tmp_path / "dcp"))
     distributed = torch.load(out_file)
     model = ToyGPT(vocab=7, d=4, h=3, k=1, hd=3, f=5, n_layer=2, tied=False).double()
     run_muon(model, batches(3, vocab=7), **RECIPE)
