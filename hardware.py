@@ -4,7 +4,10 @@ Every entry point (train.py, sample.py, bench/) asks here, so a device or dtype 
 everywhere. Each decision comes back with its reason, for the start-up table: detected, never assumed.
 """
 
+import ctypes
 import functools
+import os
+import platform
 import sys
 import time
 from contextlib import nullcontext
@@ -13,6 +16,13 @@ import torch
 
 from cli import UsageError
 
+# glibc's malloc hands every allocation above its mmap threshold (32 MiB at most, by default) fresh pages from
+# the kernel and unmaps them on free. A CPU step allocates and frees blocks of hundreds of MiB each micro-step
+# (one loss chunk's float32 logits at GPT-2's vocabulary: 1024 x 50,304 x 4 bytes = 196 MiB), and left to
+# that default each micro-step page-faults them in anew, in system time (docs/performance.md measures it).
+# With both thresholds at 1 GiB, freed blocks stay in the heap for the next micro-step instead.
+GLIBC_MMAP_THRESHOLD = GLIBC_TRIM_THRESHOLD = 2**30
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (glibc's malloc.h)
 CPU_BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
 CPU_PROBE_SIZE = 1024
 CPU_BF16_MIN_SPEEDUP = 1.3
@@ -45,6 +55,21 @@ def resolve_device(requested: str) -> tuple[torch.device, str]:
     return torch.device(requested), "requested"
 
 
+def keep_freed_memory(device: torch.device) -> bool:
+    """On a Linux CPU run, keep freed large blocks in glibc's heap for reuse (see GLIBC_MMAP_THRESHOLD); ->
+    whether it applies. Results are unchanged; the process's resident memory stays at its peak. Elsewhere
+    (CUDA, whose caching allocator already reuses blocks; macOS; a C library without mallopt) a no-op."""
+    if device.type != "cpu" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD,
+                                                                                 GLIBC_TRIM_THRESHOLD))
+
+
 def cpu_flags() -> set[str]:
     """The CPU's feature flags (Linux /proc/cpuinfo); empty where they cannot be read."""
     try:
@@ -55,6 +80,18 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def cpu_name() -> str:
+    """The CPU's model name, its cores and whether it has native bf16, for a benchmark table's heading."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    bf16 = "native bf16" if cpu_flags() & CPU_BF16_FLAGS else "no native bf16"
+    return f"{name}, {os.cpu_count()} cores, {bf16}"
 
 
 @functools.lru_cache(maxsize=None)

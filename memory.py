@@ -28,7 +28,7 @@ import fp8
 import hardware
 from cli import UsageError
 from config import ACT_CKPT_MODES
-from model import ModelConfig, block_shapes, outer_shapes, param_count
+from model import LOSS_CHUNK_TOKENS, ModelConfig, block_shapes, loss_chunks, outer_shapes, param_count
 
 FP32 = 4
 INDEX = 8  # int64 token ids and targets
@@ -126,18 +126,19 @@ def saved_tensor_bytes(model: nn.Module, idx: torch.Tensor, targets: torch.Tenso
 
 @dataclass
 class MemoryEstimate:
-    """Bytes per device. activations: held from forward to backward for one micro-batch; recompute: the
-    extra, transient, bytes of re-running one checkpointed block (or MLP) during backward."""
+    """Bytes per device. activations: held from forward to backward for one micro-batch; transient: the
+    larger of the extra bytes of re-running one checkpointed block (or MLP) during backward and those of one
+    chunk of the fused loss (loss_chunk_bytes)."""
 
     params: int
     grads: int
     optimizer: int
     activations: int
-    recompute: int
+    transient: int
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.recompute
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
 
 
 def _state_bytes(name: str, numel: int, optimizer: str) -> int:
@@ -201,6 +202,14 @@ def loss_head_bytes(cfg: ModelConfig) -> int:
     return FP32 * cfg.padded_vocab_size * cfg.n_embd
 
 
+def loss_chunk_bytes(cfg: ModelConfig, tokens: int, act: int) -> int:
+    """The transient peak of model.linear_cross_entropy: one chunk's logits in the GEMM dtype and in float32,
+    and its [V, d] weight-gradient GEMM output. Chunks grow with the micro-batch beyond MAX_LOSS_CHUNKS x
+    LOSS_CHUNK_TOKENS tokens, so this does too."""
+    rows = -(-tokens // loss_chunks(tokens, LOSS_CHUNK_TOKENS))
+    return rows * cfg.padded_vocab_size * (act + FP32) + act * cfg.padded_vocab_size * cfg.n_embd
+
+
 def _weight_copies(cfg: ModelConfig, act: int) -> tuple[int, int]:
     """Bytes of the 16-bit weight copies autocast makes and the block GEMMs save: (attention, MLP)."""
     if act == FP32:
@@ -241,19 +250,22 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: 
     gradients and optimizer state are split across it; activations are not)."""
     n_params = param_count(cfg)
     activations, recompute = activation_bytes(cfg, batch_size, seq_len, act_ckpt, autocast_dtype, device_type)
+    act = torch.finfo(autocast_dtype).bits // 8 if autocast_dtype is not None else FP32
+    # Neither outlives its moment (a recomputed region in backward, a loss chunk at the forward's end).
+    transient = max(recompute, loss_chunk_bytes(cfg, batch_size * seq_len, act))
     return MemoryEstimate(params=FP32 * n_params // shards, grads=FP32 * n_params // shards,
                           optimizer=optimizer_state_bytes_estimate(cfg, optimizer) // shards,
-                          activations=activations, recompute=recompute)
+                          activations=activations, transient=transient)
 
 
 def format_memory_estimates(estimates: dict[str, MemoryEstimate], selected: str) -> str:
     """A markdown table: one row per activation-checkpointing mode, the selected one marked."""
     gib = 2**30
-    lines = ["| act-ckpt | params | grads | optimizer | activations | recompute | total |",
+    lines = ["| act-ckpt | params | grads | optimizer | activations | transient | total |",
              "|---|---|---|---|---|---|---|"]
     for mode, e in estimates.items():
         mark = " (selected)" if mode == selected else ""
-        cells = [e.params, e.grads, e.optimizer, e.activations, e.recompute, e.total]
+        cells = [e.params, e.grads, e.optimizer, e.activations, e.transient, e.total]
         lines.append(f"| {mode}{mark} | " + " | ".join(f"{c / gib:.3f} GiB" for c in cells) + " |")
     return "\n".join(lines)
 

@@ -32,6 +32,11 @@ IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it add nothin
 # hidden states): about 0.62 GiB, under 1/8 of the unfused forward's 7.7 GiB. Larger chunks buy little: the
 # [1024, d] x [d, V] GEMMs are already large.
 LOSS_CHUNK_TOKENS = 1024
+# At most this many chunks per call: a larger micro-batch gets larger chunks instead of more of them, so the
+# loss path stays within 1/MAX_LOSS_CHUNKS of the unfused one at any micro-batch, torch.compile traces at
+# most this many copies of the chunk body, and each chunk's read-modify-write of the float32 [V, d] weight
+# gradient happens at most this many times per micro-batch.
+MAX_LOSS_CHUNKS = 16
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -204,14 +209,30 @@ def _chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return loss, grad.to(x.dtype)
 
 
+def loss_chunks(n_tokens: int, chunk_tokens: int) -> int:
+    """How many near-equal chunks linear_cross_entropy cuts n_tokens rows into: chunks of about chunk_tokens,
+    at most MAX_LOSS_CHUNKS of them (then larger)."""
+    return max(1, min(MAX_LOSS_CHUNKS, -(-n_tokens // chunk_tokens)))
+
+
+def _row_chunks(n_tokens: int, chunk_tokens: int) -> list[slice]:
+    """The row ranges of loss_chunks(n_tokens, chunk_tokens) near-equal chunks (sizes differ by at most one).
+
+    Under torch.compile n_tokens may be symbolic: the chunk count is the only thing the trace fixes, so
+    micro-batches with the same count share one graph."""
+    count = loss_chunks(n_tokens, chunk_tokens)
+    bounds = [n_tokens * i // count for i in range(count + 1)]
+    return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+
+
 def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
                            with_grad: bool):
     """x [N, D], weight [V, D], targets [N] -> (mean cross-entropy of F.linear(x, weight), and with_grad
-    its float32 gradients w.r.t. x and weight; else None, None), chunk tokens at a time.
+    its float32 gradients w.r.t. x and weight; else None, None), in the chunks of _row_chunks(N, chunk).
 
     Each chunk's gradient is its softmax minus one-hot, entries in [-1, 1], rounded to the GEMM dtype before
     any scaling: under fp16 that is as safe as the reference's loss-scaled gradient, and one chunk's weight
-    GEMM sums at most `chunk` such rows. The 1/count of the mean is applied in float32 at the end.
+    GEMM sums only that chunk's rows. The 1/count of the mean is applied in float32 at the end.
     """
     dtype = _gemm_dtype(x)
     w = weight.to(dtype)
@@ -219,8 +240,7 @@ def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torc
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_x = torch.empty(x.shape, dtype=torch.float32, device=x.device) if with_grad else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grad else None
-    for start in range(0, x.shape[0], chunk):
-        rows = slice(start, start + chunk)
+    for rows in _row_chunks(x.shape[0], chunk):
         x_chunk = x[rows].to(dtype)
         chunk_loss, grad_logits = _chunk_loss_and_grad(x_chunk, w, targets[rows], with_grad)
         loss = loss + chunk_loss
@@ -261,12 +281,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def _chunked_token_losses(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
     """x [N, D], weight [V, D], targets [N] -> each token's float32 cross-entropy [N] (0 where ignored),
-    chunk tokens at a time, with no gradient work."""
+    in the chunks of _row_chunks(N, chunk), with no gradient work."""
     dtype = _gemm_dtype(x)
     w = weight.to(dtype)
     losses = torch.empty(targets.shape, dtype=torch.float32, device=x.device)
-    for start in range(0, x.shape[0], chunk):
-        rows = slice(start, start + chunk)
+    for rows in _row_chunks(x.shape[0], chunk):
         losses[rows] = _token_losses(F.linear(x[rows].to(dtype), w).float(), targets[rows])[0]
     return losses
 
@@ -278,9 +297,9 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
     x [..., D], weight [V, D], targets [...] (x's leading dims). The same mean float32 cross-entropy
     (log-softmax over all V columns; targets equal to IGNORE_INDEX left out of the sum and the count) and the
-    same gradients w.r.t. x and weight, computed `chunk` tokens at a time, so the [N, V] logits, their
-    float32 copy and their gradient never exist at once. The GEMMs run in the dtype nn.Linear's would
-    (autocast's, when on). Without autograd (torch.no_grad, or nothing requiring grad) no gradient is
+    same gradients w.r.t. x and weight, computed a chunk of rows at a time (about `chunk` tokens, at most
+    MAX_LOSS_CHUNKS chunks), so the [N, V] logits, their float32 copy and their gradient never exist at
+    once. The GEMMs run in the dtype nn.Linear's would (autocast's, when on). Without autograd (torch.no_grad, or nothing requiring grad) no gradient is
     computed. reduction "none" gives each token's loss, shaped like targets (0 where ignored), for
     evaluation (bits per byte, multiple-choice scoring): it has no backward, so it refuses to run where
     autograd would want one.

@@ -145,6 +145,7 @@ def setup(cfg: Config, command_line: dict | None = None) -> Run:
     if device.type == "cuda":
         device = torch.device("cuda", info.local_rank if info.mode != "none" else torch.cuda.current_device())
     reasons = {"device": device_reason, "dtype": dtype_reason, "tf32": hardware.set_tf32(device, cfg.speed.tf32)}
+    hardware.keep_freed_memory(device)
     data_dir, resume, lock, replaced, staged = prepare_outputs(cfg, info, command_line or {})
     try:
         run = build_run(cfg, info, device, autocast_dtype, fp8_recipe, data_dir, resume, lock, reasons)

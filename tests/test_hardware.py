@@ -1,10 +1,14 @@
 """hardware.py: the TF32 decision, which the start-up table reports and bench/ladder.py's fp32 rung relies on."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import config
 import hardware
+from conftest import REPO
 
 
 @pytest.mark.parametrize("device, requested, precision, reason", [
@@ -61,3 +65,27 @@ def test_the_cpu_decision_is_what_this_machine_detects():
     dtype, reason = hardware.resolve_dtype("auto", torch.device("cpu"))
     assert (dtype is torch.bfloat16) == reason.startswith("bf16") and "auto" in reason
     assert hardware.resolve_dtype("fp32", torch.device("cpu"))[0] is None  # what determinism tests pin
+
+
+FAULTS_OF_FREED_BLOCKS = """
+import resource, sys, torch
+import hardware
+if sys.argv[1] == "keep":
+    assert hardware.keep_freed_memory(torch.device("cpu"))
+for _ in range(12):  # the heap grows until freed blocks fit the aligned requests
+    torch.ones(64 * 2**20 // 4)  # 64 MiB, allocated, written and freed
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(5):
+    torch.ones(64 * 2**20 // 4)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_a_cpu_run_reuses_freed_large_blocks_instead_of_faulting_them_in_again():
+    faults = {how: int(subprocess.run([sys.executable, "-c", FAULTS_OF_FREED_BLOCKS, how], cwd=REPO, check=True,
+                                      capture_output=True, text=True).stdout) for how in ("default", "keep")}
+    pages = 5 * 64 * 2**20 // 4096
+    assert faults["default"] > pages / 2, faults  # glibc maps each 64 MiB block anew...
+    assert faults["keep"] < pages / 20, faults  # ...unless freed blocks stay in the heap
+    assert not hardware.keep_freed_memory(torch.device("meta"))  # a no-op off the CPU

@@ -120,11 +120,20 @@ def test_each_mode_saves_what_it_promises():
 def test_estimate_totals_and_sharding():
     one = memory.estimate_memory(CFG2, 4, 48, "adamw", "none", torch.bfloat16, "cuda")
     n = sum(param_numels(CFG2).values())
-    assert (one.params, one.grads, one.optimizer, one.recompute) == (4 * n, 4 * n, 8 * n, 0)
+    assert (one.params, one.grads, one.optimizer) == (4 * n, 4 * n, 8 * n)
     four = memory.estimate_memory(CFG2, 4, 48, "adamw", "full", torch.bfloat16, "cuda", shards=4)
     assert four.params == one.params // 4 and four.optimizer == one.optimizer // 4
-    assert four.activations < one.activations and four.recompute > 0
-    assert one.total == one.params + one.grads + one.optimizer + one.activations
+    assert four.activations < one.activations and four.transient > one.transient
+    assert one.total == one.params + one.grads + one.optimizer + one.activations + one.transient
+    assert one.transient == memory.loss_chunk_bytes(CFG2, 4 * 48, 2)  # no recompute: the loss chunk is the peak
+
+
+def test_the_loss_chunk_grows_only_past_max_loss_chunks_chunks():
+    gpt2 = ModelConfig(n_layer=12, n_head=12, n_kv_head=12, n_embd=768, max_seq_len=1024)
+    per_chunk = {b: memory.loss_chunk_bytes(gpt2, b * 1024, 2) for b in (1, 16, 64)}
+    logits = 1024 * gpt2.padded_vocab_size * (2 + 4)  # bf16 and float32 logits of 1,024 tokens
+    assert per_chunk[1] == per_chunk[16] == logits + 2 * gpt2.padded_vocab_size * 768
+    assert per_chunk[64] == 4 * logits + 2 * gpt2.padded_vocab_size * 768  # 16 chunks of 4,096 tokens
 
 
 def test_estimate_memory_flag_prints_every_mode_and_builds_nothing(monkeypatch, capsys):

@@ -272,7 +272,7 @@ def test_linear_cross_entropy_backward_can_run_twice():
 @pytest.mark.parametrize("tied", [True, False])
 def test_fused_loss_and_gradients_match_the_unfused_reference(tied):
     model = tiny_model(tie_embeddings=tied)
-    model.loss_chunk_tokens = 7  # 64 tokens: nine chunks of 7 and one of 1
+    model.loss_chunk_tokens = 7  # 64 tokens: ten chunks of 6 or 7
     idx, targets = torch.randint(0, 200, (2, 32)), targets_with_ignored()
     expected, expected_grads = loss_and_grads(model, lambda: reference_loss(model, idx, targets))
     assert model(idx, targets)[0] is None  # the logits are never materialised
@@ -320,6 +320,41 @@ def test_no_grad_loss_computes_no_gradients(monkeypatch):
     assert model(idx)[1] is None
     model(idx, targets)[1].backward()
     assert with_grad[10:] == [True] * 10
+
+
+def test_loss_chunks_are_near_equal_and_at_most_max_loss_chunks():
+    assert model_module.loss_chunks(2048, 1024) == 2  # train.py's default micro-batch, 16 x 128
+    assert model_module.loss_chunks(16 * 1024, 1024) == model_module.MAX_LOSS_CHUNKS == 16  # GPT-2's 16 x 1024
+    assert model_module.loss_chunks(128 * 1024, 1024) == 16  # a larger micro-batch: larger chunks, not more
+    assert model_module.loss_chunks(1, 1024) == model_module.loss_chunks(0, 1024) == 1
+    for n in (1, 64, 1000, 16 * 1024 + 3, 128 * 1024):
+        rows = model_module._row_chunks(n, 1024)
+        sizes = [r.stop - r.start for r in rows]
+        assert rows[0].start == 0 and rows[-1].stop == n and max(sizes) - min(sizes) <= 1
+        assert all(a.stop == b.start for a, b in zip(rows, rows[1:]))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_compiled_loss_matches_eager_and_a_new_micro_batch_recompiles_once(tied, monkeypatch):
+    """Dynamo traces one copy of the chunk body per chunk, so the chunk count is bounded; micro-batches with the
+    same count share one graph once the first other size has made the token count dynamic."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(model_module, "MAX_LOSS_CHUNKS", 3)  # fewer copies of the chunk body to trace
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model(n_layer=1, tie_embeddings=tied)
+    model.loss_chunk_tokens = 8
+    compiled = torch.compile(model, backend="aot_eager")
+    for batch in (2, 3, 4):  # 64, 96 and 128 tokens: three chunks each
+        idx, targets = torch.randint(0, 200, (batch, 32)), targets_with_ignored((batch, 32))
+        expected, expected_grads = loss_and_grads(model, lambda: model(idx, targets)[1])
+        loss, grads = loss_and_grads(model, lambda: compiled(idx, targets)[1])
+        torch.testing.assert_close(loss, expected)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert counters["stats"]["unique_graphs"] == 2  # the first size, then one graph for every other
+    torch._dynamo.reset()
 
 
 @pytest.mark.slow

@@ -1,0 +1,103 @@
+"""The default run (`python train.py`, no flags) across git revisions: steady-state tokens/s and the share of
+wall time spent in the kernel (system time), measured interleaved so that all revisions see the same machine.
+
+    python bench/default_run.py [--revs 648b5b0,026f3bf --rounds 3 --short 4 --long 24]
+
+Each revision runs from a detached git worktree (this tree runs as it is, uncommitted changes included) as
+`python train.py --max-steps N --eval-interval 0 --out-dir TMP`, once untimed (it prepares the default corpus
+and warms the file cache), then in each round a short and a long run, revisions interleaved. The steady state
+is the difference between the two: tokens/s = (long - short) steps x tokens per step / (long - short) wall
+seconds, and the system share = the difference in system time over the difference in wall time, so start-up,
+the final evaluation and the checkpoint cancel out. The table gives the median over rounds, and each
+revision's tokens/s against the first revision's and against the previous one's.
+"""
+
+import argparse
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import hardware  # noqa: E402
+
+TOKENS_PER_STEP = 16 * 128  # train.py's default micro-batch and sequence, one micro-step
+
+
+def timed_run(tree: str, steps: int, scratch: str) -> tuple[float, float]:
+    """-> (wall seconds, system seconds) of one train.py run of `steps` steps in `tree`."""
+    out_dir = tempfile.mkdtemp(dir=scratch)
+    command = [sys.executable, "train.py", "--max-steps", str(steps), "--eval-interval", "0", "--out-dir", out_dir]
+    t0 = time.perf_counter()
+    child = subprocess.Popen(command, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{tree}: train.py failed: {child.stderr.read()[-2000:]}")
+    return wall, usage.ru_stime
+
+
+def worktree(rev: str, scratch: str) -> str:
+    if rev == "this tree":
+        return REPO
+    path = os.path.join(scratch, rev)
+    subprocess.run(["git", "worktree", "add", "--detach", path, rev], cwd=REPO, check=True, capture_output=True)
+    return path
+
+
+def measure(trees: dict[str, str], rounds: int, short: int, long: int, scratch: str) -> dict[str, list[tuple]]:
+    for tree in trees.values():
+        timed_run(tree, short, scratch)  # untimed: corpus preparation, caches
+    samples = {rev: [] for rev in trees}
+    for _ in range(rounds):
+        for rev, tree in trees.items():
+            wall_short, sys_short = timed_run(tree, short, scratch)
+            wall_long, sys_long = timed_run(tree, long, scratch)
+            wall, system = wall_long - wall_short, sys_long - sys_short
+            samples[rev].append(((long - short) * TOKENS_PER_STEP / wall, system / wall, wall_long))
+    return samples
+
+
+def table(samples: dict[str, list[tuple]]) -> str:
+    lines = ["| revision | tokens/s (steady state) | vs first | vs previous | system time / wall time "
+             "| long run's wall time |", "|---|---|---|---|---|---|"]
+    first = previous = None
+    for rev, rows in samples.items():
+        tps = statistics.median(r[0] for r in rows)
+        share = statistics.median(r[1] for r in rows)
+        wall = statistics.median(r[2] for r in rows)
+        first = first or tps
+        vs_previous = f"{tps / previous:.2f}x" if previous else "-"
+        lines.append(f"| {rev} | {tps:,.0f} | {tps / first:.2f}x | {vs_previous} | {100 * share:.0f}% | {wall:.1f} s |")
+        previous = tps
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--revs", default="648b5b0,026f3bf", help="git revisions before this tree, oldest first")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table reports their median")
+    p.add_argument("--short", type=int, default=4, help="steps of the short run")
+    p.add_argument("--long", type=int, default=24, help="steps of the long run")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as scratch:
+        revs = [r for r in args.revs.split(",") if r] + ["this tree"]
+        trees = {rev: worktree(rev, scratch) for rev in revs}
+        try:
+            samples = measure(trees, args.rounds, args.short, args.long, scratch)
+        finally:
+            for rev, tree in trees.items():
+                if tree != REPO:
+                    subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, capture_output=True)
+    print(f"Command: `python bench/default_run.py {shlex.join(argv)}` (CPU: {hardware.cpu_name()}; median of "
+          f"{args.rounds} interleaved rounds of {args.long} - {args.short} steps of {TOKENS_PER_STEP:,} tokens)\n")
+    print(table(samples))
+
+
+if __name__ == "__main__":
+    main()
