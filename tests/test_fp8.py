@@ -181,6 +181,28 @@ def test_torchao_fp8_forward_backward_within_tolerance_of_bf16():
         assert rel < 0.2 and cos > 0.98, (name, rel.item(), cos.item())
 
 
+@pytest.mark.slow
+@needs_torchao
+def test_torchao_fp8_compiled_by_inductor_stays_within_tolerance_of_bf16():
+    """Inductor generates the FP8 casts, the scales' amax reductions and the torch._scaled_mm calls on the CPU
+    too, in one graph, within the eager test's tolerance of bf16. The CPU does not enforce CUDA's shape rules
+    for _scaled_mm (fp8.check_fp8 does, for both)."""
+    model, reference = tiny_pair()
+    fp8.convert_to_torchao_float8(model)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)  # fullgraph: a graph break is an error
+    idx = torch.randint(0, CFG.vocab_size, (4, CFG.max_seq_len), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = compiled(idx, idx)
+        _, loss_ref = reference(idx, idx)
+    loss.backward()
+    loss_ref.backward()
+    assert abs(loss.item() - loss_ref.item()) < 5e-3 * loss_ref.item()
+    for (name, p), p_ref in zip(model.named_parameters(), reference.parameters()):
+        rel = (p.grad - p_ref.grad).norm() / p_ref.grad.norm()
+        cos = torch.nn.functional.cosine_similarity(p.grad.flatten(), p_ref.grad.flatten(), dim=0)
+        assert rel < 0.2 and cos > 0.98, (name, rel.item(), cos.item())
+
+
 def test_torchao_refuses_the_te_backend():
     with pytest.raises(ValueError, match="plain backend"):
         fp8.convert_to_torchao_float8(types.SimpleNamespace(backend="te"))

@@ -94,16 +94,32 @@ def test_mfu_sweep_without_cuda_reports_na_and_measures_nothing(monkeypatch, cap
     assert len(rows) == 4 and all("n/a (no CUDA GPU here)" in row for row in rows)
 
 
-def test_projection_reduces_to_the_flops_model_when_everything_runs_at_peak():
+def test_the_step_estimate_reduces_to_the_flops_model_when_everything_runs_at_peak():
     cfg = ModelConfig(n_layer=12, n_embd=768, n_head=12, n_kv_head=4)
     F = flops_per_token(cfg, 1024)
     f_attn = 12 * 12 * 12 * 64 * 1024
-    # GEMMs at peak, causal attention at half (it does half the counted work), infinite bandwidth: MFU = 1.
-    assert ladder.projected_mfu(cfg, 1024, gemm_eff=1.0, attn_eff=0.5, hbm=float("inf")) == pytest.approx(1.0)
-    # Only the GEMM term slowed: t = F_mm / (0.5 P) + F_attn / P.
+    # GEMMs at peak, causal attention at half (it does half the counted work), infinite bandwidth, and a step
+    # so long that Muon's Newton-Schulz vanishes per token: MFU = 1.
+    ideal = dict(gemm_eff=1.0, attn_eff=0.5, hbm=float("inf"))
+    assert ladder.estimated_mfu(cfg, 1024, 16, 10**15, **ideal) == pytest.approx(1.0)
+    # Only the GEMMs slowed: t = F_mm / (0.5 P) + F_attn / P.
     expected = F / (2 * (F - f_attn) + f_attn)
-    assert ladder.projected_mfu(cfg, 1024, gemm_eff=0.5, attn_eff=0.5, hbm=float("inf")) == pytest.approx(expected)
-    assert 0 < ladder.projected_mfu(cfg, 1024) < ladder.projected_mfu(cfg, 1024, hbm=float("inf")) < 1
+    assert ladder.estimated_mfu(cfg, 1024, 16, 10**15, **{**ideal, "gemm_eff": 0.5}) == pytest.approx(expected)
+    assert 0 < ladder.estimated_mfu(cfg, 1024, 16, 2**19) < ladder.estimated_mfu(cfg, 1024, 16, 2**19, hbm=float("inf")) < 1
+
+
+def test_muon_newton_schulz_flops_count_each_block_on_its_short_side():
+    assert ladder.ns_flops(768, 768, steps=1) == 6 * 768**3
+    assert ladder.ns_flops(2048, 768, steps=1) == ladder.ns_flops(768, 2048, steps=1) == 4 * 768**2 * 2048 + 2 * 768**3
+    cfg = ModelConfig(n_layer=2, n_embd=64, n_head=4, n_kv_head=2)
+    per_layer = (ladder.ns_flops(64, 64) * 2 + ladder.ns_flops(32, 64) * 2 + ladder.ns_flops(cfg.resolved_ffn_dim, 64) * 3)
+    assert ladder.muon_flops_per_step(cfg) == 2 * per_layer
+
+
+def test_the_loss_part_shrinks_as_chunks_grow_past_max_loss_chunks():
+    cfg = ModelConfig(n_layer=12, n_embd=768, n_head=12, n_kv_head=4)
+    loss = {b: ladder.estimated_step_parts(cfg, 1024, b, 2**19)["loss"] for b in (16, 64)}
+    assert loss[64] < loss[16]  # the weight gradient's read-modify-write, once per chunk, over more tokens
 
 
 def test_ladder_flags_do_not_swallow_train_flags():
