@@ -176,7 +176,8 @@ class SpeedConfig:
 class LogConfig:
     """What the run reports and where (telemetry.py)."""
 
-    log_interval: int = option(10, "steps between progress updates")
+    log_interval: int = option(10, "steps between progress updates: the loss and grad norm are read back from the "
+                                   "device then, and metrics.jsonl gets the steps since the last one")
     peak_tflops: float = option(0.0, "peak FLOP/s (in TFLOP/s) for MFU (0: the GPU's dense bf16 datasheet "
                                      "figure)")
     profile: bool = option(False, f"run torch.profiler over {PROFILE_ACTIVE} steps after {PROFILE_WAIT} warm-up "

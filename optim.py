@@ -16,6 +16,8 @@ a separate linear map that happens to share a GEMM. Everything else gets AdamW i
 optimizer, so one state_dict and one LR schedule cover both.
 """
 
+import functools
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
@@ -51,8 +53,8 @@ POLAR_EXPRESS_COEFFICIENTS = (
 POLAR_EXPRESS_SAFETY = 1.01
 # NorMuon: added to the root of a row's second moment; orthogonalised rows have mean squares near 1/cols.
 NORMUON_EPS = 1e-8
-# Full fp32 matrices Muon gathers and orthogonalises together: big enough to batch a few layers' blocks,
-# small enough that FSDP2's sharding still bounds the optimizer's peak memory.
+# fp32 bytes of the matrices Muon orthogonalises together: big enough to batch a few layers' blocks (and, under
+# FSDP2, for few collectives: two a bucket), small enough that a rank's full blocks stay a bounded part of memory.
 MUON_BUCKET_BYTES = 256 * 2**20
 
 # Suffixes of the hidden matrices Muon owns (model.py's parameter-name contract).
@@ -274,6 +276,47 @@ def _build_adamw(roles, cfg, device_type):
                eps=cfg.eps, fused=fused or None, foreach=None if fused else True)
 
 
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether optimizer.step reads a `found_inf` attribute (a float32 scalar on the parameters' device; nonzero:
+    skip) on the device and then leaves the parameters and its state exactly as they were: torch's fused AdamW
+    (CautiousAdamW on it too), which declares it to GradScaler, and optimizers that set `skips_found_inf`."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)
+                or getattr(optimizer, "skips_found_inf", False))
+
+
+def step_if_finite(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+    """optimizer.step() where `finite` (a bool scalar on the parameters' device) is True; where it is False the
+    parameters and the optimizer state stay exactly as they were.
+
+    An optimizer that skips on the device (skips_on_device) is handed found_inf = 1 - finite for the step, as
+    GradScaler hands it to fused kernels, so the host queues the step without waiting for the GPU. The others
+    update their moments whatever the gradient, so the host reads `finite` first, one wait for the GPU a step:
+    foreach AdamW (torch's multi-tensor kernels take no found_inf; skipping there on the device would take a copy
+    of every parameter and both moments each step) and bitsandbytes' 8-bit AdamW (whose kernels take none
+    either)."""
+    if not skips_on_device(optimizer):
+        if finite:
+            optimizer.step()
+        return
+    optimizer.found_inf = (~finite).float()
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf
+
+
+def scalar_dtype(device: torch.device) -> torch.dtype:
+    """The dtype of a step's scalars computed on the device: float64, as Python computes them on the host, so
+    that they round to what a host-computed scalar would; MPS has no float64."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def per_step(skip: torch.Tensor, value: float, skipped: float, dtype: torch.dtype) -> torch.Tensor:
+    """`value`, or `skipped` where skip (a bool scalar): a scalar made on skip's device. A tensor made from a
+    Python number there would be copied from the host, which waits for the GPU; a fill does not."""
+    return torch.full((), value, dtype=dtype, device=skip.device).masked_fill_(skip, skipped)
+
+
 def _build_adamw8bit(roles, cfg):
     named = roles["decay"] + roles["no_decay"]
     if any(_is_dtensor(p) for _, p in named):
@@ -359,8 +402,9 @@ def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype, coeffs: str =
 
 def muon_buckets(todo: list, max_bytes: int) -> list[list]:
     """Consecutive runs of (param, split) pairs whose full fp32 matrices add up to at most max_bytes (a
-    larger matrix is a bucket of its own). Muon gathers and orthogonalises one bucket at a time, so under
-    FSDP2 a rank holds a bucket's full matrices, not the whole model's; every rank cuts the same buckets."""
+    larger matrix is a bucket of its own). Muon exchanges and orthogonalises one bucket at a time, so under
+    FSDP2 a rank holds the full blocks it owns of one bucket, not of the whole model; every rank cuts the same
+    buckets."""
     buckets, size = [[]], 0
     for p, split in todo:
         nbytes = 4 * p.numel()
@@ -401,7 +445,8 @@ def orthogonalize_blocks(blocks: list[torch.Tensor], steps: int, dtype: torch.dt
     return out
 
 
-def normuon_rows(ortho: torch.Tensor, row_sq_avg: torch.Tensor, beta: float) -> torch.Tensor:
+def normuon_rows(ortho: torch.Tensor, row_sq_avg: torch.Tensor, beta: float,
+                 skip: torch.Tensor | None = None) -> torch.Tensor:
     """NorMuon (Li et al. 2025): one orthogonalised block [rows, cols] -> the block (in float32, or in row_sq_avg's
     dtype if wider) with each row divided by the root of row_sq_avg, the EMA of the row's mean square (updated
     in place, [rows]), then scaled back to the block's Frobenius norm.
@@ -409,9 +454,11 @@ def normuon_rows(ortho: torch.Tensor, row_sq_avg: torch.Tensor, beta: float) -> 
     Orthogonalisation evens out the singular values but not the rows: some output neurons still get much larger
     updates than others, which the per-row second moment evens out; the rescale keeps the update's RMS, so
     muon_scale_factor and the LR mean what they meant. No bias correction: the rescale cancels any factor
-    common to all rows. A zero block (no gradient yet) stays zero."""
+    common to all rows. A zero block (no gradient yet, a skipped step) stays zero; where skip (a bool scalar),
+    row_sq_avg stays as it was."""
     o = ortho.to(torch.promote_types(row_sq_avg.dtype, torch.float32))
-    row_sq_avg.lerp_(o.square().mean(dim=1).to(row_sq_avg.dtype), 1 - beta)
+    weight = 1 - beta if skip is None else per_step(skip, 1 - beta, 0.0, row_sq_avg.dtype)
+    row_sq_avg.lerp_(o.square().mean(dim=1).to(row_sq_avg.dtype), weight)
     normed = o / (row_sq_avg.to(o.dtype).sqrt() + NORMUON_EPS)[:, None]
     return normed.mul_(torch.linalg.vector_norm(o) / torch.linalg.vector_norm(normed).clamp_min(1e-30))
 
@@ -447,40 +494,92 @@ def _check_placements(name: str, p: torch.Tensor):
         raise ValueError(f"Muon needs {name} replicated or sharded on dim 0 (FSDP2), got {p.placements}")
 
 
+def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[first, end) of the rows that `rank` holds of a `rows`-row matrix sharded on dim 0 over world_size ranks:
+    torch.chunk's split, as FSDP2's (ceil-sized chunks, trailing ones short or empty)."""
+    chunk = -(-rows // world_size)
+    return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+
+
+def _row_shards(p: torch.Tensor) -> tuple | None:
+    """(process group, its size, this rank's index in it) of the mesh dimension that splits p's rows; None where
+    this rank holds every row (a plain tensor, a replicated DTensor, a shard on a one-rank mesh dimension)."""
+    if _is_dtensor(p):
+        mesh = p.device_mesh
+        for mesh_dim, placement in enumerate(p.placements):
+            if isinstance(placement, Shard) and mesh.size(mesh_dim) > 1:
+                return mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+    return None
+
+
 def _first_local_row(p: torch.Tensor) -> int:
-    """Index of this rank's first row of p; shards follow torch.chunk (ceil-sized, trailing ones short or empty)."""
-    if not _is_dtensor(p):
-        return 0
-    for mesh_dim, placement in enumerate(p.placements):
-        if isinstance(placement, Shard):
-            chunk = -(-p.shape[0] // p.device_mesh.size(mesh_dim))
-            return min(p.device_mesh.get_local_rank(mesh_dim) * chunk, p.shape[0])
-    return 0
+    shards = _row_shards(p)
+    return 0 if shards is None else shard_rows(p.shape[0], *shards[1:])[0]
 
 
-def _full_matrix(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The whole matrix whose shard on this rank is `local` (laid out like p); a no-op off DTensors."""
-    if not _is_dtensor(p):
-        return local
-    return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+def _layout(p: torch.Tensor) -> tuple | None:
+    return (p.device_mesh, tuple(p.placements)) if _is_dtensor(p) else None
+
+
+def newton_schulz_flops(rows: int, cols: int) -> int:
+    """Multiply-adds of one Newton-Schulz iteration on a [rows, cols] block, in the wide orientation: the Gram
+    matrix, its square, and the product with X."""
+    short, long = min(rows, cols), max(rows, cols)
+    return 2 * short * short * long + short**3
+
+
+def assign_owners(costs: list[int], world_size: int) -> list[int]:
+    """The rank that orthogonalises each block, by the blocks' costs: the costliest first, each to the rank with
+    the least work so far (the lowest such rank on ties). Every rank computes the same owners from the same
+    shapes, so no rank has to be told."""
+    load, owners = [0] * world_size, [0] * len(costs)
+    for k in sorted(range(len(costs)), key=lambda k: -costs[k]):
+        owners[k] = min(range(world_size), key=load.__getitem__)
+        load[owners[k]] += costs[k]
+    return owners
+
+
+def _all_to_all(send: list[list[torch.Tensor]], recv_shapes: list[list[tuple]], group, dtype: torch.dtype,
+                device: torch.device) -> list[list[torch.Tensor]]:
+    """One all_to_all_single over `group`: the tensors of send[r] go to rank r, flattened into one buffer in
+    `dtype`; -> received[r], tensors shaped recv_shapes[r], from rank r (views of one buffer)."""
+    parts = [t.reshape(-1).to(dtype) for to_rank in send for t in to_rank]
+    flat = torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device)
+    numels = [[math.prod(shape) for shape in shapes] for shapes in recv_shapes]
+    out = torch.empty(sum(map(sum, numels)), dtype=dtype, device=device)
+    torch.distributed.all_to_all_single(out, flat, [sum(n) for n in numels],
+                                        [sum(t.numel() for t in to_rank) for to_rank in send], group=group)
+    pieces = iter(out.split([n for from_rank in numels for n in from_rank]))
+    return [[next(pieces).view(shape) for shape in shapes] for shapes in recv_shapes]
 
 
 class Muon(torch.optim.Optimizer):
     """Muon for groups of kind "muon", AdamW for groups of kind "adamw", in one optimizer.
 
-    Muon groups carry "row_blocks": for each parameter, the row sizes to orthogonalise separately.
-    Works on plain tensors (one device, DDP: every rank has the same averaged grads) and on FSDP2's
-    Shard(0) DTensors (each rank gathers the full momentum-corrected matrix and applies its own rows;
-    state stays sharded like the parameters). Every block of every matrix is orthogonalised in one
-    batched call per shape (orthogonalize_blocks); under torch.distributed with split_across_ranks each
-    rank computes 1/world_size of them and all-gathers the rest, instead of every rank repeating it all.
+    Muon groups carry "row_blocks": for each parameter, the row sizes to orthogonalise separately. The
+    matrices go in buckets (muon_buckets), and same-shape blocks through Newton-Schulz in one batched call
+    (orthogonalize_blocks). Works on:
+    - plain tensors (one device; DDP, where every rank has the same averaged grads): under torch.distributed
+      with split_across_ranks each rank computes 1/world_size of the blocks and all-gathers the rest;
+    - FSDP2's Shard(0) DTensors, where each rank holds some rows of each matrix: each block has an owner rank
+      (assign_owners), one all_to_all per bucket brings each owner its blocks' rows from every rank, the owner
+      orthogonalises them, and a second all_to_all hands each rank back the rows it holds. A rank receives about
+      two 1/world_size shares of the bucket per step; state stays sharded like the parameters.
+    Every matrix must be laid out alike (all plain, or all DTensors on one mesh with the same placements).
 
     Recipe options: ns_coeffs (newton_schulz's polynomials); normuon_beta (not None: NorMuon, normuon_rows, whose
-    per-row state "row_sq_avg" is a plain full-length [rows] tensor on every rank, since every rank holds every
-    orthogonalised block and computes it identically, so it saves and resumes at any world size); a group's
+    per-row state "row_sq_avg" is laid out like the parameter's rows, a DTensor sharded like it under FSDP2, so
+    that it saves and resumes at any world size; it travels to the owner and back with the rows); a group's
     "cautious_wd" (cautious_decay_). Groups restored from a checkpoint older than these keys lack them: read
     with .get, they are off.
+
+    A step handed found_inf (step_if_finite) is skipped on the device: where it is nonzero the gradients are
+    zeroed and every weight of the step (the momentum's and second moments' EMAs, the decay, the AdamW update
+    and step count) is 0, so the update entering Newton-Schulz is all zeros, which it maps to zeros; where it
+    is 0 every weight is the one a host-computed scalar gives, so the step is bit for bit what it is without.
     """
+
+    skips_found_inf = True
 
     def __init__(self, params, *, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="fp32",
                  muon_scale="match_rms_adamw", betas=(0.9, 0.95), eps=1e-8, split_across_ranks=True,
@@ -497,6 +596,11 @@ class Muon(torch.optim.Optimizer):
                 if p.ndim != 2:
                     raise ValueError(f"Muon needs 2-D matrices, {name} has shape {tuple(p.shape)}")
                 _check_placements(name, p)
+        named = [(n, p) for g in self.param_groups if g["kind"] == "muon" for n, p in zip(g["names"], g["params"])]
+        for name, p in named[1:]:  # a bucket is exchanged over one process group, each matrix split alike
+            if _layout(p) != _layout(named[0][1]):
+                raise ValueError(f"Muon needs its matrices laid out alike (all plain tensors, or all DTensors on one "
+                                 f"device mesh with the same placements): {name} is not laid out like {named[0][0]}")
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -504,13 +608,14 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf = getattr(self, "found_inf", None)  # step_if_finite's
         for group in self.param_groups:
             if group["kind"] == "muon":
-                self._muon_step(group)
+                self._muon_step(group, found_inf)
             else:
                 for p in group["params"]:
                     if p.grad is not None:
-                        self._adamw_update(p, group)
+                        self._adamw_update(p, group, found_inf)
         return loss
 
     def _ranks(self) -> tuple[int, int]:
@@ -519,78 +624,175 @@ class Muon(torch.optim.Optimizer):
             return dist.get_world_size(), dist.get_rank()
         return 1, 0
 
-    def _momentum(self, p, group) -> torch.Tensor:
-        """Update p's momentum; -> the full (gathered, under FSDP2) Nesterov-corrected update matrix."""
+    def _momentum(self, p, group, skip) -> torch.Tensor:
+        """Update p's momentum; -> this rank's rows (all of them, off FSDP2) of the Nesterov-corrected update.
+        Where skip (a bool scalar) the momentum stays as it was and the update is all zeros."""
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad)
-        grad, buf = _local(p.grad), _local(state["momentum_buffer"])
-        buf.lerp_(grad, 1 - group["momentum"])
-        update = grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-        return _full_matrix(update, p)
+        grad, buf = _local(p.grad).masked_fill(skip, 0.0), _local(state["momentum_buffer"])
+        buf.lerp_(grad, per_step(skip, 1 - group["momentum"], 0.0, buf.dtype))
+        if group["nesterov"]:
+            return grad.lerp_(buf, group["momentum"]).masked_fill_(skip, 0.0)
+        return buf.masked_fill(skip, 0.0)
 
-    def _muon_step(self, group):
+    def _muon_step(self, group, found_inf):
         todo = [(p, split) for p, split in zip(group["params"], group["row_blocks"]) if p.grad is not None]
+        if not todo:
+            return
+        device = _local(todo[0][0]).device
+        skip = (torch.zeros((), dtype=torch.bool, device=device) if found_inf is None
+                else found_inf.to(device).bool())
         for bucket in muon_buckets(todo, MUON_BUCKET_BYTES):
-            self._muon_bucket(bucket, group)
+            self._muon_bucket(bucket, group, skip)
 
-    def _muon_bucket(self, todo, group):
+    def _muon_bucket(self, todo, group, skip):
         """Momentum, Newton-Schulz and the update for a bucket of (param, row split) pairs."""
-        blocks, where = [], []  # where[k]: (index into todo, first row) of blocks[k]
-        for i, (p, split) in enumerate(todo):
-            full, start = self._momentum(p, group), 0
-            for rows in split:
-                blocks.append(full[start:start + rows])
-                where.append((i, start))
-                start += rows
-        orthos = orthogonalize_blocks(blocks, group["ns_steps"], NS_DTYPES[group["ns_dtype"]], *self._ranks(),
+        updates = [self._momentum(p, group, skip) for p, _ in todo]
+        blocks = [(i, start, rows) for i, (_, split) in enumerate(todo)  # (index into todo, first row, rows)
+                  for start, rows in zip(itertools.accumulate(split, initial=0), split)]
+        shards = _row_shards(todo[0][0])
+        if shards is None:
+            orthos = self._orthogonalize_whole(todo, updates, blocks, group, skip)
+        else:
+            orthos = self._orthogonalize_sharded(todo, updates, blocks, group, skip, *shards)
+        self._apply_muon(todo, blocks, orthos, group, skip)
+
+    def _orthogonalize_whole(self, todo, updates, blocks, group, skip) -> list[torch.Tensor]:
+        """Each block's orthogonalised (NorMuon'd, if on) update, where every rank holds every row."""
+        orthos = orthogonalize_blocks([updates[i][start:start + rows] for i, start, rows in blocks],
+                                      group["ns_steps"], NS_DTYPES[group["ns_dtype"]], *self._ranks(),
                                       coeffs=group.get("ns_coeffs", "quintic"))
-        if group.get("normuon_beta") is not None:
-            orthos = [normuon_rows(ortho, self._row_sq_avg(todo[i][0])[start:start + ortho.shape[0]],
-                                   group["normuon_beta"]) for (i, start), ortho in zip(where, orthos)]
+        if group.get("normuon_beta") is None:
+            return orthos
+        return [normuon_rows(ortho, _local(self._row_sq_avg(todo[i][0]))[start:start + rows], group["normuon_beta"],
+                             skip) for (i, start, rows), ortho in zip(blocks, orthos)]
+
+    def _orthogonalize_sharded(self, todo, updates, blocks, group, skip, process_group, world_size, rank):
+        """-> this rank's rows of each block's orthogonalised (NorMuon'd, if on) update, where FSDP2 splits the
+        rows across the ranks of process_group: each block's owner gathers it, orthogonalises it and sends each
+        rank its rows back, one all_to_all each way. NorMuon's row_sq_avg rides along as one more column."""
+        params = [p for p, _ in todo]
+        normuon = group.get("normuon_beta") is not None
+        row_sq = [_local(self._row_sq_avg(p)) for p in params] if normuon else []
+        extra = int(normuon)  # columns beyond the matrix's: row_sq_avg's
+        owners = assign_owners([newton_schulz_flops(rows, params[i].shape[1]) for i, _, rows in blocks], world_size)
+        owned = [[k for k, owner in enumerate(owners) if owner == r] for r in range(world_size)]
+
+        def held(k, r):  # the rows [lo, hi) of block k's matrix that rank r holds; lo <= hi
+            i, start, rows = blocks[k]
+            first, end = shard_rows(params[i].shape[0], world_size, r)
+            lo = max(start, first)
+            return lo, max(lo, min(start + rows, end))
+
+        def in_shard(k):  # this rank's rows of block k, as a slice of its shard of the matrix
+            lo, hi = held(k, rank)
+            first = shard_rows(params[blocks[k][0]].shape[0], world_size, rank)[0]
+            return slice(lo - first, hi - first)
+
+        def in_block(k, r):  # rank r's rows of block k, as a slice of the block
+            lo, hi = held(k, r)
+            return slice(lo - blocks[k][1], hi - blocks[k][1])
+
+        def shape(k, r):  # of what travels of block k from or to rank r
+            lo, hi = held(k, r)
+            return hi - lo, params[blocks[k][0]].shape[1] + extra
+
+        wire = functools.reduce(torch.promote_types, [u.dtype for u in updates] + [r.dtype for r in row_sq])
+
+        def outgoing(k):  # this rank's rows of block k's update, and of row_sq_avg as one more column
+            i, rows = blocks[k][0], in_shard(k)
+            if not normuon:
+                return updates[i][rows]
+            return torch.cat([updates[i][rows].to(wire), row_sq[i][rows, None].to(wire)], 1)
+
+        device = updates[0].device
+        incoming = _all_to_all([[outgoing(k) for k in owned[r]] for r in range(world_size)],
+                               [[shape(k, r) for k in owned[rank]] for r in range(world_size)],
+                               process_group, wire, device)
+        mine = [torch.cat([incoming[r][j] for r in range(world_size)]) for j in range(len(owned[rank]))]
+        results = orthogonalize_blocks([m[:, :m.shape[1] - extra] for m in mine], group["ns_steps"],
+                                       NS_DTYPES[group["ns_dtype"]], coeffs=group.get("ns_coeffs", "quintic"))
+        if normuon:
+            avgs = [m[:, -1].to(row_sq[blocks[k][0]].dtype) for k, m in zip(owned[rank], mine)]
+            normed = [normuon_rows(ortho, avg, group["normuon_beta"], skip) for ortho, avg in zip(results, avgs)]
+            results = [torch.cat([n, avg[:, None].to(n.dtype)], 1) for n, avg in zip(normed, avgs)]
+            wire = functools.reduce(torch.promote_types, [r.dtype for r in row_sq], torch.float32)
+        else:
+            wire = NS_DTYPES[group["ns_dtype"]]  # the results' own dtype: bf16 on CUDA halves what comes back
+        back = _all_to_all([[results[j][in_block(k, r)] for j, k in enumerate(owned[rank])]
+                            for r in range(world_size)],
+                           [[shape(k, rank) for k in owned[r]] for r in range(world_size)],
+                           process_group, wire, device)
+        orthos = [None] * len(blocks)
+        for r in range(world_size):
+            for k, piece in zip(owned[r], back[r]):
+                orthos[k] = piece
+        if normuon:
+            for k, piece in enumerate(orthos):
+                row_sq[blocks[k][0]][in_shard(k)] = piece[:, -1]
+                orthos[k] = piece[:, :-1]
+        return orthos
+
+    def _apply_muon(self, todo, blocks, orthos, group, skip):
+        """Decay and step the parameters; orthos[k] is block k's update for the rows of it this rank holds (all
+        zeros where skip, so that only the decay needs its weight set to 0)."""
         lr, cautious = group["lr"], group.get("cautious_wd", False)
+        decay, dtype = lr * group["weight_decay"], scalar_dtype(skip.device)
         if not cautious:
+            factor = per_step(skip, 1 - decay, 1.0, dtype)
             for p, _ in todo:
-                _local(p).mul_(1 - lr * group["weight_decay"])
-        for (i, start), ortho in zip(where, orthos):
+                _local(p).mul_(factor)
+        for (i, start, rows), update in zip(blocks, orthos):
             p = todo[i][0]
-            param, first = _local(p), _first_local_row(p)
-            lo, hi = max(start, first), min(start + ortho.shape[0], first + param.shape[0])
-            if lo < hi:  # this block overlaps this rank's rows
-                scale = muon_scale_factor(ortho.shape[0], ortho.shape[1], group["muon_scale"])
-                rows, update = param[lo - first:hi - first], ortho[lo - start:hi - start]
-                if cautious:  # every row of a matrix is in exactly one block, so each is decayed once
-                    cautious_decay_(rows, update, lr * group["weight_decay"])
-                rows.add_(update, alpha=-lr * scale)
+            first = _first_local_row(p)
+            lo = max(start, first) - first
+            target = _local(p)[lo:lo + update.shape[0]]
+            if cautious:  # every row of a matrix is in exactly one block, so each is decayed once
+                cautious_decay_(target, update, per_step(skip, decay, 0.0, dtype))
+            target.add_(update, alpha=-lr * muon_scale_factor(rows, p.shape[1], group["muon_scale"]))
 
     def _row_sq_avg(self, p) -> torch.Tensor:
-        """NorMuon's per-row second moment of p, created at zero on first use, in p's dtype: the dtype
-        Optimizer.load_state_dict casts state to, so that a resumed run computes exactly as before."""
+        """NorMuon's per-row second moment of p, created at zero on first use, laid out like p's rows (a DTensor
+        with p's mesh and placements where p is one) and in p's dtype: the dtype Optimizer.load_state_dict
+        casts state to, so that a resumed run computes exactly as before."""
         state = self.state[p]
         if "row_sq_avg" not in state:
-            state["row_sq_avg"] = torch.zeros(p.shape[0], dtype=p.dtype, device=_local(p).device)
+            local = torch.zeros(_local(p).shape[0], dtype=p.dtype, device=_local(p).device)
+            state["row_sq_avg"] = (DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape[:1],
+                                                      stride=(1,)) if _is_dtensor(p) else local)
         return state["row_sq_avg"]
 
-    def _adamw_update(self, p, group):
+    def _adamw_update(self, p, group, found_inf=None):
+        """AdamW on one parameter, its step count and bias corrections kept on the device (nothing waits for the
+        GPU). found_inf (step_if_finite's; None: 0) weighs the step: where it is nonzero the gradient (zeroed
+        first, as it is likely not finite), the decay, the update and the count's increment all get weight 0, which
+        leaves p and its state exactly as they were; where it is 0 each is AdamW's, the scalars computed in
+        scalar_dtype as the host would, so the update is the one torch's single-tensor AdamW takes."""
+        param, grad = _local(p), _local(p.grad)
+        skip = (torch.zeros((), dtype=torch.bool, device=param.device) if found_inf is None
+                else found_inf.to(param.device).bool())
         state = self.state[p]
         if not state:
-            state["step"] = torch.tensor(0.0)
+            state["step"] = torch.zeros((), device=param.device)
             state["exp_avg"] = torch.zeros_like(p)
             state["exp_avg_sq"] = torch.zeros_like(p)
-        param, grad = _local(p), _local(p.grad)
+        state["step"] = state["step"].to(param.device)  # a checkpoint's comes back on the CPU
         exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
-        (beta1, beta2), lr = group["betas"], group["lr"]
-        state["step"] += 1
-        step = state["step"].item()
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        if group["weight_decay"] != 0:  # on the parameter before this step's update (decoupled)
+        (beta1, beta2), lr, decay = group["betas"], group["lr"], group["lr"] * group["weight_decay"]
+        dtype = scalar_dtype(param.device)
+        grad = grad.masked_fill(skip, 0.0)
+        state["step"].add_((~skip).to(state["step"].dtype))
+        exp_avg.lerp_(grad, per_step(skip, 1 - beta1, 0.0, exp_avg.dtype))
+        exp_avg_sq.mul_(per_step(skip, beta2, 1.0, dtype)).addcmul_(grad, grad, value=1 - beta2)
+        if decay != 0:  # on the parameter before this step's update (decoupled)
             if group.get("cautious_wd", False):  # the update is exp_avg over a positive denominator: its sign
-                cautious_decay_(param, exp_avg, lr * group["weight_decay"])
+                cautious_decay_(param, exp_avg, per_step(skip, decay, 0.0, dtype))
             else:
-                param.mul_(1 - lr * group["weight_decay"])
+                param.mul_(per_step(skip, 1 - decay, 1.0, dtype))
+        step = state["step"].to(dtype).clamp(min=1)  # a skipped first step's corrections go unused: keep them finite
         denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(group["eps"])
-        param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+        param.addcdiv_(exp_avg * (-lr / (1 - beta1**step)).masked_fill_(skip, 0.0), denom)
 
 
 class CautiousAdamW(torch.optim.AdamW):
@@ -609,12 +811,11 @@ class CautiousAdamW(torch.optim.AdamW):
         if closure is not None:  # the gradients the mask reads must exist before it is taken
             with torch.enable_grad():
                 loss = closure()
-        # Under a GradScaler, fused kernels may be handed the scale and an inf flag (a skipped step).
+        # Fused kernels may be handed the scale (GradScaler) and an inf flag (a skipped step: step_if_finite).
         scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         cautious = [g for g in self.param_groups if g.get("cautious_wd") and g["weight_decay"]]
-        if found_inf is None or not found_inf.item():
-            for group in cautious:
-                self._cautious_decay(group, scale)
+        for group in cautious:
+            self._cautious_decay(group, scale, found_inf)
         saved = [g["weight_decay"] for g in cautious]
         try:
             for group in cautious:
@@ -625,16 +826,19 @@ class CautiousAdamW(torch.optim.AdamW):
                 group["weight_decay"] = weight_decay
         return loss
 
-    def _cautious_decay(self, group, scale):
-        """The group's decay, masked by the sign of the first moment this step will have."""
-        beta1 = group["betas"][0]
+    def _cautious_decay(self, group, scale, found_inf):
+        """The group's decay, masked by the sign of the first moment this step will have; none where found_inf
+        is nonzero, decided on the device like the kernel's skip."""
+        beta1, amount = group["betas"][0], group["lr"] * group["weight_decay"]
+        if found_inf is not None:
+            amount = per_step(found_inf.bool(), amount, 0.0, scalar_dtype(found_inf.device))
         for p in group["params"]:
             if p.grad is None:
                 continue
             grad = _local(p.grad) if scale is None else _local(p.grad) / scale
             exp_avg = self.state[p].get("exp_avg")
             first_moment = grad * (1 - beta1) if exp_avg is None else _local(exp_avg).lerp(grad, 1 - beta1)
-            cautious_decay_(_local(p), first_moment, group["lr"] * group["weight_decay"])
+            cautious_decay_(_local(p), first_moment, amount)
 
 
 # ----------------------------------------------------------------------------- reporting

@@ -4,9 +4,13 @@ the phase timer, torch.profiler and torch.compile's compilation time.
     telemetry = Telemetry(cfg, is_main, device, start_step, max_steps, flops, peak, wandb_run, optimizer)
     with telemetry.timer("forward"): ...                      # train_step's phases
     with telemetry.loop():                                    # progress bar and profiler
+        with telemetry.timing_step(): ...                     # the whole step
+        ended = telemetry.end_step()                          # noted as it ends; the profiler moves on
+        # ... once the loop has read the step's loss back from the device (train.read_back):
         health = guard.observe(loss, finite)                  # resilience.Guard counts the step first
-        record = telemetry.step_record(step, loss, grad_norm, finite, seconds, layout, world_size, health)
-        telemetry.log(record)                                 # metrics.jsonl, wandb, progress, profiler
+        record = telemetry.step_record(step, loss, grad_norm, finite, ended.seconds(), layout, world_size, health,
+                                       ended)
+        telemetry.log(record)                                 # metrics.jsonl, wandb, progress
 
 Only rank 0 writes anything; the other ranks run the same calls as no-ops, so the loop has no rank checks.
 """
@@ -20,6 +24,7 @@ import sys
 import time
 import urllib.parse
 from contextlib import contextmanager
+from dataclasses import dataclass
 from statistics import median
 
 import torch
@@ -35,6 +40,7 @@ from progress import Progress, duration
 from schedule import current_lr
 
 DATA_WAIT_WARN = 0.05  # warn when waiting for batches takes more than this fraction of a step
+PHASES = ("data", "forward", "backward", "optimizer")  # a step's, timed by PhaseTimer
 # Steps timed to separate torch.compile's one-off compilation (in the first step) from the steady step time.
 COMPILE_TIMING_STEPS = 6
 
@@ -230,17 +236,48 @@ class PhaseTimer:
             yield
             self.spans.append((phase, t0, time.perf_counter()))
 
-    def collect(self) -> dict[str, float]:
-        """{phase: seconds} since the last collect(); waits for the GPU's timed work to finish."""
-        totals = {"data": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
-        for phase, start, end in self.spans:
-            if isinstance(start, float):
-                totals[phase] += end - start
-            else:
-                end.synchronize()
-                totals[phase] += start.elapsed_time(end) / 1000
-        self.spans = []
+    def lap(self) -> list:
+        """The spans timed since the last lap or collect, not read yet (reading a CUDA span waits for the GPU)."""
+        spans, self.spans = self.spans, []
+        return spans
+
+    @staticmethod
+    def read(spans: list) -> dict[str, float]:
+        """{phase: seconds} of spans (a lap); waits for the GPU's timed work in them to finish."""
+        totals = dict.fromkeys(PHASES, 0.0)
+        for phase, start, end in spans:
+            totals[phase] += span_seconds(start, end)
         return totals
+
+    def collect(self) -> dict[str, float]:
+        """{phase: seconds} since the last collect() or lap(); waits for the GPU's timed work to finish."""
+        return self.read(self.lap())
+
+
+def span_seconds(start, end) -> float:
+    """A PhaseTimer span's seconds: wall clock, or two CUDA events (which waits for the GPU to pass the end)."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1000
+
+
+@dataclass
+class StepEnd:
+    """What the host notes as a step's work has been queued (Telemetry.end_step), for the step's record, which is
+    made once the loop reads the step back from the device, up to --log-interval steps later (by then the LR is
+    a later step's). On CUDA the spans are events, read only then, so that nothing waits for the GPU in
+    between; time_s is the host's clock when the step was queued, ahead of the GPU by what is queued after it."""
+
+    spans: list  # the step's phases (PhaseTimer.lap)
+    whole: list  # the whole step's span (Telemetry.timing_step)
+    time_s: float
+    peak_mem_gib: float
+    lr: float  # schedule.current_lr: the one the step applied
+
+    def seconds(self) -> float:
+        """The step's time; on CUDA, from the GPU reaching its start to finishing its last kernel."""
+        return sum(span_seconds(start, end) for _, start, end in self.whole)
 
 
 def start_profiler(device: torch.device, out_dir: str, is_main: bool):
@@ -286,6 +323,7 @@ class Telemetry:
         # time_s goes on from the resumed step's record: the run's training time across its processes
         self.time_offset = (self.metrics.last_kept or {}).get("time_s", 0.0) if start_step else 0.0
         self.timer = PhaseTimer(device)
+        self.clock = PhaseTimer(device)  # whole steps (timing_step)
         self.progress = self.profiler = None  # the step loop's, opened by loop()
         self.loop_start = None
         self.step_times, self.step_tokens, self.data_warned, self.last_loss = [], [], False, float("nan")
@@ -295,30 +333,47 @@ class Telemetry:
         """Seconds of training since the run started, across resumes (metrics.jsonl's time_s)."""
         return self.time_offset + (time.perf_counter() - self.loop_start if self.loop_start else 0.0)
 
+    def timing_step(self):
+        """A context that times the whole step: wall clock, or CUDA events that the host does not wait for."""
+        return self.clock("step")
+
+    def end_step(self) -> StepEnd:
+        """What the host notes as a step's work has been queued, for its record (step_record); the profiler
+        moves to the next step."""
+        if self.profiler is not None:
+            self.profiler.step()
+        return StepEnd(self.timer.lap(), self.clock.lap(), self.elapsed(), peak_memory_gib(self.device),
+                       current_lr(self.optimizer))
+
     def step_record(self, step: int, loss: float, grad_norm: float, finite: bool, seconds: float, layout,
-                    world_size: int, health) -> dict:
+                    world_size: int, health, ended: StepEnd | None = None) -> dict:
         """The metrics.jsonl line of the step that has index `step` (0-based) and is counted as done=step+1;
         prints the warnings it calls for (skipped update, spike, slow data) and, once, the compilation time.
         health: the run's resilience.LossHealth, with this step counted (Guard.observe); only read here.
+        seconds: the step's time (ended.seconds()); ended: what end_step noted as the step ended, whose phases,
+        time_s, peak memory and LR the line holds; None for a line made as its step ends, which takes them now.
         Its "lr" is the one the optimizer applied (schedule.current_lr), not one recomputed from the flags."""
+        if ended is None:
+            ended = StepEnd(self.timer.lap(), [], self.elapsed(), peak_memory_gib(self.device),
+                            current_lr(self.optimizer))
         self.step_times.append(seconds)
         self.step_tokens.append(layout.tokens_per_step)
         self.tokens += layout.tokens_per_step
         self.done = done = step + 1
-        phases = self.timer.collect()
+        phases = PhaseTimer.read(ended.spans)
         tokens_per_sec = layout.tokens_per_step / seconds
         per_device = tokens_per_sec / world_size
         self.last_loss = loss
         record = {
-            "step": done, "tokens": self.tokens, "time_s": round(self.elapsed(), 3),
-            "train_loss": loss if finite else None, "lr": current_lr(self.optimizer),
+            "step": done, "tokens": self.tokens, "time_s": round(ended.time_s, 3),
+            "train_loss": loss if finite else None, "lr": ended.lr,
             "grad_norm": grad_norm if finite else None,
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": per_device,
             # per device; equal to the whole job's utilisation of its devices
             "mfu": self.mfu(per_device),
             "loss_ema": health.ema, "loss_var": health.var, "skipped": not finite, "bad_steps": health.bad_total,
             **{f"time_{phase}_ms": 1000 * s for phase, s in phases.items()},
-            "peak_mem_gib": peak_memory_gib(self.device),
+            "peak_mem_gib": ended.peak_mem_gib,
         }
         if not finite:
             self.write(f"warning: step {done}: loss {loss}, grad norm {grad_norm}: update skipped "
@@ -345,14 +400,14 @@ class Telemetry:
                        f"compilation (first minus the median of the next {len(times) - 1} steps)")
 
     def log(self, record: dict) -> None:
-        """Write the step's record, move the progress bar, advance the profiler."""
+        """Write the step's record and move the progress bar (which a failed loop has closed already: its last
+        records are written after it, train.log_unread)."""
         self.metrics.log(record)
         if "val_loss" in record:
             self._remember_eval(record["step"], record)
-        self.progress.set_postfix(f"loss {self.last_loss:.3f}, {record['tokens_per_sec']:,.0f} tok/s")
-        self.progress.update()
-        if self.profiler is not None:
-            self.profiler.step()
+        if self.progress is not None:
+            self.progress.set_postfix(f"loss {self.last_loss:.3f}, {record['tokens_per_sec']:,.0f} tok/s")
+            self.progress.update()
 
     def _remember_eval(self, done: int, metrics: dict) -> None:
         """The summary's last eval: step `done`'s val loss and bpb."""

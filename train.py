@@ -32,8 +32,9 @@ from data import DataError, ShardLoader, check_split, check_vocab, fingerprint
 from evaluate import Evaluator
 from hf import load_hf
 from model import ModelConfig, flops_per_token
-from optim import build_optimizer
+from optim import build_optimizer, step_if_finite
 from prepare import default_corpus
+from readback import Taken, log_unread, read_back
 from resilience import Guard, StopSignals, TrainingHalted, stop_at_once_during_startup
 from rundir import CONFIG_FILE, NothingToDo, RunLock, claim, replace_outputs
 from schedule import batch_warmup_warning, lr_multiplier, schedule_warning, set_lr
@@ -220,10 +221,14 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
 
 def train_step(run: Run):
     """One optimizer step over grad_accum micro-batches (run.step_layout's during the batch warm-up) ->
-    (mean loss over ranks, grad norm, finite).
+    (mean loss over ranks, grad norm, finite), tensors on the device: the host queues the step without
+    waiting for the GPU.
 
     A non-finite loss or gradient norm skips the update: parameters and optimizer state stay exactly as
-    they were. Every rank sees the same all-reduced loss and norm, so all ranks skip together.
+    they were, decided on the device where the optimizer can (optim.step_if_finite). The fp16 GradScaler's
+    own skip is part of it (an overflowed gradient has a non-finite norm), so its step is not called: it
+    would read its flag on the host. Every rank sees the same all-reduced loss and norm, so all ranks skip
+    together.
     """
     timer, grad_accum = run.telemetry.timer, (run.step_layout or run.layout).grad_accum
     loss_sum = torch.zeros((), device=run.device)
@@ -241,10 +246,9 @@ def train_step(run: Run):
         clip = run.cfg.schedule.grad_clip
         grad_norm = distributed.clip_grad_norm(run.model, clip if clip > 0 else float("inf"))
         loss = distributed.mean_across_ranks(loss_sum / grad_accum, run.info)
-        finite = bool(torch.isfinite(loss) and torch.isfinite(grad_norm))
-        if finite:
-            run.scaler.step(run.optimizer)
-        run.scaler.update()
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        step_if_finite(run.optimizer, finite)
+        run.scaler.update()  # from the overflow check unscale_ made
         run.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm, finite
 
@@ -254,22 +258,25 @@ def train_step(run: Run):
 
 def run_loop(run: Run) -> str | None:
     """Train to max_steps; -> why the run stopped early on purpose (signal, early stopping), or what the
-    user should know about its end; the end-of-run summary shows it."""
+    user should know about its end; the end-of-run summary shows it.
+
+    The host queues steps without waiting for the GPU and reads their losses back only when read_due says;
+    then the guard counts each of them in order and each gets its record, as if they had been read one by one."""
     s, signals = run.cfg.schedule, StopSignals()
-    step, oom_retried = run.start_step, False
+    step, oom_retried, taken = run.start_step, False, []
     try:
         with run.telemetry.loop():
             if run.start_step:  # resumed
                 recount_restored_eval(run, run.start_step)
             while step < run.max_steps:
-                t0 = time.perf_counter()
                 multiplier = run.guard.lr_scale * lr_multiplier(step, run.max_steps, s.warmup, s.schedule,
                                                                 s.min_lr_ratio, s.decay_frac)
                 set_lr(run.optimizer, multiplier)
                 run.step_layout = run.layout.at_step(step, s.batch_warmup_steps, s.batch_warmup_start)
                 loader_state = run.loader.state_dict()
                 try:
-                    loss, grad_norm, finite = train_step(run)
+                    with run.telemetry.timing_step():
+                        loss, grad_norm, finite = train_step(run)
                 except torch.cuda.OutOfMemoryError:
                     smaller = 0 if oom_retried else memory.retry_micro_batch(run.layout, run.cfg.fp8.mode)
                     if not smaller:
@@ -277,30 +284,45 @@ def run_loop(run: Run) -> str | None:
                     oom_retried = True
                     shrink_micro_batch(run, loader_state, smaller)
                     continue
-                train_loss = loss.item()  # the host sync makes the step time honest on CUDA
-                health = run.guard.observe(train_loss, finite)
-                record = run.telemetry.step_record(step, train_loss, grad_norm.item(), finite, time.perf_counter() - t0,
-                                                   run.step_layout, run.info.world_size, health)
-                if run.cfg.data.packing == "bos":  # what the packing throws away, over the shards packed so far
-                    record["data_cropped_frac"] = run.loader.cropped_fraction
+                cropped = run.loader.cropped_fraction if run.cfg.data.packing == "bos" else None
+                taken.append(Taken(step, loss, grad_norm, finite, run.step_layout, run.telemetry.end_step(), cropped))
                 step += 1
-                signalled = stop_requested(run, signals)
-                # The step's checkpoint before its eval: an eval that fails cannot cost it.
-                saved = save_if_due(run, step, record, regular=run.checkpointer.due(step, run.max_steps) or signalled)
-                improved, stop_early = evaluate_if_due(run, record, step)
-                run.telemetry.log(record)
-                if run.guard.must_roll_back():
-                    step = rollback(run)
-                    if stop_requested(run, signals):  # the checkpoint just restored is where a resume starts
-                        return f"stopped by {signals.requested or 'a signal to another rank'} after a rollback"
-                    recount_restored_eval(run, step)
+                if not read_due(run, step, signals):
                     continue
-                saved = save_if_due(run, step, record, regular=stop_early, best=improved, written=saved)
-                if stopped := stop_reason(run, step, signals, signalled, stop_early, saved):
-                    return stopped
+                window, taken = taken, []
+                signalled = stop_requested(run, signals)  # acted on after the window's last step
+                for done, record in read_back(window, run.guard, run.telemetry, run.info.world_size):
+                    signal_now = signalled and done == step
+                    # The step's checkpoint before its eval: an eval that fails cannot cost it.
+                    saved = save_if_due(run, done, record,
+                                        regular=run.checkpointer.due(done, run.max_steps) or signal_now)
+                    improved, stop_early = evaluate_if_due(run, record, done)
+                    run.telemetry.log(record)
+                    if run.guard.must_roll_back():  # the window's later steps are dropped with the weights
+                        step = rollback(run)
+                        if stop_requested(run, signals):  # the checkpoint just restored is where a resume starts
+                            return f"stopped by {signals.requested or 'a signal to another rank'} after a rollback"
+                        recount_restored_eval(run, step)
+                        break
+                    saved = save_if_due(run, done, record, regular=stop_early, best=improved, written=saved)
+                    if stopped := stop_reason(run, done, signals, signal_now, stop_early, saved):
+                        return stopped
         return run.guard.unfinished_streak()
+    except Exception:
+        log_unread(taken, run.guard, run.telemetry, run.info.world_size)
+        raise
     finally:
         signals.restore()
+
+
+def read_due(run: Run, done: int, signals: StopSignals) -> bool:
+    """Read the steps taken back from the device after step `done`? Every --log-interval steps, at the end,
+    and where something acts on them: a checkpoint (never one inside a streak of non-finite steps) or an eval;
+    in a single process also once a stop signal has come. Under torch.distributed every rank must read at the
+    same steps, so a signal waits for the next of those (stop_requested asks all ranks then)."""
+    return (done % run.cfg.log.log_interval == 0 or run.checkpointer.due(done, run.max_steps)
+            or run.evaluator.due(done, run.max_steps)
+            or (run.info.mode == "none" and signals.requested is not None))
 
 
 def evaluate_if_due(run: Run, record: dict, done: int) -> tuple[bool, bool]:

@@ -1,12 +1,20 @@
-"""Muon's optimizer step per rank under data parallelism: every rank orthogonalising every block (redundant)
-against each rank orthogonalising its 1/world share and all-gathering the rest (split), with fused AdamW's
-step on the same model as the yardstick.
+"""Muon's optimizer step per rank: its time under data parallelism, and its traffic under FSDP2.
 
     python bench/muon_step.py [--world-size 2 --n-layer 2 --n-embd 768 --windows 5 --steps-per-window 3]
+    python bench/muon_step.py --fsdp --world-size 2 4 --n-layer 12 [--windows 3 --steps-per-window 1]
 
-Each rank holds the whole model (as under DDP), with the same random gradients on every rank, and times
-optimizer.step() alone; the table shows, per optimizer, the slowest rank's median over the timed windows,
-after warm-up steps that allocate the state. Ranks are CPU processes on gloo, one thread each.
+Without --fsdp, each rank holds the whole model (as under DDP), with the same random gradients on every rank,
+and times optimizer.step() alone: every rank orthogonalising every block (redundant) against each rank
+orthogonalising its 1/world share and all-gathering the rest (split), with fused AdamW's step on the same
+model as the yardstick.
+
+With --fsdp, the model is sharded by FSDP2 (fully_shard on each block, then the root) at each world size, and
+one Muon step after a warm-up step is counted: the collective calls and the bytes each rank receives (counted
+by CollectiveCounter, which sees torch.distributed's collectives and DTensor's functional ones alike), against
+the targets of 2 calls per bucket and 2.5 x (fp32 matrix bytes / ranks) received; then its time.
+
+Times are the slowest rank's median over the timed windows, after warm-up steps that allocate the state. Ranks
+are CPU processes on gloo, one thread each.
 """
 
 import argparse
@@ -20,17 +28,102 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import hardware  # noqa: E402
+import optim  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from optim import OptimConfig, build_optimizer  # noqa: E402
 
 VARIANTS = ("adamw (fused)", "muon, redundant", "muon, split across ranks")
+MIB = 2**20
+
+
+# ----------------------------------------------------------------------------- counting collectives
+
+
+def _nbytes(tensors) -> int:
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(_nbytes(t) for t in tensors)
+
+
+def _own_split(out: torch.Tensor, splits: list[int], rank: int, size: int) -> int:
+    """Bytes of an all-to-all's output that come from the rank itself (splits along dim 0; none: equal)."""
+    if not splits:
+        return _nbytes(out) // size
+    return _nbytes(out) // max(out.shape[0], 1) * splits[rank]
+
+
+def _gathered(args, result, rank, size):
+    return _nbytes(args[0]) - _nbytes(args[1])
+
+
+def _ring_reduced(args, result, rank, size):
+    return 2 * (size - 1) * _nbytes(args[0]) // size
+
+
+# Each collective's bytes that other ranks deliver into this rank's outputs: (op's args, its result, this
+# rank's index in the op's group, the group's size) -> bytes. Reductions count what a ring delivers.
+RECEIVED = {
+    # c10d's, which torch.distributed.all_gather, all_to_all_single, ... run
+    "allgather_": _gathered,
+    "_allgather_base_": _gathered,
+    "allgather_into_tensor_coalesced_": _gathered,
+    "alltoall_base_": lambda args, result, rank, size: _nbytes(args[0]) - _own_split(args[0], args[3], rank, size),
+    "alltoall_": lambda args, result, rank, size: _nbytes(args[0]) - _nbytes(args[0][rank]),
+    "broadcast_": lambda args, result, rank, size: 0 if rank == args[2] else _nbytes(args[0]),
+    "allreduce_": _ring_reduced,
+    "_reduce_scatter_base_": lambda args, result, rank, size: (size - 1) * _nbytes(args[0]),
+    "reduce_scatter_": lambda args, result, rank, size: (size - 1) * _nbytes(args[0]),
+    "barrier": lambda args, result, rank, size: 0,
+    # the functional ones, which DTensor's redistribute and full_tensor run
+    "all_gather_into_tensor": lambda args, result, rank, size: _nbytes(result) - _nbytes(args[0]),
+    "all_to_all_single": lambda args, result, rank, size: _nbytes(result) - _own_split(result, args[1], rank, size),
+    "all_reduce": _ring_reduced,
+    "reduce_scatter_tensor": lambda args, result, rank, size: (size - 1) * _nbytes(result),
+    "broadcast": lambda args, result, rank, size: 0 if rank == args[1] else _nbytes(result),
+}
+NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}  # the functional collectives' bookkeeping
+
+
+def _group_of(func, args) -> "dist.ProcessGroup":
+    if func.namespace == "c10d":
+        return dist.ProcessGroup.unbox(next(a for a in args if isinstance(a, torch.ScriptObject)))
+    return dist.distributed_c10d._resolve_process_group(args[-1])
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Inside it, counts the collectives this process runs (calls) and the bytes other ranks deliver into its
+    outputs (received), by op name (by_op). It watches the dispatcher, so torch.distributed's functions and
+    DTensor's functional collectives are counted alike; an op it has no byte count for is an error, never a
+    silent zero."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.received, self.by_op = 0, 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.namespace in ("c10d", "_c10d_functional") and name not in NOT_COLLECTIVES:
+            if name not in RECEIVED:
+                raise NotImplementedError(f"CollectiveCounter has no byte count for {func}")
+            group = _group_of(func, args)
+            self.calls += 1
+            self.received += RECEIVED[name](args, result, group.rank(), group.size())
+            self.by_op[name] = self.by_op.get(name, 0) + 1
+        return result
+
+
+# ----------------------------------------------------------------------------- the benchmark
 
 
 def parse_bench_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--fsdp", action="store_true", help="FSDP2-sharded model: collective calls, bytes and time")
+    p.add_argument("--world-size", type=int, nargs="+", default=[2], help="one, or (with --fsdp) several")
     p.add_argument("--n-layer", type=int, default=2, help="fewer layers than 124M's 12 keep the CPU time sane")
     p.add_argument("--n-embd", type=int, default=768)
     p.add_argument("--n-head", type=int, default=12)
@@ -39,7 +132,15 @@ def parse_bench_args(argv):
     p.add_argument("--windows", type=int, default=5)
     p.add_argument("--steps-per-window", type=int, default=3)
     p.add_argument("--warmup-steps", type=int, default=2)
-    return p.parse_args(argv)
+    bench = p.parse_args(argv)
+    if not bench.fsdp and len(bench.world_size) > 1:
+        p.error("several --world-size values need --fsdp")
+    return bench
+
+
+def model_config(bench) -> ModelConfig:
+    return ModelConfig(vocab_size=bench.vocab_size, n_layer=bench.n_layer, n_head=bench.n_head,
+                       n_kv_head=bench.n_kv_head, n_embd=bench.n_embd, max_seq_len=1024)
 
 
 def make_optimizer(variant, model):
@@ -64,51 +165,122 @@ def time_steps(optimizer, bench) -> list[float]:
     return per_step
 
 
-def worker(rank, bench, init_file, out_file):
+def ddp_worker(rank, world_size, bench, out_file):
+    torch.manual_seed(0)
+    model = GPT(model_config(bench))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    medians = {}
+    for variant in VARIANTS:
+        optimizer = make_optimizer(variant, model)
+        medians[variant] = statistics.median(time_steps(optimizer, bench))
+        del optimizer
+    slowest = [None] * world_size
+    dist.all_gather_object(slowest, medians)
+    if rank == 0:
+        torch.save({v: max(m[v] for m in slowest) for v in VARIANTS}, out_file)
+
+
+def muon_traffic(model, optimizer) -> dict:
+    """The Muon matrices' fp32 bytes and buckets, and one step's collective calls and bytes received here."""
+    group = next(g for g in optimizer.param_groups if g["kind"] == "muon")
+    todo = list(zip(group["params"], group["row_blocks"]))
+    with CollectiveCounter() as counted:
+        optimizer.step()
+    return {"matrix_bytes": sum(4 * p.numel() for p, _ in todo), "by_op": counted.by_op,
+            "buckets": len(optim.muon_buckets(todo, optim.MUON_BUCKET_BYTES)),
+            "calls": counted.calls, "received": counted.received}
+
+
+def fsdp_worker(rank, world_size, bench, out_file):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(0)
+    model = GPT(model_config(bench))
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    for p in model.parameters():  # each rank's shard of a gradient, as FSDP2's reduce-scatter leaves it
+        p.grad = DTensor.from_local(torch.randn_like(p.to_local()) * 1e-3, p.device_mesh, p.placements,
+                                    shape=p.shape, stride=p.stride())
+    optimizer = make_optimizer("muon, split across ranks", model)
+    optimizer.step()  # allocates the state
+    traffic = muon_traffic(model, optimizer)
+    traffic["seconds"] = statistics.median(time_steps(optimizer, bench))
+    every_rank = [None] * world_size
+    dist.all_gather_object(every_rank, traffic)
+    if rank == 0:
+        torch.save(every_rank, out_file)
+
+
+def _gloo_process(rank, world_size, worker, bench, init_file, out_file):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=bench.world_size)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        torch.manual_seed(0)
-        cfg = ModelConfig(vocab_size=bench.vocab_size, n_layer=bench.n_layer, n_head=bench.n_head,
-                          n_kv_head=bench.n_kv_head, n_embd=bench.n_embd, max_seq_len=1024)
-        model = GPT(cfg)
-        for p in model.parameters():
-            p.grad = torch.randn_like(p) * 1e-3
-        medians = {}
-        for variant in VARIANTS:
-            optimizer = make_optimizer(variant, model)
-            medians[variant] = statistics.median(time_steps(optimizer, bench))
-            del optimizer
-        slowest = [None] * bench.world_size
-        dist.all_gather_object(slowest, medians)
-        if rank == 0:
-            torch.save({v: max(m[v] for m in slowest) for v in VARIANTS}, out_file)
+        worker(rank, world_size, bench, out_file)
     finally:
         dist.destroy_process_group()
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    bench = parse_bench_args(argv)
+def run_ranks(worker, world_size, bench):
+    """Run worker(rank, world_size, bench, out_file) in world_size gloo processes; -> what rank 0 saved."""
     with tempfile.TemporaryDirectory() as tmp:
-        out_file = os.path.join(tmp, "medians.pt")
-        mp.spawn(worker, args=(bench, os.path.join(tmp, "rdzv"), out_file), nprocs=bench.world_size, join=True)
-        medians = torch.load(out_file)
-    n_params = sum(p.numel() for p in GPT(ModelConfig(vocab_size=bench.vocab_size, n_layer=bench.n_layer,
-                                                       n_head=bench.n_head, n_kv_head=bench.n_kv_head,
-                                                       n_embd=bench.n_embd, max_seq_len=1024)).parameters())
+        out_file = os.path.join(tmp, "result.pt")
+        mp.spawn(_gloo_process, args=(world_size, worker, bench, os.path.join(tmp, "rdzv"), out_file),
+                 nprocs=world_size, join=True)
+        return torch.load(out_file)
+
+
+def setup_line(bench, world_size: str, before: str = "") -> str:
+    n_params = sum(p.numel() for p in GPT(model_config(bench)).parameters())
+    return (f"setup: {world_size} gloo ranks x 1 thread ({torch.__version__}; CPU: {hardware.cpu_name()}); "
+            f"{n_params / 1e6:.1f}M params ({bench.n_layer} layers, d={bench.n_embd}, vocab {bench.vocab_size}); "
+            f"Muon NS in fp32; {before}median of {bench.windows} windows x {bench.steps_per_window} steps after "
+            f"{bench.warmup_steps} warm-up steps, slowest rank; not measured on a GPU\n")
+
+
+def print_ddp_table(bench):
+    medians = run_ranks(ddp_worker, bench.world_size[0], bench)
     adamw, redundant = medians[VARIANTS[0]], medians[VARIANTS[1]]
-    print(f"command: `python bench/muon_step.py {shlex.join(argv)}`")
-    print(f"setup: {bench.world_size} gloo ranks x 1 thread ({torch.__version__}, CPU); {n_params / 1e6:.1f}M params "
-          f"({bench.n_layer} layers, d={bench.n_embd}, vocab {bench.vocab_size}); Muon NS in fp32; median of "
-          f"{bench.windows} windows x {bench.steps_per_window} steps after {bench.warmup_steps} warm-up steps, "
-          "slowest rank\n")
+    print(setup_line(bench, str(bench.world_size[0])))
     print("| optimizer step | ms per step (slowest rank) | vs fused AdamW | vs redundant Muon |")
     print("|---|---|---|---|")
     for variant in VARIANTS:
         t = medians[variant]
         vs_redundant = f"{t / redundant:.2f}x" if variant.startswith("muon") else ""
         print(f"| {variant} | {1000 * t:,.1f} | {t / adamw:.2f}x | {vs_redundant} |")
+
+
+def print_fsdp_table(bench):
+    rows = []
+    for world_size in bench.world_size:
+        ranks = run_ranks(fsdp_worker, world_size, bench)
+        first = ranks[0]
+        share = first["matrix_bytes"] / world_size
+        received = max(r["received"] for r in ranks)
+        calls = max(r["calls"] for r in ranks)
+        ops = ", ".join(f"{n} {c}" for n, c in sorted(first["by_op"].items()))
+        rows.append(f"| {world_size} | {first['buckets']} | {calls} ({ops}) | {2 * first['buckets']} | "
+                    f"{received / MIB:,.1f} | {share / MIB:,.1f} | {received / share:.2f} (target <= 2.5) | "
+                    f"{1000 * max(r['seconds'] for r in ranks):,.0f} |")
+    print(setup_line(bench, " and ".join(map(str, bench.world_size)),
+                     "a step that allocates the state, then the counted step, then the timed windows' "))
+    print("| ranks | buckets | collective calls per step (most on a rank) | target: 2 x buckets | "
+          "MiB received per rank per step (most) | fp32 matrix MiB / ranks | received / that | "
+          "ms per step (slowest rank) |")
+    print("|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    bench = parse_bench_args(argv)
+    print(f"command: `python bench/muon_step.py {shlex.join(argv)}`")
+    if bench.fsdp:
+        print_fsdp_table(bench)
+    else:
+        print_ddp_table(bench)
 
 
 if __name__ == "__main__":

@@ -181,9 +181,10 @@ def test_model_imports_nothing_of_the_project_nor_transformer_engine():
 
 def test_train_is_a_thin_file():
     """train.py wires the components and runs the loop; its size grows with the loop's decisions (checkpoint
-    before eval, rollback, the out-of-memory retry), never with a component's own code."""
+    before eval, rollback, the out-of-memory retry, when to read the device's results back), never with a
+    component's own code."""
     with open(os.path.join(REPO, "train.py")) as f:
-        assert sum(1 for _ in f) <= 450
+        assert sum(1 for _ in f) <= 470
 
 
 # ----------------------------------------------------------------------------- configuration files

@@ -2,6 +2,7 @@
 
 import io
 import math
+import os
 import sys
 
 import pytest
@@ -12,6 +13,9 @@ from torch import nn
 import optim
 from conftest import spawn_on_gloo
 from optim import OptimConfig, build_optimizer, describe_param_groups, optimizer_state_bytes
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import muon_step  # noqa: E402  (its CollectiveCounter counts Muon's traffic under FSDP2)
 
 # ----------------------------------------------------------------------------- a stand-in model
 # Same parameter names and shapes as model.py's contract, with a cheap mixing rule in place of
@@ -330,6 +334,59 @@ def test_muon_distributed_matches_single_process(mode, world_size, tmp_path):
         assert not torch.equal(p, untrained.get_parameter(name)), f"{name} did not train"
         print(name, (distributed[name] - p.detach()).abs().max().item())
         torch.testing.assert_close(distributed[name], p.detach(), rtol=0, atol=1e-10, msg=name)
+
+
+def test_shard_rows_follow_torch_chunk():
+    for rows, world_size in [(15, 2), (15, 3), (4, 3), (1, 4), (16, 4)]:
+        chunks = torch.arange(rows).chunk(world_size)
+        for rank in range(world_size):
+            first, end = optim.shard_rows(rows, world_size, rank)
+            expected = chunks[rank].tolist() if rank < len(chunks) else []
+            assert list(range(first, end)) == expected, (rows, world_size, rank)
+
+
+def test_assign_owners_balances_the_work():
+    costs = [optim.newton_schulz_flops(rows, cols) for rows, cols in
+             [(768, 768), (256, 768), (256, 768), (768, 768), (2048, 768), (2048, 768), (768, 2048)] * 2]
+    for world_size in (2, 3, 4):
+        owners = optim.assign_owners(costs, world_size)
+        load = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(world_size)]
+        assert max(load) <= max(sum(costs) / world_size, max(costs)) * 1.25, (world_size, load)
+    assert optim.assign_owners([1, 5, 3, 3], 2) == [0, 0, 1, 1]  # costliest first, ties to the lower rank
+    assert optim.assign_owners([3, 1], 4) == [0, 1]
+
+
+def traffic_worker(rank, world_size, out_dir):
+    """One FSDP2 Muon step (every recipe option on), in buckets of one layer's matrices: its collectives
+    counted; and a plain matrix beside sharded ones refused."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    even = distribute_tensor(torch.ones(world_size * 2, 4), init_device_mesh("cpu", (world_size,)), [Shard(0)])
+    with muon_step.CollectiveCounter() as known:  # the counter itself, on c10d's and DTensor's collectives
+        torch.distributed.all_gather_into_tensor(torch.empty(world_size * 5), torch.ones(5))
+        even.full_tensor()
+    assert (known.calls, known.received) == (2, (world_size - 1) * (5 * 4 + 2 * 4 * 4)), vars(known)
+
+    model = ToyGPT(vocab=7, d=16, h=2, k=1, hd=8, f=24, n_layer=2, tied=False)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    with pytest.raises(ValueError, match="laid out alike"):
+        optim.Muon([muon_group([matrix(4, 4), model.blocks[0].attn.proj.weight], [[4], [16]])])
+    optim.MUON_BUCKET_BYTES = 4 * sum(p.numel() for n, p in model.blocks[0].named_parameters() if p.ndim == 2)
+    opt = build_optimizer(model, OptimConfig(name="muon", ns_dtype="fp32", **RECIPE), model.row_blocks(), "cpu")
+    x, y = batches(1, vocab=7)[0]
+    model(x[rank::world_size], y[rank::world_size]).backward()
+    torch.save(muon_step.muon_traffic(model, opt), f"{out_dir}/rank{rank}.pt")
+
+
+def test_muon_under_fsdp_makes_two_collectives_per_bucket_and_receives_about_its_share(tmp_path):
+    spawn_on_gloo(traffic_worker, 3, tmp_path, str(tmp_path))
+    for rank in range(3):
+        counted = torch.load(tmp_path / f"rank{rank}.pt")
+        assert counted["buckets"] == 2 and counted["calls"] <= 2 * counted["buckets"], counted
+        assert 0 < counted["received"] <= 2.5 * counted["matrix_bytes"] / 3, counted
 
 
 # ----------------------------------------------------------------------------- 8-bit AdamW
@@ -722,6 +779,7 @@ def recipe_fsdp_resume_worker(rank, world_size, out_file, ckpt_dir):
         torch.save({n: t.detach().clone() for n, t in full.items()}, out_file)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as intended here
 def test_muon_recipe_under_fsdp_with_a_sharded_resume_matches_single_process(tmp_path):
     out_file = tmp_path / "params.pt"
     spawn_on_gloo(recipe_fsdp_resume_worker, 3, tmp_path, str(out_file), str(tmp_path / "dcp"))
@@ -730,3 +788,17 @@ def test_muon_recipe_under_fsdp_with_a_sharded_resume_matches_single_process(tmp
     run_muon(model, batches(3, vocab=7), **RECIPE)
     for name, p in model.named_parameters():
         torch.testing.assert_close(distributed[name], p.detach(), rtol=0, atol=1e-10, msg=name)
+    # The 3 ranks' checkpoint resumed in one process: the sharded state (NorMuon's rows too) reassembles.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    resumed = ToyGPT(vocab=7, d=4, h=3, k=1, hd=3, f=5, n_layer=2, tied=False).double()
+    opt = build_optimizer(resumed, OptimConfig(name="muon", lr=0.05, adam_lr=0.01, weight_decay=0.1, ns_dtype="fp64",
+                                               **RECIPE), resumed.row_blocks(), "cpu")
+    model_sd, optim_sd = get_state_dict(resumed, opt)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=str(tmp_path / "dcp"))
+    set_state_dict(resumed, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    train(resumed, opt, batches(3, vocab=7)[2:])
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(resumed.get_parameter(name), p, rtol=0, atol=1e-10, msg=name)

@@ -246,7 +246,7 @@ class Diverging:
         def step(run):
             self.calls += 1
             loss, norm, finite = original(run)
-            return (loss, norm, finite) if self.calls <= n else (loss * float("nan"), norm, False)
+            return (loss, norm, finite) if self.calls <= n else (loss * float("nan"), norm, torch.zeros_like(finite))
 
         monkeypatch.setattr(train, "train_step", step)
 

@@ -114,3 +114,31 @@ def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
     assert config.parse_args(["--wandb", "--wandb-mode", "online"],
                              machine_checks=(telemetry.wandb_problems,)).log.wandb_mode == "online"
+
+
+def test_a_record_made_after_its_step_holds_that_steps_own_time_phases_memory_and_lr(tmp_path):
+    """The loop reads a step back up to --log-interval steps after it ended (readback.read_back): its record holds
+    what end_step noted then, not what the clock, the timer, the memory and the LR say when the record is made."""
+    import time
+
+    import torch
+
+    from batch import BatchLayout
+    from resilience import LossHealth
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    tel = telemetry.Telemetry(config.parse_args(["--out-dir", str(tmp_path)]), True, torch.device("cpu"), 0, 9, 1.0,
+                              None, None, optimizer)
+    tel.loop_start = time.perf_counter()
+    with tel.timing_step(), tel.timer("forward"):
+        time.sleep(0.02)
+    ended = tel.end_step()
+    optimizer.param_groups[0]["lr"] = 0.05  # the next step's, set and timed before the first one's record is made
+    with tel.timer("forward"):
+        time.sleep(0.05)
+    record = tel.step_record(0, 4.0, 1.0, True, ended.seconds(), BatchLayout(2, 32, 1, 1), 1, LossHealth(), ended)
+    assert ended.seconds() >= 0.02 and record["time_forward_ms"] == 1000 * telemetry.PhaseTimer.read(ended.spans)[
+        "forward"] >= 20
+    assert record["time_s"] == round(ended.time_s, 3) and ended.time_s < tel.elapsed() - 0.05
+    assert record["peak_mem_gib"] == ended.peak_mem_gib and record["lr"] == 0.1
+    assert tel.timer.collect()["forward"] >= 0.05  # the next step's span is left for its own record
