@@ -95,7 +95,7 @@ class EvalConfig:
     sample_tokens: int = option(0, "at each eval, print a sample of this many tokens (0: off)")
     sample_prompt: str = option("", "prompt for those samples (default: a new document)")
     eval_hellaswag: int = option(0, "at each eval, HellaSwag accuracy over the first N examples of "
-                                    "--hellaswag-path (0: off; needs the GPT-2 vocabulary)", metavar="N")
+                                    "--hellaswag-path (0: off; tokenised with the tokenizer the data records)", metavar="N")
     hellaswag_path: str = option("Rowan/hellaswag", "HellaSwag's validation split: a Hugging Face dataset name, "
                                                     "or a local .jsonl / .parquet file in its format")
 

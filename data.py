@@ -4,8 +4,10 @@ Shards use the llm.c / modded-nanogpt format, so they interoperate with those pr
 a header of 256 little-endian int32 ([0] magic 20240520, [1] version, [2] token count, the rest 0),
 then the tokens. Version 1 stores uint16 tokens (vocabularies up to 65,535 ids, e.g. GPT-2);
 version 2 is this project's extension for larger vocabularies and stores uint32 tokens.
-Each document is preceded by the end-of-text token, as in llm.c and modded-nanogpt. Next to the shards,
-data.json records the tokenizer (name, n_vocab, end-of-text id) and the counts; check_vocab reads it.
+Each document is preceded by the end-of-text token, as in llm.c and modded-nanogpt (another tokenizer's
+separator: its end-of-text or BOS token). Next to the shards, data.json records the tokenizer (name, sha256,
+n_vocab, separator id, whether its ids need uint32) and the counts, and a Hugging Face tokenizer's
+tokenizer.json lies beside it; check_vocab, vocab_from_data and data_tokenizer read them.
 prepare.py makes shards: `python prepare.py --input corpus.txt --out data/mine`.
 
 The loader reads rows of seq_len + 1 tokens in an order (a RowOrder) chosen by --packing: windows at any
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 
 from cli import first_line
-from tokenizer import DataError, atomic_write, get_tokenizer
+from tokenizer import DataError, Tokenizer, atomic_write, get_tokenizer, recorded_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------
 # Shards
@@ -95,6 +97,8 @@ DATA_RECORD = "data.json"  # what prepare records about the shards it wrote: the
 CORPUS_MARKER = "complete.json"
 # Models pad their vocabulary to a multiple of this (model.VOCAB_MULTIPLE; data.py does not import the model).
 VOCAB_PAD_MULTIPLE = 128
+# model.ModelConfig's default vocab_size, GPT-2's: what a run has when --vocab-size is not given.
+DEFAULT_VOCAB = 50257
 
 
 def write_data_record(data_dir: str, record: dict) -> None:
@@ -123,6 +127,22 @@ def data_record(data_dir: str) -> dict | None:
             record = {**record, "n_vocab": get_tokenizer(record["tokenizer"]).n_vocab}
         return record
     return None
+
+
+def data_tokenizer(data_dir: str) -> Tokenizer | None:
+    """The tokenizer that made the shards in data_dir, as data.json records it (tokenizer.recorded_tokenizer);
+    None when there is no record, as for shards made by llm.c. DataError when it cannot be loaded."""
+    record = data_record(data_dir)
+    return None if record is None else recorded_tokenizer(record, data_dir)
+
+
+def vocab_from_data(model_vocab: int, data_dir: str) -> int:
+    """The model's vocabulary (unpadded, as ModelConfig.vocab_size) for the shards in data_dir: the n_vocab that
+    their data.json records when model_vocab is DEFAULT_VOCAB, which is what a run without --vocab-size has
+    (the model pads it to a multiple of VOCAB_PAD_MULTIPLE), else model_vocab, which check_vocab then checks.
+    So `--vocab-size 50257` on another tokenizer's shards takes their vocabulary too."""
+    record = data_record(data_dir) if model_vocab == DEFAULT_VOCAB else None
+    return model_vocab if record is None else record["n_vocab"]
 
 
 def _shard_id_limit(data_dir: str) -> int | None:
@@ -482,7 +502,7 @@ class ShardLoader:
 
     def __init__(self, data_dir, split: str = "train", *, batch_size: int, seq_len: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, shuffle: bool = True, device="cpu", prefetch: int = 2,
-                 vocab_size: int | None = None, packing: str = "windows", bos_token: int = GPT2_EOT,
+                 vocab_size: int | None = None, packing: str = "windows", bos_token: int | None = None,
                  pack_buffer: int = PACK_BUFFER_DOCS):
         if packing not in PACKING_MODES:
             raise ValueError(f"packing must be one of {PACKING_MODES}, got {packing!r}")
@@ -497,6 +517,8 @@ class ShardLoader:
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.prefetch, self.vocab_size, self.device = prefetch, vocab_size, torch.device(device)
         if packing == "bos":
+            if bos_token is None:  # the separator prepare.py put before each document, GPT-2's without a record
+                bos_token = (data_record(data_dir) or {}).get("eot", GPT2_EOT)
             self.order = BosRows(self.shards, seq_len, seed, shuffle, bos_token, pack_buffer, data_dir, split)
         else:
             self.order = WindowRows(self.shards, seq_len, seed, shuffle)

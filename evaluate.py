@@ -8,9 +8,12 @@ slice of the val split, HellaSwag accuracy, and a text sample, at a cadence the 
 
 Bits per byte: the val loss depends on the tokenizer (a larger vocabulary makes fewer, harder predictions),
 so models with different tokenizers are compared on the text instead: val_bpb is the summed loss in nats of
-the target tokens over ln 2 times their UTF-8 bytes. Special tokens (GPT-2's end-of-text, 50256) have no
-bytes of text: they mark document boundaries, which the text itself does not contain, so they are left out
-of both sums (the usual choice). val_loss still counts every target, as training does.
+the target tokens over ln 2 times their UTF-8 bytes, counted with the tokenizer that made the shards (their
+data.json; GPT-2's for shards without one). A token's bytes are exact for tiktoken and byte-level BPE; for
+other tokenizers they are its text decoded on its own (docs/data.md says what that leaves out). Special
+tokens (GPT-2's end-of-text, 50256) have no bytes of text: they mark document boundaries, which the text
+itself does not contain, so they are left out of both sums (the usual choice). val_loss still counts every
+target, as training does.
 
 HellaSwag: each example is a context and four endings, one of them right. Each ending (with a space before
 it) is scored by the mean loss of its tokens given the context, and the lowest wins (hellaswag_acc, length-
@@ -29,12 +32,12 @@ import torch
 import distributed
 import hardware
 from cli import UsageError, first_line
-from data import ShardLoader
+from data import VOCAB_PAD_MULTIPLE, ShardLoader, data_tokenizer
 from model import IGNORE_INDEX
 from progress import Progress
 from sample import sample_text
 from telemetry import message
-from tokenizer import get_tokenizer
+from tokenizer import Tokenizer, load_tokenizer
 
 HELLASWAG_ENDINGS = 4
 
@@ -42,18 +45,14 @@ HELLASWAG_ENDINGS = 4
 # ----------------------------------------------------------------------------- bits per byte
 
 
-def token_byte_lengths(enc, size: int) -> torch.Tensor:
-    """[size] int64: the UTF-8 bytes of each token id's text; 0 for the tokenizer's special tokens (no text)
-    and for ids it does not have (the vocabulary's padding). Built once; indexed by target ids."""
-    special = {enc.encode_single_token(token) for token in enc.special_tokens_set}
-    lengths = [0] * size
-    for i in range(min(size, enc.n_vocab)):
-        if i not in special:
-            try:
-                lengths[i] = len(enc.decode_single_token_bytes(i))
-            except KeyError:  # a hole in the encoding's ids
-                pass
-    return torch.tensor(lengths, dtype=torch.int64)
+def token_byte_lengths(enc: Tokenizer, size: int) -> torch.Tensor:
+    """[size] int64: the UTF-8 bytes of each token id's text (Tokenizer.byte_lengths, built once per
+    tokenizer); 0 for the tokenizer's special tokens (no text) and for ids it does not have (the vocabulary's
+    padding). Indexed by target ids."""
+    lengths = torch.zeros(size, dtype=torch.int64)
+    n = min(size, enc.n_vocab)
+    lengths[:n] = torch.from_numpy(enc.byte_lengths[:n])
+    return lengths
 
 
 def bpb_sums(losses: torch.Tensor, targets: torch.Tensor, token_bytes: torch.Tensor) -> torch.Tensor:
@@ -175,17 +174,17 @@ def load_hellaswag(source: str, limit: int | None = None) -> list[Example]:
     return examples
 
 
-def choice_batch(enc, example: Example, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def choice_batch(enc: Tokenizer, example: Example, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One example as a batch -> (inputs [4, L], targets [4, L]): row i is the context, then " " + ending i,
     its targets IGNORE_INDEX except at the ending's tokens, right-padded (causal attention never looks right).
 
     The ending is encoded on its own, so every row shares the context's tokens. A row longer than the model's
     max_len + 1 tokens keeps its last ones (the end of the context is what the ending follows); an empty
-    context conditions on end-of-text, as a new document does."""
-    context = enc.encode_ordinary(example.context) or [enc.eot_token]
+    context conditions on the document separator, as a new document does."""
+    context = enc.encode(example.context) or [enc.eot]
     rows = []
     for ending in example.endings:
-        tail = enc.encode_ordinary(" " + ending)
+        tail = enc.encode(" " + ending)
         tokens = (context + tail)[-(max_len + 1):]
         rows.append((tokens, min(len(tail), len(tokens) - 1)))
     width = max(len(tokens) for tokens, _ in rows) - 1
@@ -256,13 +255,22 @@ def eval_mode(model: torch.nn.Module):
 
 class Evaluator:
     def __init__(self, cfg, data_dir: str | None, info: "distributed.DistInfo", device: torch.device,
-                 vocab_size: int, seed: int):
-        """cfg: config.EvalConfig. data_dir: the val shards (None when only HellaSwag runs, in score.py)."""
+                 vocab_size: int, seed: int, tokenizer: Tokenizer | None = None):
+        """cfg: config.EvalConfig. data_dir: the val shards (None when only HellaSwag runs, in score.py).
+        tokenizer: the model's; by default the one data_dir's data.json records, else GPT-2's."""
         self.cfg, self.data_dir, self.info, self.device = cfg, data_dir, info, device
-        self.vocab_size, self.seed = vocab_size, seed
-        self.token_bytes = None  # check_val: bytes per token id, when the ids are GPT-2's
+        self.vocab_size, self.seed, self._tokenizer = vocab_size, seed, tokenizer
+        self.token_bytes = None  # check_val: bytes per token id, when the model's ids are the tokenizer's
         self.val_note = None  # check_val: the note when each eval reads other than --eval-tokens (eval_tokens_note)
         self.choices = []  # load_hellaswag: (inputs, targets, label) per example, on the CPU
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer of the shards and the model (the prompt, HellaSwag, val_bpb), loaded on first use."""
+        if self._tokenizer is None:
+            recorded = data_tokenizer(self.data_dir) if self.data_dir is not None else None
+            self._tokenizer = recorded or load_tokenizer("gpt2")
+        return self._tokenizer
 
     def due(self, done: int, max_steps: int) -> bool:
         """Evaluate after `done` steps? On the interval, and always at the end (unless evaluation is off)."""
@@ -277,17 +285,17 @@ class Evaluator:
 
     def check(self, micro_batch: int, seq_len: int) -> None:
         """Fail at start-up, not at the first eval: no usable val split (DataError), a sample prompt whose
-        GPT-2 token ids the model's vocabulary cannot hold (an empty one starts from the end-of-text id), or
+        token ids the model's vocabulary cannot hold (an empty one starts from the separator's id), or
         HellaSwag rows that cannot be read or encoded (UsageError). The flags alone are checked in config.py.
         Then, on rank 0, the note (val_note) when each eval reads other than --eval-tokens asks."""
         if self.cfg.eval_interval:
             self.check_val(micro_batch, seq_len)
         if self.cfg.sample_tokens:
-            enc = get_tokenizer()
-            top = max(enc.encode_ordinary(self.cfg.sample_prompt) or [enc.eot_token])
+            enc = self.tokenizer
+            top = max(enc.encode(self.cfg.sample_prompt) or [enc.eot])
             if top >= self.vocab_size:
-                raise UsageError(f"--sample-prompt {self.cfg.sample_prompt!r} starts sampling from GPT-2 token id "
-                                 f"{top}, beyond --vocab-size {self.vocab_size}; give a prompt within it")
+                raise UsageError(f"--sample-prompt {self.cfg.sample_prompt!r} starts sampling from {enc.name} token "
+                                 f"id {top}, beyond --vocab-size {self.vocab_size}; give a prompt within it")
         if self.cfg.eval_hellaswag:
             self.load_hellaswag(seq_len, self.cfg.eval_hellaswag)
         if self.val_note and self.info.is_main:  # last: a refusal above stays the only line printed
@@ -296,15 +304,16 @@ class Evaluator:
     def check_val(self, micro_batch: int, seq_len: int) -> None:
         """The val split must be readable; val_note says when each eval reads other than --eval-tokens asks
         (less than one batch, or more than the split holds: eval_batches); and the bytes per token for val_bpb,
-        when the model's ids can be GPT-2's (a larger vocabulary means another tokenizer, whose bytes we do not
-        know)."""
+        when the model's ids can be the tokenizer's (a larger vocabulary, on shards that record no tokenizer,
+        means another tokenizer than GPT-2's, whose bytes we do not know)."""
         loader = self._loader(micro_batch, seq_len, ranks=False)
         loader.close()
         self.val_note = eval_tokens_note(self.cfg.eval_tokens, loader.num_windows,
                                          sum(len(shard) for shard in loader.shards), micro_batch, seq_len,
                                          self.info.world_size)
-        enc = get_tokenizer()
-        if self.vocab_size <= enc.n_vocab:
+        enc = self.tokenizer
+        padded = -(-enc.n_vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE  # as a model may pad it (check_vocab)
+        if self.vocab_size <= padded:
             self.token_bytes = token_byte_lengths(enc, self.vocab_size).to(self.device)
 
     def load_hellaswag(self, seq_len: int, limit: int | None) -> None:
@@ -319,12 +328,13 @@ class Evaluator:
         examples, failure = distributed.broadcast_object((examples, failure), self.info)
         if failure is not None:
             raise failure
-        enc = get_tokenizer()
+        enc = self.tokenizer
         self.choices = [(*choice_batch(enc, example, seq_len), example.label) for example in examples]
         top = max(max(int(x.max()), int(y.max())) for x, y, _ in self.choices)
         if top >= self.vocab_size:
-            raise UsageError(f"HellaSwag's text encodes to GPT-2 token ids up to {top}, beyond --vocab-size "
-                             f"{self.vocab_size}: --eval-hellaswag needs the GPT-2 vocabulary (50257)")
+            raise UsageError(f"HellaSwag's text encodes to {enc.name} token ids up to {top}, beyond --vocab-size "
+                             f"{self.vocab_size}: --eval-hellaswag needs the model's vocabulary to be its tokenizer's "
+                             f"({enc.n_vocab})")
 
     def measure(self, forward, model: torch.nn.Module, autocast, autocast_dtype: torch.dtype | None,
                 micro_batch: int, seq_len: int, warn, done: int, full: bool = True) -> tuple[dict, str | None] | None:
@@ -423,5 +433,5 @@ class Evaluator:
         if not self.cfg.sample_tokens:
             return None
         with hardware.autocast(self.device, autocast_dtype):
-            return sample_text(model, get_tokenizer(), self.cfg.sample_prompt, self.cfg.sample_tokens,
+            return sample_text(model, self.tokenizer, self.cfg.sample_prompt, self.cfg.sample_tokens,
                                seed=self.seed)

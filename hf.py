@@ -6,10 +6,12 @@ The command line exports; train.py --from-hf and sample.py --hf import (load_hf)
     python sample.py --hf hf_model                            # import: read it back (load_hf)
 
 The directory holds config.json, model.safetensors (float32, the vocabulary padded as in training),
-generation_config.json (EOT as bos/eos, the padding ids suppressed so transformers' generate never picks
-them), tokenizer_note.txt, and for the GPT-2 tokenizer the transformers tokenizer files (vocab.json,
-merges.txt, tokenizer_config.json, and tokenizer.json for the fast tokenizer), rebuilt offline from tiktoken's
-ranks. Every file gets the mode open() gives (0644 under the usual umask).
+generation_config.json (the document separator as bos/eos, the padding ids suppressed so transformers'
+generate never picks them), tokenizer_note.txt, and the transformers tokenizer files of the tokenizer the
+model was trained with (by default the one its training data's data.json records, model_tokenizer): for
+GPT-2, vocab.json, merges.txt, tokenizer_config.json, and tokenizer.json for the fast tokenizer, rebuilt
+offline from tiktoken's ranks; for a Hugging Face tokenizer, the tokenizer.json the shards were made with and
+a tokenizer_config.json. Every file gets the mode open() gives (0644 under the usual umask).
 
 The target must be empty or not yet exist; --overwrite allows a non-empty one, and replaces the earlier
 export's files there (a stale shard index included; other files stay). The new files are written aside and
@@ -34,9 +36,11 @@ import torch
 import checkpoint
 from cli import ArgumentParser, UsageError, closed_stdout, first_line, report_error
 from checkpoint import CheckpointError
+from data import data_tokenizer
 from fp8 import te_to_plain_state_dict
 from model import GPT, VOCAB_MULTIPLE, ModelConfig, block_shapes, outer_shapes
-from tokenizer import DataError, get_tokenizer
+from tokenizer import (TOKENIZER_FILE, DataError, HFTokenizer, TiktokenTokenizer, Tokenizer, byte_to_char,
+                       load_tokenizer)
 
 # Per-block weights that map one to one: our name -> the Hugging Face name under model.layers.{i}.
 BLOCK_RENAMES = {
@@ -418,20 +422,6 @@ def load_hf(directory: str) -> tuple[ModelConfig, dict]:
 # ----------------------------------------------------------------------------- tokenizer files
 
 
-def _byte_to_char() -> dict[int, str]:
-    """GPT-2's printable stand-in for every byte, the alphabet of vocab.json and merges.txt: printable
-    Latin-1 bytes stand for themselves, the rest take the code points from 256 up, in byte order."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
-    table, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     """The merge list, in priority order, that reproduces tiktoken's byte-pair ranks.
 
@@ -456,7 +446,7 @@ def gpt2_vocab_and_merges(enc) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """GPT-2's vocab (token text -> id, <|endoftext|> included) and merge list, in the byte-to-character
     alphabet of vocab.json and merges.txt, rebuilt from the tiktoken encoding's ranks."""
     ranks = {enc.decode_single_token_bytes(i): i for i in range(enc.eot_token)}
-    chars = _byte_to_char()
+    chars = byte_to_char()  # the alphabet of vocab.json and merges.txt
 
     def text(b: bytes) -> str:
         return "".join(chars[x] for x in b)
@@ -506,10 +496,25 @@ def write_gpt2_tokenizer(enc, out_dir: str, max_len: int) -> bool:
     return fast is not None
 
 
-def tokenizer_note(tokenizer: str, wrote_files: bool, wrote_fast: bool = True) -> str:
+def write_hf_tokenizer(enc: HFTokenizer, out_dir: str, max_len: int) -> None:
+    """The tokenizer.json the shards were made with, as it was, and a tokenizer_config.json that has transformers
+    load it as a fast tokenizer with the document separator as its bos and eos token."""
+    with open(os.path.join(out_dir, TOKENIZER_FILE), "w", encoding="utf-8") as f:
+        f.write(enc.text)
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": enc.separator,
+                        "eos_token": enc.separator, "model_max_length": max_len, "clean_up_tokenization_spaces": False}
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
+
+
+def tokenizer_note(enc: Tokenizer, wrote_files: bool, wrote_fast: bool = True) -> str:
     padding = "The embedding has extra rows that pad the vocabulary to a multiple of 128; no token uses them.\n"
+    if isinstance(enc, HFTokenizer):
+        return (f"Tokenizer: {enc.name} (sha256 {enc.sha256}), document separator {enc.separator} = {enc.eot}.\n"
+                "tokenizer.json is the file the training shards were made with; AutoTokenizer.from_pretrained(DIR)\n"
+                "loads it and gives the same ids.\n" + padding)
     if not wrote_files:
-        return (f"Tokenizer: tiktoken encoding {tokenizer!r}; no transformers tokenizer files were written for it.\n"
+        return (f"Tokenizer: tiktoken encoding {enc.name!r}; no transformers tokenizer files were written for it.\n"
                 + padding)
     fast = ("tokenizer.json (the fast tokenizer) was built from the same vocabulary and merges.\n" if wrote_fast else
             "tokenizer.json was not written: the exporting machine lacked the tokenizers package; transformers\n"
@@ -517,6 +522,42 @@ def tokenizer_note(tokenizer: str, wrote_files: bool, wrote_fast: bool = True) -
     return ("Tokenizer: GPT-2 byte-level BPE (tiktoken r50k_base), end of text <|endoftext|> = 50256.\n"
             "vocab.json and merges.txt were rebuilt from tiktoken's ranks; AutoTokenizer.from_pretrained(DIR)\n"
             "loads them and gives the same ids as tiktoken.get_encoding('r50k_base').\n" + fast + padding)
+
+
+def trained_config(path: str) -> dict | None:
+    """The train.py config that the checkpoint at path recorded (its meta's train_config; for a run directory,
+    that of its newest checkpoint whose meta reads), {} when it has none; None for an hf.py directory.
+    Only the meta is read: a file's tensors are memory-mapped, not loaded."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return None
+
+    def meta(ckpt):
+        file = os.path.join(ckpt, checkpoint.META_FILE) if os.path.isdir(ckpt) else ckpt
+        try:
+            return (torch.load(file, map_location="cpu", weights_only=True, mmap=True),)
+        except Exception as e:
+            raise CheckpointError(f"{file}: {first_line(e)}") from None
+
+    if is_run_directory(path):
+        found = checkpoint.load_newest(path, meta, warn=lambda line: None)
+    else:
+        found = (path, *meta(path))
+    return (found[1].get("train_config") if found else None) or {}
+
+
+def model_tokenizer(path: str) -> Tokenizer | None:
+    """The tokenizer the model at path was trained with, as far as something records it: an hf.py directory's
+    tokenizer.json (its tokenizer_config.json names the separator), or for a train.py checkpoint or run
+    directory the tokenizer of the data it trained on (its recorded --data's data.json; GPT-2's for the
+    default corpus). None when nothing does: a directory without tokenizer.json, shards without data.json, a
+    data directory that is not there any more."""
+    config = trained_config(path)
+    if config is None:
+        return load_tokenizer(path) if os.path.isfile(os.path.join(path, TOKENIZER_FILE)) else None
+    data = (config.get("data") or {}).get("data", "")
+    if data is None:  # the default corpus
+        return load_tokenizer("gpt2")
+    return data_tokenizer(data) if data and os.path.isdir(data) else None
 
 
 # ----------------------------------------------------------------------------- export
@@ -567,35 +608,38 @@ def replace_export(staging: str, out_dir: str) -> None:
         os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
 
 
-def write_export(config: ModelConfig, weights: dict, enc, tokenizer: str, directory: str) -> None:
+def write_export(config: ModelConfig, weights: dict, enc: Tokenizer, directory: str) -> None:
     """Every file of the export (see the module docstring) into directory."""
     path = os.path.join(directory, "model.safetensors")
     _safetensors().save_file(weights, path, metadata={"format": "pt"})
     os.chmod(path, _file_mode())  # safetensors writes a private (0600) temporary file and renames it
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(hf_config(config, enc.eot_token), f, indent=2)
-    generation = {"bos_token_id": enc.eot_token, "eos_token_id": enc.eot_token,
+        json.dump(hf_config(config, enc.eot), f, indent=2)
+    generation = {"bos_token_id": enc.eot, "eos_token_id": enc.eot,
                   "suppress_tokens": list(range(config.vocab_size, config.padded_vocab_size))}
     with open(os.path.join(directory, "generation_config.json"), "w") as f:
         json.dump(generation, f, indent=2)
-    gpt2 = enc.name == "r50k_base"
-    fast = write_gpt2_tokenizer(enc, directory, config.max_seq_len) if gpt2 else False
-    with open(os.path.join(directory, "tokenizer_note.txt"), "w") as f:
-        f.write(tokenizer_note(tokenizer, gpt2, fast))
+    gpt2 = isinstance(enc, TiktokenTokenizer) and enc.encoding.name == "r50k_base"
+    fast = write_gpt2_tokenizer(enc.encoding, directory, config.max_seq_len) if gpt2 else False
+    if isinstance(enc, HFTokenizer):
+        write_hf_tokenizer(enc, directory, config.max_seq_len)
+    with open(os.path.join(directory, "tokenizer_note.txt"), "w", encoding="utf-8") as f:
+        f.write(tokenizer_note(enc, gpt2, fast))
 
 
-def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: str = "gpt2",
+def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: Tokenizer | None = None,
               overwrite: bool = False) -> None:
-    """Write a Qwen3ForCausalLM directory (see the module docstring) for a model trained with `tokenizer`.
+    """Write a Qwen3ForCausalLM directory (see the module docstring) for a model trained with `tokenizer`
+    (None: GPT-2's).
 
     A non-empty out_dir is an error unless overwrite (check_target). The files are written into a staging
     directory inside out_dir (the same filesystem, so each move is a rename) and moved into place only once
     all of them are written: a failed export leaves an earlier one as it was. With overwrite, the earlier
     export's files (a stale shard index included) are removed then; other files stay."""
     _safetensors()  # the one optional dependency, checked before anything is written
-    enc = get_tokenizer(tokenizer)
+    enc = tokenizer or load_tokenizer("gpt2")
     if config.vocab_size != enc.n_vocab:
-        raise ValueError(f"model vocab_size {config.vocab_size} does not match the {tokenizer} tokenizer "
+        raise ValueError(f"model vocab_size {config.vocab_size} does not match the {enc.name} tokenizer "
                          f"({enc.n_vocab} tokens); pass --tokenizer")
     check_target(out_dir, overwrite)
     # Fresh float32 copies: safetensors refuses tensors that share storage, as the views of a fused weight do.
@@ -604,7 +648,7 @@ def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: str = "
     os.makedirs(out_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir)
     try:
-        write_export(config, weights, enc, tokenizer, staging)
+        write_export(config, weights, enc, staging)
         replace_export(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -619,7 +663,9 @@ def main(argv=None) -> int:
                              "--out-dir: its newest good one")
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="output directory: created if needed, else it must be empty (or --overwrite)")
-    parser.add_argument("--tokenizer", default="gpt2", help="the tokenizer the model was trained with")
+    parser.add_argument("--tokenizer", metavar="NAME|PATH",
+                        help="the tokenizer the model was trained with, as prepare.py --tokenizer takes it "
+                             "(default: the one its training data's data.json records, else GPT-2's)")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into a non-empty DIR, replacing an earlier export's weights, config and "
                              "tokenizer files there (other files stay); only once the new export is complete")
@@ -627,7 +673,8 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         check_target(args.out, args.overwrite)  # before a checkpoint that may take minutes to read
         config, state = read_ckpt(args.ckpt, lambda line: print(line, file=sys.stderr, flush=True))
-        export_hf(config, state, args.out, args.tokenizer, args.overwrite)
+        enc = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer(args.ckpt)
+        export_hf(config, state, args.out, enc, args.overwrite)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
     try:

@@ -20,37 +20,31 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import tiktoken
 
 from cli import ArgumentParser, UsageError, int_or_auto, report_error
-from data import CORPUS_MARKER, TOKEN_DTYPES, read_shard, shard_version, write_data_record, write_shard
+from data import (CORPUS_MARKER, DATA_RECORD, TOKEN_DTYPES, read_shard, shard_version, write_data_record,
+                  write_shard)
 from progress import Progress
-from sources import file_pieces, source_pieces
-from tokenizer import CACHE_ENV, DataError, atomic_write, cache_root, get_tokenizer
+from sources import TEXT_FIELD, file_pieces, source_pieces
+from tokenizer import CACHE_ENV, TOKENIZER_FILE, DataError, Tokenizer, atomic_write, cache_root, load_tokenizer
 
 ENCODE_CHARS_PER_THREAD = 4 << 20  # characters read but not yet taken back encoded, per tokenizer thread
 ENCODE_BATCH_CHARS = 1 << 16  # characters a tokenizer thread encodes as one task: small, so threads end together
+# ... when the tokenizer spreads one batch over threads of its own (tokenizers): large, so that they have texts
+# to balance between them (about 0.72 of encode_batch_fast's throughput at 64K characters, 0.92 at 4M).
+SPREAD_BATCH_CHARS = 1 << 22
 
 
-def _ids(enc: tiktoken.Encoding, text: str) -> np.ndarray:
-    """enc.encode_ordinary(text) as uint32, straight from tiktoken's buffer (tiktoken >= 0.9): no Python int
-    per token, which costs about a tenth of the encoding itself, with the GIL held."""
-    try:
-        return enc.encode_to_numpy(text, disallowed_special=())
-    except UnicodeEncodeError:  # lone surrogates (JSON escapes can make them): replaced as encode_ordinary does
-        return enc.encode_to_numpy(text.encode("utf-16", "surrogatepass").decode("utf-16", "replace"),
-                                   disallowed_special=())
-
-
-def _tokens(enc: tiktoken.Encoding, batch: list, dtype: np.dtype) -> np.ndarray:
-    """The tokens of a batch of (text, starts_a_document) pieces in the shard dtype, the EOT token before each
-    document. Runs in a tokenizer thread; numpy copies once, and casts on the way (ids fit the dtype)."""
-    eot = np.array([enc.eot_token], dtype=np.uint32)
+def _tokens(enc: Tokenizer, batch: list, dtype: np.dtype) -> np.ndarray:
+    """The tokens of a batch of (text, starts_a_document) pieces in the shard dtype, the separator (enc.eot)
+    before each document. Runs in a tokenizer thread; numpy copies once, and casts on the way (ids fit the
+    dtype)."""
+    eot = np.array([enc.eot], dtype=np.uint32)
     parts = []
-    for text, starts in batch:
+    for (_, starts), ids in zip(batch, enc.encode_batch([text for text, _ in batch])):
         if starts:
             parts.append(eot)
-        parts.append(_ids(enc, text))
+        parts.append(ids)
     return np.concatenate(parts, dtype=dtype, casting="unsafe")
 
 
@@ -70,19 +64,21 @@ def _batches(pieces, chars: int):
         yield batch
 
 
-def _encode(pieces, enc: tiktoken.Encoding):
+def _encode(pieces, enc: Tokenizer):
     """(tokens, documents) per batch of pieces, in order, all cores encoding while this thread reads ahead.
 
-    Small batches go to a pool of tokenizer threads (tiktoken releases the GIL while it encodes), with up to
-    ENCODE_CHARS_PER_THREAD characters per thread in flight: reading the next pieces and whatever the caller
-    does with a result (writing a shard) overlap with encoding, the threads finish together rather than
-    waiting on the longest text of a large batch, and memory stays bounded."""
+    Batches go to a pool of tokenizer threads (tiktoken and tokenizers release the GIL while they encode),
+    with up to ENCODE_CHARS_PER_THREAD characters per thread in flight: reading the next pieces and whatever
+    the caller does with a result (writing a shard) overlap with encoding, and memory stays bounded. tiktoken's
+    batches are small, so the threads finish together rather than waiting on the longest text of a large
+    batch; tokenizers spreads each batch over threads of its own, which balance a large one better."""
     threads = os.cpu_count() or 1
     dtype = TOKEN_DTYPES[shard_version(enc.n_vocab)]
+    batch_chars = SPREAD_BATCH_CHARS if enc.spreads_batches else ENCODE_BATCH_CHARS
     pool = ThreadPoolExecutor(threads, thread_name_prefix="tokenizer")
     in_flight, chars = collections.deque(), 0  # (future, documents, characters) in submission order
     try:
-        for batch in _batches(pieces, ENCODE_BATCH_CHARS):
+        for batch in _batches(pieces, batch_chars):
             n = sum(len(text) for text, _ in batch)
             in_flight.append((pool.submit(_tokens, enc, batch, dtype), sum(starts for _, starts in batch), n))
             chars += n
@@ -225,12 +221,13 @@ def _summary(stats: dict, val_tokens: int | None, max_tokens: int | None) -> str
     return f"{line}; {_val_summary(val_tokens, stats['val_tokens'], stats['tokens'])}"
 
 
-def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_tokens: int | None, desc: str,
-           max_tokens: int | None = None, tokenizer: str | None = None) -> dict:
+def _build(pieces, out_dir: str, enc: Tokenizer, shard_tokens: int, val_tokens: int | None, desc: str,
+           max_tokens: int | None = None) -> dict:
     """Tokenize pieces into out_dir: val_000000.bin (the first val_tokens tokens; None: the first
     default_val_tokens(total)) and train_*.bin of shard_tokens each (under auto the first one may hold up to
-    MAX_VAL_TOKENS more: _finish), at most max_tokens in all; then the record (data.json), last, so that it
-    describes only shards that are all on disk. -> the record."""
+    MAX_VAL_TOKENS more: _finish), at most max_tokens in all; then a copy of a Hugging Face tokenizer's
+    tokenizer.json, and the record (data.json), last, so that it describes only shards that are all on disk.
+    -> the record."""
     t0 = time.time()
     shards, documents = _ShardWriter(out_dir, enc.n_vocab), 0
     progress = Progress(max_tokens, desc, unit="tok", unit_scale=True)
@@ -239,7 +236,7 @@ def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_
         for tokens, docs in encoded:
             if max_tokens is not None and shards.total + len(tokens) >= max_tokens:
                 tokens = tokens[:max_tokens - shards.total]
-                docs = int(np.count_nonzero(tokens == enc.eot_token))  # the text never encodes to it
+                docs = int(np.count_nonzero(tokens == enc.eot))  # a special token: the text never encodes to it
             documents += docs
             shards.add(tokens)
             progress.update(len(tokens))
@@ -260,7 +257,9 @@ def _build(pieces, out_dir: str, enc: tiktoken.Encoding, shard_tokens: int, val_
              "train_shards": len(counts["train"]), "val_from": "start",
              "max_tokens": max_tokens, "seconds": round(time.time() - t0, 3)}
     print(_summary(stats, val_tokens, max_tokens))
-    record = {"tokenizer": tokenizer or enc.name, "n_vocab": enc.n_vocab, "eot": enc.eot_token, **stats}
+    record = {**enc.record(), "uint32": shard_version(enc.n_vocab) == 2, **stats}
+    if "tokenizer_file" in record:  # sample.py, score.py and hf.py read the tokenizer from here
+        atomic_write(os.path.join(out_dir, record["tokenizer_file"]), enc.text.encode("utf-8"))
     write_data_record(out_dir, record)
     return record
 
@@ -282,6 +281,15 @@ def _check_sizes(shard_tokens: int, val_tokens: int | None, max_tokens: int | No
 # A preparation is written into OUT.partial-<pid> and renamed to OUT only once it is whole, so OUT is either
 # complete or absent, whatever stops the process.
 PARTIAL_SUFFIX = ".partial-"
+# Under --overwrite the earlier preparation is renamed to OUT.replaced-<pid> while the new one is renamed to
+# OUT, then removed; a process killed between the two renames leaves it there, whole.
+REPLACED_SUFFIX = ".replaced-"
+
+
+def is_preparation_file(name: str) -> bool:
+    """Whether a preparation writes a file of this name (what --overwrite may replace)."""
+    shard = name.startswith(("train_", "val_")) and name.endswith(".bin")
+    return shard or name in (DATA_RECORD, TOKENIZER_FILE)
 
 
 def _local_paths(source: str) -> list[str]:
@@ -289,9 +297,10 @@ def _local_paths(source: str) -> list[str]:
     return [source] if os.path.exists(source) else glob.glob(source, recursive=True)
 
 
-def _check_out(out_dir: str, inputs: list[str]) -> None:
+def _check_out(out_dir: str, inputs: list[str], overwrite: bool = False) -> None:
     """Refuse, before anything is read, an --out that is, holds or lies inside one of the inputs, or that holds
-    anything at all: a preparation goes into a new or empty directory, so no file of the user's is replaced."""
+    anything at all: a preparation goes into a new or empty directory, so no file of the user's is replaced.
+    overwrite: an --out that holds an earlier preparation (its files and nothing else) is accepted."""
     out = os.path.realpath(out_dir)
     for path in inputs:
         real = os.path.realpath(path)
@@ -306,9 +315,16 @@ def _check_out(out_dir: str, inputs: list[str]) -> None:
         raise UsageError(f"--out {out_dir} is a mount point: the shards are made beside it and renamed into place, "
                          f"which cannot cross filesystems; choose a new directory inside it, e.g. {out_dir}/shards")
     names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    others = [n for n in names if not is_preparation_file(n)]
+    if overwrite and others:
+        raise DataError(f"--out {out_dir} holds {others[0]}, which no preparation writes; --overwrite replaces only "
+                        f"an earlier preparation: choose another --out")
+    if overwrite:
+        return
     shards = [n for n in names if n.startswith(("train_", "val_")) and n.endswith(".bin")]
     if shards:
-        raise DataError(f"{out_dir} already holds shards ({shards[0]}, ...); remove them or choose another --out")
+        raise DataError(f"{out_dir} already holds shards ({shards[0]}, ...); pass --overwrite to replace them once "
+                        f"the new preparation is complete, or choose another --out")
     if names:
         more = ", ..." if len(names) > 1 else ""
         raise DataError(f"--out {out_dir} is not empty (it holds {names[0]}{more}); choose a new or empty directory")
@@ -351,14 +367,46 @@ def _partial_dir(out_dir: str) -> tuple[str, int | None]:
     return path, _lock(path)
 
 
+def _move_into_place(partial: str, out_dir: str, overwrite: bool) -> None:
+    """Rename the finished preparation to out_dir. overwrite: an earlier preparation there is renamed aside
+    first and removed only once the new one is in place (kept, and said, if something else has appeared in it
+    since _check_out); if the new one cannot be moved, the earlier one goes back."""
+    target = os.path.realpath(out_dir)
+    earlier = None
+    if overwrite and os.path.isdir(target) and os.listdir(target):
+        earlier = f"{target}{REPLACED_SUFFIX}{os.getpid()}"
+        os.rename(target, earlier)
+    try:
+        os.rename(partial, target)  # replaces it only if it is an empty directory
+    except OSError as e:  # the finished work is kept: the user moves it
+        if earlier is not None:
+            os.rename(earlier, target)
+        raise DataError(f"cannot move the finished shards to --out {out_dir} ({e.strerror}); they are complete "
+                        f"in {partial}: move that directory there yourself") from None
+    if earlier is None:
+        return
+    others = [name for name in os.listdir(earlier) if not is_preparation_file(name)]
+    if others:
+        print(f"data: kept the earlier preparation in {earlier}: it holds {others[0]}, which no preparation writes",
+              file=sys.stderr)
+    else:
+        shutil.rmtree(earlier, ignore_errors=True)
+
+
 def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_000_000,
             val_tokens: int | None = None, *, max_tokens: int | None = None, hf_config: str | None = None,
-            hf_split: str | None = None) -> dict:
-    """Tokenize source (text file, directory, glob, .jsonl/.parquet with a 'text' field, a datasets
+            hf_split: str | None = None, doc_separator: str | None = None, text_field: str = TEXT_FIELD,
+            overwrite: bool = False) -> dict:
+    """Tokenize source (text file, directory, glob, .jsonl/.parquet with a text_field field, a datasets
     save_to_disk directory, or a Hugging Face hub dataset) into out_dir/train_NNNNNN.bin (shard_tokens each,
     the last one shorter) and out_dir/val_000000.bin, then record the tokenizer and the counts in
     out_dir/data.json. Streams: memory stays bounded by one shard. out_dir must be new or empty and apart
-    from the input; it appears, whole, only when the preparation has succeeded (PARTIAL_SUFFIX).
+    from the input; it appears, whole, only when the preparation has succeeded (PARTIAL_SUFFIX). overwrite:
+    out_dir may hold an earlier preparation, replaced only then.
+
+    tokenizer: anything tokenizer.load_tokenizer takes (a tiktoken encoding, a tokenizer.json, a tokenizer
+    directory, a cached hub name); doc_separator names the token before each document when the tokenizer has
+    no end-of-text or BOS token of its own. A Hugging Face tokenizer's tokenizer.json is copied into out_dir.
 
     val_tokens None (--val-tokens auto): the val split is the corpus's first default_val_tokens(total)
     tokens, 0.5% of it within [MIN_VAL_TOKENS, MAX_VAL_TOKENS], so that any corpus gets one that fits it, and
@@ -367,25 +415,22 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
     first val_tokens tokens (the default corpus passes one). max_tokens: stop after that many tokens in all,
     val and train, cut exactly there. hf_config, hf_split (default train): for a Hugging Face dataset;
     hf_split also picks a save_to_disk DatasetDict's split.
-    Returns the record: tokenizer, n_vocab, eot, documents, tokens, val_tokens, train_tokens, train_shards,
-    val_from, max_tokens, seconds."""
+    Returns the record: the tokenizer's (Tokenizer.record: tokenizer, tokenizer_sha256, n_vocab, eot,
+    doc_separator, tokenizer_file for a Hugging Face one), uint32, documents, tokens, val_tokens,
+    train_tokens, train_shards, val_from, max_tokens, seconds."""
     _check_sizes(shard_tokens, val_tokens, max_tokens)
     source, out_dir = os.fspath(source), os.fspath(out_dir)
-    _check_out(out_dir, _local_paths(source))
-    pieces = source_pieces(source, hf_config, hf_split)
+    _check_out(out_dir, _local_paths(source), overwrite)
+    enc = load_tokenizer(tokenizer, doc_separator)
+    pieces = source_pieces(source, hf_config, hf_split, text_field)
     partial, lock = _partial_dir(out_dir)
     try:
         try:
-            record = _build(pieces, partial, get_tokenizer(tokenizer), shard_tokens, val_tokens, desc=source,
-                            max_tokens=max_tokens, tokenizer=tokenizer)
+            record = _build(pieces, partial, enc, shard_tokens, val_tokens, desc=source, max_tokens=max_tokens)
         except BaseException:  # an error, Ctrl-C or SIGTERM (main): no part of the preparation is left
             shutil.rmtree(partial, ignore_errors=True)
             raise
-        try:
-            os.rename(partial, os.path.realpath(out_dir))  # replaces it only if it is an empty directory
-        except OSError as e:  # the finished work is kept: the user moves it
-            raise DataError(f"cannot move the finished shards to --out {out_dir} ({e.strerror}); they are complete "
-                            f"in {partial}: move that directory there yourself") from None
+        _move_into_place(partial, out_dir, overwrite)
     finally:
         if lock is not None:
             os.close(lock)
@@ -430,7 +475,7 @@ def default_corpus(cache_dir=None, tokenizer: str = "gpt2") -> str:
     files = stdlib_sources()
     if not files:
         raise DataError(f"no Python sources under {sysconfig.get_paths()['stdlib']} for the default corpus")
-    enc = get_tokenizer(tokenizer)
+    enc = load_tokenizer(tokenizer)
     tmp = f"{out}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -439,7 +484,7 @@ def default_corpus(cache_dir=None, tokenizer: str = "gpt2") -> str:
         raise DataError(f"cannot create the corpus cache {tmp} ({e.strerror}); set {CACHE_ENV}") from None
     try:
         stats = _build(file_pieces(files), tmp, enc, CORPUS_SHARD_TOKENS, CORPUS_VAL_TOKENS,
-                       desc=f"default corpus ({len(files)} stdlib files)", tokenizer=tokenizer)
+                       desc=f"default corpus ({len(files)} stdlib files)")
         stats.update(python=platform.python_version(), tokenizer=tokenizer, files=len(files))
         atomic_write(os.path.join(tmp, CORPUS_MARKER), json.dumps(stats, indent=1).encode())
     except BaseException:
@@ -468,14 +513,28 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--input", required=True, metavar="SRC",
                         help="a text file (one document), a directory (its text-like, .jsonl and .parquet files, "
                              "recursively), a quoted glob, a .jsonl or .parquet file with a 'text' field (one "
-                             "document per record), a directory written by datasets' save_to_disk (its 'text' "
-                             "column), or a Hugging Face hub dataset as owner/name or hf:name (streamed; set "
-                             "HF_HUB_OFFLINE=1 to use only the local HF cache)")
+                             "document per record; --text-field names another), a directory written by datasets' "
+                             "save_to_disk (its 'text' column), or a Hugging Face hub dataset as owner/name or "
+                             "hf:name (streamed; set HF_HUB_OFFLINE=1 to use only the local HF cache)")
     parser.add_argument("--out", required=True, metavar="DIR",
-                        help="output directory: new or empty, apart from --input; it appears only once the "
-                             "preparation is complete (until then the shards are in DIR.partial-PID)")
-    parser.add_argument("--tokenizer", default="gpt2",
-                        help="tiktoken encoding; gpt2 (default) works offline via the package index")
+                        help="output directory: new or empty (or an earlier preparation, with --overwrite), apart "
+                             "from --input; it appears only once the preparation is complete (until then the "
+                             "shards are in DIR.partial-PID)")
+    parser.add_argument("--tokenizer", default="gpt2", metavar="NAME|PATH",
+                        help="a tiktoken encoding (gpt2, the default, works offline via the package index; "
+                             "cl100k_base, o200k_base, ...), a tokenizer.json, a Hugging Face tokenizer directory "
+                             "(with its tokenizer.json), or a hub name owner/name already in the local Hugging "
+                             "Face cache (never downloaded)")
+    parser.add_argument("--doc-separator", metavar="TOKEN",
+                        help="the special token put before every document (default: the tokenizer's end-of-text "
+                             "or BOS token: its tokenizer_config.json's bos_token or eos_token, else the first "
+                             "of <|endoftext|>, </s>, <s>, ... it has)")
+    parser.add_argument("--text-field", default=TEXT_FIELD, metavar="NAME",
+                        help="the field (.jsonl) or column (.parquet, datasets) that holds each document's text "
+                             "(default: %(default)s)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier preparation in --out (its shards, data.json and tokenizer.json, "
+                             "and nothing else), only once the new one is complete")
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
                         help="tokens per train shard (default: %(default)s)")
     parser.add_argument("--val-tokens", type=int_or_auto, default="auto", metavar="N|auto",
@@ -514,7 +573,8 @@ def main(argv=None) -> int:
     try:
         val_tokens = None if args.val_tokens == "auto" else args.val_tokens
         prepare(args.input, args.out, args.tokenizer, args.shard_tokens, val_tokens,
-                max_tokens=args.max_tokens, hf_config=args.hf_config, hf_split=args.hf_split)
+                max_tokens=args.max_tokens, hf_config=args.hf_config, hf_split=args.hf_split,
+                doc_separator=args.doc_separator, text_field=args.text_field, overwrite=args.overwrite)
     except (UsageError, DataError, ValueError, OSError) as e:
         return report_error(e)
     except KeyboardInterrupt as e:

@@ -4,9 +4,11 @@
     python sample.py --ckpt out --num-samples 3            # a run directory: its newest good checkpoint
     python sample.py --hf hf_model --greedy --prompt-file prompt.txt
 
-The text streams to the terminal as it is generated. Without --seed a fresh seed is drawn and printed on
-stderr, so that a sample worth keeping can be repeated. The library side: `generate` (token ids in, token
-ids out) and `sample_text` (a string in, a string out), which train.py calls at eval time.
+The text streams to the terminal as it is generated, encoded and decoded with the tokenizer the model was
+trained with (hf.model_tokenizer: the one its training data's data.json records, or an --hf directory's
+tokenizer.json; GPT-2's when nothing records one; --tokenizer names another). Without --seed a fresh seed is
+drawn and printed on stderr, so that a sample worth keeping can be repeated. The library side: `generate`
+(token ids in, token ids out) and `sample_text` (a string in, a string out), which train.py calls at eval time.
 """
 
 import argparse
@@ -22,10 +24,10 @@ import torch
 from checkpoint import CheckpointError
 from cli import ArgumentParser, UsageError, closed_stdout, report_error
 from config import DEVICES
-from hf import check_names, is_run_directory, load_hf, read_ckpt
+from hf import check_names, is_run_directory, load_hf, model_tokenizer, read_ckpt
 from hardware import resolve_device
 from model import GPT, KVCache
-from tokenizer import DataError, get_tokenizer
+from tokenizer import DataError, Tokenizer, load_tokenizer
 
 
 # Below this, sampling is greedy anyway (at 1e-4 a logit gap of 0.01 already means odds of e^100), and far
@@ -138,28 +140,41 @@ def generate(model: GPT, idx, max_new_tokens: int, temperature: float = 1.0, top
     return list(stream(model, idx, max_new_tokens, temperature, top_k, top_p, eot, generator))
 
 
-def decode_stream(enc, tokens: Iterable[int]) -> Iterator[str]:
-    """Text pieces as tokens arrive. A character whose UTF-8 bytes are split across tokens comes out once
-    it is whole; the pieces join to enc.decode(tokens) (invalid bytes become U+FFFD in both)."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+def decode_stream(enc: Tokenizer, tokens: Iterable[int], context: Iterable[int] = ()) -> Iterator[str]:
+    """Text pieces as tokens arrive, which join to what the tokens add to the text of context (the prompt's
+    ids). A byte-level tokenizer's tokens are bytes: the pieces join to enc.decode(tokens), a character whose
+    UTF-8 bytes are split across tokens coming out once it is whole (invalid bytes become U+FFFD, as in
+    decode). Another tokenizer's decoder may join tokens in ways of its own (a space between two words), so
+    each piece is what decoding context and the tokens so far adds, held back while it ends in U+FFFD (a
+    character not yet whole)."""
+    if enc.byte_level:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        pieces = (decoder.decode(enc.token_bytes(token)) for token in tokens)
+        yield from (piece for piece in pieces if piece)
+        if tail := decoder.decode(b"", final=True):
+            yield tail
+        return
+    ids = list(context)
+    shown = len(enc.decode(ids)) if ids else 0
     for token in tokens:
-        piece = decoder.decode(enc.decode_single_token_bytes(token))
-        if piece:
-            yield piece
-    tail = decoder.decode(b"", final=True)
-    if tail:
+        ids.append(token)
+        text = enc.decode(ids).rstrip("\ufffd")
+        if len(text) > shown:
+            yield text[shown:]
+            shown = len(text)
+    if tail := enc.decode(ids)[shown:]:
         yield tail
 
 
-def sample_text(model: GPT, enc, prompt: str = "", max_new_tokens: int = 64, temperature: float = 0.8,
+def sample_text(model: GPT, enc: Tokenizer, prompt: str = "", max_new_tokens: int = 64, temperature: float = 0.8,
                 top_k: int | None = 200, top_p: float | None = None, seed: int = 0) -> str:
     """prompt plus its continuation, decoded. Draws from its own seeded generator, so calling it leaves
     the global RNG (and a training run's data order and dropout) untouched. An empty prompt starts a
-    fresh document: it conditions on EOT."""
-    ids = enc.encode_ordinary(prompt) or [enc.eot_token]
+    fresh document: it conditions on the document separator, which also ends the continuation."""
+    ids = enc.encode(prompt) or [enc.eot]
     generator = torch.Generator().manual_seed(seed)
-    new = generate(model, ids, max_new_tokens, temperature, top_k, top_p, enc.eot_token, generator)
-    return prompt + enc.decode(new)
+    new = generate(model, ids, max_new_tokens, temperature, top_k, top_p, enc.eot, generator)
+    return prompt + "".join(decode_stream(enc, new, ids if prompt else []))
 
 
 def say(line: str) -> None:
@@ -218,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true", help="always the most likely token (--temperature 0)")
     p.add_argument("--seed", type=int, help="the sampling seed (default: a fresh one, printed on stderr)")
     p.add_argument("--device", default="auto", choices=DEVICES)
-    p.add_argument("--tokenizer", default="gpt2", help="the tokenizer the model was trained with")
+    p.add_argument("--tokenizer", metavar="NAME|PATH",
+                   help="the tokenizer the model was trained with, as prepare.py --tokenizer takes it (default: "
+                        "the one its training data records, or the --hf directory's; else GPT-2's)")
     return p
 
 
@@ -234,18 +251,18 @@ def check_args(a: argparse.Namespace, temperature: float, top_k: int | None) -> 
                          "samples; sample with a temperature instead")
 
 
-def print_samples(model: GPT, enc, text: str, a: argparse.Namespace, temperature: float, top_k: int | None,
-                  seed: int) -> None:
+def print_samples(model: GPT, enc: Tokenizer, text: str, a: argparse.Namespace, temperature: float,
+                  top_k: int | None, seed: int) -> None:
     """Stream a.num_samples continuations of text to stdout, each from the prompt, one seeded generator across
     them all (so --seed repeats the whole set); several samples are each headed by a line of their own."""
-    prompt = enc.encode_ordinary(text) or [enc.eot_token]
+    prompt = enc.encode(text) or [enc.eot]
     generator = torch.Generator().manual_seed(seed)
     for i in range(a.num_samples):
         if a.num_samples > 1:
             print(f"{'=' * 20} sample {i + 1} of {a.num_samples} {'=' * 20}")
         print(text, end="", flush=True)
-        tokens = stream(model, prompt, a.max_new_tokens, temperature, top_k, a.top_p, enc.eot_token, generator)
-        for piece in decode_stream(enc, tokens):
+        tokens = stream(model, prompt, a.max_new_tokens, temperature, top_k, a.top_p, enc.eot, generator)
+        for piece in decode_stream(enc, tokens, prompt if text else []):
             print(piece, end="", flush=True)
         print()
 
@@ -258,10 +275,10 @@ def main(argv=None) -> int:
         check_args(a, temperature, top_k)
         text = read_prompt(a.prompt, a.prompt_file)
         device, _ = resolve_device(a.device)
-        enc = get_tokenizer(a.tokenizer)
         model = load_model(a.ckpt, a.hf, device)
+        enc = load_tokenizer(a.tokenizer) if a.tokenizer else model_tokenizer(a.ckpt or a.hf) or load_tokenizer()
         if model.config.vocab_size != enc.n_vocab:
-            raise ValueError(f"model vocab_size {model.config.vocab_size} does not match the {a.tokenizer} "
+            raise ValueError(f"model vocab_size {model.config.vocab_size} does not match the {enc.name} "
                              f"tokenizer ({enc.n_vocab} tokens); pass --tokenizer")
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)

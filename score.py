@@ -10,7 +10,8 @@ hf.py (recognised by its config.json). The figures come from the code training l
 holds: hellaswag_acc and hellaswag_acc_sum, or val_loss and val_bpb over the first --n val tokens, taken
 --batch-size sequences of the model's seq_len at a time as a training run with that micro-batch takes them.
 bpb reads the val split of the data the checkpoint trained on unless --data names other shards, and then
-says so; the shards' tokenizer must be the model's, as train.py requires.
+says so; the shards' tokenizer must be the model's, as train.py requires, and counts the bytes. HellaSwag is
+encoded with the model's tokenizer (hf.model_tokenizer: its training data's, or an hf.py directory's).
 """
 
 import argparse
@@ -19,13 +20,13 @@ import sys
 
 import torch
 
-from checkpoint import META_FILE, CheckpointError, load_newest
-from cli import ArgumentParser, UsageError, closed_stdout, first_line, report_error
+from checkpoint import CheckpointError
+from cli import ArgumentParser, UsageError, closed_stdout, report_error
 from config import DEVICES, EvalConfig
 from data import DataError, check_vocab
 from distributed import DistInfo
 from evaluate import Evaluator
-from hf import is_run_directory
+from hf import model_tokenizer, trained_config
 from hardware import autocast, resolve_device
 from prepare import default_corpus, default_corpus_dir
 from sample import load_model
@@ -61,24 +62,6 @@ def load(path: str, device: torch.device):
     if os.path.isfile(os.path.join(path, "config.json")):
         return load_model(hf=path, device=device)
     return load_model(ckpt=path, device=device)
-
-
-def trained_config(path: str) -> dict | None:
-    """The train.py config that the checkpoint at path recorded (its meta's train_config; for a run directory,
-    that of its newest checkpoint whose meta reads), {} when it has none; None for an hf.py directory.
-    Only the meta is read: a file's tensors are memory-mapped, not loaded (load has verified the file)."""
-    if os.path.isfile(os.path.join(path, "config.json")):
-        return None
-
-    def meta(ckpt):
-        file = os.path.join(ckpt, META_FILE) if os.path.isdir(ckpt) else ckpt
-        try:
-            return (torch.load(file, map_location="cpu", weights_only=True, mmap=True),)
-        except Exception as e:
-            raise CheckpointError(f"{file}: {first_line(e)}") from None
-
-    found = load_newest(path, meta, warn=lambda line: None) if is_run_directory(path) else (path, *meta(path))
-    return (found[1].get("train_config") if found else None) or {}
 
 
 def val_data(given: str | None, train_config: dict | None, ckpt: str) -> tuple[str | None, str | None]:
@@ -119,7 +102,8 @@ def prepare(a: argparse.Namespace, model, device: torch.device, data_dir: str | 
     seq_len = model.config.max_seq_len
     if a.task == "hellaswag":
         cfg = EvalConfig(eval_interval=0, hellaswag_path=a.hellaswag_path)
-        evaluator = Evaluator(cfg, None, DistInfo(), device, model.config.vocab_size, seed=0)
+        evaluator = Evaluator(cfg, None, DistInfo(), device, model.config.vocab_size, seed=0,
+                              tokenizer=model_tokenizer(a.ckpt))
         evaluator.load_hellaswag(seq_len, a.n)
         return evaluator
     data_dir = data_dir or default_corpus()
@@ -149,7 +133,8 @@ def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.dev
     if "val_bpb" in metrics:
         lines.append(f"val_bpb   {metrics['val_bpb']:.4f}")
     else:
-        lines.append("val_bpb   n/a (the model's vocabulary is not GPT-2's, so the bytes per token are unknown)")
+        lines.append("val_bpb   n/a (the shards record no tokenizer and the model's vocabulary is not GPT-2's, so "
+                     "the bytes per token are unknown)")
     return lines
 
 

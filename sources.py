@@ -2,8 +2,8 @@
 
 A text file is one document, read in pieces cut where tokenizing is unchanged; a .jsonl or .parquet file, a
 datasets save_to_disk directory or a Hugging Face hub dataset gives one document per record (its 'text'
-field). Directories and globs are read recursively, in sorted order. source_pieces checks a source before
-any work and reads it lazily.
+field, or the one --text-field names). Directories and globs are read recursively, in sorted order.
+source_pieces checks a source before any work and reads it lazily.
 """
 
 import codecs
@@ -22,6 +22,7 @@ SNIFF_BYTES = 8192  # the start of a file that decides whether it is text
 COMPRESSED = {"gzip": rb"\x1f\x8b", "bzip2": rb"BZh[1-9]1AY&SY", "xz": rb"\xfd7zXZ\x00", "zstd": rb"\x28\xb5\x2f\xfd",
               "zip": rb"PK\x03\x04"}
 HF_PREFIX = "hf:"
+TEXT_FIELD = "text"  # the field of a record that holds its text, unless --text-field names another
 
 
 def _safe_cut(text: str, start: int = 0) -> int:
@@ -86,14 +87,16 @@ def _first_invalid_line(path: str, block: int = 1 << 24) -> int | None:
             line += chunk.count(b"\n")
 
 
-def _text_of(record, where: str) -> str:
-    text = record.get("text") if isinstance(record, dict) else None
+def _text_of(record, where: str, field: str = TEXT_FIELD) -> str:
+    text = record.get(field) if isinstance(record, dict) else None
     if not isinstance(text, str):
-        raise DataError(f"{where}: record has no string 'text' field")
+        fields = f" (its fields: {', '.join(map(str, record))}); --text-field names another" \
+            if isinstance(record, dict) and field not in record else ""
+        raise DataError(f"{where}: record has no string {field!r} field{fields}")
     return text
 
 
-def _jsonl_pieces(path: str):
+def _jsonl_pieces(path: str, field: str):
     with open(path, "rb") as f:  # decoded a line at a time, so that invalid UTF-8 is reported at its line
         for lineno, raw in enumerate(f, 1):
             try:
@@ -105,29 +108,30 @@ def _jsonl_pieces(path: str):
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg})") from None
-                yield _text_of(record, f"{path}:{lineno}"), True
+                yield _text_of(record, f"{path}:{lineno}", field), True
 
 
-def _parquet_pieces(path: str):
+def _parquet_pieces(path: str, field: str):
     import pyarrow.parquet as pq  # only needed for parquet input
 
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:
         raise DataError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from None
-    if "text" not in pf.schema_arrow.names:
-        raise DataError(f"{path}: parquet file has no 'text' column (columns: {pf.schema_arrow.names})")
-    for batch in pf.iter_batches(columns=["text"], batch_size=1024):
+    if field not in pf.schema_arrow.names:
+        raise DataError(f"{path}: parquet file has no {field!r} column (columns: {pf.schema_arrow.names}); "
+                        f"--text-field names another")
+    for batch in pf.iter_batches(columns=[field], batch_size=1024):
         for text in batch.column(0).to_pylist():
-            yield _text_of({"text": text}, path), True
+            yield _text_of({field: text}, path, field), True
 
 
-def file_pieces(paths):
+def file_pieces(paths, field: str = TEXT_FIELD):
     for path in paths:
         if path.endswith(".jsonl"):
-            yield from _jsonl_pieces(path)
+            yield from _jsonl_pieces(path, field)
         elif path.endswith(".parquet"):
-            yield from _parquet_pieces(path)
+            yield from _parquet_pieces(path, field)
         else:
             yield from _text_pieces(path)
 
@@ -196,8 +200,8 @@ def _import_datasets():
     return datasets
 
 
-def _saved_pieces(path: str, kind: str, split: str | None):
-    """The 'text' column of a save_to_disk directory (of --hf-split, default train, for a DatasetDict), read
+def _saved_pieces(path: str, kind: str, split: str | None, field: str):
+    """The text column (field) of a save_to_disk directory (of --hf-split, default train, for a DatasetDict), read
     with datasets.load_from_disk. The split and the column are checked now; the rows are read lazily."""
     datasets = _import_datasets()
     try:
@@ -214,13 +218,14 @@ def _saved_pieces(path: str, kind: str, split: str | None):
         raise UsageError(f"--hf-split {split}: {path} is a save_to_disk Dataset, a single split; drop --hf-split")
     else:
         where = path
-    if "text" not in ds.column_names:
-        raise DataError(f"{where}: no 'text' column (columns: {', '.join(ds.column_names)})")
-    return ((_text_of({"text": text}, where), True)
-            for batch in ds.select_columns(["text"]).iter(batch_size=1024) for text in batch["text"])
+    if field not in ds.column_names:
+        raise DataError(f"{where}: no {field!r} column (columns: {', '.join(ds.column_names)}); --text-field "
+                        f"names another")
+    return ((_text_of({field: text}, where, field), True)
+            for batch in ds.select_columns([field]).iter(batch_size=1024) for text in batch[field])
 
 
-def _hf_pieces(source: str, config: str | None = None, split: str = "train"):
+def _hf_pieces(source: str, config: str | None = None, split: str = "train", field: str = TEXT_FIELD):
     """A Hugging Face hub dataset NAME (or NAME:CONFIG, the older spelling of --hf-config), its split, streamed.
     Set HF_HUB_OFFLINE=1 to use only the local cache."""
     datasets = _import_datasets()
@@ -234,7 +239,7 @@ def _hf_pieces(source: str, config: str | None = None, split: str = "train"):
     except Exception as e:
         what = f"{name!r}" + (f" (config {config!r}, split {split!r})" if config else f" (split {split!r})")
         raise DataError(f"could not load Hugging Face dataset {what}: {first_line(e)}") from None
-    return ((_text_of(record, f"dataset {name}"), True) for record in ds)
+    return ((_text_of(record, f"dataset {name}", field), True) for record in ds)
 
 
 def _is_hf_name(source: str) -> bool:
@@ -244,15 +249,16 @@ def _is_hf_name(source: str) -> bool:
     return bool(re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?", source)) and not os.path.exists(source.split("/")[0])
 
 
-def source_pieces(source, hf_config: str | None = None, hf_split: str | None = None):
+def source_pieces(source, hf_config: str | None = None, hf_split: str | None = None, text_field: str = TEXT_FIELD):
     """The (text, starts_a_document) pieces of a file, directory, glob, datasets save_to_disk directory or
     Hugging Face hub dataset. Checks that the source exists now, before any work; reads lazily. hf_config
-    applies to a hub dataset, hf_split (default train) to a hub dataset or a save_to_disk DatasetDict."""
+    applies to a hub dataset, hf_split (default train) to a hub dataset or a save_to_disk DatasetDict,
+    text_field to records (.jsonl, .parquet, datasets)."""
     source = os.fspath(source)
     if os.path.isdir(source) and (kind := saved_dataset_kind(os.listdir(source))):
         if hf_config:
             raise UsageError(f"--hf-config {hf_config}: {source} is a save_to_disk {kind}, which has no configs")
-        return _saved_pieces(source, kind, hf_split)
+        return _saved_pieces(source, kind, hf_split, text_field)
     if os.path.isdir(source) or os.path.isfile(source) or any(c in source for c in "*?["):
         if hf_config or hf_split:
             flag = "--hf-config" if hf_config else "--hf-split"
@@ -265,8 +271,8 @@ def source_pieces(source, hf_config: str | None = None, hf_split: str | None = N
         files = [f for m in matches for f in (_files_under(m) if os.path.isdir(m) else [m])]
         if not files:
             raise DataError(f"no text, .jsonl or .parquet files found in {source}")
-        return file_pieces(files)
+        return file_pieces(files, text_field)
     if _is_hf_name(source):
-        return _hf_pieces(source, hf_config, hf_split or "train")
+        return _hf_pieces(source, hf_config, hf_split or "train", text_field)
     raise DataError(f"input {source} not found: expected a file, a directory, a glob, "
                     f"or a Hugging Face dataset as owner/name or {HF_PREFIX}NAME")

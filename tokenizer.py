@@ -1,20 +1,25 @@
-"""The tokenizer: a tiktoken encoding, loaded once per process; GPT-2's (the default) works offline.
+"""The tokenizer: a tiktoken encoding, a tokenizer.json, or a Hugging Face tokenizer directory (local, or
+in the Hugging Face cache), behind one interface (Tokenizer); GPT-2's (the default) works offline.
 
 tiktoken downloads an encoding's BPE ranks on first use. For GPT-2 they are also taken from tiktoken's cache
 or from the openai-whisper source distribution, which pip fetches from the package index, so a machine that
-reaches only the package index can tokenize. Beneath the tokenizer lies what data.py, sources.py and
-prepare.py share: DataError, the project's cache directory, and atomic writes.
+reaches only the package index can tokenize. A tokenizer.json is read with the `tokenizers` library; hub
+names are looked up in the local cache only, never downloaded. Beneath the tokenizer lies what data.py,
+sources.py and prepare.py share: DataError, the project's cache directory, and atomic writes.
 """
 
 import functools
 import glob
 import hashlib
+import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
 import tempfile
 
+import numpy as np
 import tiktoken
 
 from cli import first_line
@@ -142,3 +147,313 @@ def _load_encoding(name: str) -> tiktoken.Encoding:
                         f"(it is fetched from the package index), or copy r50k_base.tiktoken "
                         f"(sha256 {R50K_SHA256}) to {path}") from None
 
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One interface over tiktoken encodings and Hugging Face tokenizers
+
+TOKENIZER_FILE = "tokenizer.json"  # a Hugging Face fast tokenizer; prepare.py copies it next to the shards
+TOKENIZER_CONFIG = "tokenizer_config.json"  # beside it in a tokenizer directory: its bos_token and eos_token
+# The document separator, when neither --doc-separator nor tokenizer_config.json names one: the first of these
+# the vocabulary holds. Ends of text first, as GPT-2's <|endoftext|>, then beginnings of text.
+SEPARATOR_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|begin_of_text|>", "<s>",
+                   "<bos>", "<|bos|>")
+HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")
+# Parts of a tokenizer.json that decide the ids of a text (added_tokens among them); the rest (decoder,
+# post-processor, padding, truncation) do not, and are left out of its sha256.
+ID_DECIDING_KEYS = ("added_tokens", "normalizer", "pre_tokenizer", "model")
+
+
+def byte_to_char() -> dict[int, str]:
+    """Byte-level BPE's printable stand-in for every byte (GPT-2's, which tokenizer.json files of byte-level BPE
+    use): printable Latin-1 bytes stand for themselves, the rest take the code points from 256 up, in order."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+CHAR_TO_BYTE = {char: byte for byte, char in byte_to_char().items()}
+
+
+def _without_surrogates(text: str) -> str:
+    """text with its lone surrogates (JSON escapes can make them) as U+FFFD, as tiktoken's encode_ordinary has it."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+class Tokenizer:
+    """What the project asks of a tokenizer, whichever library holds it. name: what --tokenizer named (a
+    tiktoken encoding, a path or a hub name); n_vocab: one more than its largest id; eot: the document
+    separator, the token before every document in the shards, and separator its text; byte_level: whether
+    token_bytes gives every token's bytes of text exactly (tiktoken, byte-level BPE); spreads_batches: whether
+    encode_batch spreads one call over threads of its own (tokenizers) rather than encoding on the caller's."""
+
+    name: str
+    n_vocab: int
+    eot: int
+    separator: str
+    byte_level: bool
+    spreads_batches: bool
+
+    def encode(self, text: str) -> list[int]:
+        """The ids of text as a document's text: a special token's text is encoded as text."""
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """encode of each text, as uint32 arrays."""
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def token_bytes(self, token: int) -> bytes | None:
+        """The bytes of text of one token (byte_level tokenizers; for the others, its text decoded on its own);
+        None for an id the tokenizer lacks."""
+        raise NotImplementedError
+
+    def special_ids(self) -> set[int]:
+        """The ids of special tokens, which stand for no text."""
+        raise NotImplementedError
+
+    def _identity(self) -> bytes:
+        """What sha256 hashes: the vocabulary and what else decides the ids of a text."""
+        raise NotImplementedError
+
+    @functools.cached_property
+    def sha256(self) -> str:
+        return hashlib.sha256(self._identity()).hexdigest()
+
+    @functools.cached_property
+    def byte_lengths(self) -> np.ndarray:
+        """[n_vocab] int64: the UTF-8 bytes of each token's text (token_bytes); 0 for special tokens and for ids
+        the tokenizer lacks. Built once per tokenizer."""
+        special = self.special_ids()
+        lengths = np.zeros(self.n_vocab, dtype=np.int64)
+        for i in range(self.n_vocab):
+            if i not in special and (b := self.token_bytes(i)) is not None:
+                lengths[i] = len(b)
+        return lengths
+
+    def _check_eot(self, where: str) -> None:
+        if not (isinstance(self.eot, int) and 0 <= self.eot < self.n_vocab):
+            raise DataError(f"{where}: the separator id {self.eot!r} is not one of its {self.n_vocab:,} ids")
+
+    def record(self) -> dict:
+        """What data.json records of the tokenizer."""
+        return {"tokenizer": self.name, "tokenizer_sha256": self.sha256, "n_vocab": self.n_vocab, "eot": self.eot,
+                "doc_separator": self.separator}
+
+
+class TiktokenTokenizer(Tokenizer):
+    byte_level, spreads_batches = True, False
+
+    def __init__(self, name: str, doc_separator: str | None = None, eot: int | None = None):
+        self.name, self.encoding = name, get_tokenizer(name)
+        self.n_vocab = self.encoding.n_vocab
+        if doc_separator is not None:
+            if doc_separator not in self.encoding.special_tokens_set:
+                raise DataError(f"--doc-separator {doc_separator!r} is not a special token of the {name} tokenizer "
+                                f"({', '.join(sorted(self.encoding.special_tokens_set))})")
+            eot = self.encoding.encode_single_token(doc_separator)
+        self.eot = self.encoding.eot_token if eot is None else eot
+        self._check_eot(f"the {name} tokenizer")
+        self.separator = self.encoding.decode_single_token_bytes(self.eot).decode("utf-8", "replace")
+
+    def encode(self, text):
+        return self.encoding.encode_ordinary(text)
+
+    def _ids(self, text: str) -> np.ndarray:
+        """encode_ordinary(text) as uint32, straight from tiktoken's buffer (tiktoken >= 0.9): no Python int per
+        token, which costs about a tenth of the encoding itself, with the GIL held."""
+        try:
+            return self.encoding.encode_to_numpy(text, disallowed_special=())
+        except UnicodeEncodeError:
+            return self.encoding.encode_to_numpy(_without_surrogates(text), disallowed_special=())
+
+    def encode_batch(self, texts):
+        return [self._ids(text) for text in texts]
+
+    def decode(self, ids):
+        return self.encoding.decode(list(ids))
+
+    def token_bytes(self, token):
+        try:
+            return self.encoding.decode_single_token_bytes(token)
+        except KeyError:  # a hole in the encoding's ids
+            return None
+
+    def special_ids(self):
+        return {self.encoding.encode_single_token(token) for token in self.encoding.special_tokens_set}
+
+    def _identity(self):
+        tokens = (self.token_bytes(i) for i in range(self.n_vocab))
+        return b"".join(b"\xff" * 4 if t is None else len(t).to_bytes(4, "little") + t for t in tokens)
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face fast tokenizer: the text of its tokenizer.json, read with the tokenizers library."""
+
+    spreads_batches = True
+
+    def __init__(self, text: str, name: str, where: str, doc_separator: str | None = None, eot: int | None = None,
+                 preferred: tuple = ()):
+        """where names the file in errors. The separator: eot (an id), else the token --doc-separator names,
+        else the first of preferred (the directory's bos_token and eos_token) and SEPARATOR_NAMES it holds."""
+        from tokenizers import Tokenizer as Fast
+
+        try:
+            self.fast = Fast.from_str(text)
+        except Exception as e:  # the library raises a bare Exception for JSON that is not a tokenizer
+            raise DataError(f"{where}: not a tokenizer.json ({first_line(e)})") from None
+        self.fast.encode_special_tokens = True  # a document's "<|endoftext|>" is its text, as in tiktoken
+        self.text, self.name, self.spec = text, name, json.loads(text)
+        vocab = self.fast.get_vocab(with_added_tokens=True)
+        if not vocab:
+            raise DataError(f"{where}: the tokenizer has an empty vocabulary")
+        self.n_vocab = max(vocab.values()) + 1
+        decoders = [self.spec.get("decoder") or {}]
+        decoders += decoders[0].get("decoders") or []  # a Sequence decoder's parts
+        self.byte_level = any(d.get("type") == "ByteLevel" for d in decoders)
+        self._added = {t["id"]: t for t in self.spec.get("added_tokens") or []}
+        self.eot = eot if eot is not None else self._separator(where, doc_separator, preferred)
+        self._check_eot(where)
+        self.separator = self.fast.id_to_token(self.eot)
+
+    def _separator(self, where: str, doc_separator: str | None, preferred: tuple) -> int:
+        """A special token, which no text encodes to, so that it marks the documents' starts alone."""
+        special = self.special_ids()
+        if doc_separator is not None:
+            if (token := self.fast.token_to_id(doc_separator)) not in special:
+                raise DataError(f"--doc-separator {doc_separator!r} is not a special token of {where}"
+                                + (": text could encode to it" if token is not None else ""))
+            return token
+        for name in (*preferred, *SEPARATOR_NAMES):
+            if (token := self.fast.token_to_id(name)) in special:
+                return token
+        raise DataError(f"{where} has no end-of-text or BOS special token ({', '.join(SEPARATOR_NAMES)}): name "
+                        f"the token that separates documents with --doc-separator TOKEN")
+
+    def encode(self, text):
+        return self.encode_batch([text])[0].tolist()
+
+    def encode_batch(self, texts):
+        try:
+            encodings = self.fast.encode_batch_fast(texts, add_special_tokens=False)
+        except TypeError:  # a lone surrogate, which is no UTF-8
+            encodings = self.fast.encode_batch_fast([_without_surrogates(t) for t in texts], add_special_tokens=False)
+        return [np.array(e.ids, dtype=np.uint32) for e in encodings]
+
+    def decode(self, ids):
+        return self.fast.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self, token):
+        text = self.fast.id_to_token(token)
+        if text is None:
+            return None
+        if token in self._added:  # matched, and decoded, as its text
+            return text.encode("utf-8")
+        if self.byte_level and all(c in CHAR_TO_BYTE for c in text):
+            return bytes(CHAR_TO_BYTE[c] for c in text)
+        return self.decode([token]).encode("utf-8")
+
+    def special_ids(self):
+        return {i for i, t in self._added.items() if t.get("special")}
+
+    def record(self):
+        """Also the name of the copy of tokenizer.json that prepare.py writes next to the shards (self.text)."""
+        return {**super().record(), "tokenizer_file": TOKENIZER_FILE}
+
+    def _identity(self):
+        spec = {key: self.spec.get(key) for key in ID_DECIDING_KEYS}
+        model = dict(spec["model"] or {})
+        if isinstance(model.get("merges"), list):  # older files write a merge as "a b", newer ones as ["a", "b"]
+            model["merges"] = [m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]]
+        spec["model"] = model
+        return json.dumps(spec, sort_keys=True, ensure_ascii=False).encode("utf-8")
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not a tokenizer.json (not UTF-8: {e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the tokenizer ({e.strerror or e})") from None
+
+
+def _named_tokens(directory: str) -> tuple:
+    """The bos_token and eos_token that a tokenizer directory's tokenizer_config.json names (a string, or an
+    object with its content), those it has."""
+    path = os.path.join(directory, TOKENIZER_CONFIG)
+    if not os.path.isfile(path):
+        return ()
+    try:
+        config = json.loads(_read_text(path))
+    except ValueError as e:
+        raise DataError(f"{path}: not valid JSON ({first_line(e)})") from None
+    named = [config.get(key) if isinstance(config, dict) else None for key in ("bos_token", "eos_token")]
+    named = [t.get("content") if isinstance(t, dict) else t for t in named]
+    return tuple(t for t in named if isinstance(t, str))
+
+
+def _from_directory(directory: str, name: str, doc_separator: str | None) -> HFTokenizer:
+    path = os.path.join(directory, TOKENIZER_FILE)
+    if not os.path.exists(path):
+        raise DataError(f"{directory} has no {TOKENIZER_FILE} (the fast tokenizer's file); write one with "
+                        f"transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
+    return HFTokenizer(_read_text(path), name, path, doc_separator, preferred=_named_tokens(directory))
+
+
+def _hub_cache_directory(name: str) -> str | None:
+    """The directory of name's tokenizer.json in the local Hugging Face cache, or None; never the network."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        path = try_to_load_from_cache(name, TOKENIZER_FILE)
+    except Exception:  # no huggingface_hub, or a name it does not take
+        return None
+    return os.path.dirname(path) if isinstance(path, str) else None
+
+
+def load_tokenizer(spec: str = "gpt2", doc_separator: str | None = None) -> Tokenizer:
+    """The tokenizer that --tokenizer names: a tiktoken encoding (gpt2, the default, is GPT-2's r50k_base), the
+    path of a tokenizer.json or of a directory holding one (transformers' tokenizer files), or a Hugging Face hub
+    name owner/name whose tokenizer.json is in the local cache (nothing is downloaded). doc_separator: the
+    token that goes before every document, for a tokenizer without an obvious one. DataError, one line, for
+    what cannot be loaded."""
+    if spec == "gpt2" or spec in tiktoken.list_encoding_names():
+        return TiktokenTokenizer(spec, doc_separator)
+    if os.path.isdir(spec):
+        return _from_directory(spec, spec, doc_separator)
+    if os.path.exists(spec):
+        return HFTokenizer(_read_text(spec), spec, spec, doc_separator)
+    if HUB_NAME.fullmatch(spec) and not os.path.exists(spec.split("/")[0]):  # else a mistyped path
+        directory = _hub_cache_directory(spec)
+        if directory is None:
+            raise DataError(f"tokenizer {spec} is not in the local Hugging Face cache (it is never downloaded "
+                            f"here); fetch it first: hf download {spec} {TOKENIZER_FILE} {TOKENIZER_CONFIG}")
+        return _from_directory(directory, spec, doc_separator)
+    raise DataError(f"unknown tokenizer {spec!r}: no such file or directory, nor a tiktoken encoding "
+                    f"({', '.join(tiktoken.list_encoding_names())}) or a hub name owner/name")
+
+
+def recorded_tokenizer(record: dict, data_dir: str) -> Tokenizer:
+    """The tokenizer a data.json record names: a tiktoken encoding, or the tokenizer.json that prepare.py copied
+    next to the shards (record["tokenizer_file"]), with the recorded separator. DataError when it is not the
+    tokenizer the record's sha256 names."""
+    file, eot = record.get("tokenizer_file"), record.get("eot")
+    if file is None:
+        tok, where = TiktokenTokenizer(record["tokenizer"], eot=eot), f"the {record['tokenizer']} tokenizer"
+    else:
+        where = os.path.join(data_dir, file)
+        tok = HFTokenizer(_read_text(where), record["tokenizer"], where, eot=eot)
+    if record.get("tokenizer_sha256", tok.sha256) != tok.sha256:
+        raise DataError(f"{where} is not the tokenizer {os.path.join(data_dir, 'data.json')} records (its sha256 "
+                        f"differs): the shards were made with another one")
+    return tok

@@ -28,7 +28,7 @@ import memory
 from checkpoint import CheckpointError, Checkpointer, tokens_trained
 from cli import UsageError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
-from data import DataError, ShardLoader, check_split, check_vocab, fingerprint
+from data import DataError, ShardLoader, check_split, check_vocab, fingerprint, vocab_from_data
 from evaluate import Evaluator
 from hf import load_hf
 from model import ModelConfig, flops_per_token
@@ -162,7 +162,9 @@ def setup(cfg: Config, command_line: dict | None = None) -> Run:
 
 def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: str, resume: bool, lock,
               reasons: dict) -> Run:
-    """The model, its wrappers, the optimizer, the data and the components, restored when resuming."""
+    """The model, its wrappers, the optimizer, the data and the components, restored when resuming. Without
+    --vocab-size the model's vocabulary is the one data.json records (data.vocab_from_data)."""
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_from_data(cfg.model.vocab_size, data_dir)))
     check_split(data_dir, "train", cfg.model.max_seq_len)  # refused before anything that size is allocated
     if not cfg.ckpt.from_hf:
         memory.check_fits(cfg.model, cfg.optim.name, device, info.world_size if info.mode == "fsdp" else 1)

@@ -1,8 +1,10 @@
-"""Fixtures the test files share: tiny token shards, GPT-2's tokenizer loaded offline, the tiny model's flags, a
-tiny GPT-2-vocabulary model, and a NaN injected into one training step (tests poison a step by patching it, so
-the product carries no test-only flag), and the process group every multi-process test runs in."""
+"""Fixtures the test files share: tiny token shards, GPT-2's tokenizer loaded offline, a tokenizer.json of over
+65,535 ids, the tiny model's flags, a tiny GPT-2-vocabulary model, and a NaN injected into one training step
+(tests poison a step by patching it, so the product carries no test-only flag), and the process group every
+multi-process test runs in."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -20,6 +22,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A model and batch small enough for a CPU test to train a few steps in about a second.
 TINY_FLAGS = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
               "--seq-len", "32", "--batch-size", "4"]
+HELLASWAG_FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.jsonl")
+# Text the word_tokenizer knows every word of.
+WORD_TEXT = "the cat sat on the mat . a dog ran to the park , and the cat slept !"
 # The GPT-2 vocabulary (HellaSwag's text needs it), otherwise as small as TINY_FLAGS.
 GPT2_TINY = dict(vocab_size=50257, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=32)
 
@@ -59,6 +64,32 @@ def gpt2(tmp_path_factory):
         tokenizer._load_encoding.cache_clear()
         enc = tokenizer.get_tokenizer("gpt2")
     return enc, cache
+
+
+def write_word_tokenizer(path, words=(), size: int = 70_000, separator: str | None = "<|endoftext|>") -> str:
+    """A WordLevel tokenizer.json at path: [UNK] (id 0), the words, then fillers <0>, <1>, ... up to size ids, a
+    vocabulary over 65,535 (uint32 shards) by default; text splits into words and runs of punctuation;
+    separator, if any, is a special token after them. -> path as a string."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0}
+    for word in words:
+        vocab.setdefault(word, len(vocab))
+    vocab.update({f"<{i}>": len(vocab) + i for i in range(size - len(vocab))})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if separator is not None:
+        tok.add_special_tokens([AddedToken(separator, special=True, normalized=False)])
+    tok.save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer(tmp_path_factory):
+    """A 70,001-id WordLevel tokenizer.json (write_word_tokenizer) that knows the words of the HellaSwag fixture
+    and of WORD_TEXT, its separator <|endoftext|> the last id."""
+    words = re.findall(r"\w+|[^\w\s]+", WORD_TEXT + "\n" + open(HELLASWAG_FIXTURE, encoding="utf-8").read())
+    return write_word_tokenizer(tmp_path_factory.mktemp("word_tokenizer") / "tokenizer.json", words)
 
 
 def gpt2_model(seed: int = 0) -> GPT:

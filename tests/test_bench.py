@@ -11,8 +11,9 @@ sys.path.insert(0, os.path.join(REPO, "bench"))
 import optimizers  # noqa: E402
 import plot  # noqa: E402
 import recipe  # noqa: E402
+import tokenizer_speed  # noqa: E402
 
-from conftest import TINY_FLAGS  # noqa: E402
+from conftest import TINY_FLAGS, WORD_TEXT  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -207,3 +208,13 @@ def test_recipe_smoke_runs_two_toggles_and_writes_the_table(tmp_path, tiny_data)
     rows = [line for line in text.splitlines() if line.startswith("| baseline") or line.startswith("| cautious-wd")]
     assert len(rows) == 2 and "`--cautious-wd`" in rows[1] and "| 256 |" in rows[0]
     assert "| lr-x2" not in text  # added as a toggle, but not chosen by --only
+
+
+def test_tokenizer_speed_prints_its_table(word_tokenizer, tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text(WORD_TEXT * 100)
+    argv = ["--input", str(tmp_path / "doc.txt"), "--tokenizer", word_tokenizer, "--repeats", "2", "--warmup", "0"]
+    tokenizer_speed.main(argv)
+    out = capsys.readouterr().out
+    assert f"command: python bench/tokenizer_speed.py --input {tmp_path / 'doc.txt'}" in out and "avx512_bf16" in out
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines() if line.startswith("| ")}
+    assert rows["/ encode_batch"][0].strip() == "1.000 (1.000)" and len(rows["tokens/s (median)"]) == 4

@@ -11,7 +11,7 @@ import data
 import hf
 import model
 import prepare
-from conftest import write_doc_shards
+from conftest import TINY_FLAGS, WORD_TEXT, write_doc_shards
 from data import DataError, ShardLoader, read_shard, write_shard
 from test_prepare import DOCS
 
@@ -106,6 +106,32 @@ def test_check_vocab_without_a_record(gpt2, tmp_path):
     assert "gpt2 tokenizer (50,257 ids" in data.check_vocab(151_936, str(corpus))
     (broken / data.DATA_RECORD).write_text("{not json")
     assert data.check_vocab(50257, str(broken)).startswith(f"{broken / data.DATA_RECORD}: cannot read")
+
+
+def test_vocab_from_data_when_vocab_size_is_not_given(tmp_path):
+    (tmp_path / data.DATA_RECORD).write_text(json.dumps({"tokenizer": "words.json", "n_vocab": 70_001}))
+    assert data.vocab_from_data(data.DEFAULT_VOCAB, str(tmp_path)) == 70_001  # the model pads it to 70,016
+    assert data.vocab_from_data(256, str(tmp_path)) == 256  # given: check_vocab refuses it
+    assert data.vocab_from_data(data.DEFAULT_VOCAB, str(tmp_path / "llmc")) == data.DEFAULT_VOCAB  # no record
+
+
+def test_train_sizes_the_model_from_data_json(word_tokenizer, tmp_path, capsys):
+    """Shards of a 70,001-id tokenizer.json: without --vocab-size the model takes its vocabulary (padded to
+    70,016); a --vocab-size that does not fit is refused in one line, as before."""
+    import train
+
+    (tmp_path / "docs.jsonl").write_text((json.dumps({"text": WORD_TEXT}) + "\n") * 12)
+    prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "data", word_tokenizer, val_tokens=40)
+    i = TINY_FLAGS.index("--vocab-size")
+    flags = TINY_FLAGS[:i] + TINY_FLAGS[i + 2:]
+    args = ["--data", str(tmp_path / "data"), *flags, "--max-steps", "2", "--eval-interval", "0", "--device", "cpu"]
+    train.main([*args, "--out-dir", str(tmp_path / "out")])
+    meta = torch.load(tmp_path / "out" / "ckpt_00000002.pt", weights_only=True)
+    assert meta["model_config"]["vocab_size"] == 70_001 and "vocab 70016" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        train.main([*args, "--vocab-size", "256", "--out-dir", str(tmp_path / "refused")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "(256 ids) does not fit the shards" in err
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -499,3 +525,13 @@ def test_the_stream_and_states_of_seed_0_are_pinned(shards, doc_shards, packing,
     assert resumed.state_dict() == {**positions[0], **identity}
     for (xa, ya), (xb, yb) in zip(batches[4:8], [next(resumed) for _ in range(4)]):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_bos_packing_starts_rows_at_the_separator_data_json_records(word_tokenizer, tmp_path):
+    """Shards of another tokenizer separate documents with its own token (data.json's eot), not GPT-2's."""
+    docs = [WORD_TEXT * 3, "a dog sat on the mat", WORD_TEXT * 2, "the park , the mat"] * 4
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    record = prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "out", word_tokenizer, val_tokens=8)
+    loader = ShardLoader(tmp_path / "out", batch_size=2, seq_len=8, packing="bos", prefetch=0)
+    x, _ = next(loader)
+    assert record["eot"] == 70_000 and (x[:, 0] == 70_000).all()

@@ -9,20 +9,22 @@ from contextlib import nullcontext
 
 import numpy as np
 import pytest
+import tokenizers
 import torch
 import torch.nn.functional as F
 
 import config
 import distributed
 import evaluate
+import prepare
 import train
 from cli import UsageError
-from conftest import REPO, TINY_FLAGS, gpt2_model
-from data import write_shard
+from conftest import REPO, TINY_FLAGS, WORD_TEXT, gpt2_model
+from data import read_shard, write_shard
 from evaluate import (Evaluator, Example, bits_per_byte, bpb_sums, choice_batch, ending_scores, load_hellaswag,
                       token_byte_lengths)
-from model import IGNORE_INDEX, linear_cross_entropy
-from tokenizer import get_tokenizer
+from model import GPT, IGNORE_INDEX, ModelConfig, linear_cross_entropy
+from tokenizer import get_tokenizer, load_tokenizer
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.jsonl")
 EOT, HELLO, WORLD = 50256, 15496, 995  # GPT-2: "<|endoftext|>", "Hello" (5 bytes), " world" (6 bytes)
@@ -66,7 +68,7 @@ def test_reduction_none_through_the_model_and_its_refusals():
 
 
 def test_token_byte_lengths_leave_out_special_tokens_and_padding():
-    lengths = token_byte_lengths(get_tokenizer(), 50304)
+    lengths = token_byte_lengths(load_tokenizer(), 50304)
     assert lengths.shape == (50304,)
     assert lengths[HELLO] == 5 and lengths[WORLD] == 6 and lengths[ord("a")] == 1
     assert lengths[EOT] == 0 and lengths[50257:].sum() == 0  # no text; the vocabulary's padding
@@ -75,7 +77,7 @@ def test_token_byte_lengths_leave_out_special_tokens_and_padding():
 def test_bits_per_byte_by_hand():
     """Targets end-of-text, "Hello", " world" with losses 1, 2, 3 nats: the end-of-text is left out of both
     sums, so bpb = (2 + 3) / (ln 2 * (5 + 6))."""
-    table = token_byte_lengths(get_tokenizer(), 50257)
+    table = token_byte_lengths(load_tokenizer(), 50257)
     targets, losses = torch.tensor([[EOT, HELLO, WORLD]]), torch.tensor([[1.0, 2.0, 3.0]])
     nats, n_bytes = bpb_sums(losses, targets, table).tolist()
     assert (nats, n_bytes) == (5.0, 11.0)
@@ -113,6 +115,54 @@ def test_no_val_bpb_beyond_gpt2_vocabulary(tiny_data):
     evaluator = Evaluator(eval_config(), tiny_data, distributed.DistInfo(), torch.device("cpu"), 60000, seed=0)
     evaluator.check_val(4, 32)
     assert evaluator.token_bytes is None
+
+
+def word_model() -> GPT:
+    """A model for the word_tokenizer's 70,001 ids, otherwise tiny."""
+    torch.manual_seed(0)
+    return GPT(ModelConfig(vocab_size=70_001, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, max_seq_len=16)).eval()
+
+
+@pytest.fixture(scope="module")
+def word_data(word_tokenizer, tmp_path_factory):
+    """WORD_TEXT ten times over, prepared with the word_tokenizer: val is the first 70 tokens."""
+    root = tmp_path_factory.mktemp("word_data")
+    (root / "docs.jsonl").write_text((json.dumps({"text": WORD_TEXT}) + "\n") * 10)
+    prepare.prepare(root / "docs.jsonl", root / "data", word_tokenizer, val_tokens=70)
+    return str(root / "data")
+
+
+def test_val_bpb_counts_the_bytes_of_the_tokenizer_that_made_the_shards(word_data):
+    """The shards' data.json names a WordLevel tokenizer: val_bpb is the targets' summed loss over ln 2 times
+    their words' UTF-8 bytes, the separator counting none, by hand."""
+    model = word_model()
+    evaluator = Evaluator(eval_config("--eval-tokens", "32"), word_data, distributed.DistInfo(), torch.device("cpu"),
+                          70_001, seed=0)
+    evaluator.check(micro_batch=2, seq_len=16)
+    metrics = evaluator.val_metrics(model, model, nullcontext, micro_batch=2, seq_len=16)
+
+    words = ["<|endoftext|>", *WORD_TEXT.split()] * 2  # the first 2 * 16 + 1 tokens, as text
+    text_bytes = torch.tensor([0 if w == "<|endoftext|>" else len(w.encode()) for w in words[1:33]])
+    tokens = torch.tensor(read_shard(os.path.join(word_data, "val_000000.bin"))[:33].astype(np.int64))
+    x, y = tokens[:32].view(2, 16), tokens[1:33].view(2, 16)
+    with torch.no_grad():
+        losses = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), reduction="none")
+    expected = losses[text_bytes > 0].sum().item() / (math.log(2) * text_bytes.sum().item())
+    assert metrics["val_bpb"] == pytest.approx(expected, rel=1e-5)
+    assert metrics["val_loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
+
+
+def test_hellaswag_and_the_prompt_use_the_recorded_tokenizer(word_data, word_tokenizer):
+    own = tokenizers.Tokenizer.from_file(word_tokenizer)
+    cfg = eval_config("--hellaswag-path", FIXTURE, "--sample-prompt", "the cat", "--sample-tokens", "4")
+    evaluator = Evaluator(cfg, word_data, distributed.DistInfo(), torch.device("cpu"), 70_001, seed=0)
+    evaluator.load_hellaswag(16, 1)
+    (x, y, _), example = evaluator.choices[0], load_hellaswag(FIXTURE, 1)[0]
+    tail = own.encode(" " + example.endings[0]).ids
+    tokens = (own.encode(example.context).ids + tail)[-17:]  # the last seq_len + 1
+    assert x[0, :len(tokens) - 1].tolist() == tokens[:-1] and y[0][y[0] != IGNORE_INDEX].tolist() == tail
+    sample = evaluator.sample(word_model())  # encoded and decoded with it: its words, spaced
+    assert sample.startswith("the cat ") and all(own.token_to_id(word) is not None for word in sample.split())
 
 
 # ----------------------------------------------------------------------------- how much of the val split
@@ -278,18 +328,18 @@ def test_choice_batch_layout_and_truncation():
     enc = get_tokenizer()
     example = Example("A man pours flour. He", ("kneads", "sings a long song"), 0)
     context = enc.encode_ordinary(example.context)
-    x, y = choice_batch(enc, example, max_len=32)
+    x, y = choice_batch(load_tokenizer(), example, max_len=32)
     for row, ending in enumerate(example.endings):
         tokens = context + enc.encode_ordinary(" " + ending)
         n = len(tokens) - 1
         assert x[row, :n].tolist() == tokens[:-1]
         assert y[row, :n].tolist() == [IGNORE_INDEX] * (len(context) - 1) + tokens[len(context):]
         assert (y[row, n:] == IGNORE_INDEX).all()  # right padding counts for nothing
-    short_x, short_y = choice_batch(enc, example, max_len=4)  # the context's last tokens are kept
+    short_x, short_y = choice_batch(load_tokenizer(), example, max_len=4)  # the context's last tokens are kept
     tail = enc.encode_ordinary(" sings a long song")
     assert short_x[1].tolist() == (context + tail)[-5:-1]
     assert short_y[1][short_y[1] != IGNORE_INDEX].tolist() == tail
-    empty_x, _ = choice_batch(enc, Example("", ("a", "b"), 0), max_len=32)
+    empty_x, _ = choice_batch(load_tokenizer(), Example("", ("a", "b"), 0), max_len=32)
     assert empty_x[0, 0] == EOT  # an empty context conditions on end-of-text
 
 

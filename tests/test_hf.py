@@ -6,14 +6,17 @@ import stat
 import sys
 
 import pytest
+import tokenizers
 import torch
 
 import checkpoint
 import hf
+import prepare
+from conftest import WORD_TEXT
 from hf import config_from_hf, export_hf, from_hf, hf_config, load_hf, our_names, read_checkpoint, to_hf
 from model import GPT, ModelConfig
 from sample import generate
-from tokenizer import get_tokenizer
+from tokenizer import get_tokenizer, load_tokenizer
 
 # The GPT-2 vocabulary (export checks it against the tokenizer), otherwise tiny: GQA, head_dim not
 # n_embd // n_head, a small rope_theta so the rotation matters.
@@ -198,12 +201,32 @@ def test_bpe_merges_rebuild_the_ranks():
     assert hf.bpe_merges(ranks) == [(b"a", b"b"), (b"ab", b"c"), (b"b", b"c")]
 
 
-def write_checkpoint(path, model):
+def write_checkpoint(path, model, train_config=None):
     state = model.state_dict()
     state["blocks.0.attn.qkv._extra_state"] = torch.zeros(0)
     checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": state, "optimizer": {},
                           "loader": {}, "rng": {}, "model_config": dataclasses.asdict(model.config),
-                          "train_config": {}}, str(path))
+                          "train_config": train_config or {}}, str(path))
+
+
+def test_export_writes_the_recorded_tokenizer_for_auto_tokenizer(word_tokenizer, tmp_path, monkeypatch):
+    """A model trained on shards of a 70,001-id tokenizer.json (its checkpoint records their --data): the export
+    carries that tokenizer, and AutoTokenizer gives its ids, its separator as bos and eos."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "docs.jsonl").write_text(json.dumps({"text": WORD_TEXT}) + "\n")
+    prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "data", word_tokenizer, val_tokens=4)
+    model = GPT(ModelConfig(**{**TINY, "vocab_size": 70_001, "n_embd": 32, "head_dim": 8}))
+    write_checkpoint(tmp_path / "ckpt.pt", model, {"data": {"data": str(tmp_path / "data")}})
+    assert hf.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "hf")]) == 0
+    tok, enc = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf"), load_tokenizer(word_tokenizer)
+    own = tokenizers.Tokenizer.from_file(word_tokenizer)
+    for text in (WORD_TEXT, "a dog , some unknown words", "the <|endoftext|> cat"):
+        assert tok.encode(text) == own.encode(text).ids  # the tokenizer's own ids, its special token included
+    assert tok.encode(WORD_TEXT) == enc.encode(WORD_TEXT) and tok.decode(enc.encode(WORD_TEXT)) == WORD_TEXT
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert tok.bos_token_id == tok.eos_token_id == config["eos_token_id"] == enc.eot == 70_000
+    assert enc.sha256 in (tmp_path / "hf" / "tokenizer_note.txt").read_text()
 
 
 def test_read_checkpoint_drops_extra_state(tmp_path):

@@ -19,11 +19,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import tokenizers
 
 import data
 import prepare
 import sources
 from cli import UsageError
+from conftest import WORD_TEXT, write_word_tokenizer
 from data import DataError, ShardLoader, read_shard, write_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -642,3 +644,117 @@ def test_cli_writes_shards(gpt2, tmp_path):
     r = _cli("--input", "doc.txt", "--out", "out", "--val-tokens", "7", "--shard-tokens", "100", cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     _check(gpt2[0], tmp_path / "out", [DOCS[0] * 20])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizers beyond tiktoken; --text-field and --overwrite
+
+# The digest of the shards below as the tiktoken-only preparation wrote them (commit 6872e05).
+GPT2_SHARDS_SHA256 = "74190b3312c3631709de6fac8ad1323c2db2c00e19b0c3f0c5d42a77265bb821"
+
+
+def test_gpt2_shards_are_byte_identical_to_before(gpt2, tmp_path):
+    docs = [DOCS[0], DOCS[1] + " <|endoftext|> \ud800 x", DOCS[2]] * 3  # a document's own end-of-text, a surrogate
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "out", shard_tokens=40, val_tokens=25)
+    digest = hashlib.sha256()
+    for path in sorted((tmp_path / "out").glob("*.bin")):
+        digest.update(path.read_bytes())
+    assert digest.hexdigest() == GPT2_SHARDS_SHA256
+
+
+def test_prepare_with_a_tokenizer_json_of_over_65535_ids(word_tokenizer, tmp_path):
+    docs = [WORD_TEXT, "a dog sat <|endoftext|>", "the park , the mat"]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "out"
+    record = prepare.prepare(tmp_path / "docs.jsonl", out, word_tokenizer, val_tokens=5)
+    own = tokenizers.Tokenizer.from_file(word_tokenizer)
+    own.encode_special_tokens = True  # a document's "<|endoftext|>" is its text
+    assert _all_tokens(out) == [t for doc in docs for t in [70_000, *own.encode(doc).ids]]
+    assert all(read_shard(p).dtype == np.uint32 for p in out.glob("*.bin"))
+    assert {k: record[k] for k in ("tokenizer", "n_vocab", "eot", "doc_separator", "uint32", "tokenizer_file")} == {
+        "tokenizer": word_tokenizer, "n_vocab": 70_001, "eot": 70_000, "doc_separator": "<|endoftext|>",
+        "uint32": True, "tokenizer_file": "tokenizer.json"}
+    assert json.loads((out / "data.json").read_text()) == record
+    assert (out / "tokenizer.json").read_bytes() == open(word_tokenizer, "rb").read()
+    assert data.data_tokenizer(str(out)).sha256 == record["tokenizer_sha256"]
+
+
+def test_prepare_cli_tokenizer_mistakes_are_one_line(tmp_path, capsys):
+    no_separator = write_word_tokenizer(tmp_path / "words.json", WORD_TEXT.split(), size=100, separator="[SEP]")
+    (tmp_path / "bad.json").write_text('{"not": "a tokenizer"}')
+    (tmp_path / "doc.txt").write_text(WORD_TEXT)
+    args = ["--input", str(tmp_path / "doc.txt"), "--out", str(tmp_path / "out"), "--val-tokens", "3", "--tokenizer"]
+    for tokenizer, words in [(no_separator, "name the token that separates documents with --doc-separator TOKEN"),
+                             (str(tmp_path / "bad.json"), "bad.json: not a tokenizer.json")]:
+        assert prepare.main([*args, tokenizer]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and words in err
+        assert not (tmp_path / "out").exists()
+    assert prepare.main([*args, no_separator, "--doc-separator", "[SEP]"]) == 0
+    assert data.data_record(str(tmp_path / "out"))["doc_separator"] == "[SEP]"
+    assert _all_tokens(tmp_path / "out")[0] == 100  # its id
+
+
+def test_text_field_names_the_field_of_jsonl_and_parquet(gpt2, tmp_path):
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"body": d, "text": 1}) + "\n" for d in DOCS))
+    pq.write_table(pa.table({"body": DOCS}), tmp_path / "docs.parquet")
+    for name in ("docs.jsonl", "docs.parquet"):
+        prepare.prepare(tmp_path / name, tmp_path / name.replace(".", "_"), val_tokens=5, text_field="body")
+        _check(gpt2[0], tmp_path / name.replace(".", "_"), DOCS)
+    with pytest.raises(DataError, match=r"no 'text' column \(columns: \['body'\]\); --text-field names another"):
+        prepare.prepare(tmp_path / "docs.parquet", tmp_path / "default", val_tokens=5)
+    with pytest.raises(DataError, match=r"docs.jsonl:1: record has no string 'text' field$"):  # there, not a str
+        prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "swapped", val_tokens=5, text_field="text")
+
+
+def test_overwrite_replaces_a_preparation_only_once_the_new_one_is_whole(gpt2, tmp_path, monkeypatch, capsys):
+    def jsonl(name, docs):
+        (tmp_path / name).write_text("".join(json.dumps(d if isinstance(d, dict) else {"text": d}) + "\n"
+                                             for d in docs))
+        return str(tmp_path / name)
+
+    out = tmp_path / "out"
+    prepare.prepare(jsonl("old.jsonl", DOCS[:2]), out, val_tokens=5)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    args = ["--input", jsonl("new.jsonl", DOCS[1:]), "--out", str(out), "--val-tokens", "5"]
+    assert prepare.main(args) == 2 and "pass --overwrite to replace them" in capsys.readouterr().err
+
+    failing = jsonl("failing.jsonl", [*DOCS, {"body": "no text"}])  # fails after every shard is written
+    with pytest.raises(DataError, match="failing.jsonl:4"):
+        prepare.prepare(failing, out, val_tokens=5, shard_tokens=8, overwrite=True)
+    rename = os.rename
+
+    def refuse_the_new_one(src, dst):
+        if prepare.PARTIAL_SUFFIX in str(src):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        rename(src, dst)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "rename", refuse_the_new_one)
+        with pytest.raises(DataError, match="they are complete in .*partial-"):
+            prepare.prepare(args[1], out, val_tokens=5, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # both failures left the old one whole
+    for partial in tmp_path.glob(f"out{prepare.PARTIAL_SUFFIX}*"):
+        shutil.rmtree(partial)
+
+    assert prepare.main([*args, "--overwrite"]) == 0
+    _check(gpt2[0], out, DOCS[1:])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("out")) == ["out"]  # nothing aside
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(DataError, match="holds notes.txt, which no preparation writes"):
+        prepare.prepare(args[1], out, val_tokens=5, overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "val_000000.bin").exists()
+
+
+def test_overwrite_keeps_the_earlier_directory_when_a_file_appeared_in_it(tmp_path, capsys):
+    """A file written into --out after the start-up check: the earlier preparation is set aside, not removed."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "train_000000.bin").write_bytes(b"old")
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "train_000000.bin").write_bytes(b"new")
+    prepare._move_into_place(str(tmp_path / "new"), str(tmp_path / "out"), overwrite=True)
+    kept = tmp_path / f"out{prepare.REPLACED_SUFFIX}{os.getpid()}"
+    assert (tmp_path / "out" / "train_000000.bin").read_bytes() == b"new" and (kept / "notes.txt").read_text() == "mine"
+    assert f"kept the earlier preparation in {kept}: it holds notes.txt" in capsys.readouterr().err

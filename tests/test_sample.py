@@ -11,7 +11,7 @@ import checkpoint
 import sample
 from model import GPT, KVCache, ModelConfig
 from sample import decode_stream, generate, next_token, sample_text, top_k_filter, top_p_filter
-from tokenizer import get_tokenizer
+from tokenizer import get_tokenizer, load_tokenizer
 
 # GQA (4 query heads per kv head), head_dim not n_embd // n_head, a padded vocab, a small rope_theta so
 # that the rotation matters over a short sequence.
@@ -156,7 +156,7 @@ def test_decode_stream_joins_split_utf8():
     tokens = enc.encode(text)
     split = [t for t in tokens if not _is_utf8(enc.decode_single_token_bytes(t))]
     assert split, "the text should hold a character split across tokens"
-    pieces = list(decode_stream(enc, tokens))
+    pieces = list(decode_stream(load_tokenizer(), tokens))
     assert "".join(pieces) == text
     assert not any("\ufffd" in p for p in pieces)
 
@@ -175,7 +175,7 @@ def gpt2_sized(seed=0) -> GPT:
 
 
 def test_sample_text_is_seeded_and_leaves_global_rng_alone():
-    model, enc = gpt2_sized(), get_tokenizer()
+    model, enc = gpt2_sized(), load_tokenizer()
     before = torch.get_rng_state()
     a = sample_text(model, enc, "Hello", max_new_tokens=8, seed=3)
     assert torch.equal(torch.get_rng_state(), before)
@@ -183,12 +183,12 @@ def test_sample_text_is_seeded_and_leaves_global_rng_alone():
     assert a.startswith("Hello") and len(a) > len("Hello")
 
 
-def write_checkpoint(path, model):
+def write_checkpoint(path, model, train_config=None):
     state = model.state_dict()
     state["blocks.0.attn.qkv._extra_state"] = torch.zeros(0)  # as a Transformer Engine block writes
     checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": state, "optimizer": {},
                           "loader": {}, "rng": {}, "model_config": dataclasses.asdict(model.config),
-                          "train_config": {}}, str(path))
+                          "train_config": train_config or {}}, str(path))
 
 
 @pytest.mark.parametrize("source", ["ckpt", "hf"])
@@ -212,6 +212,36 @@ def test_cli_prints_text(tmp_path, capsys, source):
         assert sample.main(["--ckpt", str(path), "--device", "cpu"]) == 2
         assert capsys.readouterr().err == f"error: --ckpt {path} is a Hugging Face directory (it has a " \
                                           "config.json); pass it as --hf\n"
+
+
+def test_decode_stream_keeps_a_word_tokenizers_spaces(word_tokenizer):
+    """A decoder that puts a space between words: the pieces are what each token adds to the text so far,
+    after the prompt's too."""
+    enc = load_tokenizer(word_tokenizer)
+    ids = enc.encode("the cat sat")
+    assert list(decode_stream(enc, ids)) == ["the", " cat", " sat"]
+    assert list(decode_stream(enc, ids[1:], context=ids[:1])) == [" cat", " sat"]
+
+
+def test_cli_samples_with_the_tokenizer_the_model_was_trained_with(word_tokenizer, tmp_path, capsys):
+    """A checkpoint's data.json names a 70,001-id tokenizer.json: sample.py encodes and decodes with it, from
+    the checkpoint (through its recorded --data) and from its export (through the export's tokenizer.json)."""
+    import prepare
+    from hf import export_hf, read_checkpoint
+
+    (tmp_path / "docs.jsonl").write_text('{"text": "the cat sat"}\n' * 4)
+    prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "data", word_tokenizer, val_tokens=4)
+    model = tiny_model(vocab_size=70_001, n_embd=32, head_dim=8, ffn_dim=64, n_head=4)
+    write_checkpoint(tmp_path / "ckpt.pt", model, {"data": {"data": str(tmp_path / "data")}})
+    enc = load_tokenizer(word_tokenizer)
+    prompt = enc.encode("the cat")
+    new = generate(model, prompt, 6, temperature=0, eot=enc.eot)
+    export_hf(*read_checkpoint(str(tmp_path / "ckpt.pt")), str(tmp_path / "hf"), enc)
+    capsys.readouterr()  # prepare's summary
+    for source in ("--ckpt", "ckpt.pt"), ("--hf", "hf"):
+        argv = [source[0], str(tmp_path / source[1]), "--prompt", "the cat", "--max-new-tokens", "6", "--greedy"]
+        assert sample.main([*argv, "--device", "cpu"]) == 0
+        assert capsys.readouterr().out == enc.decode(prompt + new) + "\n"
 
 
 @pytest.mark.parametrize("argv, words", [

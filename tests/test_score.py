@@ -10,13 +10,18 @@ import subprocess
 import sys
 
 import pytest
+import tokenizers
+import torch
 
 import checkpoint
 import hf
+import prepare
 import score
 import train
 from cli import UsageError
 from conftest import REPO, TINY_FLAGS, gpt2_model, write_tiny_shards
+from evaluate import load_hellaswag
+from model import GPT, IGNORE_INDEX, ModelConfig
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.jsonl")
 
@@ -135,3 +140,20 @@ def test_score_bpb_reads_the_checkpoints_data_and_refuses_another_tokenizers(tmp
         assert score.main(args + extra) == 2
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_hellaswag_is_encoded_with_the_tokenizer_the_model_trained_with(word_tokenizer, tmp_path):
+    """The checkpoint's recorded --data was made with a 70,001-id tokenizer.json: HellaSwag's endings are its
+    ids, not GPT-2's."""
+    (tmp_path / "docs.jsonl").write_text('{"text": "the cat sat"}\n' * 4)
+    prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "data", word_tokenizer, val_tokens=4)
+    model = GPT(ModelConfig(vocab_size=70_001, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, max_seq_len=32))
+    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": model.state_dict(),
+                          "optimizer": {}, "loader": {}, "rng": {}, "model_config": dataclasses.asdict(model.config),
+                          "train_config": {"data": {"data": str(tmp_path / "data")}}}, str(tmp_path / "ckpt.pt"))
+    a = score.build_parser().parse_args(["--ckpt", str(tmp_path / "ckpt.pt"), "--task", "hellaswag",
+                                         "--hellaswag-path", FIXTURE, "--n", "1"])
+    x, y, _ = score.prepare(a, model, torch.device("cpu")).choices[0]
+    ending = load_hellaswag(FIXTURE, 1)[0].endings[0]
+    own = tokenizers.Tokenizer.from_file(word_tokenizer)
+    assert y[0][y[0] != IGNORE_INDEX].tolist() == own.encode(" " + ending).ids

@@ -1,13 +1,15 @@
 import hashlib
+import json
 import subprocess
 
 import pytest
 import tiktoken
+import tokenizers
 import tiktoken.load
 import tiktoken.registry
 
 import tokenizer
-from conftest import no_network
+from conftest import WORD_TEXT, no_network, write_word_tokenizer
 from tokenizer import DataError
 
 EOT = 50256
@@ -61,3 +63,114 @@ def test_tokenizer_replaces_a_corrupt_cached_file(gpt2, offline_cache, monkeypat
 def test_unknown_tokenizer_is_a_one_line_error():
     with pytest.raises(DataError, match="unknown tokenizer 'nope'"):
         tokenizer.get_tokenizer("nope")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizers beyond tiktoken
+
+
+def test_tokenizer_json_gives_the_librarys_own_ids(word_tokenizer):
+    tok = tokenizer.load_tokenizer(word_tokenizer)
+    own = tokenizers.Tokenizer.from_file(word_tokenizer)
+    texts = [WORD_TEXT, "the unknown words , a cat", ""]
+    assert [ids.tolist() for ids in tok.encode_batch(texts)] == [own.encode(t).ids for t in texts]
+    assert tok.encode(WORD_TEXT) == own.encode(WORD_TEXT).ids and 0 not in tok.encode(WORD_TEXT)  # no [UNK]
+    assert tok.n_vocab == 70_001 and tok.eot == 70_000 and tok.separator == "<|endoftext|>"
+    assert not tok.byte_level and tok.decode(tok.encode("the cat")) == "the cat"
+    # as tiktoken's encode_ordinary: a document's own "<|endoftext|>" is text, never the separator
+    assert tok.eot not in tok.encode("a <|endoftext|> b") and own.encode("a <|endoftext|> b").ids[1] == tok.eot
+
+
+def test_tokenizer_directory_and_cached_hub_name(word_tokenizer, tmp_path, monkeypatch):
+    """A directory's tokenizer_config.json names the separator; a hub name is read from the local cache only,
+    and an uncached one is a line that says what to download."""
+    import huggingface_hub.constants
+
+    text = open(word_tokenizer, encoding="utf-8").read()
+    snapshot = tmp_path / "hub" / "models--someone--words" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc123")
+    spec = json.loads(text)
+    spec["added_tokens"][0]["content"] = "</s>"
+    (snapshot / "tokenizer.json").write_text(json.dumps(spec))
+    named = {"bos_token": "[UNK]", "eos_token": {"content": "</s>"}}
+    (snapshot / "tokenizer_config.json").write_text(json.dumps(named))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    for spec in (str(snapshot), "someone/words"):
+        tok = tokenizer.load_tokenizer(spec)
+        assert (tok.name, tok.separator, tok.eot) == (spec, "</s>", 70_000)  # [UNK] is no special token
+    with pytest.raises(DataError) as e:
+        tokenizer.load_tokenizer("someone/other")
+    assert str(e.value) == ("tokenizer someone/other is not in the local Hugging Face cache (it is never downloaded "
+                            "here); fetch it first: hf download someone/other tokenizer.json tokenizer_config.json")
+
+
+def test_a_tokenizer_without_a_separator_needs_doc_separator(tmp_path):
+    path = write_word_tokenizer(tmp_path / "tok.json", ["a", "b"], size=10, separator="[SEP]")
+    with pytest.raises(DataError, match=r"has no end-of-text or BOS special token .*--doc-separator TOKEN"):
+        tokenizer.load_tokenizer(path)
+    assert tokenizer.load_tokenizer(path, doc_separator="[SEP]").eot == 10
+    for token, words in [("a", "is not a special token of .*: text could encode to it"), ("nope", "not a special")]:
+        with pytest.raises(DataError, match=words):
+            tokenizer.load_tokenizer(path, doc_separator=token)
+    with pytest.raises(DataError, match="'nope' is not a special token of the gpt2 tokenizer"):
+        tokenizer.load_tokenizer("gpt2", doc_separator="nope")
+
+
+@pytest.mark.parametrize("content, words", [
+    (None, "cannot read the tokenizer"), (b"\xff\xfe", "not a tokenizer.json (not UTF-8"),
+    (b'{"version": "1.0"', "not a tokenizer.json (EOF while parsing"), (b'{"a": 1}', "not a tokenizer.json")])
+def test_an_unreadable_or_foreign_tokenizer_json_is_one_line(tmp_path, content, words):
+    path = tmp_path / "tokenizer.json"
+    if content is None:
+        path.mkdir()  # a directory of that name, inside a directory given as the tokenizer
+        path = tmp_path
+    else:
+        path.write_bytes(content)
+    with pytest.raises(DataError) as e:
+        tokenizer.load_tokenizer(str(path))
+    assert words in str(e.value) and str(tmp_path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sha256_is_of_what_decides_the_ids(word_tokenizer, tmp_path):
+    tok = tokenizer.load_tokenizer(word_tokenizer)
+    copy = tokenizers.Tokenizer.from_file(word_tokenizer)
+    copy.decoder = tokenizers.decoders.WordPiece()  # decoding only: the same ids, the same sha256
+    copy.save(str(tmp_path / "decoder.json"))
+    assert tokenizer.load_tokenizer(str(tmp_path / "decoder.json")).sha256 == tok.sha256
+    other = write_word_tokenizer(tmp_path / "other.json", ["cat", "the"])  # one word fewer, ids shift
+    assert tokenizer.load_tokenizer(other).sha256 != tok.sha256
+    gpt2 = tokenizer.load_tokenizer("gpt2")
+    assert gpt2.record() == {"tokenizer": "gpt2", "tokenizer_sha256": gpt2.sha256, "n_vocab": 50257, "eot": 50256,
+                             "doc_separator": "<|endoftext|>"}
+
+
+def test_recorded_tokenizer_refuses_a_copy_that_changed(word_tokenizer, tmp_path):
+    tok = tokenizer.load_tokenizer(word_tokenizer)
+    (tmp_path / "tokenizer.json").write_text(tok.text)
+    record = tok.record()
+    assert tokenizer.recorded_tokenizer(record, str(tmp_path)).encode(WORD_TEXT) == tok.encode(WORD_TEXT)
+    for eot in (10**6, "70000"):
+        with pytest.raises(DataError, match="the separator id .* is not one of its 70,001 ids"):
+            tokenizer.recorded_tokenizer({**record, "eot": eot}, str(tmp_path))
+    write_word_tokenizer(tmp_path / "tokenizer.json", ["cat"])
+    with pytest.raises(DataError, match="is not the tokenizer .*data.json records"):
+        tokenizer.recorded_tokenizer(record, str(tmp_path))
+
+
+def test_byte_level_token_bytes_add_up_to_the_texts_bytes():
+    """A byte-level BPE tokenizer.json: each token's bytes are exact, so a text's tokens hold its UTF-8 bytes,
+    characters split across tokens included; special tokens count none."""
+    text = "héllo wörld 日本語 🤖 the the the"
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE())
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator(["héllo the the"] * 4, trainer)  # 日本語 and 🤖 stay single bytes
+    tok = tokenizer.HFTokenizer(bpe.to_str(), "bpe", "bpe")
+    ids = tok.encode(text)
+    assert tok.byte_level and b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert tok.byte_lengths[ids].sum() == len(text.encode()) and tok.byte_lengths[tok.eot] == 0
+    assert any(tok.byte_lengths[i] == 1 and tok.token_bytes(i)[0] >= 0x80 for i in ids)  # part of a character
