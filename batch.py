@@ -1,9 +1,12 @@
 """Where the batch is decided: how a step's tokens are cut into micro-batches across ranks, how many steps a
-run takes, and what a resume keeps of both (its global batch, the LR of its next step).
+run takes and how many passes over the data they make, and what a resume keeps of both (its global batch, the
+LR of its next step).
 
     layout = batch_layout(cfg, world_size)             # micro-batch, seq-len, grad accumulation, world size
     steps = max_steps(cfg, layout)                     # --max-steps, or the steps --max-tokens takes
     layout = resume_layout(cfg, layout, meta, warn)    # a resume at another world size keeps the global batch
+    tokens = planned_tokens(cfg, layout, start_step, steps, start_tokens)   # what the run trains on, in all
+    describe_epochs(tokens, loader.tokens_per_epoch, bos)  # how many epochs of the train split that is
 """
 
 import dataclasses
@@ -67,6 +70,14 @@ def steps_for_tokens(max_tokens: int, layout: BatchLayout, warmup_steps: int = 0
     return step + max(0, math.ceil((max_tokens - tokens) / layout.tokens_per_step))
 
 
+def tokens_for_steps(layout: BatchLayout, first: int, end: int, warmup_steps: int = 0, start: float = 1.0) -> int:
+    """Tokens that optimizer steps first to end - 1 (0-based) train, counting the smaller steps of the batch
+    warm-up: one term per warm-up step, and one product for the steps after it."""
+    ramp = sum(layout.at_step(step, warmup_steps, start).tokens_per_step
+               for step in range(first, min(end, warmup_steps)))
+    return ramp + max(0, end - max(first, warmup_steps)) * layout.tokens_per_step
+
+
 def per_rank_sequences(cfg: Config, world_size: int) -> int:
     """Sequences each rank trains on per step under --total-batch-tokens (what --batch-size auto divides)."""
     return cfg.data.total_batch_tokens // (cfg.model.max_seq_len * world_size)
@@ -93,6 +104,32 @@ def max_steps(cfg: Config, layout: BatchLayout) -> int:
     if not s.max_tokens:
         return s.max_steps
     return steps_for_tokens(s.max_tokens, layout, s.batch_warmup_steps, s.batch_warmup_start)
+
+
+def planned_tokens(cfg: Config, layout: BatchLayout, start_step: int, max_steps: int, start_tokens: int = 0) -> int:
+    """The tokens a run will have trained at its last step: start_tokens before start_step (a resumed run's,
+    as its checkpoint counted them, whatever the batch was then), then this layout's steps up to max_steps."""
+    s = cfg.schedule
+    return start_tokens + tokens_for_steps(layout, start_step, max_steps, s.batch_warmup_steps, s.batch_warmup_start)
+
+
+def describe_epochs(tokens: int, epoch_tokens: int, at_least: bool) -> str:
+    """Tokens against a train split, as "307,200 tokens of a 92,160-token train split: 3.33 epochs". epoch_tokens:
+    what one epoch of the loader trains on (data.epoch_tokens); at_least: that is an upper bound (--packing bos),
+    so the epochs are a lower one."""
+    split = (f"a train split that --packing bos packs into at most {epoch_tokens:,} tokens an epoch" if at_least
+             else f"a {epoch_tokens:,}-token train split")
+    return f"{tokens:,} tokens of {split}: {'at least ' if at_least else ''}{tokens / epoch_tokens:.2f} epochs"
+
+
+def epochs_warning(cfg: Config, tokens: int, epoch_tokens: int) -> str | None:
+    """A warning for a run planned to read more than one epoch of its train split (planned_tokens against
+    data.epoch_tokens), naming the flag that sets the run's length; None for one epoch or less."""
+    if tokens <= epoch_tokens:
+        return None
+    flag = "--max-tokens" if cfg.schedule.max_tokens else "--max-steps"
+    return (f"warning: the run will read {describe_epochs(tokens, epoch_tokens, cfg.data.packing == 'bos')}, so "
+            f"it trains on the same data more than once; lower {flag} for one epoch or less, or prepare more data")
 
 
 # The settings that decide the global batch: a resume that changes one of them changes it on purpose.

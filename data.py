@@ -240,6 +240,16 @@ def check_split(data_dir: str, split: str, seq_len: int) -> list[np.ndarray]:
     return shards
 
 
+def epoch_tokens(lengths, seq_len: int, packing: str) -> int:
+    """The tokens (seq_len a row, as a step counts them) that one epoch over shards of these lengths trains on,
+    from the counts alone. --packing windows: exactly every window's, (n - 1) // seq_len a shard (neighbours
+    share their edge token). --packing bos: at most n // (seq_len + 1) rows a shard, which share none; fewer by
+    the rows the cropped tokens would have filled, which only packing the shard tells (BosRows, every epoch)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    rows = (lengths - 1) // seq_len if packing == "windows" else lengths // (seq_len + 1)
+    return int(rows.sum()) * seq_len
+
+
 
 # BOS-aligned packing: rows that start at a document
 
@@ -565,6 +575,11 @@ class ShardLoader:
         trained on. Windows: over all shards, a few tokens per shard. bos: over the shards packed so far (their
         latest epoch); None before the first."""
         return self.order.cropped_fraction
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        """epoch_tokens of this split: what one epoch trains on, exactly for windows, at most for bos."""
+        return epoch_tokens(self.order.lengths, self.seq_len, self.packing)
 
     @property
     def stats(self) -> dict:

@@ -32,6 +32,7 @@ import torch
 import fp8
 import memory
 import sizing
+from batch import describe_epochs
 from checkpoint import best_path, list_checkpoints
 from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values
 from hardware import peak_memory_gib
@@ -50,9 +51,11 @@ def print_table(rows: list[tuple[str, str]]) -> None:
     print("\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows), flush=True)
 
 
-def startup_rows(run, data_dir: str, reasons: dict) -> list[tuple[str, str]]:
-    """The start-up table of a train.Run: what is active and why, each detected rather than assumed."""
+def startup_rows(run, data_dir: str, reasons: dict, planned_tokens: int) -> list[tuple[str, str]]:
+    """The start-up table of a train.Run: what is active and why, each detected rather than assumed.
+    planned_tokens: what the run will have trained at its last step (batch.planned_tokens)."""
     cfg, m, info, layout = run.cfg, run.model_cfg, run.info, run.layout
+    resumed = f", counting the {run.telemetry.start_tokens:,} trained before the resume" if run.start_step else ""
     return [
         ("device", f"{run.device.type} ({reasons['device']})"),
         ("distributed", f"{info.mode}, {info.world_size} processes" if info.mode != "none" else "off (single process)"),
@@ -72,6 +75,8 @@ def startup_rows(run, data_dir: str, reasons: dict) -> list[tuple[str, str]]:
         ("data", f"{data_dir} (" + ("--packing bos: rows start at documents, packed best-fit; the cropped "
                                     "fraction is logged as data_cropped_frac" if cfg.data.packing == "bos"
                                     else "windows at any offset") + ")"),
+        ("epochs", f"reads {describe_epochs(planned_tokens, run.loader.tokens_per_epoch, cfg.data.packing == 'bos')}"
+                   + resumed),
         ("MFU peak", reasons["peak"]),
         ("wandb", reasons["wandb"]),
         ("init", f"the checkpoint of step {run.start_step}" if run.start_step else reasons["init"]),
@@ -311,11 +316,14 @@ class Telemetry:
 
     def __init__(self, cfg, is_main: bool, device: torch.device, start_step: int, max_steps: int,
                  flops_per_token: float, peak_flops: float | None, wandb_run, optimizer: torch.optim.Optimizer,
-                 start_tokens: int = 0, restored_record: dict | None = None):
+                 start_tokens: int = 0, restored_record: dict | None = None, epoch_tokens: int | None = None):
         """start_tokens: tokens trained before start_step (a resumed run's checkpoint says how many);
-        restored_record: the record of start_step that its checkpoint holds (MetricsLog.truncate)."""
+        restored_record: the record of start_step that its checkpoint holds (MetricsLog.truncate);
+        epoch_tokens: what one epoch of the train split trains on (ShardLoader.tokens_per_epoch), which the
+        records' epoch and the summary count in; None: not known, and neither says."""
         self.cfg, self.device, self.start_step, self.max_steps = cfg, device, start_step, max_steps
         self.tokens = self.start_tokens = start_tokens  # counted step by step: the batch may change across a resume
+        self.epoch_tokens = epoch_tokens
         self.optimizer = optimizer  # its state's size is reported once it exists, after the first step
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.is_main = is_main
@@ -366,6 +374,7 @@ class Telemetry:
         self.last_loss = loss
         record = {
             "step": done, "tokens": self.tokens, "time_s": round(ended.time_s, 3),
+            "epoch": self.tokens / self.epoch_tokens if self.epoch_tokens else None,
             "train_loss": loss if finite else None, "lr": ended.lr,
             "grad_norm": grad_norm if finite else None,
             "tokens_per_sec": tokens_per_sec, "tokens_per_sec_per_device": per_device,
@@ -464,7 +473,8 @@ class Telemetry:
             "mfu": self.mfu(rate / world_size) if rate else None, "last_eval": self.last_eval,
             "best_val": best_val, "peak_mem_gib": peak_memory_gib(self.device), "device": self.device.type,
             "out_dir": self.cfg.ckpt.out_dir, "final_ckpt": newest_checkpoint(self.cfg.ckpt.out_dir),
-            "best_ckpt": existing_best(self.cfg.ckpt.out_dir),
+            "best_ckpt": existing_best(self.cfg.ckpt.out_dir), "epoch_tokens": self.epoch_tokens,
+            "bos": self.cfg.data.packing == "bos",
         }
         print("\nrun summary", flush=True)
         print_table(summary_rows(facts))
@@ -506,7 +516,9 @@ def summary_rows(f: dict) -> list[tuple[str, str]]:
         f", MFU {100 * f['mfu']:.1f}%" if f["mfu"] is not None else ", MFU n/a (no peak FLOP/s known)")
     memory_kind = "allocated by tensors" if f["device"] == "cuda" else "process resident set"
     rows = [("outcome", f["outcome"]), ("wall time", duration(f["wall_s"]) + compiled), ("steps", steps),
-            ("tokens", f"{f['tokens']:,}{session}"), ("val loss", val), ("mean throughput", rate),
+            ("tokens", f"{f['tokens']:,}{session}"),
+            *([("epochs", describe_epochs(f["tokens"], f["epoch_tokens"], f["bos"]))] if f["epoch_tokens"] else []),
+            ("val loss", val), ("mean throughput", rate),
             ("peak memory", f"{f['peak_mem_gib']:.2f} GiB ({memory_kind})"),
             ("final checkpoint", f["final_ckpt"] or "none written"),
             ("best checkpoint", f["best_ckpt"] or "none (no eval improved on the best yet)")]

@@ -202,17 +202,18 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
     wandb_run, reasons["wandb"] = (start_wandb(cfg.log, cfg.ckpt.out_dir, resume, config.to_dict(cfg))
                                    if info.is_main else (None, ""))
     telemetry = Telemetry(cfg, info.is_main, device, start_step, max_steps, flops_per_token(model_cfg, layout.seq_len),
-                          peak, wandb_run, optimizer, start_tokens, meta.get("record"))
+                          peak, wandb_run, optimizer, start_tokens, meta.get("record"), loader.tokens_per_epoch)
     run = Run(cfg=cfg, model_cfg=model_cfg, info=info, device=device, autocast_dtype=autocast_dtype,
               fp8_recipe=fp8_recipe, model=model, wrapped=wrapped, compiled=compiled, optimizer=optimizer,
               scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16), loader=loader,
               layout=layout, max_steps=max_steps, start_step=start_step, guard=guard, evaluator=evaluator,
               checkpointer=checkpointer, telemetry=telemetry, lock=lock)
     if info.is_main:
-        print_table(startup_rows(run, data_dir, reasons))
-        s = cfg.schedule
+        s, planned = cfg.schedule, batch.planned_tokens(cfg, layout, start_step, max_steps, start_tokens)
+        print_table(startup_rows(run, data_dir, reasons, planned))
         for warning in (schedule_warning(s.warmup, max_steps, s.schedule, s.decay_frac),
-                        batch_warmup_warning(s.batch_warmup_steps, s.batch_warmup_start, max_steps, layout)):
+                        batch_warmup_warning(s.batch_warmup_steps, s.batch_warmup_start, max_steps, layout),
+                        batch.epochs_warning(cfg, planned, loader.tokens_per_epoch)):
             if warning:
                 message(warning)
     return run

@@ -1,4 +1,5 @@
-"""batch.py: how a step's batch is cut, how many steps a run takes, and what a resume keeps of both."""
+"""batch.py: how a step's batch is cut, how many steps a run takes and how many epochs they read, and what a resume
+keeps of both."""
 
 import math
 import re
@@ -7,6 +8,7 @@ import pytest
 
 import batch
 import config
+import data
 from cli import UsageError
 from schedule import lr_multiplier
 
@@ -64,6 +66,33 @@ def test_batch_warmup_keeps_max_tokens_the_same_budget():
     assert batch.steps_for_tokens(64, layout, 4, 0.25) == 2  # the budget ends inside the ramp
     cfg = config.parse_args(["--max-tokens", "640", "--batch-warmup-steps", "4", "--grad-accum", "4"])
     assert batch.max_steps(cfg, layout) == 7
+
+
+# ----------------------------------------------------------------------------- passes over the data
+
+
+def test_planned_tokens_count_the_batch_warmup_and_what_a_resume_trained_before():
+    layout = batch.BatchLayout(micro_batch=1, seq_len=32, grad_accum=4, world_size=1)  # 32 tokens a micro-step
+    # Ramp: 1, 2, 3, 3 micro-steps, then 4 a step.
+    assert [batch.tokens_for_steps(layout, 0, end, 4, 0.25) for end in (0, 2, 4, 7)] == [0, 96, 288, 672]
+    assert batch.tokens_for_steps(layout, 2, 7, 4, 0.25) == 576 and batch.tokens_for_steps(layout, 5, 7, 4, 0.25) == 256
+    assert batch.tokens_for_steps(layout, 0, 150) == 150 * 128
+    cfg = config.parse_args(["--max-tokens", "640", "--batch-warmup-steps", "4", "--grad-accum", "4"])
+    assert batch.planned_tokens(cfg, layout, 0, batch.max_steps(cfg, layout)) == 672  # steps_for_tokens' steps
+    assert batch.planned_tokens(cfg, layout, 2, 7, start_tokens=1000) == 1576  # the checkpoint's count, then ours
+
+
+def test_epochs_are_the_tokens_read_over_what_one_epoch_of_the_split_trains_on():
+    assert data.epoch_tokens([5000, 4001], 32, "windows") == (156 + 125) * 32  # (n - 1) // 32 windows a shard
+    assert data.epoch_tokens([5000, 4001], 32, "bos") == (151 + 121) * 32  # at most n // 33 rows a shard
+    assert batch.describe_epochs(307_200, 92_160, False) == "307,200 tokens of a 92,160-token train split: 3.33 epochs"
+    assert batch.describe_epochs(307_200, 92_160, True).endswith("at most 92,160 tokens an epoch: at least 3.33 epochs")
+    assert batch.epochs_warning(config.parse_args([]), 92_160, 92_160) is None  # one epoch exactly
+    assert batch.epochs_warning(config.parse_args([]), 307_200, 92_160) == (
+        "warning: the run will read 307,200 tokens of a 92,160-token train split: 3.33 epochs, so it trains on the "
+        "same data more than once; lower --max-steps for one epoch or less, or prepare more data")
+    by_tokens = batch.epochs_warning(config.parse_args(["--max-tokens", "307200", "--packing", "bos"]), 307_200, 92_160)
+    assert "at least 3.33 epochs" in by_tokens and "lower --max-tokens for one epoch" in by_tokens
 
 
 # ----------------------------------------------------------------------------- resuming

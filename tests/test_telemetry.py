@@ -15,13 +15,14 @@ FACTS = {"outcome": "finished", "wall_s": 241.4, "compile_s": 25.25, "start_step
          "max_steps": 150, "tokens": 2_457_600, "session_tokens": 2_457_600, "tokens_per_sec": 10_234.4,
          "mfu": 0.412, "last_eval": {"step": 150, "val_loss": 3.49012, "val_bpb": 1.98541}, "best_val": 3.49012,
          "peak_mem_gib": 1.5, "device": "cuda", "out_dir": "out", "final_ckpt": "out/ckpt_00000150.pt",
-         "best_ckpt": "out/best.pt"}
+         "best_ckpt": "out/best.pt", "epoch_tokens": 921_600, "bos": False}
 
 
 def test_the_summary_names_what_the_run_did_and_what_to_run_next():
     rows = dict(telemetry.summary_rows(FACTS))
     assert rows["wall time"] == "4m01s (25.2 s of it compiling)"
     assert rows["steps"] == "150 of 150" and rows["tokens"] == "2,457,600"
+    assert rows["epochs"] == "2,457,600 tokens of a 921,600-token train split: 2.67 epochs"
     assert rows["val loss"] == "3.4901 at step 150 (bpb 1.9854); best 3.4901"
     assert rows["mean throughput"] == "10,234 tokens/s, MFU 41.2%"
     assert rows["peak memory"] == "1.50 GiB (allocated by tensors)"
@@ -37,6 +38,7 @@ def test_the_summary_of_a_resumed_run_without_evals_or_checkpoints():
     assert rows["steps"] == "150 of 150, resumed at 100" and rows["tokens"] == "2,457,600, 819,200 in this process"
     assert rows["val loss"] == "no eval ran in this process" and rows["wall time"] == "4m01s"
     assert rows["final checkpoint"] == "none written" and "sample" not in rows and "export" not in rows
+    assert rows["epochs"].endswith(": 2.67 epochs")  # all the tokens trained, not this process's
 
 
 def test_a_run_ends_with_its_summary(tmp_path, tiny_data, capsys):

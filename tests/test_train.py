@@ -13,7 +13,7 @@ import checkpoint
 import config
 import train
 
-from conftest import REPO, TINY_FLAGS as TINY_MODEL
+from conftest import REPO, TINY_FLAGS as TINY_MODEL, write_tiny_shards
 
 
 def read_metrics(out_dir):
@@ -146,11 +146,28 @@ def test_resume_is_bit_identical(tmp_path, tiny_data):
         assert a.get("val_loss") == b.get("val_loss")
 
 
-def test_logged_tokens_count_what_was_trained_across_a_resume_with_another_batch(tmp_path, tiny_data):
+def test_logged_tokens_count_what_was_trained_across_a_resume_with_another_batch(tmp_path, tiny_data, capsys):
     first = tiny_run(tiny_data, tmp_path, "--max-steps", "2", "--ckpt-interval", "2")  # 4 x 32 tokens a step
     assert [r["tokens"] for r in first] == [128, 256]
     resumed = tiny_run(tiny_data, tmp_path, "--max-steps", "4", "--resume", "--batch-size", "2")  # 2 x 32
     assert [r["tokens"] for r in resumed] == [128, 256, 320, 384]
+    # Epochs count every token trained, before the resume too: 3 shards of 156 windows of 32 tokens an epoch.
+    assert [r["epoch"] for r in resumed] == [t / 14_976 for t in (128, 256, 320, 384)]
+    assert ("epochs           reads 384 tokens of a 14,976-token train split: 0.03 epochs, counting the 256 "
+            "trained before the resume") in capsys.readouterr().out
+
+
+def test_a_run_over_more_than_one_epoch_says_how_many_at_start_in_each_record_and_at_the_end(tmp_path, capsys):
+    data = write_tiny_shards(tmp_path, train_tokens=(100, 100), val_tokens=200)  # 2 x 3 windows of 32 tokens
+    records = tiny_run(data, tmp_path / "out", "--max-steps", "3", "--eval-interval", "0")  # 128 tokens a step
+    assert [r["epoch"] for r in records] == [128 / 192, 256 / 192, 384 / 192]
+    meta, _ = checkpoint.load(checkpoint.checkpoint_path(str(tmp_path / "out"), 3, sharded=False))
+    assert meta["loader"]["next_window"] / meta["loader"]["num_windows"] == records[-1]["epoch"]  # what was read
+    out, err = capsys.readouterr()
+    assert "epochs           reads 384 tokens of a 192-token train split: 2.00 epochs\n" in out
+    assert ("warning: the run will read 384 tokens of a 192-token train split: 2.00 epochs, so it trains on the same "
+            "data more than once; lower --max-steps for one epoch or less, or prepare more data") in err
+    assert "epochs            384 tokens of a 192-token train split: 2.00 epochs" in out[out.index("run summary"):]
 
 
 def test_batch_warmup_counts_exact_tokens_and_resumes_bit_identically(tmp_path, tiny_data):
