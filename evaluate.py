@@ -32,7 +32,7 @@ import torch
 import distributed
 import hardware
 from cli import UsageError, first_line
-from data import VOCAB_PAD_MULTIPLE, ShardLoader, data_tokenizer
+from data import VOCAB_PAD_MULTIPLE, DataError, ShardLoader, data_tokenizer
 from model import IGNORE_INDEX
 from progress import Progress
 from sample import sample_text
@@ -311,7 +311,12 @@ class Evaluator:
         self.val_note = eval_tokens_note(self.cfg.eval_tokens, loader.num_windows,
                                          sum(len(shard) for shard in loader.shards), micro_batch, seq_len,
                                          self.info.world_size)
-        enc = self.tokenizer
+        try:
+            enc = self.tokenizer
+        except DataError as e:  # e.g. a tiktoken encoding not cached on an offline node: train, without val_bpb
+            if self.info.is_main:
+                message(f"note: no val_bpb: {first_line(e)}")
+            return
         padded = -(-enc.n_vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE  # as a model may pad it (check_vocab)
         if self.vocab_size <= padded:
             self.token_bytes = token_byte_lengths(enc, self.vocab_size).to(self.device)

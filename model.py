@@ -209,18 +209,20 @@ def _chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     return loss, grad.to(x.dtype)
 
 
-def loss_chunks(n_tokens: int, chunk_tokens: int) -> int:
+def loss_chunks(n_tokens: int, chunk_tokens: int, capped: bool = True) -> int:
     """How many near-equal chunks linear_cross_entropy cuts n_tokens rows into: chunks of about chunk_tokens,
-    at most MAX_LOSS_CHUNKS of them (then larger)."""
-    return max(1, min(MAX_LOSS_CHUNKS, -(-n_tokens // chunk_tokens)))
+    at most MAX_LOSS_CHUNKS of them (then larger) when capped."""
+    count = -(-n_tokens // chunk_tokens)
+    return max(1, min(MAX_LOSS_CHUNKS, count) if capped else count)
 
 
-def _row_chunks(n_tokens: int, chunk_tokens: int) -> list[slice]:
-    """The row ranges of loss_chunks(n_tokens, chunk_tokens) near-equal chunks (sizes differ by at most one).
+def _row_chunks(n_tokens: int, chunk_tokens: int, capped: bool = True) -> list[slice]:
+    """The row ranges of loss_chunks(n_tokens, chunk_tokens, capped) near-equal chunks (sizes differ by at
+    most one).
 
     Under torch.compile n_tokens may be symbolic: the chunk count is the only thing the trace fixes, so
     micro-batches with the same count share one graph."""
-    count = loss_chunks(n_tokens, chunk_tokens)
+    count = loss_chunks(n_tokens, chunk_tokens, capped)
     bounds = [n_tokens * i // count for i in range(count + 1)]
     return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
 
@@ -231,8 +233,9 @@ def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torc
     its float32 gradients w.r.t. x and weight; else None, None), in the chunks of _row_chunks(N, chunk).
 
     Each chunk's gradient is its softmax minus one-hot, entries in [-1, 1], rounded to the GEMM dtype before
-    any scaling: under fp16 that is as safe as the reference's loss-scaled gradient, and one chunk's weight
-    GEMM sums only that chunk's rows. The 1/count of the mean is applied in float32 at the end.
+    any scaling: under fp16 that is as safe as the reference's loss-scaled gradient, and one chunk's fp16 weight
+    GEMM output sums only that chunk's rows, so under fp16 the chunks keep about `chunk` rows, however many
+    (a sum over N/16 rows of a frequent target could pass fp16's 65,504). The 1/count of the mean is applied in float32 at the end.
     """
     dtype = _gemm_dtype(x)
     w = weight.to(dtype)
@@ -240,7 +243,7 @@ def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torc
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_x = torch.empty(x.shape, dtype=torch.float32, device=x.device) if with_grad else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grad else None
-    for rows in _row_chunks(x.shape[0], chunk):
+    for rows in _row_chunks(x.shape[0], chunk, capped=dtype != torch.float16):
         x_chunk = x[rows].to(dtype)
         chunk_loss, grad_logits = _chunk_loss_and_grad(x_chunk, w, targets[rows], with_grad)
         loss = loss + chunk_loss

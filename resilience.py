@@ -128,8 +128,8 @@ class StopSignals:
             print(f"\n{name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
             os._exit(130)
         self.requested = name
-        print(f"\n{name}: finishing this step and writing a checkpoint (Ctrl-C again to exit at once)",
-              file=sys.stderr, flush=True)
+        print(f"\n{name}: finishing this step (under torchrun, the next --log-interval step, where the ranks "
+              "agree) and writing a checkpoint (Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():

@@ -20,7 +20,7 @@ import prepare
 import train
 from cli import UsageError
 from conftest import REPO, TINY_FLAGS, WORD_TEXT, gpt2_model
-from data import read_shard, write_shard
+from data import DataError, read_shard, write_shard
 from evaluate import (Evaluator, Example, bits_per_byte, bpb_sums, choice_batch, ending_scores, load_hellaswag,
                       token_byte_lengths)
 from model import GPT, IGNORE_INDEX, ModelConfig, linear_cross_entropy
@@ -150,6 +150,21 @@ def test_val_bpb_counts_the_bytes_of_the_tokenizer_that_made_the_shards(word_dat
     expected = losses[text_bytes > 0].sum().item() / (math.log(2) * text_bytes.sum().item())
     assert metrics["val_bpb"] == pytest.approx(expected, rel=1e-5)
     assert metrics["val_loss"] == pytest.approx(losses.mean().item(), rel=1e-5)
+
+
+def test_an_unloadable_tokenizer_leaves_val_bpb_out_and_training_goes_on(word_data, monkeypatch, capsys):
+    """An offline node without the tokenizer's files (say a tiktoken encoding cached elsewhere) still trains."""
+    def unavailable(data_dir):
+        raise DataError("could not load tokenizer 'cl100k_base'")
+
+    monkeypatch.setattr(evaluate, "data_tokenizer", unavailable)
+    model = word_model()
+    evaluator = Evaluator(eval_config("--eval-tokens", "32"), word_data, distributed.DistInfo(), torch.device("cpu"),
+                          70_001, seed=0)
+    evaluator.check(micro_batch=2, seq_len=16)
+    assert "note: no val_bpb: could not load tokenizer 'cl100k_base'" in capsys.readouterr().err
+    metrics = evaluator.val_metrics(model, model, nullcontext, micro_batch=2, seq_len=16)
+    assert "val_bpb" not in metrics and metrics["val_loss"] > 0
 
 
 def test_hellaswag_and_the_prompt_use_the_recorded_tokenizer(word_data, word_tokenizer):

@@ -334,6 +334,19 @@ def test_loss_chunks_are_near_equal_and_at_most_max_loss_chunks():
         assert all(a.stop == b.start for a, b in zip(rows, rows[1:]))
 
 
+def test_fp16_loss_chunks_keep_their_size_so_the_weight_gradient_sums_stay_in_range(monkeypatch):
+    calls = []
+    chunk_loss = model_module._chunk_loss_and_grad
+    monkeypatch.setattr(model_module, "_chunk_loss_and_grad", lambda *a: calls.append(a[0].shape[0]) or chunk_loss(*a))
+    monkeypatch.setattr(model_module, "MAX_LOSS_CHUNKS", 2)
+    for dtype, rows in ((torch.float32, [32, 32]), (torch.float16, [8] * 8)):
+        calls.clear()
+        x = torch.randn(64, 8, dtype=dtype, requires_grad=True)
+        weight = torch.randn(32, 8, dtype=dtype, requires_grad=True)
+        linear_cross_entropy(x, weight, torch.randint(0, 32, (64,)), chunk=8).backward()
+        assert calls == rows, dtype
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_compiled_loss_matches_eager_and_a_new_micro_batch_recompiles_once(tied, monkeypatch):
     """Dynamo traces one copy of the chunk body per chunk, so the chunk count is bounded; micro-batches with the
