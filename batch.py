@@ -7,6 +7,7 @@ LR of its next step).
     layout = resume_layout(cfg, layout, meta, warn)    # a resume at another world size keeps the global batch
     tokens = planned_tokens(cfg, layout, start_step, steps, start_tokens)   # what the run trains on, in all
     describe_epochs(tokens, loader.tokens_per_epoch, bos)  # how many epochs of the train split that is
+    plan_warnings(cfg, layout, steps, loader.epoch_plan(tokens))  # e.g. a train split read more than once
 """
 
 import dataclasses
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 from cli import UsageError
 from config import Config, flat_dict, flat_values
-from schedule import lr_multiplier
+from schedule import batch_warmup_warning, lr_multiplier, schedule_warning
 
 
 @dataclass(frozen=True)
@@ -113,23 +114,38 @@ def planned_tokens(cfg: Config, layout: BatchLayout, start_step: int, max_steps:
     return start_tokens + tokens_for_steps(layout, start_step, max_steps, s.batch_warmup_steps, s.batch_warmup_start)
 
 
-def describe_epochs(tokens: int, epoch_tokens: int, at_least: bool) -> str:
+def describe_epochs(tokens: int, epoch_tokens: int, at_least: bool, source: str = "") -> str:
     """Tokens against a train split, as "307,200 tokens of a 92,160-token train split: 3.33 epochs". epoch_tokens:
     what one epoch of the loader trains on (data.epoch_tokens); at_least: that is an upper bound (--packing bos),
-    so the epochs are a lower one."""
-    split = (f"a train split that --packing bos packs into at most {epoch_tokens:,} tokens an epoch" if at_least
-             else f"a {epoch_tokens:,}-token train split")
+    so the epochs are a lower one; source: the mixture's source whose split it is ("" for --data DIR)."""
+    whose = f"source {source}'s" if source else "a"
+    split = (f"{whose} train split that --packing bos packs into at most {epoch_tokens:,} tokens an epoch" if at_least
+             else f"{whose} {epoch_tokens:,}-token train split")
     return f"{tokens:,} tokens of {split}: {'at least ' if at_least else ''}{tokens / epoch_tokens:.2f} epochs"
 
 
-def epochs_warning(cfg: Config, tokens: int, epoch_tokens: int) -> str | None:
+def epochs_warning(cfg: Config, tokens: int, epoch_tokens: int, source: str = "") -> str | None:
     """A warning for a run planned to read more than one epoch of its train split (planned_tokens against
-    data.epoch_tokens), naming the flag that sets the run's length; None for one epoch or less."""
+    data.epoch_tokens; a mixture's source: its share of them), naming the flag that sets the run's length;
+    None for one epoch or less."""
     if tokens <= epoch_tokens:
         return None
     flag = "--max-tokens" if cfg.schedule.max_tokens else "--max-steps"
-    return (f"warning: the run will read {describe_epochs(tokens, epoch_tokens, cfg.data.packing == 'bos')}, so "
-            f"it trains on the same data more than once; lower {flag} for one epoch or less, or prepare more data")
+    what = describe_epochs(tokens, epoch_tokens, cfg.data.packing == "bos", source)
+    return (f"warning: the run will read {what}, so it trains on the same data more than once; lower {flag} for "
+            f"one epoch or less, or prepare more data" + (f", or lower the weight of {source}" if source else ""))
+
+
+def plan_warnings(cfg: Config, layout: BatchLayout, max_steps: int, epoch_plan: list[tuple[int, int, str]]
+                  ) -> list[str]:
+    """The start-up warnings about the run's plan: a warm-up as long as the run, a batch warm-up that does not
+    fit, and a train split read more than once (epochs_warning of each source of the loader's epoch_plan:
+    (its tokens, its tokens_per_epoch, its name))."""
+    s = cfg.schedule
+    warnings = [schedule_warning(s.warmup, max_steps, s.schedule, s.decay_frac),
+                batch_warmup_warning(s.batch_warmup_steps, s.batch_warmup_start, max_steps, layout),
+                *(epochs_warning(cfg, tokens, per_epoch, source) for tokens, per_epoch, source in epoch_plan)]
+    return [warning for warning in warnings if warning]
 
 
 # The settings that decide the global batch: a resume that changes one of them changes it on purpose.

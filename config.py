@@ -48,8 +48,10 @@ def option(default, help, **metadata):
 class DataConfig:
     """Where the tokens come from and how many one step takes (the loader, batch.BatchLayout)."""
 
-    data: str | None = option(None, "directory of train_*.bin / val_*.bin shards (default: the Python stdlib "
-                                    "corpus, tokenized once and cached)")
+    data: str | None = option(None, "directory of train_*.bin / val_*.bin shards, or a weighted mixture of them: "
+                                    "NAME=DIR:WEIGHT,... (e.g. web=data/web:0.7,code=data/code:0.3; weights are "
+                                    "normalised; see docs/data.md) (default: the Python stdlib corpus, tokenized "
+                                    "once and cached)", metavar="DIR|MIX")
     batch_size: int | str = option(16, "micro-batch size in sequences, or auto (CUDA): the largest that fits in "
                                        "memory, with --grad-accum derived so that --total-batch-tokens stays exact",
                                    type=int_or_auto)

@@ -499,62 +499,20 @@ class BosRows(RowOrder):
         return Position(*(int(v) for v in state["next_row"]))
 
 
-class ShardLoader:
-    """Yields (x, y) int64 batches of shape [batch_size, seq_len] from data_dir/{split}_*.bin; y is x shifted
-    left by one token. Iterates forever, epoch after epoch, in the row order that `packing` selects
-    (WindowRows, BosRows).
+class BatchStream:
+    """What the loaders share: batches of [batch_size, seq_len] int64 (x, y) tensors, y being x shifted left by
+    one token, made ahead by a prefetch thread and handed over on the device. A subclass gives _step(pos) ->
+    (this rank's batch, the position after the step on every rank) and sets _next, the start position."""
 
-    The position is global: it counts the rows consumed by all ranks together. Each step consumes
-    batch_size * world_size of them and rank r takes rows [g + r*B, g + (r+1)*B) after position g. So ranks
-    are disjoint, each epoch's rows are used exactly once across ranks, and the state is the same on every
-    rank and can be loaded at another world size or batch size to continue the same stream.
-    """
-
-    def __init__(self, data_dir, split: str = "train", *, batch_size: int, seq_len: int, rank: int = 0,
-                 world_size: int = 1, seed: int = 0, shuffle: bool = True, device="cpu", prefetch: int = 2,
-                 vocab_size: int | None = None, packing: str = "windows", bos_token: int | None = None,
-                 pack_buffer: int = PACK_BUFFER_DOCS):
-        if packing not in PACKING_MODES:
-            raise ValueError(f"packing must be one of {PACKING_MODES}, got {packing!r}")
+    def __init__(self, batch_size: int, seq_len: int, rank: int, world_size: int, device, prefetch: int):
         if batch_size < 1 or seq_len < 1 or prefetch < 0:
             raise ValueError(f"batch_size and seq_len must be >= 1 and prefetch >= 0, "
                              f"got {batch_size}, {seq_len}, {prefetch}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank {rank}, world_size {world_size}")
-        data_dir = os.fspath(data_dir)
-        self.paths = split_paths(data_dir, split)
-        self.shards = check_split(data_dir, split, seq_len)
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
-        self.prefetch, self.vocab_size, self.device = prefetch, vocab_size, torch.device(device)
-        if packing == "bos":
-            if bos_token is None:  # the separator prepare.py put before each document, GPT-2's without a record
-                bos_token = (data_record(data_dir) or {}).get("eot", GPT2_EOT)
-            self.order = BosRows(self.shards, seq_len, seed, shuffle, bos_token, pack_buffer, data_dir, split)
-        else:
-            self.order = WindowRows(self.shards, seq_len, seed, shuffle)
-        self.num_windows = self.order.num_windows
-        self._next = Position(0, 0, 0)  # after what the caller consumed (not merely prefetched)
+        self.prefetch, self.device = prefetch, torch.device(device)
         self._thread = None
-
-    @property
-    def packing(self) -> str:
-        return self.order.packing
-
-    def _batch(self, pos: Position):
-        """This rank's batch of the step that starts at pos, on the CPU (pinned for CUDA)."""
-        buf = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int64)
-        pos = self.order.advance(pos, self.rank * self.batch_size)
-        for b in range(self.batch_size):
-            shard = self.order.read(pos, buf[b])
-            self._check_ids(buf[b], shard)
-            pos = self.order.advance(pos, 1)
-        return self._tensors(buf)
-
-    def _check_ids(self, row: np.ndarray, shard: int) -> None:
-        # Checked per batch (cheap) rather than per shard at start-up (a full read of the data set).
-        if self.vocab_size is not None and row.max() >= self.vocab_size:
-            raise DataError(f"{self.paths[shard]}: token id {int(row.max())} is not below the vocabulary "
-                            f"size {self.vocab_size}; the shards were made with another tokenizer")
 
     def _tensors(self, buf: np.ndarray):
         """(x, y) of rows of T + 1 tokens: y is x shifted left by one."""
@@ -564,39 +522,12 @@ class ShardLoader:
             x, y = x.pin_memory(), y.pin_memory()
         return x, y
 
-    def _step(self, pos: Position):
-        """This rank's batch of the step at pos, and the position after the step (on every rank)."""
-        return self._batch(pos), self.order.advance(pos, self.step_windows)
-
-    @property
-    def cropped_fraction(self) -> float | None:
-        """The fraction of the shards' tokens that no row holds: read (bos: documents' tails cropped to fit a
-        row, and what comes before a shard's first document) or left out (the end of a shard) but never
-        trained on. Windows: over all shards, a few tokens per shard. bos: over the shards packed so far (their
-        latest epoch); None before the first."""
-        return self.order.cropped_fraction
-
-    @property
-    def tokens_per_epoch(self) -> int:
-        """epoch_tokens of this split: what one epoch trains on, exactly for windows, at most for bos."""
-        return epoch_tokens(self.order.lengths, self.seq_len, self.packing)
-
-    @property
-    def stats(self) -> dict:
-        """What a run may log about its data: the packing and the cropped fraction."""
-        return {"packing": self.packing, "cropped_fraction": self.cropped_fraction}
-
-    # -- iteration and prefetch --
-
     @property
     def step_windows(self) -> int:
+        """Rows one step takes, all ranks together."""
         return self.batch_size * self.world_size
 
-    @property
-    def epoch(self) -> int:
-        return self._next.epoch
-
-    def _work(self, pos: Position, q: queue.Queue, stop: threading.Event):
+    def _work(self, pos, q: queue.Queue, stop: threading.Event):
         def put(item):  # gives up when stopped, so close() never waits on a full queue
             while not stop.is_set():
                 try:
@@ -622,7 +553,7 @@ class ShardLoader:
             if self._thread is None:
                 self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
                 self._thread = threading.Thread(target=self._work, args=(self._next, self._queue, self._stop),
-                                                daemon=True, name=f"ShardLoader-rank{self.rank}")
+                                                daemon=True, name=f"{type(self).__name__}-rank{self.rank}")
                 self._thread.start()
             item = self._queue.get()
             if isinstance(item, Exception):
@@ -653,6 +584,102 @@ class ShardLoader:
     def __exit__(self, *exc):
         self.close()
 
+
+def check_state(order: RowOrder, state: dict, where: str = "") -> None:
+    """DataError when a saved position does not belong to this order: other packing, data or seed. where:
+    the source it is of, in a mixture ("" for one directory)."""
+    state = {"packing": "windows", **state}  # states saved before --packing existed are windows
+    of = f" of source {where}" if where else ""
+    if state["packing"] != order.packing:
+        raise DataError(f"the loader state{of} was saved with --packing {state['packing']}, this run has "
+                        f"--packing {order.packing}; resume with the same --packing")
+    for key, value in order.identity().items():
+        if state.get(key) != value:
+            raise DataError(f"loader state{of} does not fit this data: saved {key}={state.get(key)}, "
+                            f"this loader has {key}={value}")
+
+
+class ShardLoader(BatchStream):
+    """Yields (x, y) int64 batches of shape [batch_size, seq_len] from data_dir/{split}_*.bin; y is x shifted
+    left by one token. Iterates forever, epoch after epoch, in the row order that `packing` selects
+    (WindowRows, BosRows).
+
+    The position is global: it counts the rows consumed by all ranks together. Each step consumes
+    batch_size * world_size of them and rank r takes rows [g + r*B, g + (r+1)*B) after position g. So ranks
+    are disjoint, each epoch's rows are used exactly once across ranks, and the state is the same on every
+    rank and can be loaded at another world size or batch size to continue the same stream.
+    """
+
+    def __init__(self, data_dir, split: str = "train", *, batch_size: int, seq_len: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True, device="cpu", prefetch: int = 2,
+                 vocab_size: int | None = None, packing: str = "windows", bos_token: int | None = None,
+                 pack_buffer: int = PACK_BUFFER_DOCS):
+        if packing not in PACKING_MODES:
+            raise ValueError(f"packing must be one of {PACKING_MODES}, got {packing!r}")
+        super().__init__(batch_size, seq_len, rank, world_size, device, prefetch)
+        data_dir = os.fspath(data_dir)
+        self.paths = split_paths(data_dir, split)
+        self.shards = check_split(data_dir, split, seq_len)
+        self.vocab_size = vocab_size
+        if packing == "bos":
+            if bos_token is None:  # the separator prepare.py put before each document, GPT-2's without a record
+                bos_token = (data_record(data_dir) or {}).get("eot", GPT2_EOT)
+            self.order = BosRows(self.shards, seq_len, seed, shuffle, bos_token, pack_buffer, data_dir, split)
+        else:
+            self.order = WindowRows(self.shards, seq_len, seed, shuffle)
+        self.num_windows = self.order.num_windows
+        self._next = Position(0, 0, 0)  # after what the caller consumed (not merely prefetched)
+
+    @property
+    def packing(self) -> str:
+        return self.order.packing
+
+    def read_row(self, pos: Position, out: np.ndarray) -> Position:
+        """The row at pos (a position advance() gave) copied into out, its ids checked -> the next position."""
+        shard = self.order.read(pos, out)
+        # Checked per row (cheap) rather than per shard at start-up (a full read of the data set).
+        if self.vocab_size is not None and out.max() >= self.vocab_size:
+            raise DataError(f"{self.paths[shard]}: token id {int(out.max())} is not below the vocabulary "
+                            f"size {self.vocab_size}; the shards were made with another tokenizer")
+        return self.order.advance(pos, 1)
+
+    def _step(self, pos: Position):
+        """This rank's batch of the step at pos, and the position after the step (on every rank)."""
+        buf = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int64)
+        mine = self.order.advance(pos, self.rank * self.batch_size)
+        for b in range(self.batch_size):
+            mine = self.read_row(mine, buf[b])
+        return self._tensors(buf), self.order.advance(pos, self.step_windows)
+
+    @property
+    def cropped_fraction(self) -> float | None:
+        """The fraction of the shards' tokens that no row holds: read (bos: documents' tails cropped to fit a
+        row, and what comes before a shard's first document) or left out (the end of a shard) but never
+        trained on. Windows: over all shards, a few tokens per shard. bos: over the shards packed so far (their
+        latest epoch); None before the first."""
+        return self.order.cropped_fraction
+
+    @property
+    def tokens_per_epoch(self) -> int:
+        """epoch_tokens of this split: what one epoch trains on, exactly for windows, at most for bos."""
+        return epoch_tokens(self.order.lengths, self.seq_len, self.packing)
+
+    def epoch_plan(self, tokens: int) -> list[tuple[int, int, str]]:
+        """(its tokens, tokens_per_epoch, source) of a run that reads `tokens`: one unnamed source here."""
+        return [(tokens, self.tokens_per_epoch, "")]
+
+    def record_fields(self) -> dict:
+        """What a step's record says of the data, read as the step ends: the cropped fraction (bos)."""
+        return {"data_cropped_frac": self.cropped_fraction} if self.packing == "bos" else {}
+
+    def fingerprint(self) -> list[list]:
+        """data.fingerprint of the shards, which a checkpoint saves to refuse a resume on other data."""
+        return fingerprint(self.paths)
+
+    @property
+    def epoch(self) -> int:
+        return self._next.epoch
+
     # -- checkpointing --
 
     def state_dict(self) -> dict:
@@ -660,13 +687,9 @@ class ShardLoader:
         return {**self.order.state(self._next), **self.order.identity()}
 
     def load_state_dict(self, state: dict) -> None:
-        state = {"packing": "windows", **state}  # states saved before --packing existed are windows
-        if state["packing"] != self.packing:
-            raise DataError(f"the loader state was saved with --packing {state['packing']}, this run has "
-                            f"--packing {self.packing}; resume with the same --packing")
-        for key, value in self.order.identity().items():
-            if state.get(key) != value:
-                raise DataError(f"loader state does not fit this data: saved {key}={state.get(key)}, "
-                                f"this loader has {key}={value}")
+        if "mixture" in state:
+            raise DataError(f"the loader state is of a mixture of sources ({', '.join(state['mixture'])}); this "
+                            "run reads one directory: resume with the same --data")
+        check_state(self.order, state)
         self.close()
         self._next = self.order.position(state)

@@ -1,7 +1,7 @@
 """Evaluation during training (and after it, through score.py): validation loss and bits per byte over a fixed
 slice of the val split, HellaSwag accuracy, and a text sample, at a cadence the Evaluator decides itself.
 
-    evaluator = Evaluator(cfg.eval, data_dir, info, device, vocab_size, seed)
+    evaluator = Evaluator(cfg.eval, data, info, device, vocab_size, seed)   # data: --data, one dir or a mixture
     evaluator.check(micro_batch, seq_len)      # at start-up: the val split, the prompt, the HellaSwag rows
     if evaluator.due(done, max_steps):  # -> (val_loss, val_bpb, hellaswag_acc..., a sample), None: out of memory
         result = evaluator.measure(forward, model, autocast, autocast_dtype, micro_batch, seq_len, warn, done)
@@ -33,6 +33,7 @@ import distributed
 import hardware
 from cli import UsageError, first_line
 from data import VOCAB_PAD_MULTIPLE, DataError, ShardLoader, data_tokenizer
+from mixture import Source, is_mixture, label, parse_data
 from model import IGNORE_INDEX
 from progress import Progress
 from sample import sample_text
@@ -254,11 +255,13 @@ def eval_mode(model: torch.nn.Module):
 
 
 class Evaluator:
-    def __init__(self, cfg, data_dir: str | None, info: "distributed.DistInfo", device: torch.device,
+    def __init__(self, cfg, data: str | None, info: "distributed.DistInfo", device: torch.device,
                  vocab_size: int, seed: int, tokenizer: Tokenizer | None = None):
-        """cfg: config.EvalConfig. data_dir: the val shards (None when only HellaSwag runs, in score.py).
-        tokenizer: the model's; by default the one data_dir's data.json records, else GPT-2's."""
-        self.cfg, self.data_dir, self.info, self.device = cfg, data_dir, info, device
+        """cfg: config.EvalConfig. data: --data, whose sources' val splits are evaluated (None when only
+        HellaSwag runs, in score.py). tokenizer: the model's; by default the one the data's data.json records
+        (a mixture's sources share one: mixture.check_sources), else GPT-2's."""
+        self.cfg, self.data, self.info, self.device = cfg, data, info, device
+        self.sources: list[Source] = parse_data(data) if data is not None else []
         self.vocab_size, self.seed, self._tokenizer = vocab_size, seed, tokenizer
         self.token_bytes = None  # check_val: bytes per token id, when the model's ids are the tokenizer's
         self.val_note = None  # check_val: the note when each eval reads other than --eval-tokens (eval_tokens_note)
@@ -268,7 +271,7 @@ class Evaluator:
     def tokenizer(self) -> Tokenizer:
         """The tokenizer of the shards and the model (the prompt, HellaSwag, val_bpb), loaded on first use."""
         if self._tokenizer is None:
-            recorded = data_tokenizer(self.data_dir) if self.data_dir is not None else None
+            recorded = data_tokenizer(self.sources[0].dir) if self.sources else None
             self._tokenizer = recorded or load_tokenizer("gpt2")
         return self._tokenizer
 
@@ -277,9 +280,9 @@ class Evaluator:
         interval = self.cfg.eval_interval
         return bool(interval) and (done % interval == 0 or done == max_steps)
 
-    def _loader(self, micro_batch: int, seq_len: int, ranks: bool = True) -> ShardLoader:
+    def _loader(self, source: Source, micro_batch: int, seq_len: int, ranks: bool = True) -> ShardLoader:
         rank, world_size = (self.info.rank, self.info.world_size) if ranks else (0, 1)
-        return ShardLoader(self.data_dir, split="val", batch_size=micro_batch, seq_len=seq_len, shuffle=False,
+        return ShardLoader(source.dir, split="val", batch_size=micro_batch, seq_len=seq_len, shuffle=False,
                            rank=rank, world_size=world_size, device=str(self.device), prefetch=0,
                            vocab_size=self.vocab_size)
 
@@ -302,15 +305,29 @@ class Evaluator:
             message(self.val_note)
 
     def check_val(self, micro_batch: int, seq_len: int) -> None:
-        """The val split must be readable; val_note says when each eval reads other than --eval-tokens asks
-        (less than one batch, or more than the split holds: eval_batches); and the bytes per token for val_bpb,
-        when the model's ids can be the tokenizer's (a larger vocabulary, on shards that record no tokenizer,
-        means another tokenizer than GPT-2's, whose bytes we do not know)."""
-        loader = self._loader(micro_batch, seq_len, ranks=False)
-        loader.close()
-        self.val_note = eval_tokens_note(self.cfg.eval_tokens, loader.num_windows,
-                                         sum(len(shard) for shard in loader.shards), micro_batch, seq_len,
-                                         self.info.world_size)
+        """Every source's val split must be readable (a mixture's val_loss is their weighted mean, so a source
+        without one is refused); val_note says when each eval reads other than --eval-tokens asks (less than
+        one batch, or more than a split holds: eval_batches); and the bytes per token for val_bpb, when the
+        model's ids can be the tokenizer's (a larger vocabulary, on shards that record no tokenizer, means
+        another tokenizer than GPT-2's, whose bytes we do not know)."""
+        notes = []
+        for source in self.sources:
+            try:
+                loader = self._loader(source, micro_batch, seq_len, ranks=False)
+            except DataError as e:
+                if not is_mixture(self.sources):
+                    raise
+                raise DataError(f"--data: {label(source)} has no usable val split ({first_line(e)}), so val_loss, "
+                                f"the weighted mean of the sources' val losses, would leave out its "
+                                f"{100 * source.weight:.1f}%: prepare it with a val split (prepare.py --val-tokens "
+                                "N), or turn evaluation off with --eval-interval 0") from None
+            loader.close()
+            note = eval_tokens_note(self.cfg.eval_tokens, loader.num_windows,
+                                    sum(len(shard) for shard in loader.shards), micro_batch, seq_len,
+                                    self.info.world_size)
+            if note:
+                notes.append(note.replace("note: ", f"note: source {source.name}: ", 1) if source.name else note)
+        self.val_note = "\n".join(notes) or None
         try:
             enc = self.tokenizer
         except DataError as e:  # e.g. a tiktoken encoding not cached on an offline node: train, without val_bpb
@@ -364,17 +381,31 @@ class Evaluator:
         warn(f"warning: out of memory in the eval of step {done}; skipped, training goes on")
         return None
 
-    @torch.no_grad()
     def val_metrics(self, forward, model: torch.nn.Module, autocast, micro_batch: int, seq_len: int) -> dict:
         """{"val_loss": mean loss, "val_bpb": bits per byte (when known)} over the first eval_tokens of the val
         split, or all of it that whole batches hold (eval_batches): the same tokens every time, split across
-        ranks. forward: what the training step calls (compiled, wrapped); autocast: the step's context. One pass
-        gives both: per-token losses."""
-        loader = self._loader(micro_batch, seq_len)
+        ranks. forward: what the training step calls (compiled, wrapped); autocast: the step's context. A
+        mixture measures each source's val split so (val_loss/NAME, val_bpb/NAME), and val_loss and val_bpb are
+        the means weighted by the mixture's weights: what the loss of the training distribution is."""
+        measured = [self.source_metrics(source, forward, model, autocast, micro_batch, seq_len)
+                    for source in self.sources]
+        if not is_mixture(self.sources):
+            return measured[0]
+        metrics = {key: sum(s.weight * m[key] for s, m in zip(self.sources, measured))
+                   for key in ("val_loss", "val_bpb") if all(key in m for m in measured)}
+        for source, m in zip(self.sources, measured):
+            metrics.update({f"{key}/{source.name}": value for key, value in m.items()})
+        return metrics
+
+    @torch.no_grad()
+    def source_metrics(self, source: Source, forward, model: torch.nn.Module, autocast, micro_batch: int,
+                       seq_len: int) -> dict:
+        """val_metrics of one source's val split. One pass gives both figures: per-token losses."""
+        loader = self._loader(source, micro_batch, seq_len)
         n_batches = eval_batches(self.cfg.eval_tokens, loader.num_windows, micro_batch, seq_len,
                                  self.info.world_size)
         sums = torch.zeros(4, device=self.device)  # nats, tokens; nats of the tokens with text, their bytes
-        progress = Progress(n_batches, "eval", unit="batch", enabled=self.info.is_main)
+        progress = Progress(n_batches, f"eval {source.name}".strip(), unit="batch", enabled=self.info.is_main)
         with eval_mode(model), closing(loader), closing(progress):
             for _ in range(n_batches):
                 x, y = next(loader)
@@ -424,6 +455,8 @@ class Evaluator:
     def describe(self, metrics: dict) -> str:
         """The eval line's figures: 'val loss 4.1234, val bpb 1.2345, hellaswag 0.2500 (sum 0.2500, 8 examples)'."""
         text = f"val loss {metrics['val_loss']:.4f}"
+        if is_mixture(self.sources):
+            text += " (" + ", ".join(f"{s.name} {metrics[f'val_loss/{s.name}']:.4f}" for s in self.sources) + ")"
         if "val_bpb" in metrics:
             text += f", val bpb {metrics['val_bpb']:.4f}"
         if "hellaswag_acc" in metrics:

@@ -38,6 +38,7 @@ from cli import ArgumentParser, UsageError, closed_stdout, first_line, report_er
 from checkpoint import CheckpointError
 from data import data_tokenizer
 from fp8 import te_to_plain_state_dict
+from mixture import parse_data
 from model import GPT, VOCAB_MULTIPLE, ModelConfig, block_shapes, outer_shapes
 from tokenizer import (TOKENIZER_FILE, DataError, HFTokenizer, TiktokenTokenizer, Tokenizer, byte_to_char,
                        load_tokenizer)
@@ -557,7 +558,8 @@ def model_tokenizer(path: str) -> Tokenizer | None:
     data = (config.get("data") or {}).get("data", "")
     if data is None:  # the default corpus
         return load_tokenizer("gpt2")
-    return data_tokenizer(data) if data and os.path.isdir(data) else None
+    first = parse_data(data)[0].dir if data else None  # a mixture's sources share one tokenizer
+    return data_tokenizer(first) if first and os.path.isdir(first) else None
 
 
 # ----------------------------------------------------------------------------- export

@@ -7,6 +7,7 @@ standard library's own sources, which train.py uses when it is given no --data.
 """
 
 import collections
+import functools
 import glob
 import json
 import os
@@ -26,7 +27,8 @@ from data import (CORPUS_MARKER, DATA_RECORD, TOKEN_DTYPES, read_shard, shard_ve
                   write_shard)
 from progress import Progress
 from sources import TEXT_FIELD, file_pieces, source_pieces
-from tokenizer import CACHE_ENV, TOKENIZER_FILE, DataError, Tokenizer, atomic_write, cache_root, load_tokenizer
+from tokenizer import (CACHE_ENV, TOKENIZER_FILE, TRAINED_SEPARATOR, TRAINED_TOKEN_BYTES, DataError, Tokenizer,
+                       atomic_write, cache_root, load_tokenizer, train_bpe)
 
 ENCODE_CHARS_PER_THREAD = 4 << 20  # characters read but not yet taken back encoded, per tokenizer thread
 ENCODE_BATCH_CHARS = 1 << 16  # characters a tokenizer thread encodes as one task: small, so threads end together
@@ -278,6 +280,84 @@ def _check_sizes(shard_tokens: int, val_tokens: int | None, max_tokens: int | No
                          f"tokens{', the least of --val-tokens auto' if val_tokens is None else ''})")
 
 
+# --train-tokenizer VOCAB: at least the 256 bytes and the separator; at most four times the largest vocabulary
+# in use (Gemma's 262,144), as the trainer's memory grows with it.
+MIN_TRAINED_VOCAB = 257
+MAX_TRAINED_VOCAB = 1 << 20
+# The most characters the tokenizer trains on, about a GB of text: minutes of training, not hours, and plenty
+# for vocabularies of the sizes in use.
+TOKENIZER_TRAIN_CHARS = 1_000_000_000
+
+
+def _check_trained_vocab(vocab: int) -> None:
+    if not MIN_TRAINED_VOCAB <= vocab <= MAX_TRAINED_VOCAB:
+        raise ValueError(f"--train-tokenizer must be in [{MIN_TRAINED_VOCAB}, {MAX_TRAINED_VOCAB:,}] (the 256 bytes, "
+                         f"the merges and the separator), got {vocab:,}")
+
+
+def _utf8_length(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))  # a lone surrogate is a U+FFFD of 3 bytes when encoded
+
+
+def _val_bytes_bound(pieces, val_tokens: int | None, max_tokens: int | None) -> int:
+    """The most bytes of text (UTF-8) that the val split can hold, whatever tokenizer --train-tokenizer trains:
+    TRAINED_TOKEN_BYTES per val token (a separator holds none). Under --val-tokens auto (None) the val split
+    grows with the total, of which every token but a separator holds at least one byte: the total is at most
+    the text's bytes plus its documents (and max_tokens), counted from pieces until the val split would be at
+    its MAX_VAL_TOKENS cap."""
+    if val_tokens is None:
+        most = MAX_VAL_TOKENS * 1000 // VAL_PER_MILLE
+        most = most if max_tokens is None else min(most, max_tokens)
+        total = 0
+        for text, starts in pieces:
+            if total >= most:
+                break
+            total += _utf8_length(text) + starts
+        val_tokens = default_val_tokens(min(total, most))
+    return val_tokens * TRAINED_TOKEN_BYTES
+
+
+class _TrainingText:
+    """The text the tokenizer trains on, an iterable of strings: that of pieces after its first `skip` bytes
+    (UTF-8), at most max_chars characters of it. chars: how many it gave; capped: whether max_chars cut it."""
+
+    def __init__(self, pieces, skip: int, max_chars: int):
+        self.pieces, self.skip, self.max_chars = pieces, skip, max_chars
+        self.chars, self.capped = 0, False
+
+    def __iter__(self):
+        skip = self.skip
+        for text, _ in self.pieces:
+            if skip > 0:  # a character cut in two is dropped
+                raw = text.encode("utf-8", "surrogatepass")
+                text, skip = raw[skip:].decode("utf-8", "ignore"), skip - len(raw)
+            room = self.max_chars - self.chars
+            if len(text) >= room:
+                text, self.capped = text[:room], True
+            if text:
+                self.chars += len(text)
+                yield text
+            if self.capped:
+                return
+
+
+def _trained_tokenizer(pieces, vocab: int, held_out: int, separator: str, desc: str) -> Tokenizer:
+    """tokenizer.train_bpe of vocab ids on the text of pieces after its first held_out bytes (the val split's
+    place), at most TOKENIZER_TRAIN_CHARS characters of it. DataError when no text is left to train on."""
+    print(f"tokenizer: training a byte-level BPE of {vocab:,} ids on {desc}", file=sys.stderr)
+    text = _TrainingText(pieces, held_out, TOKENIZER_TRAIN_CHARS)
+    enc = train_bpe(text, vocab, f"trained:{vocab}", separator)
+    if text.chars == 0:
+        raise DataError(f"{desc} has no text after its first {held_out:,} bytes, which --train-tokenizer holds out "
+                        f"for the val split (its tokens x {TRAINED_TOKEN_BYTES} bytes, the longest token); give a "
+                        f"smaller --val-tokens N")
+    fewer = f" (not {vocab:,}: the text has no more pairs to merge)" if enc.n_vocab < vocab else ""
+    which = f"its first {text.chars:,} characters" if text.capped else f"all {text.chars:,} characters"
+    print(f"tokenizer: trained {enc.n_vocab:,} ids{fewer} on {which} after the first {held_out:,} bytes of {desc}, "
+          f"held out for the val split")
+    return enc
+
+
 # A preparation is written into OUT.partial-<pid> and renamed to OUT only once it is whole, so OUT is either
 # complete or absent, whatever stops the process.
 PARTIAL_SUFFIX = ".partial-"
@@ -396,7 +476,7 @@ def _move_into_place(partial: str, out_dir: str, overwrite: bool) -> None:
 def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_000_000,
             val_tokens: int | None = None, *, max_tokens: int | None = None, hf_config: str | None = None,
             hf_split: str | None = None, doc_separator: str | None = None, text_field: str = TEXT_FIELD,
-            overwrite: bool = False) -> dict:
+            overwrite: bool = False, train_tokenizer: int | None = None) -> dict:
     """Tokenize source (text file, directory, glob, .jsonl/.parquet with a text_field field, a datasets
     save_to_disk directory, or a Hugging Face hub dataset) into out_dir/train_NNNNNN.bin (shard_tokens each,
     the last one shorter) and out_dir/val_000000.bin, then record the tokenizer and the counts in
@@ -407,6 +487,10 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
     tokenizer: anything tokenizer.load_tokenizer takes (a tiktoken encoding, a tokenizer.json, a tokenizer
     directory, a cached hub name); doc_separator names the token before each document when the tokenizer has
     no end-of-text or BOS token of its own. A Hugging Face tokenizer's tokenizer.json is copied into out_dir.
+    train_tokenizer: in place of tokenizer, a byte-level BPE of that many ids (tokenizer.train_bpe, named
+    trained:VOCAB, its separator doc_separator or <|endoftext|>) trained on the source's text after the val
+    split's (_val_bytes_bound: its tokens of at most TRAINED_TOKEN_BYTES bytes), at most TOKENIZER_TRAIN_CHARS
+    characters of it, whatever max_tokens; the source is read once more for it (twice under val_tokens None).
 
     val_tokens None (--val-tokens auto): the val split is the corpus's first default_val_tokens(total)
     tokens, 0.5% of it within [MIN_VAL_TOKENS, MAX_VAL_TOKENS], so that any corpus gets one that fits it, and
@@ -419,10 +503,17 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
     doc_separator, tokenizer_file for a Hugging Face one), uint32, documents, tokens, val_tokens,
     train_tokens, train_shards, val_from, max_tokens, seconds."""
     _check_sizes(shard_tokens, val_tokens, max_tokens)
+    if train_tokenizer is not None:
+        _check_trained_vocab(train_tokenizer)
     source, out_dir = os.fspath(source), os.fspath(out_dir)
     _check_out(out_dir, _local_paths(source), overwrite)
-    enc = load_tokenizer(tokenizer, doc_separator)
-    pieces = source_pieces(source, hf_config, hf_split, text_field)
+    read = functools.partial(source_pieces, source, hf_config, hf_split, text_field)  # a new pass over source
+    if train_tokenizer is None:
+        enc = load_tokenizer(tokenizer, doc_separator)
+    else:
+        held_out = _val_bytes_bound(read(), val_tokens, max_tokens)
+        enc = _trained_tokenizer(read(), train_tokenizer, held_out, doc_separator or TRAINED_SEPARATOR, source)
+    pieces = read()
     partial, lock = _partial_dir(out_dir)
     try:
         try:
@@ -520,13 +611,24 @@ def build_parser() -> ArgumentParser:
                         help="output directory: new or empty (or an earlier preparation, with --overwrite), apart "
                              "from --input; it appears only once the preparation is complete (until then the "
                              "shards are in DIR.partial-PID)")
-    parser.add_argument("--tokenizer", default="gpt2", metavar="NAME|PATH",
-                        help="a tiktoken encoding (gpt2, the default, works offline via the package index; "
-                             "cl100k_base, o200k_base, ...), a tokenizer.json, a Hugging Face tokenizer directory "
-                             "(with its tokenizer.json), or a hub name owner/name already in the local Hugging "
-                             "Face cache (never downloaded)")
+    tokenizer = parser.add_mutually_exclusive_group()
+    # No default value here, so that an explicit --tokenizer gpt2 also excludes --train-tokenizer.
+    tokenizer.add_argument("--tokenizer", metavar="NAME|PATH",
+                           help="a tiktoken encoding (gpt2 works offline via the package index; cl100k_base, "
+                                "o200k_base, ...), a tokenizer.json, a Hugging Face tokenizer directory (with its "
+                                "tokenizer.json), or a hub name owner/name already in the local Hugging Face cache "
+                                "(never downloaded) (default: gpt2)")
+    tokenizer.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
+                           help=f"instead of --tokenizer, train a byte-level BPE of VOCAB ids ({MIN_TRAINED_VOCAB} to "
+                                f"{MAX_TRAINED_VOCAB:,}: the 256 bytes, the merges, then the separator, --doc-separator "
+                                f"or {TRAINED_SEPARATOR}) on the input and prepare the shards with it; its "
+                                f"tokenizer.json is saved beside them. It trains on the text after the val split's "
+                                f"(held out: val tokens x {TRAINED_TOKEN_BYTES} bytes, the longest token), at most "
+                                f"{TOKENIZER_TRAIN_CHARS:,} characters of it; the input is read once more for it "
+                                f"(twice under --val-tokens auto)")
     parser.add_argument("--doc-separator", metavar="TOKEN",
-                        help="the special token put before every document (default: the tokenizer's end-of-text "
+                        help="the special token put before every document; under --train-tokenizer, the one it "
+                             "makes (default: the tokenizer's end-of-text "
                              "or BOS token: its tokenizer_config.json's bos_token or eos_token, else the first "
                              "of <|endoftext|>, </s>, <s>, ... it has)")
     parser.add_argument("--text-field", default=TEXT_FIELD, metavar="NAME",
@@ -572,9 +674,10 @@ def main(argv=None) -> int:
                 signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
     try:
         val_tokens = None if args.val_tokens == "auto" else args.val_tokens
-        prepare(args.input, args.out, args.tokenizer, args.shard_tokens, val_tokens,
+        prepare(args.input, args.out, args.tokenizer or "gpt2", args.shard_tokens, val_tokens,
                 max_tokens=args.max_tokens, hf_config=args.hf_config, hf_split=args.hf_split,
-                doc_separator=args.doc_separator, text_field=args.text_field, overwrite=args.overwrite)
+                doc_separator=args.doc_separator, text_field=args.text_field, overwrite=args.overwrite,
+                train_tokenizer=args.train_tokenizer)
     except (UsageError, DataError, ValueError, OSError) as e:
         return report_error(e)
     except KeyboardInterrupt as e:

@@ -22,7 +22,7 @@ class Taken:
     finite: torch.Tensor
     layout: BatchLayout
     ended: StepEnd
-    cropped: float | None  # the loader's cropped fraction then (--packing bos), else None
+    data: dict  # what the loader said of the data as the step ended (its record_fields)
 
 
 def read_back(window: list[Taken], guard: Guard, telemetry: Telemetry, world_size: int):
@@ -35,8 +35,7 @@ def read_back(window: list[Taken], guard: Guard, telemetry: Telemetry, world_siz
         health = guard.observe(loss, bool(finite))
         record = telemetry.step_record(t.index, loss, grad_norm, bool(finite), t.ended.seconds(), t.layout,
                                        world_size, health, t.ended)
-        if t.cropped is not None:  # what the packing throws away, over the shards packed so far
-            record["data_cropped_frac"] = t.cropped
+        record.update(t.data)
         yield t.index + 1, record
 
 

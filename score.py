@@ -23,11 +23,12 @@ import torch
 from checkpoint import CheckpointError
 from cli import ArgumentParser, UsageError, closed_stdout, report_error
 from config import DEVICES, EvalConfig
-from data import DataError, check_vocab
+from data import DataError
 from distributed import DistInfo
 from evaluate import Evaluator
 from hf import model_tokenizer, trained_config
 from hardware import autocast, resolve_device
+from mixture import check_sources, is_mixture, label, parse_data, vocab_problem
 from prepare import default_corpus, default_corpus_dir
 from sample import load_model
 
@@ -78,11 +79,13 @@ def val_data(given: str | None, train_config: dict | None, ckpt: str) -> tuple[s
         return given, None
     trained = recorded["data"]
     if given is None:
-        if trained is not None and not os.path.isdir(trained):
-            raise UsageError(f"--ckpt {ckpt} trained on --data {trained}, which is not there; give --data DIR "
+        sources = parse_data(trained) if trained is not None else []
+        if missing := [s for s in sources if not os.path.isdir(s.dir)]:
+            what = f"whose {label(missing[0])} is" if is_mixture(sources) else "which is"
+            raise UsageError(f"--ckpt {ckpt} trained on --data {trained}, {what} not there; give --data DIR "
                              f"for the shards to score")
         return trained, None
-    if os.path.realpath(given) == os.path.realpath(trained or default_corpus_dir()):
+    if given == trained or os.path.realpath(given) == os.path.realpath(trained or default_corpus_dir()):
         return given, None
     return given, (f"note: --data {given} is not the data the checkpoint trained on "
                    f"({trained or 'the default corpus'}): these figures do not compare with the run's")
@@ -96,9 +99,10 @@ def check_args(a: argparse.Namespace) -> None:
         raise UsageError(f"--batch-size must be >= 1, got {a.batch_size}")
 
 
-def prepare(a: argparse.Namespace, model, device: torch.device, data_dir: str | None = None) -> Evaluator:
-    """An Evaluator for the task, its inputs read and checked (one-line errors before any forward). data_dir:
-    bpb's shards (None: the default corpus), which must be of the model's tokenizer (data.check_vocab)."""
+def prepare(a: argparse.Namespace, model, device: torch.device, data: str | None = None) -> Evaluator:
+    """An Evaluator for the task, its inputs read and checked (one-line errors before any forward). data:
+    bpb's shards, a directory or a mixture as train.py's --data (None: the default corpus), which must be of
+    the model's tokenizer (data.check_vocab)."""
     seq_len = model.config.max_seq_len
     if a.task == "hellaswag":
         cfg = EvalConfig(eval_interval=0, hellaswag_path=a.hellaswag_path)
@@ -106,11 +110,13 @@ def prepare(a: argparse.Namespace, model, device: torch.device, data_dir: str | 
                               tokenizer=model_tokenizer(a.ckpt))
         evaluator.load_hellaswag(seq_len, a.n)
         return evaluator
-    data_dir = data_dir or default_corpus()
-    if problem := check_vocab(model.config.vocab_size, data_dir):
+    data = data or default_corpus()
+    sources = parse_data(data)
+    check_sources(sources)
+    if problem := vocab_problem(model.config.vocab_size, sources):
         raise DataError(problem)
     cfg = EvalConfig(eval_tokens=a.n or EvalConfig().eval_tokens)
-    evaluator = Evaluator(cfg, data_dir, DistInfo(), device, model.config.vocab_size, seed=0)
+    evaluator = Evaluator(cfg, data, DistInfo(), device, model.config.vocab_size, seed=0)
     evaluator.check_val(a.batch_size, seq_len)
     return evaluator
 
@@ -127,7 +133,7 @@ def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.dev
                 f"({round(metrics['hellaswag_acc_sum'] * n)}/{n}, lowest summed loss)"]
     seq_len = model.config.max_seq_len
     metrics = evaluator.val_metrics(model, model, lambda: autocast(device, dtype), a.batch_size, seq_len)
-    lines = [f"bpb: the first {evaluator.cfg.eval_tokens} val tokens of {evaluator.data_dir} (at most; whole "
+    lines = [f"bpb: the first {evaluator.cfg.eval_tokens} val tokens of {evaluator.data} (at most; whole "
              f"batches of {a.batch_size} x {seq_len}), model {a.ckpt}",
              f"val_loss  {metrics['val_loss']:.4f}"]
     if "val_bpb" in metrics:
@@ -135,6 +141,8 @@ def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.dev
     else:
         lines.append("val_bpb   n/a (the shards record no tokenizer and the model's vocabulary is not GPT-2's, so "
                      "the bytes per token are unknown)")
+    width = max(map(len, metrics))  # a mixture's sources, each under its own name (val_loss/NAME)
+    lines += [f"{key.ljust(width)}  {value:.4f}" for key, value in metrics.items() if "/" in key]
     return lines
 
 
@@ -144,8 +152,8 @@ def main(argv=None) -> int:
         check_args(a)
         device, _ = resolve_device(a.device)
         model = load(a.ckpt, device)
-        data_dir, note = val_data(a.data, trained_config(a.ckpt), a.ckpt) if a.task == "bpb" else (None, None)
-        evaluator = prepare(a, model, device, data_dir)
+        data, note = val_data(a.data, trained_config(a.ckpt), a.ckpt) if a.task == "bpb" else (None, None)
+        evaluator = prepare(a, model, device, data)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
     lines = report(a, evaluator, model, device)

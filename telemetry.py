@@ -31,6 +31,7 @@ import torch
 
 import fp8
 import memory
+import mixture
 import sizing
 from batch import describe_epochs
 from checkpoint import best_path, list_checkpoints
@@ -51,9 +52,10 @@ def print_table(rows: list[tuple[str, str]]) -> None:
     print("\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows), flush=True)
 
 
-def startup_rows(run, data_dir: str, reasons: dict, planned_tokens: int) -> list[tuple[str, str]]:
+def startup_rows(run, sources: list, reasons: dict, planned_tokens: int) -> list[tuple[str, str]]:
     """The start-up table of a train.Run: what is active and why, each detected rather than assumed.
-    planned_tokens: what the run will have trained at its last step (batch.planned_tokens)."""
+    sources: --data's (mixture.parse_data); planned_tokens: what the run will have trained at its last step
+    (batch.planned_tokens), which a mixture's sources share by their weights."""
     cfg, m, info, layout = run.cfg, run.model_cfg, run.info, run.layout
     resumed = f", counting the {run.telemetry.start_tokens:,} trained before the resume" if run.start_step else ""
     return [
@@ -72,10 +74,11 @@ def startup_rows(run, data_dir: str, reasons: dict, planned_tokens: int) -> list
                   f"{layout.world_size} ranks = {layout.tokens_per_step} tokens/step"),
         ("schedule", f"{cfg.schedule.schedule}, peak lr {cfg.optim.lr:g}, warmup {cfg.schedule.warmup}, "
                      f"{run.max_steps} steps"),
-        ("data", f"{data_dir} (" + ("--packing bos: rows start at documents, packed best-fit; the cropped "
+        ("data", f"{mixture.describe(sources)} (" + ("--packing bos: rows start at documents, packed best-fit; the cropped "
                                     "fraction is logged as data_cropped_frac" if cfg.data.packing == "bos"
                                     else "windows at any offset") + ")"),
-        ("epochs", f"reads {describe_epochs(planned_tokens, run.loader.tokens_per_epoch, cfg.data.packing == 'bos')}"
+        ("epochs", "reads " + "; ".join(describe_epochs(tokens, per_epoch, cfg.data.packing == "bos", name)
+                                        for tokens, per_epoch, name in run.loader.epoch_plan(planned_tokens))
                    + resumed),
         ("MFU peak", reasons["peak"]),
         ("wandb", reasons["wandb"]),
@@ -320,10 +323,12 @@ class Telemetry:
         """start_tokens: tokens trained before start_step (a resumed run's checkpoint says how many);
         restored_record: the record of start_step that its checkpoint holds (MetricsLog.truncate);
         epoch_tokens: what one epoch of the train split trains on (ShardLoader.tokens_per_epoch), which the
-        records' epoch and the summary count in; None: not known, and neither says."""
+        records' epoch and the summary count in; None: not known (or a mixture, whose records count each
+        source's epochs themselves: MixtureLoader.record_fields), and neither says."""
         self.cfg, self.device, self.start_step, self.max_steps = cfg, device, start_step, max_steps
         self.tokens = self.start_tokens = start_tokens  # counted step by step: the batch may change across a resume
         self.epoch_tokens = epoch_tokens
+        self.source_epochs = {}  # a mixture's: each source's epochs read, as the last record gives them
         self.optimizer = optimizer  # its state's size is reported once it exists, after the first step
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.is_main = is_main
@@ -412,6 +417,7 @@ class Telemetry:
         """Write the step's record and move the progress bar (which a failed loop has closed already: its last
         records are written after it, train.log_unread)."""
         self.metrics.log(record)
+        self.source_epochs.update({k[len("epoch/"):]: v for k, v in record.items() if k.startswith("epoch/")})
         if "val_loss" in record:
             self._remember_eval(record["step"], record)
         if self.progress is not None:
@@ -474,7 +480,7 @@ class Telemetry:
             "best_val": best_val, "peak_mem_gib": peak_memory_gib(self.device), "device": self.device.type,
             "out_dir": self.cfg.ckpt.out_dir, "final_ckpt": newest_checkpoint(self.cfg.ckpt.out_dir),
             "best_ckpt": existing_best(self.cfg.ckpt.out_dir), "epoch_tokens": self.epoch_tokens,
-            "bos": self.cfg.data.packing == "bos",
+            "bos": self.cfg.data.packing == "bos", "source_epochs": self.source_epochs,
         }
         print("\nrun summary", flush=True)
         print_table(summary_rows(facts))
@@ -518,6 +524,8 @@ def summary_rows(f: dict) -> list[tuple[str, str]]:
     rows = [("outcome", f["outcome"]), ("wall time", duration(f["wall_s"]) + compiled), ("steps", steps),
             ("tokens", f"{f['tokens']:,}{session}"),
             *([("epochs", describe_epochs(f["tokens"], f["epoch_tokens"], f["bos"]))] if f["epoch_tokens"] else []),
+            *([("epochs", "of each source's train split, read: " + ", ".join(
+                f"{name} {epochs:.2f}" for name, epochs in f["source_epochs"].items()))] if f["source_epochs"] else []),
             ("val loss", val), ("mean throughput", rate),
             ("peak memory", f"{f['peak_mem_gib']:.2f} GiB ({memory_kind})"),
             ("final checkpoint", f["final_ckpt"] or "none written"),

@@ -457,3 +457,36 @@ def recorded_tokenizer(record: dict, data_dir: str) -> Tokenizer:
         raise DataError(f"{where} is not the tokenizer {os.path.join(data_dir, 'data.json')} records (its sha256 "
                         f"differs): the shards were made with another one")
     return tok
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A byte-level BPE trained on one's own text (prepare.py --train-tokenizer)
+
+# The longest token trained, in bytes, so that n tokens of text hold at most n times as many bytes: prepare.py
+# holds the val split's text out of training by that bound. GPT-2's longer tokens are mostly runs of spaces
+# and dashes, which split in two at this length.
+TRAINED_TOKEN_BYTES = 16
+TRAINED_SEPARATOR = "<|endoftext|>"
+
+
+def train_bpe(texts, n_vocab: int, name: str, separator: str = TRAINED_SEPARATOR) -> HFTokenizer:
+    """A byte-level BPE of at most n_vocab ids trained on texts (an iterable of strings) by the tokenizers
+    library: GPT-2's pre-tokenizer and its 256 bytes as the first ids, so that every text encodes and
+    token_bytes is exact (so is val_bpb); then merges of at most TRAINED_TOKEN_BYTES bytes; then separator, a
+    special token, as the last id (GPT-2's order). Fewer ids when the texts run out of pairs to merge. The
+    same texts give the same tokenizer. DataError, before training, for a separator that could also be a merge
+    of text (one pre-token), as it would then not mark the documents' starts alone."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as Fast
+
+    fast = Fast(models.BPE())
+    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if len(fast.pre_tokenizer.pre_tokenize_str(separator)) < 2:
+        raise DataError(f"--doc-separator {separator!r} could be a token of text once trained; name one that mixes "
+                        f"letters and punctuation, such as {TRAINED_SEPARATOR} or </s>")
+    fast.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=n_vocab - 1, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  max_token_length=TRAINED_TOKEN_BYTES, show_progress=False)
+    fast.train_from_iterator((_without_surrogates(text) for text in texts), trainer)
+    fast.add_special_tokens([AddedToken(separator, special=True, normalized=False)])
+    return HFTokenizer(fast.to_str(), name, name, separator)

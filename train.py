@@ -25,10 +25,11 @@ import distributed
 import fp8
 import hardware
 import memory
+import mixture
 from checkpoint import CheckpointError, Checkpointer, tokens_trained
 from cli import UsageError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
-from data import DataError, ShardLoader, check_split, check_vocab, fingerprint, vocab_from_data
+from data import DataError, ShardLoader, vocab_from_data
 from evaluate import Evaluator
 from hf import load_hf
 from model import ModelConfig, flops_per_token
@@ -37,7 +38,7 @@ from prepare import default_corpus
 from readback import Taken, log_unread, read_back
 from resilience import Guard, StopSignals, TrainingHalted, stop_at_once_during_startup
 from rundir import CONFIG_FILE, NothingToDo, RunLock, claim, replace_outputs
-from schedule import batch_warmup_warning, lr_multiplier, schedule_warning, set_lr
+from schedule import lr_multiplier, set_lr
 from telemetry import Telemetry, message, print_table, start_wandb, startup_rows, wandb_problems
 
 
@@ -56,7 +57,7 @@ class Run:
     compiled: torch.nn.Module  # what the forward calls
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    loader: ShardLoader
+    loader: ShardLoader | mixture.MixtureLoader
     layout: batch.BatchLayout  # replaced (not changed) by the out-of-memory retry
     max_steps: int
     start_step: int
@@ -147,9 +148,9 @@ def setup(cfg: Config, command_line: dict | None = None) -> Run:
         device = torch.device("cuda", info.local_rank if info.mode != "none" else torch.cuda.current_device())
     reasons = {"device": device_reason, "dtype": dtype_reason, "tf32": hardware.set_tf32(device, cfg.speed.tf32)}
     hardware.keep_freed_memory(device)
-    data_dir, resume, lock, replaced, staged = prepare_outputs(cfg, info, command_line or {})
+    data, resume, lock, replaced, staged = prepare_outputs(cfg, info, command_line or {})
     try:
-        run = build_run(cfg, info, device, autocast_dtype, fp8_recipe, data_dir, resume, lock, reasons)
+        run = build_run(cfg, info, device, autocast_dtype, fp8_recipe, data, resume, lock, reasons)
     except BaseException:
         if lock is not None:  # a run built in this process later (bench/ladder.py, tests) may claim it again
             lock.release()
@@ -160,28 +161,28 @@ def setup(cfg: Config, command_line: dict | None = None) -> Run:
     return run
 
 
-def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: str, resume: bool, lock,
+def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, resume: bool, lock,
               reasons: dict) -> Run:
-    """The model, its wrappers, the optimizer, the data and the components, restored when resuming. Without
-    --vocab-size the model's vocabulary is the one data.json records (data.vocab_from_data)."""
-    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_from_data(cfg.model.vocab_size, data_dir)))
-    check_split(data_dir, "train", cfg.model.max_seq_len)  # refused before anything that size is allocated
+    """The model, its wrappers, the optimizer, the data (--data: mixture.py) and the components, restored when
+    resuming. Without --vocab-size the model's vocabulary is the one data.json records (data.vocab_from_data)."""
+    sources = mixture.open_sources(data, cfg.model.max_seq_len)  # refused before anything that size is allocated
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_from_data(cfg.model.vocab_size, sources[0].dir)))
     if not cfg.ckpt.from_hf:
         memory.check_fits(cfg.model, cfg.optim.name, device, info.world_size if info.mode == "fsdp" else 1)
     model, model_cfg, reasons["init"] = build_model(cfg, device)
-    if problem := check_vocab(model_cfg.vocab_size, data_dir):
+    if problem := mixture.vocab_problem(model_cfg.vocab_size, sources):
         raise DataError(f"--from-hf {cfg.ckpt.from_hf}: {problem}" if cfg.ckpt.from_hf else problem)
     layout = build_layout(cfg, model, info, device, autocast_dtype, fp8_recipe)
     wrapped, compiled = distributed.parallelize(model, info, device, autocast_dtype, cfg.dist, cfg.speed.compile)
     optimizer = build_optimizer(model, cfg.optim, model.row_blocks(), device.type)
-    loader = ShardLoader(data_dir, split="train", batch_size=layout.micro_batch, seq_len=layout.seq_len,
-                         rank=info.rank, world_size=info.world_size, seed=cfg.data.seed, device=str(device),
-                         vocab_size=model_cfg.vocab_size, packing=cfg.data.packing)
-    evaluator = Evaluator(cfg.eval, data_dir, info, device, model_cfg.vocab_size, cfg.data.seed)
+    loader = mixture.open_loader(sources, split="train", batch_size=layout.micro_batch, seq_len=layout.seq_len,
+                                 rank=info.rank, world_size=info.world_size, seed=cfg.data.seed, device=str(device),
+                                 vocab_size=model_cfg.vocab_size, packing=cfg.data.packing)
+    evaluator = Evaluator(cfg.eval, data, info, device, model_cfg.vocab_size, cfg.data.seed)
     evaluator.check(layout.micro_batch, layout.seq_len)
 
     checkpointer = Checkpointer(cfg.ckpt.out_dir, cfg.ckpt.ckpt_interval, cfg.ckpt.keep_ckpts, info, model_cfg,
-                                config.to_dict(cfg), fingerprint(loader.paths), cfg.data.allow_data_change,
+                                config.to_dict(cfg), loader.fingerprint(), cfg.data.allow_data_change,
                                 lambda saved: config.check_resume(saved, cfg))
     guard, start_step, start_tokens, meta = Guard(cfg.resilience), 0, 0, {}
     if resume:
@@ -209,13 +210,10 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data_dir: s
               layout=layout, max_steps=max_steps, start_step=start_step, guard=guard, evaluator=evaluator,
               checkpointer=checkpointer, telemetry=telemetry, lock=lock)
     if info.is_main:
-        s, planned = cfg.schedule, batch.planned_tokens(cfg, layout, start_step, max_steps, start_tokens)
-        print_table(startup_rows(run, data_dir, reasons, planned))
-        for warning in (schedule_warning(s.warmup, max_steps, s.schedule, s.decay_frac),
-                        batch_warmup_warning(s.batch_warmup_steps, s.batch_warmup_start, max_steps, layout),
-                        batch.epochs_warning(cfg, planned, loader.tokens_per_epoch)):
-            if warning:
-                message(warning)
+        planned = batch.planned_tokens(cfg, layout, start_step, max_steps, start_tokens)
+        print_table(startup_rows(run, sources, reasons, planned))
+        for warning in batch.plan_warnings(cfg, layout, max_steps, loader.epoch_plan(planned)):
+            message(warning)
     return run
 
 
@@ -287,8 +285,8 @@ def run_loop(run: Run) -> str | None:
                     oom_retried = True
                     shrink_micro_batch(run, loader_state, smaller)
                     continue
-                cropped = run.loader.cropped_fraction if run.cfg.data.packing == "bos" else None
-                taken.append(Taken(step, loss, grad_norm, finite, run.step_layout, run.telemetry.end_step(), cropped))
+                taken.append(Taken(step, loss, grad_norm, finite, run.step_layout, run.telemetry.end_step(),
+                                   run.loader.record_fields()))
                 step += 1
                 if not read_due(run, step, signals):
                     continue

@@ -95,6 +95,17 @@ def test_epochs_are_the_tokens_read_over_what_one_epoch_of_the_split_trains_on()
     assert "at least 3.33 epochs" in by_tokens and "lower --max-tokens for one epoch" in by_tokens
 
 
+def test_a_mixture_warns_of_each_source_it_reads_more_than_once():
+    cfg = config.parse_args(["--warmup", "2"])
+    layout = batch.BatchLayout(micro_batch=4, seq_len=32, grad_accum=1, world_size=1)
+    plan = [(70_000, 500_000, "web"), (30_000, 20_000, "code")]  # MixtureLoader.epoch_plan of 100,000 tokens
+    assert batch.plan_warnings(cfg, layout, 100, plan) == [
+        "warning: the run will read 30,000 tokens of source code's 20,000-token train split: 1.50 epochs, so it "
+        "trains on the same data more than once; lower --max-steps for one epoch or less, or prepare more data, "
+        "or lower the weight of code"]
+    assert len(batch.plan_warnings(cfg, layout, 1, plan)) == 2  # and a warm-up longer than the run
+
+
 # ----------------------------------------------------------------------------- resuming
 
 

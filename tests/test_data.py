@@ -262,7 +262,7 @@ def test_an_error_in_the_prefetch_thread_reaches_the_caller(shards, monkeypatch)
     def broken(g):
         raise DataError("disk gone")
 
-    monkeypatch.setattr(loader, "_batch", broken)
+    monkeypatch.setattr(loader, "_step", broken)
     with pytest.raises(DataError, match="disk gone"):
         next(loader)
     assert loader._thread is None and loader.state_dict()["next_window"] == 0
@@ -420,9 +420,9 @@ def test_bos_cropped_fraction_is_what_no_row_holds(doc_shards, shards):
     one.mkdir()
     write_doc_shards(one, np.diff([*starts, ends[-1]]).tolist(), shard_tokens=10_000)  # all in one shard
     loader = _bos_loader(one)
-    assert loader.cropped_fraction is None and loader.stats == {"packing": "bos", "cropped_fraction": None}
+    assert loader.cropped_fraction is None and loader.record_fields() == {"data_cropped_frac": None}
     next(loader)
-    fraction, rows = loader.stats["cropped_fraction"], 1  # of epoch 0's packing, before epoch 1 repacks
+    fraction, rows = loader.record_fields()["data_cropped_frac"], 1  # of epoch 0's packing, before epoch 1 repacks
     while loader.epoch == 0:
         next(loader)
         rows += 1
@@ -430,6 +430,7 @@ def test_bos_cropped_fraction_is_what_no_row_holds(doc_shards, shards):
     lengths = np.array(LENGTHS)  # windows: only the few tokens at each shard's end that no window reaches
     windows = ShardLoader(shards, batch_size=1, seq_len=T)
     assert windows.cropped_fraction == pytest.approx(((lengths - 1) % T).sum() / lengths.sum())
+    assert windows.record_fields() == {}  # the step records say it only under --packing bos
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -696,6 +696,100 @@ def test_prepare_cli_tokenizer_mistakes_are_one_line(tmp_path, capsys):
     assert _all_tokens(tmp_path / "out")[0] == 100  # its id
 
 
+def _word_docs(n_docs: int, n_words: int, seed: int = 0) -> list[str]:
+    words = ["the", "cat", "sat", "naïve", "日本語", "return", "x = 1", "\n\n    ", "parks", "dog", "ran", "."]
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(words) for _ in range(n_words)) for _ in range(n_docs)]
+
+
+def test_train_tokenizer_prepares_shards_with_its_own_ids(tmp_path):
+    docs = _word_docs(8, 200)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    out = tmp_path / "out"
+    record = prepare.prepare(tmp_path / "docs.jsonl", out, val_tokens=20, train_tokenizer=300)
+    own = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+    own.encode_special_tokens = True
+    assert _all_tokens(out) == [t for doc in docs for t in [299, *own.encode(doc).ids]]
+    assert {k: record[k] for k in ("tokenizer", "n_vocab", "eot", "doc_separator", "uint32", "tokenizer_file")} == {
+        "tokenizer": "trained:300", "n_vocab": 300, "eot": 299, "doc_separator": "<|endoftext|>", "uint32": False,
+        "tokenizer_file": "tokenizer.json"}
+    assert json.loads((out / "data.json").read_text()) == record
+    loaded = data.data_tokenizer(str(out))  # what train.py, sample.py and val_bpb load
+    assert loaded.sha256 == record["tokenizer_sha256"] and loaded.byte_level
+    assert loaded.encode(docs[3]) == own.encode(docs[3]).ids
+    # the same input trains the same tokenizer, which --overwrite puts in place of the earlier one
+    before = (out / "tokenizer.json").read_bytes()
+    args = ["--input", str(tmp_path / "docs.jsonl"), "--out", str(out), "--val-tokens", "20"]
+    assert prepare.main([*args, "--train-tokenizer", "300", "--overwrite"]) == 0
+    assert (out / "tokenizer.json").read_bytes() == before and data.data_record(str(out)) == {
+        **record, "seconds": data.data_record(str(out))["seconds"]}
+
+
+def test_train_tokenizer_holds_the_val_splits_text_out(tmp_path, monkeypatch):
+    """The val split's text, of at most TRAINED_TOKEN_BYTES per val token, is not trained on."""
+    val_tokens = 30
+    docs = _word_docs(6, 150, seed=1)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    trained_on = []
+    train_bpe = prepare.train_bpe
+
+    def spy(texts, *args):
+        trained_on.extend(texts)
+        return train_bpe(trained_on, *args)
+
+    monkeypatch.setattr(prepare, "train_bpe", spy)
+    prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "out", val_tokens=val_tokens, train_tokenizer=300)
+    val = read_shard(tmp_path / "out" / "val_000000.bin")
+    enc = data.data_tokenizer(str(tmp_path / "out"))
+    held_out = val_tokens * prepare.TRAINED_TOKEN_BYTES
+    assert enc.byte_lengths[val].sum() <= held_out  # the val split lies in the bytes held out
+    assert "".join(trained_on).encode() == "".join(docs).encode()[held_out:]  # cut between characters here
+
+    pieces = [("héllo", True), ("wörld", False), ("abc", True)]
+    text = prepare._TrainingText(pieces, skip=2, max_chars=5)  # a character cut in two is dropped
+    assert list(text) == ["llo", "wö"] and (text.chars, text.capped) == (5, True)
+    text = prepare._TrainingText(pieces, skip=0, max_chars=100)
+    assert list(text) == ["héllo", "wörld", "abc"] and (text.chars, text.capped) == (13, False)
+
+
+def test_val_bytes_bound_under_val_tokens_auto():
+    """Under auto the val split's size is bounded through the total: at most a token per byte and document."""
+    bound = prepare._val_bytes_bound
+    assert bound(iter(()), 100, None) == 100 * prepare.TRAINED_TOKEN_BYTES
+    small = [("é" * 10_000, True)] * 3  # 60,003 tokens at most: the least val split
+    assert bound(small, None, None) == prepare.MIN_VAL_TOKENS * prepare.TRAINED_TOKEN_BYTES
+    large = [("x" * 10_000_000, True)] * 30  # 300M: 1.5M tokens' worth of val, but no more than the cap
+    assert bound(large, None, None) == prepare.MAX_VAL_TOKENS * prepare.TRAINED_TOKEN_BYTES
+    assert bound(large, None, 8_000_000) == 40_000 * prepare.TRAINED_TOKEN_BYTES  # 0.5% of --max-tokens
+
+    def endless():
+        while True:
+            yield "x" * 10_000_000, True
+
+    assert bound(endless(), None, None) == prepare.MAX_VAL_TOKENS * prepare.TRAINED_TOKEN_BYTES  # read no further
+
+
+def test_train_tokenizer_mistakes_are_one_line_and_leave_out_alone(tmp_path, capsys):
+    (tmp_path / "doc.txt").write_text(" ".join(_word_docs(1, 300)))
+    args = ["--input", str(tmp_path / "doc.txt"), "--out", str(tmp_path / "out")]
+    for flags, words in [(["--train-tokenizer", "256"], "--train-tokenizer must be in [257, 1,048,576]"),
+                         (["--train-tokenizer", str(2**40)], "--train-tokenizer must be in [257, 1,048,576]"),
+                         (["--train-tokenizer", "300", "--tokenizer", "gpt2"], "not allowed with argument"),
+                         (["--train-tokenizer", "300", "--doc-separator", "EOS"], "'EOS' could be a token of text"),
+                         (["--val-tokens", "1000000", "--train-tokenizer", "300", "--overwrite"],
+                          "which --train-tokenizer holds out for the val split")]:
+        if flags[-1] == "--overwrite":  # fails after the earlier preparation was checked: it stays whole
+            assert prepare.main([*args, "--val-tokens", "5", "--train-tokenizer", "257"]) == 0
+            capsys.readouterr()
+            before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+        assert prepare.main([*args, *flags]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err[-1].startswith("error: ") and words in err[-1]
+        assert len(err) == (2 if flags[-1] in ("--overwrite", "EOS") else 1)  # after the training's first line
+        assert (tmp_path / "out").exists() == (flags[-1] == "--overwrite")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+
+
 def test_text_field_names_the_field_of_jsonl_and_parquet(gpt2, tmp_path):
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"body": d, "text": 1}) + "\n" for d in DOCS))
     pq.write_table(pa.table({"body": DOCS}), tmp_path / "docs.parquet")

@@ -15,7 +15,7 @@ FACTS = {"outcome": "finished", "wall_s": 241.4, "compile_s": 25.25, "start_step
          "max_steps": 150, "tokens": 2_457_600, "session_tokens": 2_457_600, "tokens_per_sec": 10_234.4,
          "mfu": 0.412, "last_eval": {"step": 150, "val_loss": 3.49012, "val_bpb": 1.98541}, "best_val": 3.49012,
          "peak_mem_gib": 1.5, "device": "cuda", "out_dir": "out", "final_ckpt": "out/ckpt_00000150.pt",
-         "best_ckpt": "out/best.pt", "epoch_tokens": 921_600, "bos": False}
+         "best_ckpt": "out/best.pt", "epoch_tokens": 921_600, "bos": False, "source_epochs": {}}
 
 
 def test_the_summary_names_what_the_run_did_and_what_to_run_next():
@@ -39,6 +39,11 @@ def test_the_summary_of_a_resumed_run_without_evals_or_checkpoints():
     assert rows["val loss"] == "no eval ran in this process" and rows["wall time"] == "4m01s"
     assert rows["final checkpoint"] == "none written" and "sample" not in rows and "export" not in rows
     assert rows["epochs"].endswith(": 2.67 epochs")  # all the tokens trained, not this process's
+
+
+def test_the_summary_of_a_mixture_gives_each_sources_epochs():
+    rows = dict(telemetry.summary_rows({**FACTS, "epoch_tokens": None, "source_epochs": {"web": 0.5, "code": 2.25}}))
+    assert rows["epochs"] == "of each source's train split, read: web 0.50, code 2.25"
 
 
 def test_a_run_ends_with_its_summary(tmp_path, tiny_data, capsys):

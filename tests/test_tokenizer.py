@@ -174,3 +174,19 @@ def test_byte_level_token_bytes_add_up_to_the_texts_bytes():
     assert tok.byte_level and b"".join(tok.token_bytes(i) for i in ids) == text.encode()
     assert tok.byte_lengths[ids].sum() == len(text.encode()) and tok.byte_lengths[tok.eot] == 0
     assert any(tok.byte_lengths[i] == 1 and tok.token_bytes(i)[0] >= 0x80 for i in ids)  # part of a character
+
+
+def test_train_bpe_is_deterministic_byte_level_and_ends_with_its_separator():
+    # a lone surrogate too, as a JSON escape can make
+    texts = ["internationalization = naïve 日本 the cat\n\n    return x = 1 " * 3] * 30 + ["lone \ud800"]
+    first, second = (tokenizer.train_bpe(texts, 400, "trained:400", "</s>") for _ in range(2))
+    assert first.sha256 == second.sha256 and first.text == second.text  # the same texts, the same tokenizer
+    # every pair merged but those past TRAINED_TOKEN_BYTES: fewer ids than asked, the separator the last
+    assert (first.n_vocab, first.eot, first.separator, first.byte_level) == (306, 305, "</s>", True)
+    assert len(" internationalization".encode()) > tokenizer.TRAINED_TOKEN_BYTES
+    assert len(first.encode(" internationalization")) == 2 and first.encode(" cat") == [first.fast.token_to_id("Ġcat")]
+    assert max(len(first.token_bytes(i)) for i in range(305)) <= tokenizer.TRAINED_TOKEN_BYTES
+    text = "naïve 🤖 </s> <|endoftext|> never seen\ud800"  # a special token's text is text; every byte encodes
+    ids = first.encode(text)
+    assert first.eot not in ids and first.decode(ids) == text.replace("\ud800", "\ufffd")
+    assert first.byte_lengths[ids].sum() == len(text.replace("\ud800", "\ufffd").encode())

@@ -1,0 +1,267 @@
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from cli import UsageError
+from conftest import TINY_FLAGS, spawn_on_gloo
+from data import DataError, ShardLoader, write_data_record, write_shard
+from mixture import (MIX_BLOCK, MixtureLoader, Source, check_sources, open_loader, parse_data, row_sources)
+
+T = 8
+WEB, CODE = 0, 3000  # each source's first token: a row's first token says which source and window it is
+VOCAB = 4096  # above every token of both sources, which are all distinct
+
+
+def write_source(root, shard_lengths, first_token, val_tokens=400):
+    """Train shards whose tokens count up from first_token across the source, and a val shard after them."""
+    os.makedirs(root, exist_ok=True)
+    token = first_token
+    for i, n in enumerate(shard_lengths):
+        write_shard(os.path.join(root, f"train_{i:06d}.bin"), np.arange(token, token + n), VOCAB)
+        token += n
+    write_shard(os.path.join(root, "val_000000.bin"), np.arange(token, token + val_tokens), VOCAB)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mix")
+    web = write_source(root / "web", [801, 641, 961], WEB)  # 100 + 80 + 120 windows of 8
+    code = write_source(root / "code", [41, 33], CODE)  # 5 + 4 windows: it runs out often
+    return parse_data(f"web={web}:0.7,code={code}:0.3")
+
+
+def mixture(sources, **kwargs):
+    return MixtureLoader(sources, **{"batch_size": 4, "seq_len": T, "seed": 5, "prefetch": 0, **kwargs})
+
+
+def alone(source, **kwargs):
+    return ShardLoader(source.dir, **{"batch_size": 1, "seq_len": T, "seed": 5, "prefetch": 0, **kwargs})
+
+
+def rows(loader, steps):
+    return np.concatenate([next(loader)[0].numpy() for _ in range(steps)])
+
+
+def source_of(row):
+    return int(row[0] >= CODE)
+
+
+# ----------------------------------------------------------------------------- --data
+
+
+def test_data_is_a_directory_or_named_weighted_sources(tmp_path):
+    assert parse_data("data/web") == [Source("", "data/web", 1.0)]
+    assert parse_data("web=data/web:3,code=/abs/c:de:1") == [Source("web", "data/web", 0.75),
+                                                              Source("code", "/abs/c:de", 0.25)]
+    odd = tmp_path / "a=b:1"  # a directory that exists is one source whatever its name holds
+    odd.mkdir()
+    assert parse_data(str(odd)) == [Source("", str(odd), 1.0)]
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("web=d:0.7,code=e", "'code=e' is not NAME=DIR:WEIGHT"),
+    ("web=d:0.7,=e:1", "'=e:1' is not NAME=DIR:WEIGHT"),
+    ("we b=d:1", "'we b=d:1' is not NAME=DIR:WEIGHT"),
+    ("web=d:0", "the weight of source web must be a positive number, got '0'"),
+    ("web=d:-1", "must be a positive number, got '-1'"),
+    ("web=d:nan", "got 'nan'"),
+    ("web=d:inf", "got 'inf'"),
+    ("web=d:0.7x", "got '0.7x'"),
+    ("web=d:1,web=e:1", "source web is named twice"),
+])
+def test_a_mixture_that_does_not_parse_is_one_line(spec, words):
+    with pytest.raises(UsageError, match=words):
+        parse_data(spec)
+
+
+def record(tokenizer="gpt2", sha="aa", n_vocab=50257, eot=50256):
+    return {"tokenizer": tokenizer, "tokenizer_sha256": sha, "n_vocab": n_vocab, "eot": eot}
+
+
+def test_sources_must_exist_and_share_one_tokenizer(tmp_path):
+    a, b, c = (write_source(tmp_path / name, [81], 0) for name in "abc")
+    with pytest.raises(DataError, match=r"--data: source b \(.*/nope\): no such directory"):
+        check_sources(parse_data(f"a={a}:1,b={tmp_path / 'nope'}:1"))
+    write_data_record(a, record())
+    write_data_record(b, record())
+    check_sources(parse_data(f"a={a}:1,b={b}:1,c={c}:1"))  # c records nothing (llm.c shards): not compared
+    write_data_record(b, record("tok.json", sha="bb", n_vocab=70_000, eot=3))
+    with pytest.raises(DataError, match=r"source a \(.*\) and source b \(.*\) were prepared with different "
+                                        r"tokenizers \(gpt2, separator 50256; tok.json, separator 3\)"):
+        check_sources(parse_data(f"a={a}:1,b={b}:1"))
+    write_data_record(b, record(eot=50255))  # the same tokenizer, another document separator
+    with pytest.raises(DataError, match="different tokenizers"):
+        check_sources(parse_data(f"a={a}:1,b={b}:1"))
+
+
+# ----------------------------------------------------------------------------- the draw
+
+
+def test_a_rows_source_depends_on_the_seed_and_the_row_alone():
+    weights = (0.5, 0.3, 0.2)
+    whole = row_sources(weights, 7, 0, 3 * MIX_BLOCK)
+    for start, count in ((0, 10), (MIX_BLOCK - 3, 9), (5000, 1), (2 * MIX_BLOCK, MIX_BLOCK)):
+        assert (row_sources(weights, 7, start, count) == whole[start:start + count]).all()
+    assert (row_sources(weights, 8, 0, 100) != whole[:100]).any()
+    assert len(row_sources(weights, 7, 123, 0)) == 0
+
+
+def test_proportions_are_the_weights_within_binomial_noise():
+    weights, n = np.array([0.6, 0.3, 0.1]), 200_000
+    counts = np.bincount(row_sources(weights, 0, 0, n), minlength=3)
+    sigma = np.sqrt(n * weights * (1 - weights))
+    assert (np.abs(counts - n * weights) < 4 * sigma).all(), counts
+
+
+def test_each_batch_draws_its_rows_from_the_sources_in_proportion(sources):
+    drawn = [source_of(r) for r in rows(mixture(sources, batch_size=16), 150)]  # 2,400 rows
+    n, p = len(drawn), 0.3
+    assert abs(sum(drawn) - n * p) < 4 * np.sqrt(n * p * (1 - p))
+
+
+# ----------------------------------------------------------------------------- each source's own stream
+
+
+def test_each_source_reads_its_rows_in_the_order_a_run_on_it_alone_would(sources):
+    mixed = rows(mixture(sources), 60)  # 240 rows: code's 9 windows run out many times, web's 300 do not
+    for index, source in enumerate(sources):
+        own = np.array([r for r in mixed if source_of(r) == index])
+        assert (own == rows(alone(source), len(own))).all()
+    web = mixed[[source_of(r) == 0 for r in mixed]]
+    assert len(web) == len({int(r[0]) for r in web})  # code's many epochs did not repeat a web row
+
+
+def test_a_source_that_runs_out_starts_its_next_epoch_alone(sources):
+    loader = mixture(sources)
+    code = []
+    while len(code) < 18:  # two epochs of code's 9 windows
+        code += [int(r[0]) for r in next(loader)[0].numpy() if source_of(r) == 1]
+    starts = {CODE + w * T for w in range(5)} | {CODE + 41 + w * T for w in range(4)}
+    assert set(code[:9]) == starts and set(code[9:18]) == starts  # each window once an epoch
+    assert code[:9] != code[9:18]  # in a new permutation
+    state = loader.state_dict()["mixture"]
+    assert state["code"]["next_window"] >= 0 and loader.epochs_read()["code"] >= 18 / 9 - 1e-9
+    assert 0 < loader.epochs_read()["web"] < 0.5
+
+
+@pytest.mark.parametrize("batch_size, world_size", [(4, 1), (2, 2), (1, 4)])
+def test_resume_is_exact_at_any_micro_batch_and_world_size(sources, batch_size, world_size):
+    straight = mixture(sources)
+    expected = rows(straight, 30)[80:]  # 120 rows; the resume comes after 80, code mid-epoch
+    first = mixture(sources)
+    rows(first, 20)
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint's meta holds it
+    assert 0 < state["mixture"]["code"]["next_window"] % 9 and state["rows"] == 80
+    ranks = [mixture(sources, batch_size=batch_size, rank=r, world_size=world_size) for r in range(world_size)]
+    for loader in ranks:
+        loader.load_state_dict(state)
+    steps = 40 // (batch_size * world_size)
+    resumed = np.concatenate([np.concatenate([next(loader)[0].numpy() for loader in ranks]) for _ in range(steps)])
+    assert (resumed == expected).all()
+
+
+def test_a_loader_state_is_refused_by_a_loader_of_other_sources(sources):
+    mixed, single = mixture(sources), alone(sources[0])
+    with pytest.raises(DataError, match="is of a mixture of sources \\(web, code\\); this run reads one directory"):
+        single.load_state_dict(mixed.state_dict())
+    with pytest.raises(DataError, match="is of one --data directory; this run reads a mixture of web, code"):
+        mixed.load_state_dict(single.state_dict())
+    renamed = [sources[0], sources[1]._replace(name="py")]
+    with pytest.raises(DataError, match="holds the sources web, code; this run's --data names web, py"):
+        mixture(renamed).load_state_dict(mixed.state_dict())
+    with pytest.raises(DataError, match="loader state of source web was saved with --packing windows"):
+        mixture(sources, packing="bos").load_state_dict(mixed.state_dict())
+    reweighted = [s._replace(weight=w) for s, w in zip(sources, (0.5, 0.5))]  # the draw goes on with new weights
+    mixture(reweighted).load_state_dict(mixed.state_dict())
+
+
+def _disjoint_ranks(rank, world_size, sources):
+    loader = MixtureLoader(sources, batch_size=3, seq_len=T, rank=rank, world_size=world_size, seed=5)
+    mine = [int(r[0]) for r in rows(loader, 10)]
+    loader.close()
+    gathered = [None] * world_size
+    torch.distributed.all_gather_object(gathered, mine)
+    if rank == 0:
+        single = [int(r[0]) for r in rows(mixture(sources, batch_size=3 * world_size), 10)]
+        by_step = [sum((g[3 * s:3 * s + 3] for g in gathered), []) for s in range(10)]
+        assert sum(by_step, []) == single  # the ranks' rows, step by step, are one process's
+        assert not set(gathered[0]) & set(gathered[1])  # web rows, and code's within an epoch, never twice
+
+
+def test_two_gloo_ranks_take_disjoint_rows_of_one_stream(sources, tmp_path):
+    big = [s._replace(weight=w) for s, w in zip(sources, (0.97, 0.03))]  # code's 9 windows last both ranks
+    spawn_on_gloo(_disjoint_ranks, 2, tmp_path, big)
+
+
+def test_the_plain_directory_gets_the_plain_loader(sources, tiny_data):
+    assert type(open_loader(parse_data(tiny_data), batch_size=1, seq_len=T, prefetch=0)) is ShardLoader
+    assert type(open_loader(sources, batch_size=1, seq_len=T, prefetch=0)) is MixtureLoader
+
+
+# ----------------------------------------------------------------------------- in a run
+
+
+def run(tmp_path, data, *extra):
+    return train.main(["--data", data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--vocab-size", str(VOCAB),
+                       "--warmup", "1", "--eval-tokens", "256", "--device", "cpu", "--dtype", "fp32",
+                       "--compile", "off", *extra])
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_a_mixture_run_reports_each_source_and_resumes_bit_identically(sources, tmp_path, capsys):
+    spec = f"web={sources[0].dir}:0.7,code={sources[1].dir}:0.3"
+    flags = ["--max-steps", "4", "--eval-interval", "2", "--ckpt-interval", "2", "--keep-ckpts", "3",
+             "--seq-len", str(T)]
+    run(tmp_path / "full", spec, *flags)
+    out, err = capsys.readouterr()
+    assert f"data             mixture web={sources[0].dir} (70.0%), code={sources[1].dir} (30.0%)" in out
+    assert "tokens of source web's 2,400-token train split" in out and "source code's 72-token" in out
+    assert "warning: the run will read" not in err  # code: 38 of its 72 tokens
+    summary = out[out.index("run summary"):]
+    assert "epochs            of each source's train split, read: web " in summary
+    full = metrics(tmp_path / "full")
+    evaluated = full[1]
+    assert evaluated["val_loss"] == pytest.approx(0.7 * evaluated["val_loss/web"] + 0.3 * evaluated["val_loss/code"])
+    assert evaluated["epoch/code"] > 0 and evaluated["epoch"] is None
+
+    os.makedirs(tmp_path / "resumed")
+    for name in os.listdir(tmp_path / "full"):
+        if name.startswith("ckpt_00000002"):
+            os.link(tmp_path / "full" / name, tmp_path / "resumed" / name)
+    run(tmp_path / "resumed", spec, *flags, "--resume")
+    resumed = metrics(tmp_path / "resumed")
+    for a, b in zip(full[2:], resumed[-2:]):
+        assert (a["train_loss"], a["epoch/web"], a["epoch/code"]) == (b["train_loss"], b["epoch/web"], b["epoch/code"])
+        assert a.get("val_loss/code") == b.get("val_loss/code")
+
+
+def test_bad_mixtures_are_one_line_at_start_up(tmp_path, capsys):
+    web, code = write_source(tmp_path / "web", [801], WEB), write_source(tmp_path / "code", [81], CODE)
+    no_val = write_source(tmp_path / "noval", [81], CODE)
+    os.remove(os.path.join(no_val, "val_000000.bin"))
+    ours, theirs = write_source(tmp_path / "ours", [81], CODE), write_source(tmp_path / "theirs", [81], CODE)
+    write_data_record(ours, record(n_vocab=VOCAB, eot=0))
+    write_data_record(theirs, record("tok.json", sha="bb", n_vocab=VOCAB, eot=0))
+    cases = [(f"web={web}:0.7,code={code}:x", "--data: the weight of source code must be a positive number"),
+             (f"web={web}:1,code={tmp_path}/gone:1", f"--data: source code ({tmp_path}/gone): no such directory"),
+             (f"web={web}:0.7,code={no_val}:0.3", f"--data: source code ({no_val}) has no usable val split (no val "
+                                                  "shards (val_*.bin)"),
+             (f"ours={ours}:1,theirs={theirs}:1", "were prepared with different tokenizers")]
+    errors = []
+    for i, (spec, words) in enumerate(cases):
+        with pytest.raises(SystemExit) as exit_:
+            run(tmp_path / f"out{i}", spec, "--max-steps", "1", "--seq-len", str(T))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_.value.code == 2 and len(err) == 1 and words in err[0], err
+        errors.append(err[0])
+    assert ("so val_loss, the weighted mean of the sources' val losses, would leave out its 30.0%: prepare it with a "
+            "val split (prepare.py --val-tokens N), or turn evaluation off with --eval-interval 0") in errors[2]
