@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+import score
 import train
 from cli import UsageError
 from conftest import TINY_FLAGS, spawn_on_gloo
@@ -198,6 +199,33 @@ def test_two_gloo_ranks_take_disjoint_rows_of_one_stream(sources, tmp_path):
     spawn_on_gloo(_disjoint_ranks, 2, tmp_path, big)
 
 
+def write_documents(root, lengths, first_token, bos=VOCAB - 1):
+    """Documents of these lengths (each counting its leading bos) whose other tokens count up from first_token,
+    cut into train shards of 60 tokens, with a data.json naming bos as the separator."""
+    os.makedirs(root)
+    tokens = first_token + np.arange(sum(lengths))
+    tokens[np.cumsum([0, *lengths[:-1]])] = bos
+    for i, first in enumerate(range(0, len(tokens), 60)):
+        write_shard(os.path.join(root, f"train_{i:06d}.bin"), tokens[first:first + 60], VOCAB)
+    write_data_record(str(root), record("test", n_vocab=VOCAB, eot=bos))
+    return str(root)
+
+
+def test_under_packing_bos_each_sources_rows_start_at_its_documents(tmp_path):
+    web = write_documents(tmp_path / "web", [5, 12, 3, 9, 20] * 8, WEB)
+    code = write_documents(tmp_path / "code", [7, 2, 14] * 6, CODE)
+    sources = parse_data(f"web={web}:1,code={code}:1")
+    loader = mixture(sources, packing="bos", batch_size=8)
+    batch = rows(loader, 10)
+    assert (batch[:, 0] == VOCAB - 1).all()
+    assert set(loader.record_fields()) == {"epoch/web", "epoch/code", "data_cropped_frac/web",
+                                           "data_cropped_frac/code"}
+    is_code = [(row[row != VOCAB - 1] >= CODE).all() for row in batch]
+    for index, source in enumerate(sources):  # each source's rows, in the order its own loader gives them
+        own = batch[[flag == bool(index) for flag in is_code]]
+        assert 0 < len(own) and (own == rows(alone(source, packing="bos"), len(own))).all()
+
+
 def test_the_plain_directory_gets_the_plain_loader(sources, tiny_data):
     assert type(open_loader(parse_data(tiny_data), batch_size=1, seq_len=T, prefetch=0)) is ShardLoader
     assert type(open_loader(sources, batch_size=1, seq_len=T, prefetch=0)) is MixtureLoader
@@ -232,6 +260,14 @@ def test_a_mixture_run_reports_each_source_and_resumes_bit_identically(sources, 
     evaluated = full[1]
     assert evaluated["val_loss"] == pytest.approx(0.7 * evaluated["val_loss/web"] + 0.3 * evaluated["val_loss/code"])
     assert evaluated["epoch/code"] > 0 and evaluated["epoch"] is None
+
+    assert score.main(["--ckpt", str(tmp_path / "full"), "--task", "bpb", "--n", "64", "--batch-size", "2",
+                       "--device", "cpu", "--dtype", "fp32"]) == 0  # the checkpoint's own mixture, by default
+    lines = capsys.readouterr().out.splitlines()
+    assert f"val tokens of {spec} " in lines[0] and lines[1].startswith("val_loss ")
+    assert [line.split()[0] for line in lines[-4:]] == ["val_loss/web", "val_bpb/web", "val_loss/code", "val_bpb/code"]
+    with pytest.raises(UsageError, match=f"whose source code \\({sources[1].dir}-gone\\) is not there"):
+        score.val_data(None, {"data": {"data": spec.replace(sources[1].dir, sources[1].dir + "-gone")}}, "c.pt")
 
     os.makedirs(tmp_path / "resumed")
     for name in os.listdir(tmp_path / "full"):
