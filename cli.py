@@ -1,6 +1,7 @@
 """What every entry point shares: a mistake the user can fix is one `error:` line on stderr and exit code 2.
 
-No usage dump and no traceback; a traceback means a bug in this repository.
+No usage dump and no traceback; a traceback means a bug in this repository. Also shared: --help that states
+each option's default (HelpFormatter), and counts written out with their nouns (plural).
 """
 
 import argparse
@@ -20,6 +21,21 @@ class UsageError(Exception):
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(message)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help with the description as written and every option's default: "(default: X)" after its help,
+    unless the help states it already or there is none to state (None, empty, an on/off flag's off)."""
+
+    def _get_help_string(self, action):  # the hook argparse.ArgumentDefaultsHelpFormatter overrides too
+        text = action.help or ""
+        none = action.default in (None, argparse.SUPPRESS, "", []) or action.nargs == 0 or not action.option_strings
+        return text if "(default:" in text or none else f"{text} (default: %(default)s)".lstrip()
+
+
+def plural(n: int, noun: str, plural_noun: str | None = None) -> str:
+    """A count and its noun: "1 shard", "2 shards", "1,024 tokens", plural(3, "batch", "batches")."""
+    return f"{n:,} {noun if n == 1 else plural_noun or noun + 's'}"
 
 
 def int_or_auto(text: str) -> int | str:

@@ -17,6 +17,7 @@ batch.py. A Config is not changed after start-up.
 
 import argparse
 import dataclasses
+import difflib
 import hashlib
 import json
 import math
@@ -190,6 +191,9 @@ class LogConfig:
     wandb_tags: str | None = option(None, "comma-separated tags for the wandb run")
     wandb_mode: str = option("auto", "auto: online with an API key, offline without",
                              choices=("auto", "online", "offline"))
+    tensorboard: bool = option(False, "also write each metrics.jsonl record's numbers as TensorBoard scalars to "
+                                      "OUT/tensorboard (view: tensorboard --logdir OUT/tensorboard; needs the "
+                                      "optional tensorboard package: pip install tensorboard)")
 
 
 @dataclass
@@ -253,7 +257,8 @@ def _add_flag(group, section: str, cls, f: dataclasses.Field) -> None:
     elif "action" not in kwargs:
         kwargs["metavar"] = f.metadata.get("metavar", f.name.upper())
     shown = f.default if "action" not in f.metadata else not f.default
-    kwargs["help"] = f.metadata["help"] + ("" if shown in (None, False, "") else f" (default: {shown})")
+    hidden = shown is None or shown is False or shown == ""  # 0 is a default to show (0 == False)
+    kwargs["help"] = f.metadata["help"] + ("" if hidden else f" (default: {shown})")
     group.add_argument(flag_name(f), **kwargs)
 
 
@@ -273,9 +278,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 # Pairs of alternatives: a flag for either one replaces what a --config file said about both.
 ALTERNATIVES = ((("data.total_batch_tokens", "--total-batch-tokens"), ("data.grad_accum", "--grad-accum")),
                 (("schedule.max_tokens", "--max-tokens"), ("schedule.max_steps", "--max-steps")))
-# Settings of one invocation rather than of the run: not written to OUT/config.toml, not compared on resume.
+# Settings of one invocation rather than of the run: not written to OUT/config.toml (so that a file a resumed
+# run wrote repeats the run instead of resuming it), not compared on resume.
 INVOCATION_KEYS = ("ckpt.resume", "ckpt.overwrite", "speed.estimate_memory", "speed.target_gpu",
-                   "schedule.allow_lr_rewarm")
+                   "schedule.allow_lr_rewarm", "data.allow_data_change")
 
 
 def explicit_values(flags: dict, from_file: dict) -> dict:
@@ -288,6 +294,13 @@ def explicit_values(flags: dict, from_file: dict) -> dict:
             if all(key in source for key, _ in pair):
                 raise UsageError(f"give {pair[0][1]} or {pair[1][1]}, not both")
     return {**from_file, **flags}
+
+
+def repeated_config(command_line: dict) -> str | None:
+    """The --config file of a command line that does not give --out-dir (parse_command_line's command_line): its
+    run goes to the directory the file names, which holds the file's own run when the file is an OUT/config.toml
+    (rundir.claim says what to add)."""
+    return None if "ckpt.out_dir" in command_line else command_line.get("config_file")
 
 
 def parse_args(argv=None, description: str | None = None, machine_checks=()) -> Config:
@@ -367,13 +380,44 @@ def read_config_file(path: str) -> dict:
     values = {}
     for name, table in data.items():
         if name not in sections or not isinstance(table, dict):
-            raise UsageError(f"--config {path}: {name!r} is not a section; the sections are {', '.join(sections)}")
-        fields = {f.name: f for f in dataclasses.fields(sections[name])}
+            close = difflib.get_close_matches(name, sections, n=1) if isinstance(table, dict) else []
+            hint = f"; did you mean [{close[0]}]?" if close else _closest_key(name, sections)  # or a key out of place
+            raise UsageError(f"--config {path}: {name!r} is not a section; the sections are "
+                             f"{', '.join(sections)}{hint}")
+        names, spelled = key_names(sections[name]), {}
         for key, value in table.items():
-            if key not in fields:
-                raise UsageError(f"--config {path}: unknown key {name}.{key}")
-            values[f"{name}.{key}"] = _file_value(sections[name], fields[key], value, f"--config {path}: {name}.{key}")
+            f = names.get(key.replace("-", "_"))
+            if f is None:
+                raise UsageError(f"--config {path}: unknown key {name}.{key}"
+                                 + _closest_key(key, {name: sections[name]}, sections))
+            if f.name in spelled:
+                raise UsageError(f"--config {path}: {name}.{spelled[f.name]} and {name}.{key} set the same field")
+            spelled[f.name] = key
+            values[f"{name}.{f.name}"] = _file_value(sections[name], f, value, f"--config {path}: {name}.{key}")
     return values
+
+
+def key_names(cls) -> dict[str, dataclasses.Field]:
+    """The keys a --config file may use for cls's fields -> the field: its name, and its flag's spelling (seq_len
+    for --seq-len; a key's dashes read as underscores) unless the flag negates the field (--untied). Pure."""
+    names = {}
+    for f in dataclasses.fields(cls):
+        if "action" not in f.metadata:
+            names[flag_name(f).removeprefix("--").replace("-", "_")] = f
+        names[f.name] = f
+    return names
+
+
+def _closest_key(key: str, *places: dict) -> str:
+    """"; did you mean SECTION.FIELD (--FLAG)?" for the field whose name or flag spelling is closest to key, from
+    the first of places (section name -> its dataclass) that has a close one; "" when none has. Pure."""
+    for sections in places:
+        candidates = {alias: (section, f) for section, cls in sections.items() for alias, f in key_names(cls).items()}
+        close = difflib.get_close_matches(key.replace("-", "_"), candidates, n=1)
+        if close:
+            section, f = candidates[close[0]]
+            return f"; did you mean {section}.{f.name} ({flag_name(f)})?"
+    return ""
 
 
 def _toml_value(value) -> str:
@@ -388,7 +432,7 @@ def to_toml(cfg: Config) -> str:
     """The resolved configuration as a --config file: every field, derived ones included, so that the file
     alone reproduces the run. Unset fields (None) are comments: TOML has no null. Its second line is the
     digest of the others (hand_edited)."""
-    lines = ["# The resolved configuration of a run: `python train.py --config THIS_FILE` repeats it."]
+    lines = ["# The resolved settings of a run: `python train.py --config THIS_FILE --out-dir NEW_DIR` repeats it."]
     flat = flat_values(cfg)
     # Of two alternatives, the file holds the one in use: the token count when it is set, else the other.
     unused = {pair[1][0] if flat[pair[0][0]] else pair[0][0] for pair in ALTERNATIVES}

@@ -218,13 +218,13 @@ def fingerprint(paths: list[str], block: int = 1 << 16) -> list[list]:
 def data_change(saved: list | None, current: list) -> str | None:
     """How the shards a checkpoint trained on differ from these, in a few words; None when they do not (or
     the checkpoint predates fingerprints)."""
-    if saved is None or saved == current:
+    if saved is None:
         return None
-    names = {name for name, *_ in saved} ^ {name for name, *_ in current}
-    if names:
+    before, now = ({name: rest for name, *rest in shards} for shards in (saved, current))  # by name, not order
+    if names := set(before) ^ set(now):
         return f"shards added or removed ({', '.join(sorted(names)[:3])})"
-    changed = [a[0] for a, b in zip(saved, current) if a != b]
-    return f"shard contents differ ({', '.join(changed[:3])})"
+    changed = sorted(name for name in before if before[name] != now[name])
+    return f"shard contents differ ({', '.join(changed[:3])})" if changed else None
 
 
 def check_split(data_dir: str, split: str, seq_len: int) -> list[np.ndarray]:
@@ -502,7 +502,8 @@ class BosRows(RowOrder):
 class BatchStream:
     """What the loaders share: batches of [batch_size, seq_len] int64 (x, y) tensors, y being x shifted left by
     one token, made ahead by a prefetch thread and handed over on the device. A subclass gives _step(pos) ->
-    (this rank's batch, the position after the step on every rank) and sets _next, the start position."""
+    (this rank's batch, the position after the step on every rank, what the batch says of the data for its
+    step's record) and sets _next, the start position."""
 
     def __init__(self, batch_size: int, seq_len: int, rank: int, world_size: int, device, prefetch: int):
         if batch_size < 1 or seq_len < 1 or prefetch < 0:
@@ -513,6 +514,7 @@ class BatchStream:
         self.batch_size, self.seq_len, self.rank, self.world_size = batch_size, seq_len, rank, world_size
         self.prefetch, self.device = prefetch, torch.device(device)
         self._thread = None
+        self.fields = {}  # record_fields of the last batch taken
 
     def _tensors(self, buf: np.ndarray):
         """(x, y) of rows of T + 1 tokens: y is x shifted left by one."""
@@ -538,8 +540,8 @@ class BatchStream:
 
         try:
             while not stop.is_set():
-                batch, pos = self._step(pos)
-                put((batch, pos))
+                batch, pos, fields = self._step(pos)
+                put((batch, pos, fields))
         except Exception as e:  # handed to the consumer, which re-raises it
             put(e)
 
@@ -548,7 +550,7 @@ class BatchStream:
 
     def __next__(self):
         if self.prefetch == 0:
-            (x, y), after = self._step(self._next)
+            (x, y), after, fields = self._step(self._next)
         else:
             if self._thread is None:
                 self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
@@ -559,9 +561,14 @@ class BatchStream:
             if isinstance(item, Exception):
                 self.close()
                 raise item
-            (x, y), after = item
-        self._next = after
+            (x, y), after, fields = item
+        self._next, self.fields = after, fields
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def record_fields(self) -> dict:
+        """What the last batch taken says of the data, for its step's record (metrics.jsonl): made with the
+        batch, so that a prefetch thread running ahead does not change it."""
+        return self.fields
 
     def close(self):
         """Stop the prefetch thread; iterating again restarts it at the consumed position."""
@@ -649,7 +656,8 @@ class ShardLoader(BatchStream):
         mine = self.order.advance(pos, self.rank * self.batch_size)
         for b in range(self.batch_size):
             mine = self.read_row(mine, buf[b])
-        return self._tensors(buf), self.order.advance(pos, self.step_windows)
+        fields = {"data_cropped_frac": self.cropped_fraction} if self.packing == "bos" else {}
+        return self._tensors(buf), self.order.advance(pos, self.step_windows), fields
 
     @property
     def cropped_fraction(self) -> float | None:
@@ -667,10 +675,6 @@ class ShardLoader(BatchStream):
     def epoch_plan(self, tokens: int) -> list[tuple[int, int, str]]:
         """(its tokens, tokens_per_epoch, source) of a run that reads `tokens`: one unnamed source here."""
         return [(tokens, self.tokens_per_epoch, "")]
-
-    def record_fields(self) -> dict:
-        """What a step's record says of the data, read as the step ends: the cropped fraction (bos)."""
-        return {"data_cropped_frac": self.cropped_fraction} if self.packing == "bos" else {}
 
     def fingerprint(self) -> list[list]:
         """data.fingerprint of the shards, which a checkpoint saves to refuse a resume on other data."""

@@ -31,9 +31,9 @@ import torch
 
 import distributed
 import hardware
-from cli import UsageError, first_line
+from cli import UsageError, first_line, plural
 from data import VOCAB_PAD_MULTIPLE, DataError, ShardLoader, data_tokenizer
-from mixture import Source, is_mixture, label, parse_data
+from mixture import Source, is_mixture, label, parse_data, record_dir
 from model import IGNORE_INDEX
 from progress import Progress
 from sample import sample_text
@@ -225,11 +225,12 @@ def eval_tokens_note(eval_tokens: int, val_windows: int, val_tokens: int, micro_
     rank (some windows are read twice); else None."""
     step = micro_batch * world_size
     batches = eval_batches(eval_tokens, val_windows, micro_batch, seq_len, world_size)
-    shape = (f"{batches} batch{'es' if batches > 1 else ''} of {micro_batch} x {seq_len} on each of {world_size} "
-             f"rank{'s' if world_size > 1 else ''}")
+    shape = (f"{plural(batches, 'batch', 'batches')} of {micro_batch} x {seq_len} on each of "
+             f"{plural(world_size, 'rank')}")
     if val_windows < step:
-        return (f"note: the val split ({val_tokens:,} tokens) holds {val_windows} windows of {seq_len}, fewer "
-                f"than one batch on every rank; each eval reads {step * seq_len:,} tokens ({shape}), some twice")
+        return (f"note: the val split ({plural(val_tokens, 'token')}) holds {plural(val_windows, 'window')} of "
+                f"{seq_len}, fewer than one batch on every rank; each eval reads {step * seq_len:,} tokens ({shape}), "
+                "some twice")
     if eval_tokens < step * seq_len:
         return (f"note: --eval-tokens {eval_tokens:,} rounds up to one whole batch: each eval reads "
                 f"{step * seq_len:,} tokens ({shape})")
@@ -271,7 +272,7 @@ class Evaluator:
     def tokenizer(self) -> Tokenizer:
         """The tokenizer of the shards and the model (the prompt, HellaSwag, val_bpb), loaded on first use."""
         if self._tokenizer is None:
-            recorded = data_tokenizer(self.sources[0].dir) if self.sources else None
+            recorded = data_tokenizer(record_dir(self.sources)) if self.sources else None
             self._tokenizer = recorded or load_tokenizer("gpt2")
         return self._tokenizer
 
@@ -320,7 +321,7 @@ class Evaluator:
                 raise DataError(f"--data: {label(source)} has no usable val split ({first_line(e)}), so val_loss, "
                                 f"the weighted mean of the sources' val losses, would leave out its "
                                 f"{100 * source.weight:.1f}%: prepare it with a val split (prepare.py --val-tokens "
-                                "N), or turn evaluation off with --eval-interval 0") from None
+                                "N), or train without evaluation (train.py --eval-interval 0)") from None
             loader.close()
             note = eval_tokens_note(self.cfg.eval_tokens, loader.num_windows,
                                     sum(len(shard) for shard in loader.shards), micro_batch, seq_len,
@@ -385,22 +386,32 @@ class Evaluator:
         """{"val_loss": mean loss, "val_bpb": bits per byte (when known)} over the first eval_tokens of the val
         split, or all of it that whole batches hold (eval_batches): the same tokens every time, split across
         ranks. forward: what the training step calls (compiled, wrapped); autocast: the step's context. A
-        mixture measures each source's val split so (val_loss/NAME, val_bpb/NAME), and val_loss and val_bpb are
-        the means weighted by the mixture's weights: what the loss of the training distribution is."""
-        measured = [self.source_metrics(source, forward, model, autocast, micro_batch, seq_len)
-                    for source in self.sources]
+        mixture measures each source's val split so (val_loss/NAME, val_bpb/NAME), and gives the figures of the
+        training distribution, whose tokens come from each source in proportion to its weight: val_loss is the
+        weighted mean of the sources' losses, val_bpb the weighted mean of their text nats per token over the
+        weighted mean of their bytes per token."""
+        sums = [self.source_sums(source, forward, model, autocast, micro_batch, seq_len) for source in self.sources]
         if not is_mixture(self.sources):
-            return measured[0]
-        metrics = {key: sum(s.weight * m[key] for s, m in zip(self.sources, measured))
-                   for key in ("val_loss", "val_bpb") if all(key in m for m in measured)}
-        for source, m in zip(self.sources, measured):
-            metrics.update({f"{key}/{source.name}": value for key, value in m.items()})
+            return self._figures(*sums[0])
+        weights = [source.weight for source in self.sources]
+        per_token = [[value / tokens for value in (nats, tokens, text_nats, n_bytes)]
+                     for nats, tokens, text_nats, n_bytes in sums]
+        metrics = self._figures(*(sum(w * p[i] for w, p in zip(weights, per_token)) for i in range(4)))
+        for source, source_sums in zip(self.sources, sums):
+            metrics.update({f"{key}/{source.name}": value for key, value in self._figures(*source_sums).items()})
+        return metrics
+
+    def _figures(self, nats: float, tokens: float, text_nats: float, n_bytes: float) -> dict:
+        metrics = {"val_loss": nats / tokens}
+        if self.token_bytes is not None and n_bytes > 0:
+            metrics["val_bpb"] = bits_per_byte(text_nats, n_bytes)
         return metrics
 
     @torch.no_grad()
-    def source_metrics(self, source: Source, forward, model: torch.nn.Module, autocast, micro_batch: int,
-                       seq_len: int) -> dict:
-        """val_metrics of one source's val split. One pass gives both figures: per-token losses."""
+    def source_sums(self, source: Source, forward, model: torch.nn.Module, autocast, micro_batch: int,
+                    seq_len: int) -> list[float]:
+        """One source's val split -> [nats, tokens, nats of the tokens with text, their bytes], each a mean over
+        ranks. One pass gives both figures (val_metrics): per-token losses."""
         loader = self._loader(source, micro_batch, seq_len)
         n_batches = eval_batches(self.cfg.eval_tokens, loader.num_windows, micro_batch, seq_len,
                                  self.info.world_size)
@@ -416,11 +427,7 @@ class Evaluator:
                 if self.token_bytes is not None:
                     sums[2:] += bpb_sums(losses, y, self.token_bytes)
                 progress.update()
-        nats, tokens, text_nats, n_bytes = distributed.mean_across_ranks(sums, self.info).tolist()
-        metrics = {"val_loss": nats / tokens}
-        if self.token_bytes is not None and n_bytes > 0:
-            metrics["val_bpb"] = bits_per_byte(text_nats, n_bytes)
-        return metrics
+        return distributed.mean_across_ranks(sums, self.info).tolist()
 
     @torch.no_grad()
     def hellaswag(self, model: torch.nn.Module, autocast_dtype: torch.dtype | None = None) -> dict:
@@ -461,7 +468,7 @@ class Evaluator:
             text += f", val bpb {metrics['val_bpb']:.4f}"
         if "hellaswag_acc" in metrics:
             text += (f", hellaswag {metrics['hellaswag_acc']:.4f} (sum {metrics['hellaswag_acc_sum']:.4f}, "
-                     f"{len(self.choices)} examples)")
+                     f"{plural(len(self.choices), 'example')})")
         return text
 
     def sample(self, model: torch.nn.Module, autocast_dtype: torch.dtype | None = None) -> str | None:

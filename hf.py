@@ -34,11 +34,11 @@ import tempfile
 import torch
 
 import checkpoint
-from cli import ArgumentParser, UsageError, closed_stdout, first_line, report_error
+from cli import ArgumentParser, UsageError, closed_stdout, first_line, plural, report_error
 from checkpoint import CheckpointError
 from data import data_tokenizer
 from fp8 import te_to_plain_state_dict
-from mixture import parse_data
+from mixture import parse_data, record_dir
 from model import GPT, VOCAB_MULTIPLE, ModelConfig, block_shapes, outer_shapes
 from tokenizer import (TOKENIZER_FILE, DataError, HFTokenizer, TiktokenTokenizer, Tokenizer, byte_to_char,
                        load_tokenizer)
@@ -321,7 +321,8 @@ def read_newest_checkpoint(run_dir: str, warn) -> tuple[str, ModelConfig, dict]:
     if newest is not None:
         return newest
     candidates = checkpoint.list_checkpoints(run_dir)
-    found = f"none of its {len(candidates)} checkpoints verifies and loads" if candidates else "it holds no checkpoint"
+    found = {0: "it holds no checkpoint", 1: "its one checkpoint does not verify and load"}.get(
+        len(candidates), f"none of its {len(candidates)} checkpoints verifies and loads")
     best = _verified_best(run_dir)
     hint = f"; its best-val-loss checkpoint {best} verifies: pass that path" if best else ""
     raise CheckpointError(f"{run_dir}: {found} (ckpt_N.pt files or ckpt_N directories){hint}")
@@ -558,8 +559,11 @@ def model_tokenizer(path: str) -> Tokenizer | None:
     data = (config.get("data") or {}).get("data", "")
     if data is None:  # the default corpus
         return load_tokenizer("gpt2")
-    first = parse_data(data)[0].dir if data else None  # a mixture's sources share one tokenizer
-    return data_tokenizer(first) if first and os.path.isdir(first) else None
+    try:
+        present = [s for s in parse_data(data) if os.path.isdir(s.dir)] if data else []
+    except UsageError:  # a --data that a run took parses, unless its config was edited by hand
+        return None
+    return data_tokenizer(record_dir(present)) if present else None  # a mixture's sources share one tokenizer
 
 
 # ----------------------------------------------------------------------------- export
@@ -680,9 +684,9 @@ def main(argv=None) -> int:
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
     try:
-        print(f"wrote {args.out}: Qwen3ForCausalLM, {config.n_layer} layers, vocab {config.padded_vocab_size} "
-              f"(padded from {config.vocab_size}), {'tied' if config.tie_embeddings else 'untied'} embeddings",
-              flush=True)
+        print(f"wrote {args.out}: Qwen3ForCausalLM, {plural(config.n_layer, 'layer')}, "
+              f"vocab {config.padded_vocab_size} (padded from {config.vocab_size}), "
+              f"{'tied' if config.tie_embeddings else 'untied'} embeddings", flush=True)
     except BrokenPipeError:
         return closed_stdout()
     return 0

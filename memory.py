@@ -12,7 +12,10 @@ tensors saved_tensor_bytes measures; tests/test_memory.py holds the two within 1
 not model torch.compile (whose partitioner chooses what to save, usually less), the TE backend, or FP8
 (which saves some GEMM inputs in one byte): read it as the eager bf16 upper bound for those. With
 --target-gpu it needs no GPU: a run for an H100 is planned on a laptop, the fit judged against the memory
-the driver exposes less a margin (CUDA_CONTEXT_BYTES, ALLOCATOR_MARGIN).
+the driver exposes less a margin (CUDA_CONTEXT_BYTES, ALLOCATOR_MARGIN). On the CPU the device's memory is the
+process's resident set, which also holds the process itself (the interpreter, torch and the libraries, measured
+by runtime_bytes) and the freed memory the C allocator keeps (CPU_ALLOCATOR_SHARE): the estimate counts both, and
+tests/test_memory.py holds a small run's peak resident set within 1.3x of it.
 """
 
 import itertools
@@ -26,7 +29,7 @@ import torch.nn as nn
 import distributed
 import fp8
 import hardware
-from cli import UsageError
+from cli import UsageError, plural
 from config import ACT_CKPT_MODES
 from model import LOSS_CHUNK_TOKENS, ModelConfig, block_shapes, loss_chunks, outer_shapes, param_count
 
@@ -38,6 +41,14 @@ INDEX = 8  # int64 token ids and targets
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCK = 256
 BNB_QMAPS = 2 * 256 * FP32
+# On the CPU, memory freed during a step stays in the process: train.py keeps freed blocks in glibc's heap for the
+# next micro-step (hardware.keep_freed_memory), and the heap fragments, so the resident set peaks above the live
+# tensors by about this share of them. Measured as (peak_mem_gib - runtime - tensors) / tensors over 3 steps of
+# eager fp32 on an Intel Xeon (2 cores, avx512_bf16), torch 2.13, glibc 2.36: 0.5 to 1.1 for the default run
+# (`python train.py --max-steps 3`, repeated), 0.9 to 1.05 for --vocab-size 256 --n-embd 256 --seq-len 256, and
+# 0.75 to 0.85 for --vocab-size 8192 --n-embd 128 (both --n-layer 2 --batch-size 16); with 0.8 those runs peaked
+# at 0.88x to 1.14x the estimate. Measured on Linux only (elsewhere nothing keeps freed blocks on purpose).
+CPU_ALLOCATOR_SHARE = 0.8
 
 
 # ----------------------------------------------------------------------------- activation checkpointing
@@ -90,7 +101,7 @@ def describe_activation_checkpointing(model: nn.Module) -> str:
         which = "every block" if len(whole) == len(blocks) else "blocks " + ", ".join(map(str, whole))
         return f"on, non-reentrant: {which} of {len(blocks)} recomputed in backward"
     if mlps:
-        return f"on, non-reentrant: the MLP of {len(mlps)} of {len(blocks)} blocks recomputed in backward"
+        return f"on, non-reentrant: the MLP of {len(mlps)} of {plural(len(blocks), 'block')} recomputed in backward"
     return "off"
 
 
@@ -128,17 +139,26 @@ def saved_tensor_bytes(model: nn.Module, idx: torch.Tensor, targets: torch.Tenso
 class MemoryEstimate:
     """Bytes per device. activations: held from forward to backward for one micro-batch; transient: the
     larger of the extra bytes of re-running one checkpointed block (or MLP) during backward and those of one
-    chunk of the fused loss (loss_chunk_bytes)."""
+    chunk of the fused loss (loss_chunk_bytes). On the CPU, whose memory is the process's resident set, also
+    runtime: what the process holds before the run allocates anything (runtime_bytes), and allocator: the freed
+    tensor memory the C allocator keeps rather than returning it (CPU_ALLOCATOR_SHARE of the tensors); both 0
+    on a GPU, where fit_report leaves its own margins."""
 
     params: int
     grads: int
     optimizer: int
     activations: int
     transient: int
+    runtime: int = 0
+    allocator: int = 0
+
+    @property
+    def tensors(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.transient
+        return self.tensors + self.runtime + self.allocator
 
 
 def _state_bytes(name: str, numel: int, optimizer: str) -> int:
@@ -244,28 +264,48 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, act_ckpt: 
 
 
 def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: str, act_ckpt: str,
-                    autocast_dtype: torch.dtype | None, device_type: str, shards: int = 1) -> MemoryEstimate:
+                    autocast_dtype: torch.dtype | None, device_type: str, shards: int = 1,
+                    runtime: int = 0) -> MemoryEstimate:
     """Training memory per device before anything is allocated: float32 parameters and gradients, the
-    optimizer's state, and the activations of one micro-batch. shards: FSDP2 world size (parameters,
-    gradients and optimizer state are split across it; activations are not)."""
+    optimizer's state, and the activations of one micro-batch; on the CPU also `runtime` (runtime_bytes) and
+    the allocator's share. shards: FSDP2 world size (parameters, gradients and optimizer state are split
+    across it; activations are not)."""
     n_params = param_count(cfg)
     activations, recompute = activation_bytes(cfg, batch_size, seq_len, act_ckpt, autocast_dtype, device_type)
     act = torch.finfo(autocast_dtype).bits // 8 if autocast_dtype is not None else FP32
     # Neither outlives its moment (a recomputed region in backward, a loss chunk at the forward's end).
     transient = max(recompute, loss_chunk_bytes(cfg, batch_size * seq_len, act))
-    return MemoryEstimate(params=FP32 * n_params // shards, grads=FP32 * n_params // shards,
-                          optimizer=optimizer_state_bytes_estimate(cfg, optimizer) // shards,
-                          activations=activations, transient=transient)
+    e = MemoryEstimate(params=FP32 * n_params // shards, grads=FP32 * n_params // shards,
+                       optimizer=optimizer_state_bytes_estimate(cfg, optimizer) // shards,
+                       activations=activations, transient=transient)
+    if device_type == "cpu":
+        e.runtime, e.allocator = runtime, int(CPU_ALLOCATOR_SHARE * e.tensors)
+    return e
+
+
+def runtime_bytes() -> int:
+    """What this process holds before a run allocates anything, when called then (as --estimate-memory is): the
+    interpreter, torch's runtime and the libraries train.py imports. Its resident set now (Linux's
+    /proc/self/statm), not its peak so far, which whatever ran before in the process may have raised; the peak
+    (hardware.peak_memory_gib) where there is no /proc."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return int(hardware.peak_memory_gib(torch.device("cpu")) * GIB)
 
 
 def format_memory_estimates(estimates: dict[str, MemoryEstimate], selected: str) -> str:
-    """A markdown table: one row per activation-checkpointing mode, the selected one marked."""
+    """A markdown table: one row per activation-checkpointing mode, the selected one marked; the runtime and
+    allocator columns where they count (the CPU)."""
     gib = 2**30
-    lines = ["| act-ckpt | params | grads | optimizer | activations | transient | total |",
-             "|---|---|---|---|---|---|---|"]
+    process = any(e.runtime or e.allocator for e in estimates.values())
+    names = ["params", "grads", "optimizer", "activations", "transient", *(["runtime", "allocator"] if process else []),
+             "total"]
+    lines = ["| act-ckpt | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
     for mode, e in estimates.items():
         mark = " (selected)" if mode == selected else ""
-        cells = [e.params, e.grads, e.optimizer, e.activations, e.transient, e.total]
+        cells = [getattr(e, name) for name in names]
         lines.append(f"| {mode}{mark} | " + " | ".join(f"{c / gib:.3f} GiB" for c in cells) + " |")
     return "\n".join(lines)
 
@@ -366,6 +406,13 @@ def report_device(speed) -> tuple[str, torch.dtype | None, str, str]:
     return device.type, autocast_dtype, reason, note
 
 
+CPU_NOTE = [
+    "On the CPU the total is the process's peak resident set, which the run reports as peak_mem_gib: the tensors,",
+    "runtime (this process's resident set now: Python, torch and the libraries) and allocator (freed memory the",
+    f"C allocator keeps for reuse, taken as {CPU_ALLOCATOR_SHARE:.0%} of the tensors, as measured in memory.py).",
+]
+
+
 def memory_report(cfg) -> str:
     """--estimate-memory: the estimate for these flags (a config.Config) under every --act-ckpt mode, and with
     --target-gpu whether each fits on that GPU; builds and allocates nothing, and needs no GPU."""
@@ -376,8 +423,9 @@ def memory_report(cfg) -> str:
     device_type, autocast_dtype, dtype_reason, note = report_device(cfg.speed)
     model_cfg, batch_size = cfg.model, cfg.data.batch_size
     shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.dist.dist == "fsdp" else 1
+    runtime = runtime_bytes() if device_type == "cpu" else 0
     estimates = {mode: estimate_memory(model_cfg, batch_size, model_cfg.max_seq_len, cfg.optim.name, mode,
-                                       autocast_dtype, device_type, shards)
+                                       autocast_dtype, device_type, shards, runtime)
                  for mode in ACT_CKPT_MODES}
     n_params = param_count(model_cfg)
     sharding = f", FSDP2 over {shards} ranks" if shards > 1 else ""
@@ -389,7 +437,9 @@ def memory_report(cfg) -> str:
         format_memory_estimates(estimates, cfg.speed.act_ckpt),
         "",
         "Activations: what the plain backend's eager forward saves for backward (memory.py); torch.compile and",
-        "FP8 usually save less. Not counted: the CUDA context, allocator fragmentation, temporaries.",
+        "FP8 usually save less.",
+        *(CPU_NOTE if device_type == "cpu" else ["Not counted: the CUDA context, allocator fragmentation, "
+                                                 "temporaries."]),
     ]
     if target is not None:
         capacity, description = target
@@ -521,10 +571,11 @@ def auto_batch_size(model: nn.Module, per_rank: int, multiple: int, reserve: int
     fitting = multiple * largest_fitting_batch(lambda units: fits(units * multiple), limit=per_rank // multiple)
     fitting = int(distributed.min_across_ranks(torch.tensor(fitting, device=device), info).item())
     if fitting == 0:
-        raise UsageError(f"--batch-size auto: not even {multiple} sequence(s) of {seq_len} tokens fit in GPU memory")
+        raise UsageError(f"--batch-size auto: GPU memory holds not even {plural(multiple, 'sequence')} of "
+                         f"{seq_len:,} tokens")
     micro = micro_batch_for(per_rank, fitting, multiple)
     if micro == 0:
         raise UsageError(f"--batch-size auto: no micro-batch up to {fitting} that FP8 allows (a multiple of "
-                         f"{multiple}) divides the {per_rank} sequences per rank per step; change "
+                         f"{multiple}) divides the {plural(per_rank, 'sequence')} per rank per step; change "
                          "--total-batch-tokens")
     return micro

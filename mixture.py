@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 
 from cli import UsageError
-from data import (PACK_BUFFER_DOCS, BatchStream, DataError, Position, ShardLoader, check_split, check_state,
+from data import (GPT2_EOT, PACK_BUFFER_DOCS, BatchStream, DataError, Position, ShardLoader, check_split, check_state,
                   check_vocab, data_record, fingerprint)
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # it becomes a metric name: val_loss/NAME, epoch/NAME
@@ -39,10 +39,12 @@ class Source(NamedTuple):
 
 
 def parse_data(spec: str) -> list[Source]:
-    """--data's value -> its sources. An existing directory, or a value without "=", is one unnamed source of
-    weight 1; else comma-separated NAME=DIR:WEIGHT items (DIR may hold ":" but not ","). UsageError, one line,
-    for an item that does not parse, a weight that is not a positive number, or a name given twice."""
-    if "=" not in spec or os.path.isdir(spec):
+    """--data's value -> its sources, sorted by name (so that the draw and the data's fingerprint do not depend
+    on the order they are listed in). Comma-separated NAME=DIR:WEIGHT items (DIR may hold ":" but not ",") when
+    the value starts with a NAME and "=", else one unnamed source of weight 1: a directory (an existing one
+    whatever its name holds). UsageError, one line, for an item that does not parse, a weight that is not a
+    positive number or is too small against the others to count, or a name given twice."""
+    if not SOURCE_NAME.fullmatch(spec.partition("=")[0]) or "=" not in spec or os.path.isdir(spec):
         return [Source("", spec, 1.0)]
     parsed = []
     for item in spec.split(","):
@@ -62,8 +64,12 @@ def parse_data(spec: str) -> list[Source]:
     if len(set(names)) < len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise UsageError(f"--data: source {twice[0]} is named twice; give each source its own name")
-    total = sum(value for _, _, value in parsed)
-    return [Source(name, path, value / total) for name, path, value in parsed]
+    largest = max(value for _, _, value in parsed)  # first, so that the sum cannot overflow
+    scaled = [(name, path, value / largest) for name, path, value in parsed]
+    if tiny := [name for name, _, value in scaled if value == 0]:
+        raise UsageError(f"--data: the weight of source {tiny[0]} is too small against the others to draw a row")
+    total = sum(value for _, _, value in scaled)
+    return sorted(Source(name, path, value / total) for name, path, value in scaled)
 
 
 def is_mixture(sources: list[Source]) -> bool:
@@ -75,27 +81,41 @@ def label(source: Source) -> str:
     return f"source {source.name} ({source.dir})" if source.name else source.dir
 
 
-def _tokenizer_identity(record: dict) -> tuple:
-    """What must agree between sources' data.json: the tokenizer (its sha256, else its name), the vocabulary and
-    the document separator that --packing bos starts rows at."""
-    return record.get("tokenizer_sha256") or record["tokenizer"], record["n_vocab"], record.get("eot")
+def same_tokenizer(a: dict, b: dict) -> bool:
+    """Whether two data.json records name one tokenizer and separator: the sha256 when both record one (records
+    made before it existed name the tokenizer only), the vocabulary, and the separator (--packing bos starts
+    rows at it; GPT-2's end-of-text when a record names none, as the loader takes it)."""
+    tokenizer = (a["tokenizer_sha256"] == b["tokenizer_sha256"] if "tokenizer_sha256" in a and "tokenizer_sha256" in b
+                 else a["tokenizer"] == b["tokenizer"])
+    return tokenizer and a["n_vocab"] == b["n_vocab"] and a.get("eot", GPT2_EOT) == b.get("eot", GPT2_EOT)
 
 
 def check_sources(sources: list[Source]) -> None:
-    """DataError, one line, for a source directory that is not there, or sources whose data.json records
-    different tokenizers (or separators). Shards without data.json (llm.c's) record nothing to compare: their
-    ids are checked against the model's vocabulary as any source's are (data.check_vocab)."""
+    """DataError, one line, for a source directory that is not there, one directory under two names (both
+    would read the same rows in the same order), or sources whose data.json records different tokenizers (or
+    separators). Shards without data.json (llm.c's) record nothing to compare: their ids are checked against
+    the model's vocabulary as any source's are (data.check_vocab)."""
+    seen = {}
     for source in sources:
         if not os.path.isdir(source.dir):
             raise DataError(f"--data: {label(source)}: no such directory")
+        if (other := seen.setdefault(os.path.realpath(source.dir), source)) is not source:
+            raise DataError(f"--data: {label(other)} and {label(source)} are one directory: they would read the same "
+                            "rows in the same order; give it once, with the sum of their weights")
     recorded = [(source, record) for source in sources if (record := data_record(source.dir)) is not None]
     for source, record in recorded[1:]:
         first, first_record = recorded[0]
-        if _tokenizer_identity(record) != _tokenizer_identity(first_record):
+        if not same_tokenizer(record, first_record):
             raise DataError(
                 f"--data: {label(first)} and {label(source)} were prepared with different tokenizers "
                 f"({first_record['tokenizer']}, separator {first_record.get('eot')}; {record['tokenizer']}, "
                 f"separator {record.get('eot')}): a mixture needs one; prepare them with the same --tokenizer")
+
+
+def record_dir(sources: list[Source]) -> str:
+    """The directory whose data.json speaks for the sources' shared tokenizer (the model's vocabulary, the eval's
+    tokenizer): the first source that has one, else the first source."""
+    return next((s.dir for s in sources if data_record(s.dir) is not None), sources[0].dir)
 
 
 def describe(sources: list[Source]) -> str:
@@ -167,7 +187,11 @@ class MixtureLoader(BatchStream):
         counts = np.bincount(drawn, minlength=n)
         after = MixPosition(pos.rows + len(drawn), tuple(r + int(c) for r, c in zip(pos.read, counts)),
                             tuple(part.order.advance(p, int(c)) for part, p, c in zip(self.parts, pos.at, counts)))
-        return self._tensors(buf), after
+        fields = {f"epoch/{name}": epochs for name, epochs in self._epochs(after.read).items()}
+        if self.packing == "bos":  # each source's, over its shards packed so far
+            fields.update({f"data_cropped_frac/{s.name}": part.cropped_fraction
+                           for s, part in zip(self.sources, self.parts)})
+        return self._tensors(buf), after, fields
 
     tokens_per_epoch = None  # no single epoch: each source has its own (epoch_plan, epochs_read)
 
@@ -178,17 +202,11 @@ class MixtureLoader(BatchStream):
 
     def epochs_read(self) -> dict[str, float]:
         """The epochs of each source's train split read so far: the rows it gave, against one epoch's."""
-        return {s.name: read * self.seq_len / part.tokens_per_epoch
-                for s, part, read in zip(self.sources, self.parts, self._next.read)}
+        return self._epochs(self._next.read)
 
-    def record_fields(self) -> dict:
-        """What a step's record says of the data, read as the step ends: each source's epochs, and under
-        --packing bos each source's cropped fraction."""
-        fields = {f"epoch/{name}": epochs for name, epochs in self.epochs_read().items()}
-        if self.packing == "bos":
-            fields.update({f"data_cropped_frac/{s.name}": part.cropped_fraction
-                           for s, part in zip(self.sources, self.parts)})
-        return fields
+    def _epochs(self, read: tuple) -> dict[str, float]:
+        return {s.name: rows * self.seq_len / part.tokens_per_epoch
+                for s, part, rows in zip(self.sources, self.parts, read)}
 
     def fingerprint(self) -> list[list]:
         """data.fingerprint of every source's shards, each named NAME/file."""

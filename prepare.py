@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from cli import ArgumentParser, UsageError, int_or_auto, report_error
+from cli import ArgumentParser, UsageError, int_or_auto, plural, report_error
 from data import (CORPUS_MARKER, DATA_RECORD, TOKEN_DTYPES, read_shard, shard_version, write_data_record,
                   write_shard)
 from progress import Progress
@@ -199,32 +199,34 @@ def _finish(shards: _ShardWriter, shard_tokens: int, val_tokens: int | None, des
         shards.write("train", shards.n_pending)
 
 
-def _val_summary(val_tokens: int | None, val: int, total: int) -> str:
-    """What the val split is and which rule chose it, for the summary line."""
+def _val_summary(val_tokens: int | None, val: int, total: int, val_rule: str | None = None) -> str:
+    """What the val split is and which rule chose it, for the summary line. val_rule: what set val_tokens when
+    no --val-tokens did (the default corpus's fixed size)."""
     if val_tokens is not None:
-        return f"val: first {val:,} tokens (--val-tokens {val_tokens})" if val else "val: none (--val-tokens 0)"
+        rule = val_rule or f"--val-tokens {val_tokens}"
+        return f"val: first {plural(val, 'token')} ({rule})" if val else f"val: none ({rule})"
     if val == total * VAL_PER_MILLE // 1000:
         why = f"{VAL_PER_MILLE / 10:g}% of the corpus"
     elif val == MIN_VAL_TOKENS:
         why = f"the least: one eval batch of 16 x 1,024, plus 1; {val / total:.1%} of the corpus"
     else:
         why = f"the cap; {val / total:.2%} of the corpus"
-    return f"val: first {val:,} tokens ({why}, --val-tokens auto)"
+    return f"val: first {plural(val, 'token')} ({why}, --val-tokens auto)"
 
 
-def _summary(stats: dict, val_tokens: int | None, max_tokens: int | None) -> str:
-    """The `data:` line that ends a preparation."""
-    line = (f"data: {stats['documents']:,} documents, {stats['tokens']:,} tokens ({stats['train_tokens']:,} "
-            f"train in {stats['train_shards']} shards) in {stats['seconds']:.1f}s "
-            f"({stats['tokens'] / max(stats['seconds'], 1e-9) / 1e6:.2f}M tok/s)")
+def _summary(stats: dict, val_tokens: int | None, max_tokens: int | None, val_rule: str | None = None) -> str:
+    """The `data:` line that ends a preparation (val_rule: _val_summary's)."""
+    line = (f"data: {plural(stats['documents'], 'document')}, {plural(stats['tokens'], 'token')} "
+            f"({stats['train_tokens']:,} train in {plural(stats['train_shards'], 'shard')}) "
+            f"in {stats['seconds']:.1f}s ({stats['tokens'] / max(stats['seconds'], 1e-9) / 1e6:.2f}M tok/s)")
     if max_tokens is not None:
         line += (f", cut at --max-tokens {max_tokens:,}" if stats["tokens"] == max_tokens
                  else f", all of it (fewer than --max-tokens {max_tokens:,})")
-    return f"{line}; {_val_summary(val_tokens, stats['val_tokens'], stats['tokens'])}"
+    return f"{line}; {_val_summary(val_tokens, stats['val_tokens'], stats['tokens'], val_rule)}"
 
 
 def _build(pieces, out_dir: str, enc: Tokenizer, shard_tokens: int, val_tokens: int | None, desc: str,
-           max_tokens: int | None = None) -> dict:
+           max_tokens: int | None = None, val_rule: str | None = None) -> dict:
     """Tokenize pieces into out_dir: val_000000.bin (the first val_tokens tokens; None: the first
     default_val_tokens(total)) and train_*.bin of shard_tokens each (under auto the first one may hold up to
     MAX_VAL_TOKENS more: _finish), at most max_tokens in all; then a copy of a Hugging Face tokenizer's
@@ -258,7 +260,7 @@ def _build(pieces, out_dir: str, enc: Tokenizer, shard_tokens: int, val_tokens: 
              "val_tokens": sum(counts["val"]), "train_tokens": sum(counts["train"]),
              "train_shards": len(counts["train"]), "val_from": "start",
              "max_tokens": max_tokens, "seconds": round(time.time() - t0, 3)}
-    print(_summary(stats, val_tokens, max_tokens))
+    print(_summary(stats, val_tokens, max_tokens, val_rule))
     record = {**enc.record(), "uint32": shard_version(enc.n_vocab) == 2, **stats}
     if "tokenizer_file" in record:  # sample.py, score.py and hf.py read the tokenizer from here
         atomic_write(os.path.join(out_dir, record["tokenizer_file"]), enc.text.encode("utf-8"))
@@ -575,7 +577,8 @@ def default_corpus(cache_dir=None, tokenizer: str = "gpt2") -> str:
         raise DataError(f"cannot create the corpus cache {tmp} ({e.strerror}); set {CACHE_ENV}") from None
     try:
         stats = _build(file_pieces(files), tmp, enc, CORPUS_SHARD_TOKENS, CORPUS_VAL_TOKENS,
-                       desc=f"default corpus ({len(files)} stdlib files)")
+                       desc=f"default corpus ({plural(len(files), 'stdlib file')})",
+                       val_rule="the default corpus's fixed val size")
         stats.update(python=platform.python_version(), tokenizer=tokenizer, files=len(files))
         atomic_write(os.path.join(tmp, CORPUS_MARKER), json.dumps(stats, indent=1).encode())
     except BaseException:
@@ -640,10 +643,11 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
                         help="tokens per train shard (default: %(default)s)")
     parser.add_argument("--val-tokens", type=int_or_auto, default="auto", metavar="N|auto",
-                        help=f"tokens for the validation shard, always the first ones. auto (default): "
+                        help=f"tokens for the validation shard, always the first ones. auto: "
                              f"{VAL_PER_MILLE / 10:g}%% of the corpus, at least {MIN_VAL_TOKENS:,} (one eval "
                              f"batch of 16 x 1,024, plus 1) and at most {MAX_VAL_TOKENS:,}, so a smaller "
-                             f"--max-tokens gives a prefix of a larger one's val split; N: the first N tokens")
+                             f"--max-tokens gives a prefix of a larger one's val split; N: the first N tokens "
+                             f"(default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=None, metavar="N",
                         help="stop after N tokens in all, val and train (a sample of a large dataset); the "
                              "progress then shows N and an ETA (default: the whole input)")

@@ -10,8 +10,9 @@ drops the lock when its process dies, however it dies, so a killed run never blo
 A fresh run into a directory that holds a run (checkpoints, best, metrics.jsonl) is refused unless the
 user says what to do: --resume continues it, --overwrite removes it first, --resume auto continues it when
 it has a checkpoint and starts fresh otherwise (what a restart script or a cluster scheduler wants). A run
-stopped before its first checkpoint left nothing to resume and nothing to lose (metrics.jsonl at most): a
-rerun starts fresh there, with a note, and --resume says so.
+stopped before its first checkpoint left nothing to resume and nothing to lose (metrics.jsonl and its report at
+most): a rerun starts fresh there, with a note, and --resume says so. A repeat of a run from its OUT/config.toml names
+that run's directory unless --out-dir says otherwise, so its refusal says to add --out-dir NEW_DIR.
 
 Every name the run writes in the directory must be free for it: a directory where metrics.jsonl goes would
 fail the run mid-way, so it is refused here, before anything is written.
@@ -28,6 +29,11 @@ LOCK_FILE = ".lock"
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.toml"
 TRACE_FILE = "trace.json"  # --profile (telemetry.py)
+TENSORBOARD_DIR = "tensorboard"  # --tensorboard's event files (telemetry.MetricsLog)
+REPORT_FILE, CURVES_FILE, SUMMARY_FILE = "report.md", "curves.png", "summary.json"  # report.py's, at a run's end
+# What a run records of itself, besides its checkpoints: all that a run stopped before its first checkpoint
+# leaves, which a fresh run there replaces without --overwrite (nothing to resume, nothing lost).
+RECORD_FILES = (METRICS_FILE, REPORT_FILE, CURVES_FILE, SUMMARY_FILE)
 
 
 class NothingToDo(Exception):
@@ -69,14 +75,14 @@ class RunLock:
 
 
 def run_outputs(out_dir: str, checkpoints: list[str]) -> list[str]:
-    """The paths of what a run leaves in out_dir: its checkpoints (list_checkpoints), best, metrics.jsonl."""
+    """The paths of what a run leaves in out_dir: its checkpoints (list_checkpoints), best, metrics.jsonl, and
+    its report (report.py), which --overwrite removes with the rest, so that no report describes a run that is
+    gone."""
     found = list(checkpoints)
     for sharded in (False, True):
         if os.path.exists(best_path(out_dir, sharded)):
             found.append(best_path(out_dir, sharded))
-    if os.path.exists(os.path.join(out_dir, METRICS_FILE)):
-        found.append(os.path.join(out_dir, METRICS_FILE))
-    return found
+    return found + [path for name in RECORD_FILES if os.path.exists(path := os.path.join(out_dir, name))]
 
 
 def misplaced(out_dir: str, sharded: bool) -> str | None:
@@ -89,26 +95,29 @@ def misplaced(out_dir: str, sharded: bool) -> str | None:
     replaced += [] if sharded else [best, best + DIGEST_SUFFIX]
     files = [os.path.join(out_dir, LOCK_FILE), os.path.join(out_dir, TRACE_FILE), *replaced]
     files += [f"{path}.tmp" for path in replaced]
-    directories = [best, f"{best}.tmp"] if sharded else []
+    directories = {path: "a checkpoint directory" for path in ([best, f"{best}.tmp"] if sharded else [])}
+    directories[os.path.join(out_dir, TENSORBOARD_DIR)] = "--tensorboard's event files"
     for path in files:
         if os.path.lexists(path) and not os.path.isfile(path):
             kind = "a directory" if os.path.isdir(path) else "not a regular file"
             return f"{path} is {kind}, where this run writes a file"
-    for path in directories:
+    for path, what in directories.items():
         if os.path.lexists(path) and not os.path.isdir(path):
-            return f"{path} is not a directory, where this run writes a checkpoint directory"
+            return f"{path} is not a directory, where this run writes {what}"
     return None
 
 
-def decide_resume(out_dir: str, outputs: list[str], has_checkpoint: bool, resume: str, overwrite: bool) -> bool:
+def decide_resume(out_dir: str, outputs: list[str], has_checkpoint: bool, resume: str, overwrite: bool,
+                  config_file: str | None = None) -> bool:
     """Resume (True) or start fresh (False) in out_dir, which holds `outputs`. Pure.
 
     on: resume, which needs a checkpoint; auto: resume when there is a checkpoint; off: start fresh. A fresh
     start replaces an earlier run only with overwrite, unless that run never wrote a checkpoint (no ckpt_N, no
-    best): its metrics.jsonl is all it left, and nothing a rerun could continue."""
+    best): its metrics.jsonl and report are all it left, and nothing a rerun could continue. config_file: the --config file
+    of a command line without --out-dir (config.repeated_config), whose refusal says how to repeat its run."""
     if has_checkpoint and resume != "off":
         return True
-    kept = outputs if has_checkpoint else [p for p in outputs if os.path.basename(p) != METRICS_FILE]
+    kept = outputs if has_checkpoint else [p for p in outputs if os.path.basename(p) not in RECORD_FILES]
     if resume == "on":
         if kept:  # a best without any ckpt_N
             reason = (f"only {os.path.basename(kept[0])}, which is never resumed from; pass --overwrite instead of "
@@ -122,6 +131,9 @@ def decide_resume(out_dir: str, outputs: list[str], has_checkpoint: bool, resume
     if kept and not overwrite:
         names = ", ".join(sorted(os.path.basename(p) for p in kept)[:3]) + (", ..." if len(kept) > 3 else "")
         choices = "pass --resume to continue it, --overwrite" if has_checkpoint else "pass --overwrite"
+        if config_file:
+            raise UsageError(f"--out-dir {out_dir} already holds a run ({names}): add --out-dir NEW_DIR to repeat "
+                             f"--config {config_file} in a new directory, or {choices} to replace it")
         raise UsageError(f"--out-dir {out_dir} already holds a run ({names}): {choices} to replace it, or choose "
                          "another --out-dir")
     return False
@@ -137,10 +149,10 @@ def replace_outputs(replaced: list[str], staged_config: str | None) -> None:
         os.replace(staged_config, staged_config.removesuffix(".tmp"))
 
 
-def claim(ckpt_cfg, sharded: bool = False) -> tuple[RunLock, bool, list[str]]:
+def claim(ckpt_cfg, sharded: bool = False, config_file: str | None = None) -> tuple[RunLock, bool, list[str]]:
     """Create and lock --out-dir, decide fresh or resume -> (lock, resume, what --overwrite replaces: the
     caller removes it once the run has passed its start-up checks). ckpt_cfg: config.CheckpointConfig;
-    sharded: the run writes DCP directories (misplaced)."""
+    sharded: the run writes DCP directories (misplaced); config_file: as decide_resume's."""
     out_dir = ckpt_cfg.out_dir
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -154,7 +166,8 @@ def claim(ckpt_cfg, sharded: bool = False) -> tuple[RunLock, bool, list[str]]:
     try:
         checkpoints = list_checkpoints(out_dir)
         outputs = run_outputs(out_dir, checkpoints)
-        resume = decide_resume(out_dir, outputs, bool(checkpoints), ckpt_cfg.resume, ckpt_cfg.overwrite)
+        resume = decide_resume(out_dir, outputs, bool(checkpoints), ckpt_cfg.resume, ckpt_cfg.overwrite,
+                               config_file)
     except UsageError:
         lock.release()
         raise

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from checkpoint import CheckpointError
-from cli import ArgumentParser, UsageError, closed_stdout, report_error
+from cli import ArgumentParser, HelpFormatter, UsageError, closed_stdout, report_error
 from config import DEVICES
 from hf import check_names, is_run_directory, load_hf, model_tokenizer, read_ckpt
 from hardware import resolve_device
@@ -217,7 +217,7 @@ def read_prompt(prompt: str | None, prompt_file: str | None) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt", metavar="PATH", help="a checkpoint written by train.py (file or sharded "
                                                        "directory), or a run's --out-dir: its newest good one")
@@ -226,13 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="text to continue (default: start a new document)")
     prompt.add_argument("--prompt-file", metavar="FILE", help="continue the text of FILE (UTF-8, used as it is)")
     p.add_argument("--num-samples", type=int, default=1, metavar="N", help="N samples of the same prompt")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate per sample")
     p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     p.add_argument("--top-k", type=int, default=200, help="sample among the k most likely tokens (0: off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set with this mass")
     p.add_argument("--greedy", action="store_true", help="always the most likely token (--temperature 0)")
     p.add_argument("--seed", type=int, help="the sampling seed (default: a fresh one, printed on stderr)")
-    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--device", default="auto", choices=DEVICES, help="where the model runs")
     p.add_argument("--tokenizer", metavar="NAME|PATH",
                    help="the tokenizer the model was trained with, as prepare.py --tokenizer takes it (default: "
                         "the one its training data records, or the --hf directory's; else GPT-2's)")

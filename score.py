@@ -21,7 +21,7 @@ import sys
 import torch
 
 from checkpoint import CheckpointError
-from cli import ArgumentParser, UsageError, closed_stdout, report_error
+from cli import ArgumentParser, HelpFormatter, UsageError, closed_stdout, plural, report_error
 from config import DEVICES, EvalConfig
 from data import DataError
 from distributed import DistInfo
@@ -38,7 +38,7 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the au
 
 def build_parser() -> argparse.ArgumentParser:
     defaults = EvalConfig()
-    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--ckpt", required=True, metavar="PATH",
                    help="a train.py checkpoint (file or sharded directory) or an hf.py directory")
     p.add_argument("--task", required=True, choices=TASKS)
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hellaswag-path", default=defaults.hellaswag_path,
                    help=f"a hub dataset name or a .jsonl / .parquet file (default: {defaults.hellaswag_path})")
     p.add_argument("--batch-size", type=int, default=16, help="bpb: sequences per forward (default: 16)")
-    p.add_argument("--device", default="auto", choices=DEVICES)
+    p.add_argument("--device", default="auto", choices=DEVICES, help="where the model runs")
     p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="autocast dtype (default: fp32)")
     return p
 
@@ -126,7 +126,7 @@ def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.dev
     dtype = DTYPES[a.dtype]
     if a.task == "hellaswag":
         metrics, n = evaluator.hellaswag(model, dtype), len(evaluator.choices)
-        return [f"hellaswag: {n} examples of {a.hellaswag_path}, model {a.ckpt}",
+        return [f"hellaswag: {plural(n, 'example')} of {a.hellaswag_path}, model {a.ckpt}",
                 f"hellaswag_acc      {metrics['hellaswag_acc']:.4f} ({round(metrics['hellaswag_acc'] * n)}/{n}, "
                 "lowest mean loss per ending token)",
                 f"hellaswag_acc_sum  {metrics['hellaswag_acc_sum']:.4f} "

@@ -16,7 +16,9 @@ The rules, each a constant below:
   2048). Muon's default update scale (match_rms_adamw) gives its updates AdamW's RMS, so the same rule serves
   its matrices (6e-3 at width 128) and its AdamW side (3e-3);
 - global batch: DeepSeek LLM's fitted compute-optimal batch, B = 0.292 x C^0.3271 tokens with C = 6 x params x
-  training tokens, rounded to a power of two (and to whole micro-batches);
+  training tokens (--max-tokens when given, else the horizon below), rounded to a power of two (and to whole
+  micro-batches), and capped at training tokens / MIN_STEPS (150), so that a short run still takes that many
+  steps;
 - horizon: --tokens-per-param x params training tokens (Chinchilla's 20 by default), params counting the
   embedding.
 
@@ -35,6 +37,8 @@ HEAD_DIM, SMALL_HEAD_DIM, SMALL_WIDTH = 128, 64, 512
 GQA_RATIO = 2  # query heads per key/value head
 BASE_WIDTH = 128  # the default model's width, where optim.DEFAULT_LRS were measured
 BATCH_COEFF, BATCH_EXPONENT = 0.292, 0.3271  # DeepSeek LLM (2024), optimal batch in tokens against compute C
+# The fewest steps the dial's batch leaves a run: the fit is for long horizons, and a short run needs steps.
+MIN_STEPS = 150
 # --tokens-per-param's range: from a smoke test's horizon (124k tokens at 124M) to well past the most
 # over-trained models (Qwen3 0.6B: 36T tokens, 60,000 per parameter).
 TOKENS_PER_PARAM_RANGE = (1e-3, 1e6)
@@ -103,6 +107,13 @@ def compute_optimal_batch(params: int, tokens: float, granule: int) -> int:
     return max(granule, round(power / granule) * granule)
 
 
+def batch_for_budget(batch: int, tokens: int, granule: int) -> int:
+    """The global batch (tokens) capped so that a run of `tokens` takes at least MIN_STEPS steps, in whole
+    micro-batches of `granule` tokens, at least one: the fit's batch for a short horizon would make a run of
+    a handful of giant steps, each an optimizer update late."""
+    return max(granule, min(batch, tokens // MIN_STEPS // granule * granule))
+
+
 def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
            model_defaults: ModelConfig | None = None) -> dict[str, tuple[object, str]]:
     """Every value the dial derives -> {"section.field": (value, rule)}, whether or not `explicit` ("section.field"
@@ -127,8 +138,11 @@ def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
     values["schedule.max_tokens"] = (tokens, f"{tokens_per_param:g}/param x {params / 1e6:.1f}M params")
     micro = explicit.get("data.batch_size", micro_batch)
     granule = model_cfg.max_seq_len * (micro if isinstance(micro, int) else 1)
-    values["data.total_batch_tokens"] = (compute_optimal_batch(params, tokens, granule),
-                                         "DeepSeek's batch fit")
+    budget = explicit.get("schedule.max_tokens") or tokens  # the run's tokens, given or derived
+    optimal = compute_optimal_batch(params, budget, granule)
+    batch = batch_for_budget(optimal, budget, granule)
+    values["data.total_batch_tokens"] = (batch, "DeepSeek's batch fit" if batch == optimal else
+                                         f"DeepSeek's fit {optimal:,}, capped at max_tokens/{MIN_STEPS} steps")
     return values
 
 

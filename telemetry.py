@@ -15,6 +15,7 @@ the phase timer, torch.profiler and torch.compile's compilation time.
 Only rank 0 writes anything; the other ranks run the same calls as no-ops, so the loop has no rank checks.
 """
 
+import importlib
 import json
 import math
 import netrc
@@ -32,24 +33,42 @@ import torch
 import fp8
 import memory
 import mixture
+import plan
 import sizing
-from batch import describe_epochs
+from batch import describe_epochs, plan_warnings
 from checkpoint import best_path, list_checkpoints
+from cli import first_line, plural
 from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values
 from hardware import peak_memory_gib
 from optim import describe_param_groups, optimizer_state_bytes
 from progress import Progress, duration
+from rundir import TENSORBOARD_DIR
 from schedule import current_lr
 
 DATA_WAIT_WARN = 0.05  # warn when waiting for batches takes more than this fraction of a step
 PHASES = ("data", "forward", "backward", "optimizer")  # a step's, timed by PhaseTimer
 # Steps timed to separate torch.compile's one-off compilation (in the first step) from the steady step time.
 COMPILE_TIMING_STEPS = 6
+MICRO_LINE_S = 10.0  # a step running longer than this says which micro-step it is at, this often
 
 
 def print_table(rows: list[tuple[str, str]]) -> None:
     width = max(len(k) for k, _ in rows)
     print("\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows), flush=True)
+
+
+def announce(run, sources: list, reasons: dict, planned_tokens: int) -> None:
+    """Rank 0's start-up table (startup_rows), then its warnings about the plan: the schedule's, a train split
+    read more than once (batch.plan_warnings), a run over a day or a step over a minute (plan.warnings)."""
+    if not run.info.is_main:
+        return
+    print_table(startup_rows(run, sources, reasons, planned_tokens))
+    cfg, layout = run.cfg, run.layout
+    length_flag = "--max-tokens" if cfg.schedule.max_tokens else "--max-steps"
+    for warning in (*plan_warnings(cfg, layout, run.max_steps, run.loader.epoch_plan(planned_tokens)),
+                    *plan.warnings(reasons["step"], layout.grad_accum, planned_tokens - run.telemetry.start_tokens,
+                                   layout.tokens_per_step, length_flag)):
+        message(warning)
 
 
 def startup_rows(run, sources: list, reasons: dict, planned_tokens: int) -> list[tuple[str, str]]:
@@ -60,28 +79,33 @@ def startup_rows(run, sources: list, reasons: dict, planned_tokens: int) -> list
     resumed = f", counting the {run.telemetry.start_tokens:,} trained before the resume" if run.start_step else ""
     return [
         ("device", f"{run.device.type} ({reasons['device']})"),
-        ("distributed", f"{info.mode}, {info.world_size} processes" if info.mode != "none" else "off (single process)"),
+        ("distributed", f"{info.mode}, {plural(info.world_size, 'process', 'processes')}" if info.mode != "none"
+                        else "off (single process)"),
         ("precision", reasons["dtype"]),
         ("TF32 matmuls", reasons["tf32"]),
         ("size", sizing.describe(cfg.size, flat_values(cfg))),
-        ("model", f"{run.model.num_params() / 1e6:.2f}M params, {m.n_layer} layers, d={m.n_embd}, "
+        ("model", f"{run.model.num_params() / 1e6:.2f}M params, {plural(m.n_layer, 'layer')}, d={m.n_embd}, "
                   f"heads {m.n_head}q/{m.n_kv_head}kv, vocab {m.padded_vocab_size}"),
         ("optimizer", describe_param_groups(run.optimizer)),
         ("torch.compile", describe_compile(cfg.speed.compile, run.device.type)),
         ("FP8", fp8.describe_fp8(run.model, run.fp8_recipe)),
         ("activation ckpt", memory.describe_activation_checkpointing(run.model)),
-        ("batch", f"{layout.micro_batch} x {layout.seq_len} tokens x {layout.grad_accum} micro-steps x "
-                  f"{layout.world_size} ranks = {layout.tokens_per_step} tokens/step"),
+        ("batch", f"{layout.micro_batch} x {layout.seq_len} tokens x {plural(layout.grad_accum, 'micro-step')} x "
+                  f"{plural(layout.world_size, 'rank')} = {layout.tokens_per_step:,} tokens/step"),
         ("schedule", f"{cfg.schedule.schedule}, peak lr {cfg.optim.lr:g}, warmup {cfg.schedule.warmup}, "
-                     f"{run.max_steps} steps"),
+                     f"{plural(run.max_steps, 'step')}"),
         ("data", f"{mixture.describe(sources)} (" + ("--packing bos: rows start at documents, packed best-fit; the cropped "
                                     "fraction is logged as data_cropped_frac" if cfg.data.packing == "bos"
                                     else "windows at any offset") + ")"),
+        ("plan", plan.describe(reasons["step"], layout.grad_accum, run.max_steps - run.start_step,
+                               planned_tokens - run.telemetry.start_tokens, layout.tokens_per_step)),
         ("epochs", "reads " + "; ".join(describe_epochs(tokens, per_epoch, cfg.data.packing == "bos", name)
                                         for tokens, per_epoch, name in run.loader.epoch_plan(planned_tokens))
                    + resumed),
         ("MFU peak", reasons["peak"]),
         ("wandb", reasons["wandb"]),
+        ("TensorBoard", f"on: {os.path.join(cfg.ckpt.out_dir, TENSORBOARD_DIR)}" if cfg.log.tensorboard
+                        else "off (--tensorboard writes metrics.jsonl's scalars for it)"),
         ("init", f"the checkpoint of step {run.start_step}" if run.start_step else reasons["init"]),
         ("resume", f"from step {run.start_step}" if run.start_step else f"off (fresh run; --resume {cfg.ckpt.resume})"),
     ]
@@ -109,15 +133,24 @@ def compile_seconds(step_times: list[float]) -> float:
 
 
 class MetricsLog:
-    """metrics.jsonl, plus wandb when asked for. Lines from steps that are redone (after a resume or a
-    rollback) are dropped, and so is a line torn by a crash mid-write.
+    """metrics.jsonl, plus wandb and TensorBoard (OUT/tensorboard) when asked for. Lines from steps that are
+    redone (after a resume or a rollback) are dropped, and so is a line torn by a crash mid-write.
 
     Steps are counted when done, as everywhere in the project: the record of step N is written once N
     optimizer steps are done, and is the state that ckpt_N holds."""
 
-    def __init__(self, out_dir: str, start_step: int, wandb_run, enabled: bool = True, restored: dict | None = None):
+    def __init__(self, out_dir: str, start_step: int, wandb_run, enabled: bool = True, restored: dict | None = None,
+                 tensorboard: bool = False):
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.enabled, self.wandb_run = enabled, wandb_run
+        self.tensorboard = None
+        if enabled and tensorboard:  # tensorboard_problems made sure it imports
+            from torch.utils.tensorboard import SummaryWriter
+
+            # A resumed run appends to the same event files' directory; purge_step hides the events of the
+            # steps it redoes, as truncate drops their lines.
+            self.tensorboard = SummaryWriter(os.path.join(out_dir, TENSORBOARD_DIR),
+                                             purge_step=start_step + 1 if start_step else None)
         self.last_kept = self.truncate(start_step, restored)
 
     def truncate(self, done: int, restored: dict | None = None) -> dict | None:
@@ -141,6 +174,7 @@ class MetricsLog:
         if restored is not None and restored["step"] == done and (last is None or last["step"] < done):
             kept.append(json.dumps(restored) + "\n")
             last = restored
+            self._scalars(restored)
         self._replace(kept)
         return last
 
@@ -154,6 +188,7 @@ class MetricsLog:
         if lines and json.loads(lines[-1])["step"] == done:
             lines[-1] = json.dumps({**fields, **json.loads(lines[-1])}) + "\n"
             self._replace(lines)
+            self._scalars({"step": done, **fields})
 
     def _replace(self, lines: list[str]) -> None:
         """The log becomes `lines`: written to a new file that then replaces the old one, so a crash at any
@@ -172,10 +207,21 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=record["step"])
+        self._scalars(record)
+
+    def _scalars(self, record: dict) -> None:
+        """The record's numbers as TensorBoard scalars at its step (booleans as 0 and 1; null is no point)."""
+        if self.tensorboard is None:
+            return
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                self.tensorboard.add_scalar(key, float(value), global_step=record["step"])
 
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def wandb_key_present() -> bool:
@@ -196,6 +242,22 @@ def wandb_problems(cfg):
     if cfg.log.wandb and cfg.log.wandb_mode == "online" and not wandb_key_present():
         yield ("--wandb-mode online needs a W&B API key (WANDB_API_KEY or `wandb login`); use --wandb-mode offline "
                "to log locally and `wandb sync` later")
+
+
+def tensorboard_problems(cfg):
+    """What --tensorboard needs of this machine (a config.Config's; one of train.py's machine checks, through
+    logger_problems): the optional tensorboard package, which torch.utils.tensorboard writes with."""
+    if cfg.log.tensorboard:
+        try:
+            importlib.import_module("torch.utils.tensorboard")
+        except ImportError as e:
+            yield f"--tensorboard needs the tensorboard package ({first_line(e)}): pip install tensorboard"
+
+
+def logger_problems(cfg):
+    """What the loggers asked for need of this machine: wandb_problems and tensorboard_problems."""
+    yield from wandb_problems(cfg)
+    yield from tensorboard_problems(cfg)
 
 
 def wandb_mode(requested: str) -> str:
@@ -332,7 +394,8 @@ class Telemetry:
         self.optimizer = optimizer  # its state's size is reported once it exists, after the first step
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.is_main = is_main
-        self.metrics = MetricsLog(cfg.ckpt.out_dir, start_step, wandb_run, enabled=is_main, restored=restored_record)
+        self.metrics = MetricsLog(cfg.ckpt.out_dir, start_step, wandb_run, enabled=is_main, restored=restored_record,
+                                  tensorboard=cfg.log.tensorboard)
         # time_s goes on from the resumed step's record: the run's training time across its processes
         self.time_offset = (self.metrics.last_kept or {}).get("time_s", 0.0) if start_step else 0.0
         self.timer = PhaseTimer(device)
@@ -341,6 +404,7 @@ class Telemetry:
         self.loop_start = None
         self.step_times, self.step_tokens, self.data_warned, self.last_loss = [], [], False, float("nan")
         self.done, self.compile_s, self.last_eval = start_step, None, None
+        self.steps_taken = start_step  # queued on the device, read back or not (done: read back)
 
     def elapsed(self) -> float:
         """Seconds of training since the run started, across resumes (metrics.jsonl's time_s)."""
@@ -355,8 +419,20 @@ class Telemetry:
         moves to the next step."""
         if self.profiler is not None:
             self.profiler.step()
+        self.step_start = self.micro_line = time.perf_counter()
+        self.steps_taken += 1
         return StepEnd(self.timer.lap(), self.clock.lap(), self.elapsed(), peak_memory_gib(self.device),
                        current_lr(self.optimizer))
+
+    def micro_step(self, done: int, of: int) -> None:
+        """After each of a step's `of` micro-steps: once the step has run MICRO_LINE_S, a line every MICRO_LINE_S
+        saying how far it is, so that a run of long steps (many micro-steps, a slow device) is never silent for
+        minutes. Host time: on a GPU the host runs ahead of the kernels by at most the queue it fills."""
+        now = time.perf_counter()
+        if done < of and now - self.micro_line >= MICRO_LINE_S:
+            self.micro_line = now
+            self.write(f"micro-step {done:,} of {of:,} of step {self.steps_taken + 1:,}, "
+                       f"{duration(now - self.step_start)} into it")
 
     def step_record(self, step: int, loss: float, grad_norm: float, finite: bool, seconds: float, layout,
                     world_size: int, health, ended: StepEnd | None = None) -> dict:
@@ -396,7 +472,8 @@ class Telemetry:
             self.write(f"warning: step {done}: loss spike {loss:.4f}, {loss / health.ema:.1f}x its running average")
         self._compile_time(record)
         if step == self.start_step:
-            self.write(f"optimizer state: {optimizer_state_bytes(self.optimizer) / 2**20:.1f} MiB per rank")
+            self.write(f"optimizer state: {optimizer_state_bytes(self.optimizer) / 2**20:.1f} MiB"
+                       + (" per rank" if world_size > 1 else ""))
         elif phases["data"] > DATA_WAIT_WARN * seconds and not self.data_warned:  # step 1 also starts the prefetch
             self.data_warned = True
             self.write(f"warning: step {done} spent {100 * phases['data'] / seconds:.0f}% of its time waiting for "
@@ -411,7 +488,7 @@ class Telemetry:
         if self.cfg.speed.compile != "off" and len(times) == timed_steps:
             record["compile_s"] = self.compile_s = compile_seconds(times)
             self.write(f"torch.compile: first step {times[0]:.1f} s, about {record['compile_s']:.1f} s of it "
-                       f"compilation (first minus the median of the next {len(times) - 1} steps)")
+                       f"compilation (first minus the median of the next {plural(len(times) - 1, 'step')})")
 
     def log(self, record: dict) -> None:
         """Write the step's record and move the progress bar (which a failed loop has closed already: its last
@@ -438,7 +515,7 @@ class Telemetry:
         """Forget the records after `step` steps: they will be redone (after a rollback from a checkpoint
         holding `tokens` and the step's record). time_s goes on: the time spent was spent."""
         self.metrics.truncate(step, restored_record)
-        self.tokens, self.done = tokens, step
+        self.tokens, self.done, self.steps_taken = tokens, step, step
         if self.last_eval is not None and self.last_eval["step"] > step:
             self.last_eval = None
         if self.progress is not None:
@@ -447,7 +524,7 @@ class Telemetry:
     @contextmanager
     def loop(self):
         """The step loop's progress bar and profiler, open while it runs; its clock (time_s) starts here."""
-        self.loop_start = time.perf_counter()
+        self.loop_start = self.step_start = self.micro_line = time.perf_counter()
         self.progress = Progress(self.max_steps, "train", unit="step", initial=self.start_step, enabled=self.is_main,
                                  every=self.cfg.log.log_interval)
         if self.cfg.log.profile:
@@ -467,10 +544,11 @@ class Telemetry:
             (self.step_times, self.step_tokens)
         return sum(tokens) / sum(times) if times else None
 
-    def summary(self, outcome: str, wall_s: float, best_val: float | None, world_size: int) -> None:
-        """The end-of-run block (rank 0): what the run did, where its weights are, what to run next."""
+    def summary(self, outcome: str, wall_s: float, best_val: float | None, world_size: int) -> dict | None:
+        """The end-of-run block (rank 0): what the run did, where its weights are, what to run next. -> the facts
+        its rows are made of (summary_rows), for report.py; None on the other ranks."""
         if not self.is_main:
-            return
+            return None
         rate = self.mean_tokens_per_sec()
         facts = {
             "outcome": outcome, "wall_s": wall_s, "compile_s": self.compile_s, "start_step": self.start_step,
@@ -481,9 +559,11 @@ class Telemetry:
             "out_dir": self.cfg.ckpt.out_dir, "final_ckpt": newest_checkpoint(self.cfg.ckpt.out_dir),
             "best_ckpt": existing_best(self.cfg.ckpt.out_dir), "epoch_tokens": self.epoch_tokens,
             "bos": self.cfg.data.packing == "bos", "source_epochs": self.source_epochs,
+            "sample_prompt": self.cfg.eval.sample_prompt,
         }
         print("\nrun summary", flush=True)
         print_table(summary_rows(facts))
+        return facts
 
     def write(self, text: str) -> None:
         """A line for the user: above the progress bar inside the loop, plainly outside it; rank 0 only."""
@@ -532,7 +612,8 @@ def summary_rows(f: dict) -> list[tuple[str, str]]:
             ("best checkpoint", f["best_ckpt"] or "none (no eval improved on the best yet)")]
     weights = f["best_ckpt"] or f["final_ckpt"]
     if weights:
-        rows += [("sample", f"python sample.py --ckpt {shlex.quote(weights)} --prompt \"...\""),
+        prompt = f" --prompt {shlex.quote(f['sample_prompt'])}" if f["sample_prompt"] else ""
+        rows += [("sample", f"python sample.py --ckpt {shlex.quote(weights)}{prompt}"),
                  ("export", f"python hf.py --ckpt {shlex.quote(weights)} "
                             f"--out {shlex.quote(os.path.join(f['out_dir'], 'hf'))}")]
     rows.append(("plot", f"python bench/plot.py {shlex.quote(f['out_dir'])}"))

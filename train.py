@@ -26,6 +26,8 @@ import fp8
 import hardware
 import memory
 import mixture
+import plan
+import report
 from checkpoint import CheckpointError, Checkpointer, tokens_trained
 from cli import UsageError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
@@ -39,7 +41,7 @@ from readback import Taken, log_unread, read_back
 from resilience import Guard, StopSignals, TrainingHalted, stop_at_once_during_startup
 from rundir import CONFIG_FILE, NothingToDo, RunLock, claim, replace_outputs
 from schedule import lr_multiplier, set_lr
-from telemetry import Telemetry, message, print_table, start_wandb, startup_rows, wandb_problems
+from telemetry import Telemetry, announce, logger_problems, message, start_wandb
 
 
 @dataclass
@@ -119,7 +121,7 @@ def prepare_outputs(cfg: Config, info, command_line: dict) -> tuple[str, bool, R
     answer, lock, replaced, staged, failure = None, None, [], None, None
     if info.is_main:
         try:
-            lock, resume, replaced = claim(cfg.ckpt, sharded=info.mode == "fsdp")
+            lock, resume, replaced = claim(cfg.ckpt, info.mode == "fsdp", config.repeated_config(command_line))
             answer = (cfg.data.data or default_corpus(), resume)
             staged = config.stage_config(cfg, os.path.join(cfg.ckpt.out_dir, CONFIG_FILE), resume, command_line)
         except Exception as e:  # a bug keeps its traceback on rank 0; the other ranks get one line
@@ -166,13 +168,15 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
     """The model, its wrappers, the optimizer, the data (--data: mixture.py) and the components, restored when
     resuming. Without --vocab-size the model's vocabulary is the one data.json records (data.vocab_from_data)."""
     sources = mixture.open_sources(data, cfg.model.max_seq_len)  # refused before anything that size is allocated
-    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_from_data(cfg.model.vocab_size, sources[0].dir)))
+    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_from_data(cfg.model.vocab_size, mixture.record_dir(sources))))
     if not cfg.ckpt.from_hf:
         memory.check_fits(cfg.model, cfg.optim.name, device, info.world_size if info.mode == "fsdp" else 1)
     model, model_cfg, reasons["init"] = build_model(cfg, device)
     if problem := mixture.vocab_problem(model_cfg.vocab_size, sources):
         raise DataError(f"--from-hf {cfg.ckpt.from_hf}: {problem}" if cfg.ckpt.from_hf else problem)
     layout = build_layout(cfg, model, info, device, autocast_dtype, fp8_recipe)
+    if info.is_main:  # the plan row's step time, measured on the bare model before a wrapper syncs its ranks
+        reasons["step"] = plan.step_time(model, layout, device, autocast_dtype, fp8_recipe, info.mode == "fsdp")
     wrapped, compiled = distributed.parallelize(model, info, device, autocast_dtype, cfg.dist, cfg.speed.compile)
     optimizer = build_optimizer(model, cfg.optim, model.row_blocks(), device.type)
     loader = mixture.open_loader(sources, split="train", batch_size=layout.micro_batch, seq_len=layout.seq_len,
@@ -209,11 +213,7 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
               scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16), loader=loader,
               layout=layout, max_steps=max_steps, start_step=start_step, guard=guard, evaluator=evaluator,
               checkpointer=checkpointer, telemetry=telemetry, lock=lock)
-    if info.is_main:
-        planned = batch.planned_tokens(cfg, layout, start_step, max_steps, start_tokens)
-        print_table(startup_rows(run, sources, reasons, planned))
-        for warning in batch.plan_warnings(cfg, layout, max_steps, loader.epoch_plan(planned)):
-            message(warning)
+    announce(run, sources, reasons, batch.planned_tokens(cfg, layout, start_step, max_steps, start_tokens))
     return run
 
 
@@ -242,6 +242,7 @@ def train_step(run: Run):
             loss_sum += loss.detach()
             with timer("backward"):
                 run.scaler.scale(loss / grad_accum).backward()
+        run.telemetry.micro_step(micro + 1, grad_accum)
     with timer("optimizer"):
         run.scaler.unscale_(run.optimizer)
         clip = run.cfg.schedule.grad_clip
@@ -343,6 +344,7 @@ def evaluate_if_due(run: Run, record: dict, done: int) -> tuple[bool, bool]:
     write(f"step {done}: train loss {run.telemetry.last_loss:.4f}, {run.evaluator.describe(record)}"
           + (" (best so far)" if improved else ""))
     if text is not None:
+        record["sample"] = text  # for report.py's last samples
         write(f"sample at step {done}: {text!r}")
     return improved, stop_early
 
@@ -432,7 +434,7 @@ def main(argv=None):
     started = time.perf_counter()
     stop_at_once_during_startup()
     try:
-        cfg, command_line = config.parse_command_line(argv, __doc__, (memory.auto_batch_problems, wandb_problems))
+        cfg, command_line = config.parse_command_line(argv, __doc__, (memory.auto_batch_problems, logger_problems))
         if cfg.speed.estimate_memory:
             print(memory.memory_report(cfg))
             return
@@ -457,8 +459,8 @@ def main(argv=None):
         sys.exit(1 if isinstance(e, TrainingHalted) else 2)
     finally:
         if outcome is not None:
-            run.telemetry.summary(outcome, time.perf_counter() - started, run.guard.early_stop.best,
-                                  run.info.world_size)
+            report.after_run(run.telemetry.summary(outcome, time.perf_counter() - started, run.guard.early_stop.best,
+                                                   run.info.world_size), run.device, run.info.world_size)
         run.close()
         info, run = run.info, None  # the models go before the process group (distributed.shutdown says why)
         distributed.shutdown(info)

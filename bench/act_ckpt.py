@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 from config import ACT_CKPT_MODES  # noqa: E402
 from model import GPT, ModelConfig, param_numels  # noqa: E402
 
@@ -58,7 +59,7 @@ def estimate_table():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

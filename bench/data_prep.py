@@ -30,16 +30,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import prepare  # noqa: E402
 import sources  # noqa: E402
 import tokenizer  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--input", metavar="SRC", help="what to tokenize (default: the default corpus's sources)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each; the table reports medians")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of each first (page cache, threads)")
-    p.add_argument("--tokenizer", default="gpt2")
-    p.add_argument("--shard-tokens", type=int, default=prepare.CORPUS_SHARD_TOKENS, metavar="N")
-    p.add_argument("--val-tokens", type=int, default=prepare.CORPUS_VAL_TOKENS, metavar="N")
+    p.add_argument("--tokenizer", default="gpt2", help="prepare.py --tokenizer for every run")
+    p.add_argument("--shard-tokens", type=int, default=prepare.CORPUS_SHARD_TOKENS, metavar="N",
+                   help="prepare.py --shard-tokens (default: the default corpus's, %(default)s)")
+    p.add_argument("--val-tokens", type=int, default=prepare.CORPUS_VAL_TOKENS, metavar="N",
+                   help="prepare.py --val-tokens (default: the default corpus's, %(default)s)")
     args = p.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")

@@ -24,6 +24,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import hardware  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 
 TOKENS_PER_STEP = 16 * 128  # train.py's default micro-batch and sequence, one micro-step
 
@@ -79,7 +80,7 @@ def table(samples: dict[str, list[tuple]]) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--revs", default="648b5b0,026f3bf", help="git revisions before this tree, oldest first")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table reports their median")
     p.add_argument("--short", type=int, default=4, help="steps of the short run")

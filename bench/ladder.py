@@ -40,7 +40,7 @@ import sizing  # noqa: E402
 import throughput  # noqa: E402
 import train  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
-from cli import UsageError  # noqa: E402
+from cli import HelpFormatter, UsageError  # noqa: E402
 from data import DataError  # noqa: E402
 from model import LOSS_CHUNK_TOKENS, ModelConfig, flops_per_token, loss_chunks, param_numels  # noqa: E402
 from optim import newton_schulz_flops  # noqa: E402
@@ -90,11 +90,11 @@ MUON_BYTES_PER_PARAM = 20  # fp32 gradient and momentum read, momentum written, 
 
 def parse_ladder_args(argv):
     # No abbreviations: train.py's flags pass through, and --batch-size must not be read as --batch-sizes.
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("--out", default=None, help="write OUT.md, OUT.png, OUT.json (default: print only)")
     p.add_argument("--windows", type=int, default=5, help="timed windows per rung; the table shows their median")
-    p.add_argument("--steps-per-window", type=int, default=5)
+    p.add_argument("--steps-per-window", type=int, default=5, help="steps timed together as one window")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (they include compilation)")
     p.add_argument("--rungs", default=None, help="comma-separated rung keys to run (default: all): "
                    + ",".join(key for key, *_ in RUNGS))

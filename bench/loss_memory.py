@@ -31,6 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import memory  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 from model import LOSS_CHUNK_TOKENS, ModelConfig, linear_cross_entropy  # noqa: E402
 
 VOCAB = ModelConfig().vocab_size  # GPT-2's 50,257, padded to 50,304 below
@@ -133,9 +134,9 @@ def table(rows: list[tuple[str, int, int, int, dict]]) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--windows", type=int, default=3, help="timed windows; the table reports their median")
-    p.add_argument("--steps-per-window", type=int, default=2)
+    p.add_argument("--steps-per-window", type=int, default=2, help="steps timed together as one window")
     p.add_argument("--warmup-steps", type=int, default=1, help="untimed steps first")
     p.add_argument("--gpt2-tokens", type=int, default=None,
                    help="tokens of the GPT-2 shape, a multiple of 1024 (default: 16 x 1024 on CUDA, 2 x 1024 on CPU)")

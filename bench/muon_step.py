@@ -33,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import optim  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from optim import OptimConfig, build_optimizer  # noqa: E402
 
@@ -121,17 +122,18 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def parse_bench_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--fsdp", action="store_true", help="FSDP2-sharded model: collective calls, bytes and time")
-    p.add_argument("--world-size", type=int, nargs="+", default=[2], help="one, or (with --fsdp) several")
+    p.add_argument("--world-size", type=int, nargs="+", default=[2],
+                   help="one, or (with --fsdp) several (default: 2)")
     p.add_argument("--n-layer", type=int, default=2, help="fewer layers than 124M's 12 keep the CPU time sane")
-    p.add_argument("--n-embd", type=int, default=768)
-    p.add_argument("--n-head", type=int, default=12)
-    p.add_argument("--n-kv-head", type=int, default=4)
-    p.add_argument("--vocab-size", type=int, default=50304)
-    p.add_argument("--windows", type=int, default=5)
-    p.add_argument("--steps-per-window", type=int, default=3)
-    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--n-embd", type=int, default=768, help="model width")
+    p.add_argument("--n-head", type=int, default=12, help="query heads")
+    p.add_argument("--n-kv-head", type=int, default=4, help="key/value heads")
+    p.add_argument("--vocab-size", type=int, default=50304, help="vocabulary (GPT-2's, padded to a multiple of 128)")
+    p.add_argument("--windows", type=int, default=5, help="timed windows; the table reports their median")
+    p.add_argument("--steps-per-window", type=int, default=3, help="optimizer steps timed together as one window")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first")
     bench = p.parse_args(argv)
     if not bench.fsdp and len(bench.world_size) > 1:
         p.error("several --world-size values need --fsdp")

@@ -28,6 +28,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cli import HelpFormatter  # noqa: E402
 from plot import MetricsError, plot_runs, read_metrics, series  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,20 +102,23 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_bench_args(argv):
     """-> (bench args, train.py flags to pass through)."""
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = _Parser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
                    help="comma-separated, run in this order (adamw first: the defaults below use its best LR)")
-    p.add_argument("--adamw-lrs", type=parse_lrs, default=[1.5e-3, 3e-3, 6e-3, 1.2e-2])
+    p.add_argument("--adamw-lrs", type=parse_lrs, default=[1.5e-3, 3e-3, 6e-3, 1.2e-2],
+                   help="comma-separated AdamW LRs (default: 1.5e-3,3e-3,6e-3,1.2e-2)")
     p.add_argument("--adamw8bit-lrs", type=parse_lrs,
                    help="default: the best AdamW LR of this sweep (does 8-bit state track AdamW where it is tuned?)")
     p.add_argument("--muon-lrs", type=parse_lrs, default=[3e-3, 6e-3, 1.2e-2],
-                   help="LR of the Muon matrices (optim.py's match_rms_adamw scale makes AdamW LRs carry over)")
+                   help="LR of the Muon matrices (optim.py's match_rms_adamw scale makes AdamW LRs carry over) "
+                        "(default: 3e-3,6e-3,1.2e-2)")
     p.add_argument("--muon-adam-lr", type=float,
                    help="LR of the AdamW side of Muon runs (default: the best AdamW LR of this sweep)")
     p.add_argument("--steps", type=int, default=64, help="optimizer steps per run (the token budget)")
     p.add_argument("--eval-every", type=int, default=8, help="steps between val-loss evals")
     p.add_argument("--eval-tokens", type=int, default=4096, help="val tokens per eval (the same ones each time)")
-    p.add_argument("--results-dir", default=os.path.join(REPO, "bench", "results"))
+    p.add_argument("--results-dir", default=os.path.join(REPO, "bench", "results"),
+                   help="where each run's directory and the tables go (default: bench/results)")
     p.add_argument("--reuse", action="store_true",
                    help="skip a run whose directory holds a finished run of the identical command")
     a, train_argv = p.parse_known_args(argv)

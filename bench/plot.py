@@ -2,11 +2,13 @@
 wall-clock time.
 
     python bench/plot.py OUT_DIR [OUT_DIR ...] [--labels NAME ...] [--out curves.png]
-    python bench/plot.py out --smooth 0.9 --log-y --x time    # smoothed, log-scale loss, against the clock
+    python bench/plot.py out --smooth 0.9 --log-y --x time    # smoothed more, log-scale loss, against the clock
 
 Several runs are overlaid, one colour each, labelled by their directory name (or --labels). Without --out
 the figure goes to the first OUT_DIR, as OUT_DIR/curves.png, beside the metrics it was drawn from.
-Other benchmarks import read_metrics() and plot_runs() to draw their own figures.
+By default the per-step curves are smoothed over about 1% of their points, the raw ones faint behind them;
+the loss axis leaves out the first steps' far higher losses (loss_limits), and the other axes start at 0.
+Other benchmarks import read_metrics() and plot_runs() to draw their own figures; report.py draws a run's.
 """
 
 import argparse
@@ -35,6 +37,12 @@ X_KEYS = {"step": "step", "tokens": "tokens", "time": "time_s"}
 # What --smooth smooths: the per-step curves, noisy from batch to batch. Not val_loss (a few points, each
 # already an average over the eval tokens: smoothing would only drag them toward the past) nor lr (a schedule).
 SMOOTHED_KEYS = ("train_loss", "tokens_per_sec")
+# --smooth auto: an ema over about this fraction of a curve's points, so that a long run's noise does not
+# hide its trend and a short run (under 1 / AUTO_SMOOTH_SPAN points) is drawn as it is.
+AUTO_SMOOTH_SPAN = 0.01
+# The loss axis spans the losses up to this quantile, plus LOSS_HEADROOM of that span above it: the first
+# steps' losses (ln(vocab) ~ 11 for GPT-2's vocabulary) would otherwise squash the rest of the run into a line.
+LOSS_QUANTILE, LOSS_HEADROOM = 0.9, 0.5
 
 
 class MetricsError(Exception):
@@ -98,6 +106,25 @@ def ema(values: list[float], factor: float) -> list[float]:
     return out
 
 
+def auto_smoothing(points: int) -> float:
+    """The ema factor of --smooth auto for a curve of this many points: 1 - 1 / (AUTO_SMOOTH_SPAN x points),
+    whose average spans about that many points; 0 (none) for a short curve."""
+    return max(0.0, 1 - 1 / (AUTO_SMOOTH_SPAN * points)) if points else 0.0
+
+
+def loss_limits(values: list[float]) -> tuple[float, float] | None:
+    """(bottom, top) of a loss axis over these losses: from the lowest to LOSS_QUANTILE's loss plus
+    LOSS_HEADROOM of that span (never past the highest), padded by 5%; None when they are all one value.
+    Non-finite losses are left out."""
+    finite = sorted(v for v in values if math.isfinite(v))
+    if not finite or finite[0] == finite[-1]:
+        return None
+    low, quantile = finite[0], finite[round(LOSS_QUANTILE * (len(finite) - 1))]
+    high = min(finite[-1], quantile + LOSS_HEADROOM * (quantile - low)) if quantile > low else finite[-1]
+    pad = 0.05 * (high - low)
+    return (low - pad if low - pad > 0 else low / 2), high + pad
+
+
 def time_unit(seconds: float) -> tuple[float, str]:
     """(divisor, unit) that keeps a wall-clock axis readable: seconds, minutes or hours."""
     if seconds >= 3 * 3600:
@@ -105,20 +132,19 @@ def time_unit(seconds: float) -> tuple[float, str]:
     return (60.0, "min") if seconds >= 180 else (1.0, "s")
 
 
-def _draw_curve(ax, xs, ys, key: str, label: str, colour, keys: tuple, smooth: float) -> None:
-    """One run's curve of one key: val_loss as markers; a per-step curve as a line, faint beside val markers,
-    and with smooth > 0 smoothed (ema) over its raw values drawn faintly, unlabelled, behind it."""
+def _draw_curve(ax, xs, ys, key: str, label: str, colour, keys: tuple, smooth: float | None) -> None:
+    """One run's curve of one key: val_loss as markers on a dashed line; a per-step curve as a line, and where
+    its ema factor (`smooth`, or auto_smoothing's for None) is above 0, smoothed, over its raw values drawn
+    faintly, unlabelled, behind it."""
+    name = label + ((" (val)" if key == "val_loss" else " (train)") if len(keys) > 1 else "")
     if key == "val_loss":
-        name = f"{label} (val)" if len(keys) > 1 else label
-        ax.plot(xs, ys, color=colour, marker="o", markersize=4, linewidth=1.5, label=name)
+        ax.plot(xs, ys, color=colour, marker="o", markersize=4, linestyle="--", linewidth=1.2, label=name)
         return
-    # A lone train curve is the main line; beside val markers it is the faint noisy one.
-    faint = len(keys) > 1
-    name = f"{label} (train)" if faint else label
+    smooth = auto_smoothing(len(ys)) if smooth is None else smooth
     if smooth and key in SMOOTHED_KEYS:
-        ax.plot(xs, ys, color=colour, linewidth=0.6, alpha=0.15)
+        ax.plot(xs, ys, color=colour, linewidth=0.6, alpha=0.2)
         ys = ema(ys, smooth)
-    ax.plot(xs, ys, color=colour, linewidth=0.8 if faint else 1.5, alpha=0.45 if faint else 1.0, label=name)
+    ax.plot(xs, ys, color=colour, linewidth=1.5, label=name)
 
 
 def _x_axis(ax, runs: dict[str, list[dict]], x: str) -> float:
@@ -138,7 +164,7 @@ def _x_axis(ax, runs: dict[str, list[dict]], x: str) -> float:
 
 def draw_runs(runs: dict[str, list[dict]], panels=DEFAULT_PANELS, title: str | None = None,
               target: tuple[float, str] | None = None, loss_ylim: tuple[float, float] | None = None,
-              x: str = "tokens", smooth: float = 0.0, log_y: bool = False):
+              x: str = "tokens", smooth: float | None = None, log_y: bool = False):
     """The figure of plot_runs, not yet saved: -> a matplotlib Figure."""
     unknown = [p for p in panels if p not in PANELS]
     if unknown:
@@ -148,24 +174,29 @@ def draw_runs(runs: dict[str, list[dict]], panels=DEFAULT_PANELS, title: str | N
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, panel in zip(axes[:, 0], panels):
         ylabel, keys = PANELS[panel]
+        drawn = []
         for i, (label, records) in enumerate(runs.items()):
             for key in keys:
                 xs, ys = series(records, key, x)
+                drawn += ys
                 if xs:
                     _draw_curve(ax, [v / divisor for v in xs], ys, key, label, colours[i % len(colours)], keys, smooth)
-        if "loss" in panel:
+        if "loss" not in panel:
+            ax.set_ylim(bottom=0)  # tokens/s and the LR: a fall to half reads as half
+        else:
             if target is not None:
                 ax.axhline(target[0], color="black", linestyle="--", linewidth=1, label=target[1])
             if log_y:  # plain numbers on the ticks: a loss axis spans far less than a decade
                 ax.set_yscale("log")
                 ax.yaxis.set_major_formatter(LogFormatter())
                 ax.yaxis.set_minor_formatter(LogFormatter())
-            if loss_ylim is not None:
-                ax.set_ylim(*loss_ylim)
+            if (limits := loss_ylim or loss_limits(drawn)) is not None:
+                ax.set_ylim(*limits)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3, which="both" if log_y and "loss" in panel else "major")
         if ax.has_data():
             ax.legend(fontsize=8)
+    axes[-1, 0].set_xlim(left=0)  # the run from its start (the axes share x)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
@@ -174,13 +205,14 @@ def draw_runs(runs: dict[str, list[dict]], panels=DEFAULT_PANELS, title: str | N
 
 def plot_runs(runs: dict[str, list[dict]], out_png: str, panels=DEFAULT_PANELS, title: str | None = None,
               target: tuple[float, str] | None = None, loss_ylim: tuple[float, float] | None = None,
-              x: str = "tokens", smooth: float = 0.0, log_y: bool = False) -> None:
+              x: str = "tokens", smooth: float | None = None, log_y: bool = False) -> None:
     """Draw one panel per name in panels (see PANELS), every run overlaid, and save a PNG.
 
     target, as (loss, label), draws a dashed horizontal line on the loss panels: a loss to reach.
-    loss_ylim zooms the loss panels, whose first evals are far above the losses worth comparing.
-    x: the horizontal axis (X_KEYS); smooth: the ema factor for SMOOTHED_KEYS (0: off); log_y: log-scale
-    loss panels.
+    loss_ylim zooms the loss panels, whose first evals are far above the losses worth comparing; without it
+    they span loss_limits.
+    x: the horizontal axis (X_KEYS); smooth: the ema factor for SMOOTHED_KEYS (0: off; None: auto_smoothing's);
+    log_y: log-scale loss panels.
     """
     fig = draw_runs(runs, panels, title, target, loss_ylim, x, smooth, log_y)
     os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
@@ -199,15 +231,17 @@ class _Parser(argparse.ArgumentParser):
         raise MetricsError(message)
 
 
-def smoothing(text: str) -> float:
-    """--smooth: an ema factor in [0, 1)."""
+def smoothing(text: str) -> float | None:
+    """--smooth: an ema factor in [0, 1), or auto (None: auto_smoothing's)."""
+    if text == "auto":
+        return None
     try:
         factor = float(text)
     except ValueError:
         factor = math.nan
     if not 0 <= factor < 1:
-        raise argparse.ArgumentTypeError(f"must be an ema factor in [0, 1) (0.9: about the last ten points), "
-                                         f"got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be an ema factor in [0, 1) (0.9: about the last ten points) or "
+                                         f"auto, got {text!r}")
     return factor
 
 
@@ -220,10 +254,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--x", choices=tuple(X_KEYS), default="tokens",
                    help="horizontal axis: step, tokens, or time (wall clock since the run started, across "
                         "resumes: the time_s of each record)")
-    p.add_argument("--smooth", type=smoothing, default=0.0, metavar="FACTOR",
+    p.add_argument("--smooth", type=smoothing, default=None, metavar="FACTOR",
                    help="exponential moving average of the per-step curves (train loss, tokens/s), debiased as "
-                        "TensorBoard's: 0 off (default), 0.9 about the last ten steps; the raw curve stays, "
-                        "faint, behind it. Val loss and the LR are drawn as they are")
+                        "TensorBoard's: 0 off, 0.9 about the last ten steps, auto (default) about 1%% of the "
+                        "curve's points (none under 100); the raw curve stays, faint, behind it. Val loss and the "
+                        "LR are drawn as they are")
     p.add_argument("--log-y", action="store_true", help="log-scale loss axis")
     return p
 

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
-from cli import UsageError  # noqa: E402
+from cli import HelpFormatter, UsageError  # noqa: E402
 from optimizers import code_line, cpu_model  # noqa: E402
 from plot import MetricsError, read_metrics  # noqa: E402
 
@@ -98,16 +98,18 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_bench_args(argv):
     """-> (bench args, train.py flags to pass through)."""
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = _Parser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--optimizer", default="muon", help="train.py's --optimizer for every run")
-    p.add_argument("--max-tokens", type=int, default=307200, help="tokens per run (default: train.py's 150 steps "
-                                                                  "of 16 x 128 tokens)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="one run per seed per toggle")
+    p.add_argument("--max-tokens", type=int, default=307200, help="tokens per run (default: %(default)s, train.py's "
+                                                                  "150 steps of 16 x 128 tokens)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2],
+                   help="one run per seed per toggle (default: 1 2)")
     p.add_argument("--only", help="comma-separated toggles to run (the baseline runs anyway)")
     p.add_argument("--toggle", type=parse_toggle, action="append", default=[], metavar="NAME=FLAGS",
                    help='another toggle, e.g. "packing=--packing bos" (repeatable)')
     p.add_argument("--jobs", type=int, default=1, help="trainings at once")
-    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "recipe.md"), help="the markdown table")
+    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "recipe.md"),
+                   help="the markdown table (default: bench/results/recipe.md)")
     p.add_argument("--runs-dir", help="keep the runs' directories here (default: a temporary directory)")
     a, train_argv = p.parse_known_args(argv)
     if a.max_tokens < 1 or a.jobs < 1 or len(set(a.seeds)) != len(a.seeds):

@@ -24,15 +24,15 @@ import config  # noqa: E402
 import hardware  # noqa: E402
 import memory  # noqa: E402
 import train  # noqa: E402
-from cli import UsageError  # noqa: E402
+from cli import HelpFormatter, UsageError  # noqa: E402
 from data import DataError  # noqa: E402
 from model import flops_per_token  # noqa: E402
 
 
 def parse_bench_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--windows", type=int, default=5, help="timed windows; the table reports their median")
-    p.add_argument("--steps-per-window", type=int, default=5)
+    p.add_argument("--steps-per-window", type=int, default=5, help="steps timed together as one window")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (includes compilation)")
     return p.parse_known_args(argv)
 

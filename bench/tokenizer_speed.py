@@ -37,11 +37,12 @@ import hf  # noqa: E402
 import prepare  # noqa: E402
 import sources  # noqa: E402
 import tokenizer  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 from data_prep import copy_default_corpus  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--input", metavar="SRC", help="what to tokenize (default: the default corpus's sources)")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (default: GPT-2's, from tiktoken's ranks)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds; the table reports medians")

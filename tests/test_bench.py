@@ -141,6 +141,36 @@ def test_plot_cli_bad_flags_are_one_line(tmp_path, capsys, argv, words):
     assert exit_info.value.code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1
 
 
+def test_loss_limits_leave_out_the_first_steps_far_higher_losses():
+    falling = [3.0 + 8.0 * math.exp(-step / 10) for step in range(200)]  # 11 down to 3, most of it near 3
+    low, quantile = falling[-1], falling[20]  # the 90% quantile of 200 losses: the 180th lowest
+    high = quantile + 0.5 * (quantile - low)
+    pad = 0.05 * (high - low)
+    assert plot.loss_limits(falling + [math.nan]) == pytest.approx((low - pad, high + pad))
+    assert high < 5.0  # the first 16 losses, up to 11, are above the axis
+    assert plot.loss_limits([5.0, 5.1, 4.9, 5.2]) == pytest.approx((4.9 - 0.015, 5.2 + 0.015))  # flat: all of it
+    assert plot.loss_limits([5.0, 5.0]) is None and plot.loss_limits([]) is None
+
+
+def test_auto_smoothing_spans_about_one_percent_of_a_long_curve_and_leaves_a_short_one():
+    assert plot.auto_smoothing(0) == plot.auto_smoothing(50) == plot.auto_smoothing(100) == 0.0
+    assert plot.auto_smoothing(1000) == pytest.approx(0.9) and plot.auto_smoothing(10_000) == pytest.approx(0.99)
+
+
+def test_the_default_figure_is_legible_without_flags(tmp_path):
+    """A long run with a steep start: the train loss smoothed over its raw steps, the loss axis not squashed by
+    the first steps, every axis from 0 but the loss's."""
+    records = [{"step": s, "tokens": 1000 * s, "train_loss": 3.0 + 8.0 * math.exp(-s / 20) + 0.1 * (-1) ** s,
+                "lr": 1e-3, "tokens_per_sec": 5000.0 + 100 * (-1) ** s} for s in range(1, 1001)]
+    fig = plot.draw_runs({"run": records})
+    loss, rate, lr = fig.axes
+    assert loss.get_xlim()[0] == 0 and loss.get_ylim()[1] < 4.0 and rate.get_ylim()[0] == lr.get_ylim()[0] == 0
+    raw = [r["train_loss"] for r in records]
+    assert curves(fig, "run")["run (train)"][1] == pytest.approx(plot.ema(raw, 0.9))
+    assert raw in [list(line.get_ydata()) for line in loss.lines]
+    assert plot.main([write_run(tmp_path / "run", 4, 5.0, 1e-3), "--smooth", "auto"]) is None
+
+
 @pytest.mark.parametrize("target, expected", [
     (3.0, 250.0),  # halfway between the evals at 200 (3.5) and 300 (2.5)
     (2.5, 300.0),  # exactly on an eval

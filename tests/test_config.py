@@ -5,6 +5,7 @@ import argparse
 import ast
 import dataclasses
 import glob
+import json
 import os
 
 import pytest
@@ -15,6 +16,7 @@ import memory
 import telemetry
 from cli import UsageError
 from config import Config
+from conftest import TINY_FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -256,6 +258,82 @@ def test_example_configs_exist():
 
 def test_cpu_default_config_is_the_default_run():
     assert config.parse_args(["--config", os.path.join(REPO, "configs", "cpu-default.toml")]) == Config()
+
+
+def test_toml_keys_may_be_spelled_as_their_flags(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[model]\nseq_len = 64\nn-layer = 3\n[optim]\noptimizer = "adamw"\nadam_eps = 1e-6\n'
+                    '[fp8]\nfp8 = "off"\n')
+    cfg = config.parse_args(["--config", str(path)])
+    assert (cfg.model.max_seq_len, cfg.model.n_layer, cfg.optim.name, cfg.optim.eps) == (64, 3, "adamw", 1e-6)
+    path.write_text("[model]\nmax_seq_len = 64\nseq_len = 32\n")
+    with pytest.raises(UsageError, match=r"model.max_seq_len and model.seq_len set the same field$"):
+        config.parse_args(["--config", str(path)])
+    path.write_text("[model]\nuntied = true\n")  # a flag that negates its field is no key: true would mean false
+    with pytest.raises(UsageError, match=r"unknown key model.untied$"):
+        config.parse_args(["--config", str(path)])
+
+
+@pytest.mark.parametrize("section", [s.name for s in dataclasses.fields(Config)])
+def test_a_flag_spelling_is_no_other_fields_name(section):
+    cls = next(s.default_factory for s in dataclasses.fields(Config) if s.name == section)
+    names = config.key_names(cls)
+    assert all(names[f.name] is f for f in dataclasses.fields(cls))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[model]\nn_layers = 2\n", r"unknown key model.n_layers; did you mean model.n_layer \(--n-layer\)\?$"),
+    ("[model]\nmax_seqlen = 2\n", r"unknown key model.max_seqlen; did you mean model.max_seq_len \(--seq-len\)\?$"),
+    ("[model]\nlr = 1e-3\n", r"unknown key model.lr; did you mean optim.lr \(--lr\)\?$"),  # the wrong section
+    ("[optim]\noptimiser = \"adamw\"\n", r"unknown key optim.optimiser; did you mean optim.name \(--optimizer\)\?$"),
+    ("lr = 1e-3\n", r"'lr' is not a section; the sections are data, .*, log; did you mean optim.lr \(--lr\)\?$"),
+    ("[modle]\nn_layer = 2\n", r"'modle' is not a section; the sections are .*; did you mean \[model\]\?$"),
+    ("[model]\nxyzzy = 2\n", r"unknown key model.xyzzy$"),
+])
+def test_an_unknown_toml_key_names_the_closest_key_and_its_flag(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(UsageError, match=message):
+        config.parse_args(["--config", str(path)])
+
+
+def test_a_config_file_holds_the_runs_settings_not_its_invocation(tmp_path):
+    """A resumed run's OUT/config.toml repeats the run: it does not resume, overwrite or waive a resume's checks."""
+    cfg = config.parse_args(["--resume", "--allow-data-change", "--allow-lr-rewarm", "--lr", "1e-3"])
+    path = tmp_path / "config.toml"
+    config.write_config(cfg, str(path))
+    assert set(config.read_config_file(str(path))).isdisjoint(config.INVOCATION_KEYS)
+    repeat = config.parse_args(["--config", str(path)])
+    assert repeat.optim.lr == 1e-3 and (repeat.ckpt, repeat.data.allow_data_change) == (Config().ckpt, False)
+    assert not repeat.schedule.allow_lr_rewarm
+
+
+def train_losses(out_dir) -> list[float]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["train_loss"] for line in f]
+
+
+def test_a_run_repeats_from_its_config_toml_bit_for_bit_even_after_a_resume(tiny_data, tmp_path, capsys):
+    """`--config OUT/config.toml --out-dir NEW_DIR` repeats a run, also when the file was written by a resume of it
+    (it does not carry --resume); without --out-dir the refusal says to add it."""
+    import train
+
+    first, written = tmp_path / "first", str(tmp_path / "first" / "config.toml")
+    train.main(["--data", tiny_data, "--out-dir", str(first), *TINY_FLAGS, "--device", "cpu", "--max-steps", "3",
+                "--ckpt-interval", "2", "--eval-interval", "0"])
+    losses = train_losses(first)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:  # the file names its own run's directory
+        train.main(["--config", written])
+    assert refused.value.code == 2 and capsys.readouterr().err == (
+        f"error: --out-dir {first} already holds a run (ckpt_00000002.pt, ckpt_00000003.pt, curves.png, ...): add "
+        f"--out-dir NEW_DIR to repeat --config {written} in a new directory, or pass --resume to continue it, "
+        "--overwrite to replace it\n")
+    for name in ("ckpt_00000003.pt", "ckpt_00000003.pt.sha256"):  # as if killed before its last checkpoint
+        os.remove(first / name)
+    train.main(["--config", written, "--resume"])  # redoes step 3, and writes config.toml again
+    train.main(["--config", written, "--out-dir", str(tmp_path / "again")])  # fresh: nothing to resume there
+    assert len(losses) == 3 and train_losses(first) == losses and train_losses(tmp_path / "again") == losses
 
 
 def test_resume_check_refuses_shape_and_optimizer_changes_and_names_the_rest():

@@ -193,6 +193,8 @@ def test_eval_batches_never_read_a_val_window_twice():
     assert evaluate.eval_tokens_note(256, 3, 100, 4, 32, 1) == (
         "note: the val split (100 tokens) holds 3 windows of 32, fewer than one batch on every rank; each eval "
         "reads 128 tokens (1 batch of 4 x 32 on each of 1 rank), some twice")
+    assert evaluate.eval_tokens_note(256, 1, 33, 4, 32, 1).startswith("note: the val split (33 tokens) holds 1 window "
+                                                                      "of 32, fewer")
 
 
 

@@ -3,6 +3,10 @@ autograd actually saves (measured with saved-tensor hooks) and what the optimize
 
 import dataclasses
 import functools
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -148,6 +152,43 @@ def test_estimate_memory_flag_prints_every_mode_and_builds_nothing(monkeypatch, 
     for mode in ACT_CKPT_MODES:
         assert f"| {mode}" in out
     assert "| full (selected) |" in out
+
+
+def test_the_cpu_estimate_counts_the_process_and_the_allocator_a_gpu_estimate_does_not():
+    cpu = memory.estimate_memory(CFG2, 4, 48, "adamw", "none", None, "cpu", runtime=300 * 2**20)
+    assert cpu.runtime == 300 * 2**20 and cpu.allocator == int(memory.CPU_ALLOCATOR_SHARE * cpu.tensors) > 0
+    assert cpu.total == cpu.tensors + cpu.runtime + cpu.allocator
+    assert cpu.tensors == cpu.params + cpu.grads + cpu.optimizer + cpu.activations + cpu.transient
+    gpu = memory.estimate_memory(CFG2, 4, 48, "adamw", "none", None, "cuda", runtime=300 * 2**20)
+    assert gpu.runtime == gpu.allocator == 0 and gpu.total == gpu.tensors
+    table = memory.format_memory_estimates({"none": cpu}, "none").splitlines()
+    assert table[0] == ("| act-ckpt | params | grads | optimizer | activations | transient | runtime | allocator "
+                        "| total |")
+    assert table[2].startswith("| none (selected) |") and f"| 0.293 GiB | {cpu.allocator / 2**30:.3f} GiB |" in table[2]
+    assert "runtime" not in memory.format_memory_estimates({"none": gpu}, "none")
+
+
+# The estimate against a run's measured peak: within this factor either way (measured 0.88x to 1.14x, memory.py).
+CPU_TOLERANCE = 1.3
+
+
+def test_the_cpu_estimate_is_the_resident_set_a_run_peaks_at(tiny_data, tmp_path):
+    """--estimate-memory, then 3 steps of the same flags, in one fresh process (its peak resident set is its own):
+    the estimate's total is the peak_mem_gib the run reports, within CPU_TOLERANCE. The tensors (0.23 GiB) are
+    about as large as the process's runtime here, so an estimate without either term, or without the allocator's
+    share, falls outside."""
+    flags = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "256",
+             "--seq-len", "256", "--batch-size", "16", "--data", tiny_data, "--device", "cpu", "--dtype", "fp32"]
+    run = ["--max-steps", "3", "--out-dir", str(tmp_path), "--eval-interval", "0", "--ckpt-interval", "0"]
+    code = f"import sys, train; train.main(sys.argv[1:] + ['--estimate-memory']); train.main(sys.argv[1:] + {run!r})"
+    done = subprocess.run([sys.executable, "-c", code, *flags], cwd=os.path.dirname(os.path.abspath(memory.__file__)),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    selected = next(line for line in done.stdout.splitlines() if "(selected)" in line)
+    estimate = float(selected.split("|")[-2].split()[0])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    peak = max(r["peak_mem_gib"] for r in records)
+    assert 1 / CPU_TOLERANCE < peak / estimate < CPU_TOLERANCE, f"peak {peak:.3f} GiB, estimate {estimate:.3f} GiB"
 
 
 @pytest.mark.parametrize("text, expected", [

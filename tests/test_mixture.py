@@ -10,7 +10,8 @@ import train
 from cli import UsageError
 from conftest import TINY_FLAGS, spawn_on_gloo
 from data import DataError, ShardLoader, write_data_record, write_shard
-from mixture import (MIX_BLOCK, MixtureLoader, Source, check_sources, open_loader, parse_data, row_sources)
+from mixture import (MIX_BLOCK, MixtureLoader, Source, check_sources, open_loader, parse_data, record_dir,
+                     row_sources, same_tokenizer)
 
 T = 8
 WEB, CODE = 0, 3000  # each source's first token: a row's first token says which source and window it is
@@ -49,7 +50,8 @@ def rows(loader, steps):
 
 
 def source_of(row):
-    return int(row[0] >= CODE)
+    """The index of a row's source among the sources, which parse_data sorts by name: code, then web."""
+    return 0 if row[0] >= CODE else 1
 
 
 # ----------------------------------------------------------------------------- --data
@@ -57,8 +59,10 @@ def source_of(row):
 
 def test_data_is_a_directory_or_named_weighted_sources(tmp_path):
     assert parse_data("data/web") == [Source("", "data/web", 1.0)]
-    assert parse_data("web=data/web:3,code=/abs/c:de:1") == [Source("web", "data/web", 0.75),
-                                                              Source("code", "/abs/c:de", 0.25)]
+    assert parse_data("data/lr=1/x") == [Source("", "data/lr=1/x", 1.0)]  # no NAME before the "="
+    mix = [Source("code", "/abs/c:de", 0.25), Source("web", "data/web", 0.75)]  # sorted by name
+    assert parse_data("web=data/web:3,code=/abs/c:de:1") == mix == parse_data("code=/abs/c:de:1,web=data/web:3")
+    assert [s.weight for s in parse_data("a=x:1e308,b=y:1e308")] == [0.5, 0.5]  # no overflow to inf
     odd = tmp_path / "a=b:1"  # a directory that exists is one source whatever its name holds
     odd.mkdir()
     assert parse_data(str(odd)) == [Source("", str(odd), 1.0)]
@@ -67,13 +71,14 @@ def test_data_is_a_directory_or_named_weighted_sources(tmp_path):
 @pytest.mark.parametrize("spec, words", [
     ("web=d:0.7,code=e", "'code=e' is not NAME=DIR:WEIGHT"),
     ("web=d:0.7,=e:1", "'=e:1' is not NAME=DIR:WEIGHT"),
-    ("we b=d:1", "'we b=d:1' is not NAME=DIR:WEIGHT"),
+    ("web=d:1,we b=e:1", "'we b=e:1' is not NAME=DIR:WEIGHT"),
     ("web=d:0", "the weight of source web must be a positive number, got '0'"),
     ("web=d:-1", "must be a positive number, got '-1'"),
     ("web=d:nan", "got 'nan'"),
     ("web=d:inf", "got 'inf'"),
     ("web=d:0.7x", "got '0.7x'"),
     ("web=d:1,web=e:1", "source web is named twice"),
+    ("a=d:1e-320,b=e:1e300", "the weight of source a is too small against the others to draw a row"),
 ])
 def test_a_mixture_that_does_not_parse_is_one_line(spec, words):
     with pytest.raises(UsageError, match=words):
@@ -88,9 +93,15 @@ def test_sources_must_exist_and_share_one_tokenizer(tmp_path):
     a, b, c = (write_source(tmp_path / name, [81], 0) for name in "abc")
     with pytest.raises(DataError, match=r"--data: source b \(.*/nope\): no such directory"):
         check_sources(parse_data(f"a={a}:1,b={tmp_path / 'nope'}:1"))
-    write_data_record(a, record())
+    with pytest.raises(DataError, match=r"source a \(.*\) and source b \(.*\) are one directory: they would read"):
+        check_sources(parse_data(f"a={a}:1,b={a}/.:1"))
+    assert record_dir(parse_data(f"a={a}:1,b={b}:1")) == a  # no data.json yet: the first source's
     write_data_record(b, record())
+    assert record_dir(parse_data(f"a={a}:1,b={b}:1")) == b  # the first source that records the tokenizer
+    write_data_record(a, record())
     check_sources(parse_data(f"a={a}:1,b={b}:1,c={c}:1"))  # c records nothing (llm.c shards): not compared
+    old = {"tokenizer": "gpt2", "n_vocab": 50257}  # made before data.json held a sha256 and a separator
+    assert same_tokenizer(old, record()) and not same_tokenizer(old, record(eot=0))
     write_data_record(b, record("tok.json", sha="bb", n_vocab=70_000, eot=3))
     with pytest.raises(DataError, match=r"source a \(.*\) and source b \(.*\) were prepared with different "
                                         r"tokenizers \(gpt2, separator 50256; tok.json, separator 3\)"):
@@ -121,7 +132,7 @@ def test_proportions_are_the_weights_within_binomial_noise():
 
 def test_each_batch_draws_its_rows_from_the_sources_in_proportion(sources):
     drawn = [source_of(r) for r in rows(mixture(sources, batch_size=16), 150)]  # 2,400 rows
-    n, p = len(drawn), 0.3
+    n, p = len(drawn), 0.7  # web's share
     assert abs(sum(drawn) - n * p) < 4 * np.sqrt(n * p * (1 - p))
 
 
@@ -133,7 +144,7 @@ def test_each_source_reads_its_rows_in_the_order_a_run_on_it_alone_would(sources
     for index, source in enumerate(sources):
         own = np.array([r for r in mixed if source_of(r) == index])
         assert (own == rows(alone(source), len(own))).all()
-    web = mixed[[source_of(r) == 0 for r in mixed]]
+    web = mixed[[source_of(r) == 1 for r in mixed]]
     assert len(web) == len({int(r[0]) for r in web})  # code's many epochs did not repeat a web row
 
 
@@ -141,7 +152,7 @@ def test_a_source_that_runs_out_starts_its_next_epoch_alone(sources):
     loader = mixture(sources)
     code = []
     while len(code) < 18:  # two epochs of code's 9 windows
-        code += [int(r[0]) for r in next(loader)[0].numpy() if source_of(r) == 1]
+        code += [int(r[0]) for r in next(loader)[0].numpy() if source_of(r) == 0]
     starts = {CODE + w * T for w in range(5)} | {CODE + 41 + w * T for w in range(4)}
     assert set(code[:9]) == starts and set(code[9:18]) == starts  # each window once an epoch
     assert code[:9] != code[9:18]  # in a new permutation
@@ -168,14 +179,14 @@ def test_resume_is_exact_at_any_micro_batch_and_world_size(sources, batch_size, 
 
 def test_a_loader_state_is_refused_by_a_loader_of_other_sources(sources):
     mixed, single = mixture(sources), alone(sources[0])
-    with pytest.raises(DataError, match="is of a mixture of sources \\(web, code\\); this run reads one directory"):
+    with pytest.raises(DataError, match="is of a mixture of sources \\(code, web\\); this run reads one directory"):
         single.load_state_dict(mixed.state_dict())
-    with pytest.raises(DataError, match="is of one --data directory; this run reads a mixture of web, code"):
+    with pytest.raises(DataError, match="is of one --data directory; this run reads a mixture of code, web"):
         mixed.load_state_dict(single.state_dict())
-    renamed = [sources[0], sources[1]._replace(name="py")]
-    with pytest.raises(DataError, match="holds the sources web, code; this run's --data names web, py"):
+    renamed = [sources[0]._replace(name="py"), sources[1]]
+    with pytest.raises(DataError, match="holds the sources code, web; this run's --data names py, web"):
         mixture(renamed).load_state_dict(mixed.state_dict())
-    with pytest.raises(DataError, match="loader state of source web was saved with --packing windows"):
+    with pytest.raises(DataError, match="loader state of source code was saved with --packing windows"):
         mixture(sources, packing="bos").load_state_dict(mixed.state_dict())
     reweighted = [s._replace(weight=w) for s, w in zip(sources, (0.5, 0.5))]  # the draw goes on with new weights
     mixture(reweighted).load_state_dict(mixed.state_dict())
@@ -195,7 +206,7 @@ def _disjoint_ranks(rank, world_size, sources):
 
 
 def test_two_gloo_ranks_take_disjoint_rows_of_one_stream(sources, tmp_path):
-    big = [s._replace(weight=w) for s, w in zip(sources, (0.97, 0.03))]  # code's 9 windows last both ranks
+    big = [s._replace(weight=w) for s, w in zip(sources, (0.03, 0.97))]  # code's 9 windows last both ranks
     spawn_on_gloo(_disjoint_ranks, 2, tmp_path, big)
 
 
@@ -222,7 +233,7 @@ def test_under_packing_bos_each_sources_rows_start_at_its_documents(tmp_path):
                                            "data_cropped_frac/code"}
     is_code = [(row[row != VOCAB - 1] >= CODE).all() for row in batch]
     for index, source in enumerate(sources):  # each source's rows, in the order its own loader gives them
-        own = batch[[flag == bool(index) for flag in is_code]]
+        own = batch[[flag == (source.name == "code") for flag in is_code]]
         assert 0 < len(own) and (own == rows(alone(source, packing="bos"), len(own))).all()
 
 
@@ -246,16 +257,17 @@ def metrics(out_dir):
 
 
 def test_a_mixture_run_reports_each_source_and_resumes_bit_identically(sources, tmp_path, capsys):
-    spec = f"web={sources[0].dir}:0.7,code={sources[1].dir}:0.3"
+    code, web = sources
+    spec = f"web={web.dir}:0.7,code={code.dir}:0.3"
     flags = ["--max-steps", "4", "--eval-interval", "2", "--ckpt-interval", "2", "--keep-ckpts", "3",
              "--seq-len", str(T)]
     run(tmp_path / "full", spec, *flags)
     out, err = capsys.readouterr()
-    assert f"data             mixture web={sources[0].dir} (70.0%), code={sources[1].dir} (30.0%)" in out
+    assert f"data             mixture code={code.dir} (30.0%), web={web.dir} (70.0%)" in out
     assert "tokens of source web's 2,400-token train split" in out and "source code's 72-token" in out
     assert "warning: the run will read" not in err  # code: 38 of its 72 tokens
     summary = out[out.index("run summary"):]
-    assert "epochs            of each source's train split, read: web " in summary
+    assert "epochs            of each source's train split, read: code " in summary
     full = metrics(tmp_path / "full")
     evaluated = full[1]
     assert evaluated["val_loss"] == pytest.approx(0.7 * evaluated["val_loss/web"] + 0.3 * evaluated["val_loss/code"])
@@ -265,9 +277,9 @@ def test_a_mixture_run_reports_each_source_and_resumes_bit_identically(sources, 
                        "--device", "cpu", "--dtype", "fp32"]) == 0  # the checkpoint's own mixture, by default
     lines = capsys.readouterr().out.splitlines()
     assert f"val tokens of {spec} " in lines[0] and lines[1].startswith("val_loss ")
-    assert [line.split()[0] for line in lines[-4:]] == ["val_loss/web", "val_bpb/web", "val_loss/code", "val_bpb/code"]
-    with pytest.raises(UsageError, match=f"whose source code \\({sources[1].dir}-gone\\) is not there"):
-        score.val_data(None, {"data": {"data": spec.replace(sources[1].dir, sources[1].dir + "-gone")}}, "c.pt")
+    assert [line.split()[0] for line in lines[-4:]] == ["val_loss/code", "val_bpb/code", "val_loss/web", "val_bpb/web"]
+    with pytest.raises(UsageError, match=f"whose source code \\({code.dir}-gone\\) is not there"):
+        score.val_data(None, {"data": {"data": spec.replace(code.dir, code.dir + "-gone")}}, "c.pt")
 
     os.makedirs(tmp_path / "resumed")
     for name in os.listdir(tmp_path / "full"):
@@ -300,4 +312,41 @@ def test_bad_mixtures_are_one_line_at_start_up(tmp_path, capsys):
         assert exit_.value.code == 2 and len(err) == 1 and words in err[0], err
         errors.append(err[0])
     assert ("so val_loss, the weighted mean of the sources' val losses, would leave out its 30.0%: prepare it with a "
-            "val split (prepare.py --val-tokens N), or turn evaluation off with --eval-interval 0") in errors[2]
+            "val split (prepare.py --val-tokens N), or train without evaluation (train.py --eval-interval 0)") in errors[2]
+
+
+def test_a_mixtures_val_figures_are_the_training_distributions(sources, monkeypatch):
+    from config import EvalConfig
+    from distributed import DistInfo
+    from evaluate import Evaluator
+
+    evaluator = Evaluator(EvalConfig(), f"code={sources[0].dir}:0.2,web={sources[1].dir}:0.8", DistInfo(),
+                          torch.device("cpu"), VOCAB, 0)
+    evaluator.token_bytes = torch.ones(VOCAB)  # bytes are known
+    sums = {"code": [300.0, 100.0, 250.0, 250.0], "web": [400.0, 200.0, 360.0, 900.0]}  # nats, tokens, text's
+    monkeypatch.setattr(evaluator, "source_sums", lambda source, *args: sums[source.name])
+    metrics = evaluator.val_metrics(None, None, None, 2, T)
+    assert metrics["val_loss"] == pytest.approx(0.2 * 3.0 + 0.8 * 2.0)
+    # Per token drawn: 0.2 x 2.5 + 0.8 x 1.8 text nats over 0.2 x 2.5 + 0.8 x 4.5 bytes, in bits.
+    assert metrics["val_bpb"] == pytest.approx((0.2 * 2.5 + 0.8 * 1.8) / (0.2 * 2.5 + 0.8 * 4.5) / np.log(2))
+    assert metrics["val_bpb/web"] == pytest.approx(360 / 900 / np.log(2)) and metrics["val_loss/code"] == 3.0
+
+
+def test_what_a_step_record_says_of_the_data_does_not_depend_on_the_prefetch(tmp_path):
+    web = write_documents(tmp_path / "web", [5, 12, 3, 9, 20] * 8, WEB)
+    code = write_documents(tmp_path / "code", [7, 2, 14] * 6, CODE)
+    sources = parse_data(f"web={web}:1,code={code}:1")
+    ahead, inline = (mixture(sources, packing="bos", batch_size=2, prefetch=p) for p in (3, 0))
+    for _ in range(40):
+        next(ahead), next(inline)
+        assert ahead.record_fields() == inline.record_fields()
+    ahead.close()
+
+
+def test_a_resume_compares_shards_by_name_not_by_their_order():
+    from data import data_change
+
+    saved = [["code/train_000000.bin", 10, "aa"], ["web/train_000000.bin", 20, "bb"]]
+    assert data_change(saved, saved[::-1]) is None
+    assert data_change(saved, [saved[0], ["web/train_000000.bin", 20, "cc"]]) == \
+        "shard contents differ (web/train_000000.bin)"

@@ -403,6 +403,16 @@ def test_auto_val_writes_train_shards_as_it_goes_and_takes_val_from_the_start(gp
     assert capsys.readouterr().out.strip().endswith("; val: first 300 tokens (--val-tokens 300)")
 
 
+def test_the_summary_line_counts_in_the_singular_and_plural():
+    stats = {"documents": 1, "tokens": 1200, "train_tokens": 1000, "train_shards": 1, "val_tokens": 200,
+             "seconds": 0.5}
+    assert prepare._summary(stats, 200, None) == ("data: 1 document, 1,200 tokens (1,000 train in 1 shard) in 0.5s "
+                                                  "(0.00M tok/s); val: first 200 tokens (--val-tokens 200)")
+    line = prepare._summary({**stats, "documents": 2, "train_shards": 3, "val_tokens": 1}, 1, None)
+    assert "data: 2 documents," in line and "in 3 shards)" in line
+    assert line.endswith("val: first 1 token (--val-tokens 1)")
+
+
 def test_auto_val_refuses_a_corpus_too_small_to_leave_train_tokens(gpt2, tmp_path):
     (tmp_path / "doc.txt").write_text(DOCS[0] * 100)
     with pytest.raises(DataError) as e:
@@ -561,12 +571,14 @@ def test_stdlib_sources_are_the_library_without_tests():
     assert any(f.endswith(os.sep + "os.py") for f in files)
 
 
-def test_default_corpus_is_built_once_and_rebuilt_when_incomplete(gpt2, tmp_path, monkeypatch):
+def test_default_corpus_is_built_once_and_rebuilt_when_incomplete(gpt2, tmp_path, monkeypatch, capsys):
     small = [f for f in prepare.stdlib_sources() if 2000 < os.path.getsize(f) < 6000][:6]
     monkeypatch.setattr(prepare, "stdlib_sources", lambda: small)
     monkeypatch.setattr(prepare, "CORPUS_VAL_TOKENS", 200)
     monkeypatch.setattr(prepare, "CORPUS_SHARD_TOKENS", 1000)
     path = prepare.default_corpus(tmp_path)
+    # No --val-tokens was given: the line names the rule that chose the size.
+    assert capsys.readouterr().out.strip().endswith("; val: first 200 tokens (the default corpus's fixed val size)")
     assert os.path.dirname(path) == str(tmp_path) and "gpt2" in os.path.basename(path)
     texts = [open(f, encoding="utf-8").read() for f in small]
     assert _all_tokens(tmp_path / os.path.basename(path)) == _expected(gpt2[0], texts)

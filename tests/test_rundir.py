@@ -25,6 +25,8 @@ NO_CHECKPOINT = r"--resume: --out-dir d holds no checkpoint to resume from: "
     (["d/ckpt_00000003.pt"], True, "auto", False, True),
     (["d/metrics.jsonl"], False, "auto", False, False),  # a restart before the first checkpoint starts over
     (["d/metrics.jsonl"], False, "off", False, False),  # and so does a rerun: there is nothing to lose
+    (["d/metrics.jsonl", "d/report.md", "d/curves.png", "d/summary.json"], False, "off", False, False),  # its report
+    (["d/ckpt_00000003.pt", "d/report.md"], True, "off", False, r"already holds a run \(ckpt_00000003.pt, report.md\)"),
     (["d/ckpt_00000003.pt"], True, "on", False, True),
     (["d/ckpt_00000003.pt", "d/metrics.jsonl"], True, "off", True, False),
     (["d/ckpt_00000003.pt", "d/metrics.jsonl"], True, "off", False,
@@ -53,6 +55,19 @@ def test_a_directory_where_the_run_writes_a_file_is_refused_before_anything_is_w
     with pytest.raises(UsageError, match=rf"^{tmp_path / name} is a directory, where this run writes a file: "):
         rundir.claim(CheckpointConfig(out_dir=str(tmp_path), resume="auto"), sharded)
     assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_repeat_from_a_config_file_into_a_used_out_dir_is_told_what_to_add():
+    with pytest.raises(UsageError, match=r"^--out-dir d already holds a run \(ckpt_00000003.pt\): add --out-dir "
+                                         r"NEW_DIR to repeat --config d/config.toml in a new directory, or pass "
+                                         r"--resume to continue it, --overwrite to replace it$"):
+        rundir.decide_resume("d", ["d/ckpt_00000003.pt"], True, "off", False, config_file="d/config.toml")
+
+
+def test_a_file_where_tensorboard_writes_its_directory_is_refused(tmp_path):
+    (tmp_path / "tensorboard").write_text("")
+    assert rundir.misplaced(str(tmp_path), sharded=False) == (f"{tmp_path / 'tensorboard'} is not a directory, where "
+                                                              "this run writes --tensorboard's event files")
 
 
 def test_best_must_be_of_the_kind_the_run_writes(tmp_path):
@@ -106,6 +121,14 @@ def test_a_fresh_run_refuses_a_used_out_dir_until_told_what_to_do(tiny_data, tmp
     replaced = train(tmp_path, *common, "--max-steps", "2", "--overwrite")
     assert replaced.returncode == 0
     assert sorted(n for n in os.listdir(tmp_path) if n.endswith(".pt")) == ["ckpt_00000002.pt"]
+
+
+def test_a_runs_outputs_are_its_checkpoints_records_and_report(tmp_path):
+    for name in ("ckpt_00000002.pt", "metrics.jsonl", "report.md", "curves.png", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    found = rundir.run_outputs(str(tmp_path), [str(tmp_path / "ckpt_00000002.pt")])
+    assert sorted(os.path.basename(p) for p in found) == ["ckpt_00000002.pt", "curves.png", "metrics.jsonl",
+                                                          "report.md"]  # what --overwrite removes; not the user's
 
 
 def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tiny_data, tmp_path, capsys):

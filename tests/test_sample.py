@@ -321,7 +321,7 @@ def test_cli_names_a_run_directory_without_a_good_checkpoint(tmp_path, capsys):
     write_checkpoint(run / "ckpt_00000003.pt", gpt2_sized())
     flip_a_byte(run / "ckpt_00000003.pt")
     code, out, err = run_cli(capsys, "--ckpt", str(run))
-    assert code == 2 and err.splitlines()[-1] == (f"error: {run}: none of its 1 checkpoints verifies and loads "
+    assert code == 2 and err.splitlines()[-1] == (f"error: {run}: its one checkpoint does not verify and load "
                                                   "(ckpt_N.pt files or ckpt_N directories)")
 
 

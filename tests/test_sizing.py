@@ -114,3 +114,14 @@ def test_describe_derives_from_the_runs_own_inputs():
     cfg = config.parse_args(["--depth", "3", "--optimizer", "adamw", "--tokens-per-param", "10", "--seq-len", "100"])
     text = sizing.describe(cfg.size, config.flat_values(cfg))
     assert "(given)" not in text and "lr 0.002 (0.003·128/n_embd)" in text and "10/param" in text
+
+
+def test_the_dials_batch_leaves_a_short_run_its_steps():
+    assert sizing.batch_for_budget(131_072, 1_000_000, 1024) == 6 * 1024  # 6,666 tokens a step for 150 steps
+    assert sizing.batch_for_budget(131_072, 100_000_000, 1024) == 131_072  # the fit leaves 762 steps
+    assert sizing.batch_for_budget(131_072, 1_000, 1024) == 1024  # at least one micro-batch
+    fit, _ = sizing.derive(6, {"model.max_seq_len": 64}, micro_batch=16)["data.total_batch_tokens"]
+    batch, rule = sizing.derive(6, {"model.max_seq_len": 64, "schedule.max_tokens": 2_000_000},
+                                micro_batch=16)["data.total_batch_tokens"]
+    assert batch == 2_000_000 // 150 // 1024 * 1024 < fit
+    assert rule.startswith("DeepSeek's fit ") and rule.endswith(", capped at max_tokens/150 steps")

@@ -1,6 +1,8 @@
 """telemetry.py and progress.py: the end-of-run summary, the start-up table's truths, the progress lines."""
 
 import io
+import shlex
+import sys
 
 import pytest
 
@@ -15,7 +17,8 @@ FACTS = {"outcome": "finished", "wall_s": 241.4, "compile_s": 25.25, "start_step
          "max_steps": 150, "tokens": 2_457_600, "session_tokens": 2_457_600, "tokens_per_sec": 10_234.4,
          "mfu": 0.412, "last_eval": {"step": 150, "val_loss": 3.49012, "val_bpb": 1.98541}, "best_val": 3.49012,
          "peak_mem_gib": 1.5, "device": "cuda", "out_dir": "out", "final_ckpt": "out/ckpt_00000150.pt",
-         "best_ckpt": "out/best.pt", "epoch_tokens": 921_600, "bos": False, "source_epochs": {}}
+         "best_ckpt": "out/best.pt", "epoch_tokens": 921_600, "bos": False, "source_epochs": {},
+         "sample_prompt": ""}
 
 
 def test_the_summary_names_what_the_run_did_and_what_to_run_next():
@@ -26,7 +29,7 @@ def test_the_summary_names_what_the_run_did_and_what_to_run_next():
     assert rows["val loss"] == "3.4901 at step 150 (bpb 1.9854); best 3.4901"
     assert rows["mean throughput"] == "10,234 tokens/s, MFU 41.2%"
     assert rows["peak memory"] == "1.50 GiB (allocated by tensors)"
-    assert rows["sample"] == 'python sample.py --ckpt out/best.pt --prompt "..."'
+    assert rows["sample"] == "python sample.py --ckpt out/best.pt"  # no --sample-prompt: a new document
     assert rows["export"] == "python hf.py --ckpt out/best.pt --out out/hf"
     assert rows["plot"] == "python bench/plot.py out"
 
@@ -41,6 +44,26 @@ def test_the_summary_of_a_resumed_run_without_evals_or_checkpoints():
     assert rows["epochs"].endswith(": 2.67 epochs")  # all the tokens trained, not this process's
 
 
+def test_the_summary_samples_with_the_runs_own_prompt_shell_quoted():
+    rows = dict(telemetry.summary_rows({**FACTS, "sample_prompt": "def main(): print('hi')"}))
+    assert rows["sample"] == "python sample.py --ckpt out/best.pt --prompt 'def main(): print('\"'\"'hi'\"'\"')'"
+    assert shlex.split(rows["sample"])[-2:] == ["--prompt", "def main(): print('hi')"]
+
+
+def test_the_optimizer_state_line_says_per_rank_only_with_ranks(tmp_path, capsys):
+    import torch
+
+    from batch import BatchLayout
+    from resilience import LossHealth
+
+    for world_size, expected in ((1, "optimizer state: 0.0 MiB\n"), (2, "optimizer state: 0.0 MiB per rank\n")):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        tel = telemetry.Telemetry(config.parse_args(["--out-dir", str(tmp_path)]), True, torch.device("cpu"), 0, 9,
+                                  1.0, None, None, optimizer)
+        tel.step_record(0, 4.0, 1.0, True, 0.1, BatchLayout(2, 32, 1, world_size), world_size, LossHealth())
+        assert capsys.readouterr().err == expected
+
+
 def test_the_summary_of_a_mixture_gives_each_sources_epochs():
     rows = dict(telemetry.summary_rows({**FACTS, "epoch_tokens": None, "source_epochs": {"web": 0.5, "code": 2.25}}))
     assert rows["epochs"] == "of each source's train split, read: web 0.50, code 2.25"
@@ -53,6 +76,7 @@ def test_a_run_ends_with_its_summary(tmp_path, tiny_data, capsys):
     summary = out[out.index("run summary"):]
     assert "outcome           finished" in summary and "steps             4 of 4" in summary
     assert f"final checkpoint  {tmp_path}/ckpt_00000004.pt" in summary and "val loss          " in summary
+    assert "  batch            4 x 32 tokens x 1 micro-step x 1 rank = 128 tokens/step" in out  # counts in words
 
 
 def test_the_start_up_table_tells_the_truth_about_compile_modes():
@@ -149,3 +173,53 @@ def test_a_record_made_after_its_step_holds_that_steps_own_time_phases_memory_an
     assert record["time_s"] == round(ended.time_s, 3) and ended.time_s < tel.elapsed() - 0.05
     assert record["peak_mem_gib"] == ended.peak_mem_gib and record["lr"] == 0.1
     assert tel.timer.collect()["forward"] >= 0.05  # the next step's span is left for its own record
+
+
+# ----------------------------------------------------------------------------- --tensorboard
+
+
+def tensorboard_scalars(log_dir, tag) -> list[tuple[int, float]]:
+    """(step, value) of a tag's points, as TensorBoard shows them (the events of redone steps purged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def test_tensorboard_gets_every_number_of_metrics_jsonl(tmp_path, tiny_data, capsys):
+    import json
+
+    pytest.importorskip("tensorboard")
+    train.main(["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--max-steps", "2", "--eval-interval",
+                "2", "--eval-tokens", "256", "--device", "cpu", "--tensorboard"])
+    assert f"  TensorBoard      on: {tmp_path}/tensorboard\n" in capsys.readouterr().out
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for tag in ("train_loss", "lr", "tokens", "val_loss"):
+        expected = [(r["step"], pytest.approx(r[tag], rel=1e-6)) for r in records if tag in r]  # stored as float32
+        assert expected and tensorboard_scalars(tmp_path / "tensorboard", tag) == expected
+
+
+def test_a_resumed_run_appends_to_tensorboard_and_hides_the_steps_it_redoes(tmp_path):
+    pytest.importorskip("tensorboard")
+
+    def run(start_step, losses):
+        log = telemetry.MetricsLog(str(tmp_path), start_step, None, tensorboard=True)
+        for step, loss in losses.items():
+            log.log({"step": step, "time_s": 0.1 * step, "train_loss": loss, "skipped": False, "mfu": None})
+        log.close()
+
+    run(0, {1: 5.0, 2: 4.0, 3: 3.0})
+    run(2, {3: 3.5, 4: 2.5})  # resumed from ckpt_2
+    assert tensorboard_scalars(tmp_path / "tensorboard", "train_loss") == [(1, 5.0), (2, 4.0), (3, 3.5), (4, 2.5)]
+    assert tensorboard_scalars(tmp_path / "tensorboard", "skipped") == [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0)]
+
+
+def test_tensorboard_without_its_package_is_one_line_at_start_up(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # an import of it fails, as when not installed
+    with pytest.raises(SystemExit) as stopped:
+        train.main(["--out-dir", str(tmp_path), *TINY_FLAGS, "--device", "cpu", "--tensorboard"])
+    err = capsys.readouterr().err.strip()
+    assert stopped.value.code == 2 and "\n" not in err
+    assert err.startswith("error: --tensorboard needs the tensorboard package") and "pip install tensorboard" in err
+    assert not (tmp_path / "metrics.jsonl").exists()

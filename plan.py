@@ -1,0 +1,139 @@
+"""What a run will cost, said before its first step: the tokens and steps it plans, and the time a step and the
+whole run will take, with a warning when either is more than a person would wait for without being told.
+
+    step = step_time(model, layout, device, dtype, fp8_recipe, sharded)   # at start-up, rank 0
+    describe(step, grad_accum, steps, tokens, tokens_per_step)      # the start-up table's plan row
+    warnings(step, grad_accum, tokens, tokens_per_step, "--max-steps")   # a run over a day, a step over a minute
+
+A step's time comes from one of two measurements, and the plan row says which:
+- a timed probe: one micro-step (forward and backward) of the model itself at the run's micro-batch, eager,
+  before any wrapper, timed after one warm-up; run when the FLOP estimate of a micro-step is under
+  PROBE_MAX_S, so that the probe never costs more than a few seconds, and never under FSDP2 (the unwrapped
+  model is whole on every rank and may not fit);
+- FLOPs against a measured matmul rate: the micro-step's training FLOPs (model.flops_per_token) over the rate of
+  one GEMM of the model's own shape in the run's dtype, timed here. It counts only the matmuls, so it is a
+  lower bound: norms, softmax and the optimizer add to it.
+Neither counts torch.compile's compilation, the optimizer's step, evals or checkpoints; a step is its
+micro-steps' time (grad accumulation runs them one after another).
+"""
+
+import time
+from typing import NamedTuple
+
+import torch
+
+import fp8
+import hardware
+from model import flops_per_token
+from progress import duration
+
+PROBE_MAX_S = 2.0  # the FLOP estimate of a micro-step under which one is timed for real
+RATE_WINDOW_S = 0.05  # how long the matmul-rate measurement repeats its GEMM (at start-up: kept short)
+GEMM_FLOPS = 2 * 10**9  # at most, per GEMM of that measurement: 10 ms on a 2-core CPU, microseconds on a GPU
+LONG_RUN_S = 24 * 3600  # a plan over a day gets a warning
+SLOW_STEP_S = 60.0  # so does a first step over a minute
+
+
+class StepTime(NamedTuple):
+    micro_s: float  # seconds of one micro-step
+    how: str  # which measurement, for the plan row
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int) -> float:
+    """FLOP/s of an [m, k] x [k, n] GEMM in dtype on device: repeated for RATE_WINDOW_S after one warm-up."""
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    a @ b
+    hardware.synchronize(device)
+    start, reps = time.perf_counter(), 0
+    while reps < 2 or time.perf_counter() - start < RATE_WINDOW_S:
+        a @ b
+        reps += 1
+        if reps % 8 == 0:
+            hardware.synchronize(device)
+    hardware.synchronize(device)
+    return 2 * m * k * n * reps / (time.perf_counter() - start)
+
+
+def time_micro_step(model: torch.nn.Module, micro_batch: int, seq_len: int, device: torch.device,
+                    forward_context) -> float:
+    """Seconds of one forward and backward of `model` on a [micro_batch, seq_len] batch, after a warm-up.
+    The gradients are dropped and the RNG restored: training starts as if no probe had run."""
+    x = torch.zeros((micro_batch, seq_len), dtype=torch.long, device=device)
+
+    def once():
+        with forward_context():
+            _, loss = model(x, x)
+        loss.backward()
+
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            once()
+            hardware.synchronize(device)
+            start = time.perf_counter()
+            once()
+            hardware.synchronize(device)
+            return time.perf_counter() - start
+    finally:
+        model.zero_grad(set_to_none=True)
+
+
+def step_time(model: torch.nn.Module, layout, device: torch.device, dtype: torch.dtype | None, fp8_recipe,
+              sharded: bool) -> StepTime:
+    """A micro-step's time at layout's micro-batch (batch.BatchLayout): timed (time_micro_step, under the
+    training's autocast and FP8, fp8.probing's recipe) when the FLOP estimate says that is cheap and the model
+    is not sharded, else the FLOP estimate itself (module docstring)."""
+    cfg, micro_batch, seq_len = model.config, layout.micro_batch, layout.seq_len
+    k, n = cfg.n_embd, max(cfg.resolved_ffn_dim, cfg.padded_vocab_size)  # the model's largest GEMM's shape
+    m = max(64, min(micro_batch * seq_len, 4096, GEMM_FLOPS // (2 * k * n)))  # rows: few enough to be quick
+    rate = matmul_rate(device, dtype or torch.float32, m, k, n)
+    flop_s = flops_per_token(cfg, seq_len) * micro_batch * seq_len / rate
+    estimate = StepTime(flop_s, f"FLOPs at the measured matmul rate, {rate / 1e12:.3g} TFLOP/s: a lower bound")
+    if flop_s >= PROBE_MAX_S or sharded:
+        return estimate
+    try:
+        with fp8.probing(model, fp8_recipe) as recipe:
+            seconds = time_micro_step(model, micro_batch, seq_len, device,
+                                      lambda: fp8.forward_context(device, dtype, recipe))
+    except torch.cuda.OutOfMemoryError:  # the first step will say so, and retry smaller (train.shrink_micro_batch)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return estimate
+    return StepTime(seconds, "one micro-step timed, eager")
+
+
+def run_seconds(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int) -> float:
+    """The run's seconds: its tokens (a batch warm-up's smaller steps counted in them) at a full step's time."""
+    return step.micro_s * grad_accum * tokens / tokens_per_step
+
+
+def describe(step: StepTime, grad_accum: int, steps: int, tokens: int, tokens_per_step: int) -> str:
+    """The plan row: '307,200 tokens in 150 steps; a step ~0.62 s (2 micro-steps of 0.31 s: one micro-step
+    timed, eager), the run ~1m33s'. Pure."""
+    micro = "micro-step" if grad_accum == 1 else "micro-steps"
+    return (f"{tokens:,} tokens in {steps:,} step{'s' if steps != 1 else ''}; a step ~{_seconds(step.micro_s * grad_accum)} "
+            f"({grad_accum:,} {micro} of {_seconds(step.micro_s)}: {step.how}), the run "
+            f"~{_seconds(run_seconds(step, grad_accum, tokens, tokens_per_step))} (compile, optimizer and evals "
+            "not counted)")
+
+
+def warnings(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int, length_flag: str) -> list[str]:
+    """A warning for a run planned to take over LONG_RUN_S, naming length_flag (what sets the run's length),
+    and one for a step over SLOW_STEP_S, naming what sets a step's size. Pure."""
+    found = []
+    total = run_seconds(step, grad_accum, tokens, tokens_per_step)
+    if total > LONG_RUN_S:
+        found.append(f"warning: the run is planned at ~{_seconds(total)} on this device ({tokens:,} tokens at "
+                     f"~{_seconds(step.micro_s * grad_accum)} a step); lower {length_flag} for a shorter one")
+    if step.micro_s * grad_accum > SLOW_STEP_S:
+        found.append(f"warning: each step will take ~{_seconds(step.micro_s * grad_accum)} ({grad_accum:,} "
+                     f"micro-step{'s' if grad_accum != 1 else ''} of {_seconds(step.micro_s)}), so the first "
+                     "loss is minutes away; lower --total-batch-tokens (or --grad-accum) for smaller steps")
+    return found
+
+
+def _seconds(seconds: float) -> str:
+    """A time as a person reads it: 0.312 s, 4m05s, 7h30m, 42.3 days."""
+    if seconds < 60:
+        return f"{seconds:.3g} s"
+    return duration(seconds) if seconds < 2 * 86400 else f"{seconds / 86400:,.1f} days"

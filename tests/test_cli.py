@@ -1,0 +1,59 @@
+"""cli.py: counts in words, and every program's --help, which states each option's default."""
+
+import argparse
+import importlib
+import os
+import sys
+
+import pytest
+
+from cli import plural
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+# The programs whose main() parses its command line first; train.py's flags come from config.py's dataclasses.
+PROGRAMS = ("prepare", "sample", "score", "hf", "checkpoint", "act_ckpt", "data_prep", "default_run", "ladder",
+            "loss_compile", "loss_memory", "muon_step", "optimizers", "recipe", "throughput", "tokenizer_speed")
+
+
+def test_plural_counts_one_in_the_singular_with_thousands_separators():
+    assert plural(1, "shard") == "1 shard" and plural(0, "shard") == "0 shards" and plural(2, "window") == "2 windows"
+    assert plural(12_345, "token") == "12,345 tokens"
+    assert plural(1, "batch", "batches") == "1 batch" and plural(3, "batch", "batches") == "3 batches"
+
+
+def parser_of(name: str, monkeypatch) -> argparse.ArgumentParser:
+    """The parser that `NAME.py --help` prints, caught as it prints."""
+    module = importlib.import_module(name)
+    printed = []
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help", lambda parser, file=None: printed.append(parser))
+    with pytest.raises(SystemExit):
+        module.main(["--help"])
+    return printed[0]
+
+
+def help_line(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """An option's entry in --help, on one line."""
+    formatter = parser.formatter_class(parser.prog)
+    formatter.add_argument(action)
+    return " ".join(formatter.format_help().split())
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_every_option_with_a_default_states_it_in_help(name, monkeypatch):
+    """Every option that takes a value and has a default (not None or empty) says what it is."""
+    parser = parser_of(name, monkeypatch)
+    with_default = [a for a in parser._actions  # argparse has no public list of a parser's actions
+                    if a.option_strings and a.nargs != 0 and a.default not in (None, "", [], argparse.SUPPRESS)]
+    hidden = [a.option_strings[0] for a in with_default if "(default: " not in help_line(parser, a)]
+    assert not hidden, f"{name}.py --help hides the default of {', '.join(hidden)}"
+
+
+def test_sample_help_shows_its_sampling_defaults(capsys):
+    import sample
+
+    with pytest.raises(SystemExit):
+        sample.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-new-tokens N tokens to generate per sample (default: 200)" in text
+    assert "0 is greedy (default: 0.8)" in text and "(0: off) (default: 200)" in text

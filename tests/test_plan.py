@@ -1,0 +1,79 @@
+import contextlib
+import math
+
+import pytest
+import torch
+
+import batch
+import plan
+import telemetry
+import train
+from conftest import GPT2_TINY, TINY_FLAGS
+from model import GPT, ModelConfig
+
+TIMED = plan.StepTime(0.25, "one micro-step timed, eager")
+
+
+def test_the_plan_row_gives_tokens_steps_and_times_with_how_they_were_measured():
+    assert plan.describe(TIMED, 4, 150, 1_228_800, 8192) == (
+        "1,228,800 tokens in 150 steps; a step ~1 s (4 micro-steps of 0.25 s: one micro-step timed, eager), the "
+        "run ~2m30s (compile, optimizer and evals not counted)")
+    assert plan.describe(TIMED, 1, 1, 2048, 2048).startswith("2,048 tokens in 1 step; a step ~0.25 s (1 micro-step")
+    # A batch warm-up's smaller steps: the time follows the tokens, not the steps.
+    assert plan.run_seconds(TIMED, 4, 3 * 8192 + 4096, 8192) == pytest.approx(3.5)
+
+
+def test_times_read_as_a_person_reads_them():
+    assert [plan._seconds(s) for s in (0.3125, 59.0, 245.0, 27_000.0, 3_654_000.0)] == [
+        "0.312 s", "59 s", "4m05s", "7h30m", "42.3 days"]
+
+
+def test_a_run_over_a_day_or_a_step_over_a_minute_is_warned_of_with_the_flag_to_change():
+    assert plan.warnings(TIMED, 4, 1_228_800, 8192, "--max-steps") == []
+    slow = plan.StepTime(20.0, "FLOPs at the measured matmul rate")  # 4 micro-steps: 80 s a step
+    day = plan.warnings(slow, 4, 8192 * 1100, 8192, "--max-tokens")  # 1,100 steps of 80 s
+    assert day[0] == ("warning: the run is planned at ~24h26m on this device (9,011,200 tokens at ~1m20s a "
+                      "step); lower --max-tokens for a shorter one")
+    assert day[1] == ("warning: each step will take ~1m20s (4 micro-steps of 20 s), so the first loss is minutes "
+                      "away; lower --total-batch-tokens (or --grad-accum) for smaller steps")
+
+
+def test_the_matmul_rate_is_measured():
+    rate = plan.matmul_rate(torch.device("cpu"), torch.float32, 64, 128, 256)
+    assert math.isfinite(rate) and 1e7 < rate < 1e14  # FLOP/s: a CPU core does 1e9 or more
+
+
+def test_the_probe_leaves_no_gradient_and_the_rng_where_it_was():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(**GPT2_TINY))
+    state = torch.get_rng_state()
+    seconds = plan.time_micro_step(model, 2, 16, torch.device("cpu"), contextlib.nullcontext)
+    assert seconds > 0 and all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_cheap_micro_step_is_timed_and_a_costly_or_sharded_one_estimated(monkeypatch):
+    model = GPT(ModelConfig(**GPT2_TINY))
+    layout = batch.BatchLayout(micro_batch=2, seq_len=16, grad_accum=1, world_size=1)
+    cpu = torch.device("cpu")
+    assert plan.step_time(model, layout, cpu, None, None, sharded=False).how == "one micro-step timed, eager"
+    sharded = plan.step_time(model, layout, cpu, None, None, sharded=True)
+    assert sharded.how.startswith("FLOPs at the measured matmul rate") and sharded.how.endswith("a lower bound")
+    def out_of_memory(*args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(plan, "time_micro_step", out_of_memory)  # the first step retries smaller; the plan estimates
+    assert plan.step_time(model, layout, cpu, None, None, sharded=False).how.startswith("FLOPs")
+    monkeypatch.setattr(plan, "PROBE_MAX_S", 0.0)
+    assert plan.step_time(model, layout, cpu, None, None, sharded=False).how.startswith("FLOPs")
+
+
+def test_a_long_step_says_which_micro_step_it_is_at(tmp_path, tiny_data, capsys, monkeypatch):
+    monkeypatch.setattr(telemetry, "MICRO_LINE_S", 0.0)  # every micro-step's line, not one each 10 s
+    train.main(["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--grad-accum", "3", "--max-steps", "2",
+                "--warmup", "1", "--eval-interval", "0", "--device", "cpu", "--compile", "off"])
+    out, err = capsys.readouterr()
+    assert "  plan             768 tokens in 2 steps; a step ~" in out and "(3 micro-steps of " in out
+    lines = [line for line in err.splitlines() if line.startswith("micro-step")]
+    assert [line.split(",")[0] for line in lines] == ["micro-step 1 of 3 of step 1", "micro-step 2 of 3 of step 1",
+                                                      "micro-step 1 of 3 of step 2", "micro-step 2 of 3 of step 2"]
