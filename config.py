@@ -587,6 +587,10 @@ def _integer_problems(cfg: Config):
             yield f"{flag} must be a 64-bit integer, in [-2**63, 2**63), got {value}"
 
 
+# The model sizes the size dial computes with: each must be a positive count when it is given.
+DIAL_SIZES = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim", "ffn_dim", "max_seq_len")
+
+
 def _dial_problems(cfg: Config):
     """The size dial's own ranges, and when it runs (--depth, --preset), the sizes it computes with, as given,
     checked before it does: a width of 0 divides by zero, a negative one makes a negative parameter count.
@@ -597,7 +601,8 @@ def _dial_problems(cfg: Config):
         yield str(e)
     if cfg.size.depth is None and cfg.size.preset is None:
         return
-    sizes = [(flag, value) for flag, value in _flag_values(cfg.model) if type(value) is int]
+    sizes = [(flag_name(f), getattr(cfg.model, f.name)) for f in dataclasses.fields(cfg.model)
+             if f.name in DIAL_SIZES and getattr(cfg.model, f.name) is not None]
     if cfg.data.batch_size != "auto":
         sizes.append(("--batch-size", cfg.data.batch_size))
     yield from (f"{flag} must be >= 1, got {value}" for flag, value in sizes if value < 1)

@@ -643,6 +643,9 @@ def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: Tokeniz
     all of them are written: a failed export leaves an earlier one as it was. With overwrite, the earlier
     export's files (a stale shard index included) are removed then; other files stay."""
     _safetensors()  # the one optional dependency, checked before anything is written
+    toggles = config.toggles_on()
+    if toggles:
+        raise ValueError(f"{', '.join(toggles)}: Qwen3ForCausalLM has no such part, so this model cannot be exported")
     enc = tokenizer or load_tokenizer("gpt2")
     if config.vocab_size != enc.n_vocab:
         raise ValueError(f"model vocab_size {config.vocab_size} does not match the {enc.name} tokenizer "

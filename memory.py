@@ -202,19 +202,23 @@ def attention_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> i
             + FP32 * (H + K) + (0 if fused_norm else FP32 * (H + K) * hd)  # QK-norm over head_dim
             + act * (H + K) * hd  # rotated q, k
             + act * H * hd + FP32 * H  # attention output, log-sum-exp
-            + act * H * hd)  # proj GEMM input
+            + act * H * hd  # proj GEMM input
+            + (FP32 * D + FP32 * H if cfg.attn_gate else 0))  # the gate's normed input, its sigmoid
 
 
 def mlp_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
-    """Saved bytes per token of one block's MLP: norm, fc1 input, fc1 output [gate; up], silu(gate), fc2 input."""
+    """Saved bytes per token of one block's MLP: norm, fc1 input, fc1 output ([gate; up], or ReLU^2's h),
+    silu(gate) (or relu(h)), fc2 input."""
     D, F = cfg.n_embd, cfg.resolved_ffn_dim
-    return _norm_bytes(D, fused_norm) + act * D + act * 2 * F + act * F + act * F
+    return _norm_bytes(D, fused_norm) + act * D + act * cfg.fc1_rows + act * F + act * F
 
 
 def head_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
     """Token ids, final norm, and the float32 gradient of the lm_head input that model.linear_cross_entropy
-    computes in its forward and keeps (the logits themselves are never kept: see loss_head_bytes)."""
-    return INDEX + _norm_bytes(cfg.n_embd, fused_norm) + FP32 * cfg.n_embd
+    computes in its forward and keeps (the logits themselves are never kept: see loss_head_bytes); with value
+    embeddings, each table's float32 lookup, which its layers' scalars keep."""
+    ve = FP32 * cfg.value_embeds * cfg.n_kv_head * cfg.resolved_head_dim
+    return INDEX + _norm_bytes(cfg.n_embd, fused_norm) + FP32 * cfg.n_embd + ve
 
 
 def loss_head_bytes(cfg: ModelConfig) -> int:
@@ -223,11 +227,13 @@ def loss_head_bytes(cfg: ModelConfig) -> int:
 
 
 def loss_chunk_bytes(cfg: ModelConfig, tokens: int, act: int) -> int:
-    """The transient peak of model.linear_cross_entropy: one chunk's logits in the GEMM dtype and in float32,
-    and its [V, d] weight-gradient GEMM output. Chunks grow with the micro-batch beyond MAX_LOSS_CHUNKS x
-    LOSS_CHUNK_TOKENS tokens, so this does too."""
+    """The transient peak of model.linear_cross_entropy: one chunk's logits in the GEMM dtype and in float32
+    (twice in float32 under a logit soft-cap: the capped logits and the tanh), and its [V, d] weight-gradient
+    GEMM output. Chunks grow with the micro-batch beyond MAX_LOSS_CHUNKS x LOSS_CHUNK_TOKENS tokens, so this
+    does too."""
     rows = -(-tokens // loss_chunks(tokens, LOSS_CHUNK_TOKENS))
-    return rows * cfg.padded_vocab_size * (act + FP32) + act * cfg.padded_vocab_size * cfg.n_embd
+    fp32_copies = 2 if cfg.logit_softcap else 1
+    return rows * cfg.padded_vocab_size * (act + fp32_copies * FP32) + act * cfg.padded_vocab_size * cfg.n_embd
 
 
 def _weight_copies(cfg: ModelConfig, act: int) -> tuple[int, int]:
@@ -235,8 +241,9 @@ def _weight_copies(cfg: ModelConfig, act: int) -> tuple[int, int]:
     if act == FP32:
         return 0, 0
     D, hd, F = cfg.n_embd, cfg.resolved_head_dim, cfg.resolved_ffn_dim
-    attn = act * ((cfg.n_head + 2 * cfg.n_kv_head) * hd * D + cfg.n_head * hd * D)
-    return attn, act * 3 * F * D
+    attn = act * ((cfg.n_head + 2 * cfg.n_kv_head) * hd * D + cfg.n_head * hd * D
+                  + (cfg.n_head * D if cfg.attn_gate else 0))
+    return attn, act * (cfg.fc1_rows + F) * D
 
 
 def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, act_ckpt: str,

@@ -7,6 +7,8 @@ targets, the lm_head and the cross-entropy run fused, chunk by chunk (linear_cro
 holds the full logits.
 
 The numerics match Hugging Face transformers' Qwen3ForCausalLM (tests/test_model.py checks the logits).
+The recipe toggles (ARCHITECTURE_TOGGLES: a ReLU^2 MLP, logit soft-capping, value embeddings, U-net skips,
+attention output gates; docs/recipe.md) leave that architecture; each is off by default.
 
 Module and parameter names mirror Transformer Engine's LayerNormLinear / LayerNormMLP / Linear, so that a
 TE-backed block can load the same state dict: the pre-attention norm lives on the qkv projection and the
@@ -14,7 +16,7 @@ pre-MLP norm on the MLP, each as `layer_norm_weight`.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -44,7 +46,13 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 # ModelConfig fields that only affect initialisation: a resume may change them (checkpoint.py).
-INIT_ONLY_FIELDS = ("zero_init_proj",)
+INIT_ONLY_FIELDS = ("zero_init_proj", "head_init")
+HEAD_INITS = ("normal", "zero")
+MLP_KINDS = ("swiglu", "relu2")
+# ModelConfig fields that leave the Qwen3 architecture when not at their defaults (hf.py cannot export them),
+# and those of them the Transformer Engine blocks (fp8.TEBlock) do not implement.
+ARCHITECTURE_TOGGLES = ("mlp", "logit_softcap", "value_embeds", "unet_skips", "attn_gate")
+PLAIN_BACKEND_TOGGLES = ("mlp", "value_embeds", "attn_gate")
 
 
 @dataclass
@@ -55,7 +63,9 @@ class ModelConfig:
 
     Defaults: head_dim = n_embd // n_head; ffn_dim = 8/3 * n_embd rounded up to a multiple of 128. The 8/3
     keeps SwiGLU's three matrices at the parameter count of a 4x GELU MLP's two; the rounding keeps the GEMMs
-    tensor-core and FP8 friendly (768 -> 2048, 1024 -> 2816).
+    tensor-core and FP8 friendly (768 -> 2048, 1024 -> 2816). With mlp "relu2" the default hidden width is 3/2
+    of SwiGLU's (a multiple of 64): two matrices of 3F/2 rows hold exactly the parameters of SwiGLU's three
+    of F (768 -> 3072).
 
     The shape defaults are train.py's small model (7.2M parameters, minutes on a laptop CPU). Each field's
     metadata is its command-line help: config.py generates train.py's flags from these fields.
@@ -69,7 +79,8 @@ class ModelConfig:
     n_embd: int = field(default=128, metadata={"help": "model width"})
     head_dim: int | None = field(default=None, metadata={"help": "per-head width (default: n_embd / n_head)"})
     ffn_dim: int | None = field(default=None, metadata={
-        "help": "SwiGLU hidden size (default: 8/3 n_embd rounded up to a multiple of 128)"})
+        "help": "MLP hidden size (default: SwiGLU's 8/3 n_embd rounded up to a multiple of 128; relu2's 3/2 of "
+                "that, the same parameter count)"})
     max_seq_len: int = field(default=128, metadata={"flag": "--seq-len", "help": "tokens per training sequence"})
     rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base frequency"})
     norm_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon"})
@@ -79,6 +90,25 @@ class ModelConfig:
     zero_init_proj: bool = field(default=False, metadata={
         "help": "initialise attn.proj and mlp.fc2, the projections into the residual stream, to zero: every block "
                 "starts as the identity (init only; not part of the exported architecture)"})
+    head_init: str = field(default="normal", metadata={
+        "choices": HEAD_INITS, "help": "init of an untied lm_head (needs --untied): normal(0, 0.02) like the "
+                                       "embedding, or zero, so every logit starts at 0 (init only)"})
+    # Recipe toggles (ARCHITECTURE_TOGGLES), each off until the recipe sweep shows it wins (docs/recipe.md).
+    mlp: str = field(default="swiglu", metadata={
+        "choices": MLP_KINDS, "help": "MLP: SwiGLU (3 matrices) or ReLU^2, relu(x W1)^2 W2 (2 matrices, hidden "
+                                      "3/2 of SwiGLU's default: the same parameters)"})
+    logit_softcap: float = field(default=0.0, metadata={
+        "help": "soft-cap the logits to (-C, C) with C tanh(logits / C), in training, evaluation and sampling "
+                "(0: off)"})
+    value_embeds: int = field(default=0, metadata={
+        "help": "value-embedding tables: table i, a token embedding of the value width, is added (times a "
+                "learned per-layer scalar, init 1) to the attention values of layers i and n_layer-1-i (0: off)"})
+    unet_skips: bool = field(default=False, metadata={
+        "help": "U-net skips: the output of block i of the first half is added (times a learned scalar, init 1) "
+                "to the input of block n_layer-1-i"})
+    attn_gate: bool = field(default=False, metadata={
+        "help": "per-head output gates in attention: each head's output times sigmoid(x W_g), x the normed "
+                "attention input, W_g [n_head, n_embd] zero-initialised (every gate starts at 1/2)"})
 
     def validate(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "max_seq_len"):
@@ -99,6 +129,29 @@ class ModelConfig:
             )
         if self.resolved_head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.resolved_head_dim}")
+        self._validate_toggles()
+
+    def _validate_toggles(self) -> None:
+        if self.head_init not in HEAD_INITS:
+            raise ValueError(f"unknown head_init {self.head_init!r}; choose one of {', '.join(HEAD_INITS)}")
+        if self.head_init != "normal" and self.tie_embeddings:
+            raise ValueError("--head-init zero needs --untied: a tied lm_head is the embedding, which it would zero")
+        if self.mlp not in MLP_KINDS:
+            raise ValueError(f"unknown mlp {self.mlp!r}; choose one of {', '.join(MLP_KINDS)}")
+        if not 0 <= self.logit_softcap < math.inf:
+            raise ValueError(f"logit_softcap must be >= 0 and finite (0: off), got {self.logit_softcap}")
+        most = (self.n_layer + 1) // 2
+        if not 0 <= self.value_embeds <= most:
+            raise ValueError(f"value_embeds must be in 0..{most} (each table feeds a layer of each half of the "
+                             f"{self.n_layer}), got {self.value_embeds}")
+        if self.unet_skips and self.n_layer < 2:
+            raise ValueError(f"unet_skips needs at least 2 layers, got n_layer {self.n_layer}")
+
+    def toggles_on(self, names: tuple[str, ...] = ARCHITECTURE_TOGGLES) -> list[str]:
+        """Each of `names` that is not at its default, as its flag and value ("--mlp relu2")."""
+        defaults = {f.name: f.default for f in fields(self)}
+        return [f"--{n.replace('_', '-')} {getattr(self, n)}".removesuffix(" True")
+                for n in names if getattr(self, n) != defaults[n]]
 
     @property
     def resolved_head_dim(self) -> int:
@@ -108,7 +161,13 @@ class ModelConfig:
     def resolved_ffn_dim(self) -> int:
         if self.ffn_dim is not None:
             return self.ffn_dim
-        return _round_up(math.ceil(8 * self.n_embd / 3), FFN_MULTIPLE)
+        swiglu = _round_up(math.ceil(8 * self.n_embd / 3), FFN_MULTIPLE)
+        return swiglu if self.mlp == "swiglu" else 3 * swiglu // 2
+
+    @property
+    def fc1_rows(self) -> int:
+        """Rows of the MLP's first matrix: SwiGLU's fused [gate; up], or ReLU^2's one."""
+        return (2 if self.mlp == "swiglu" else 1) * self.resolved_ffn_dim
 
     @property
     def padded_vocab_size(self) -> int:
@@ -191,14 +250,31 @@ def _token_losses(logits: torch.Tensor, targets: torch.Tensor):
     return torch.where(valid, lse - logits.gather(1, safe).squeeze(1), 0.0), lse, valid, safe
 
 
-def _chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_grad: bool):
+def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap): every logit inside (-cap, cap), near-identity well inside; cap 0: logits."""
+    return cap * torch.tanh(logits / cap) if cap else logits
+
+
+def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, softcap: float):
+    """-> (a chunk's float32 logits, soft-capped when softcap; with a cap also tanh(z / cap) of the raw logits
+    z, which the backward needs (d capped / dz = 1 - tanh^2), else None)."""
+    logits = F.linear(x, weight).float()
+    if not softcap:
+        return logits, None
+    tanh = logits.div_(softcap).tanh_()  # in the raw logits' storage
+    return tanh * softcap, tanh
+
+
+def _chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_grad: bool,
+                         softcap: float = 0.0):
     """One chunk: x [C, D] and weight [V, D] in the GEMM dtype, targets [C].
 
     -> (the summed float32 cross-entropy of its non-ignored tokens, and with_grad, the gradient of that sum
     w.r.t. the logits, softmax minus one-hot, zero on ignored rows, in the GEMM dtype; else None).
-    The softmax is computed in the float32 logits' own storage: one [C, V] float32 buffer serves both.
+    The softmax is computed in the float32 logits' own storage: one [C, V] float32 buffer serves both (two
+    with a soft cap, whose tanh the gradient is then multiplied through).
     """
-    logits = F.linear(x, weight).float()
+    logits, tanh = _chunk_logits(x, weight, softcap)
     losses, lse, valid, safe = _token_losses(logits, targets)
     loss = losses.sum()
     if not with_grad:
@@ -206,6 +282,8 @@ def _chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     grad = logits.sub_(lse[:, None]).exp_()
     grad.scatter_add_(1, safe, torch.full_like(lse[:, None], -1.0))
     grad.masked_fill_(~valid[:, None], 0.0)
+    if tanh is not None:
+        grad.mul_(tanh.square_().neg_().add_(1.0))
     return loss, grad.to(x.dtype)
 
 
@@ -228,7 +306,7 @@ def _row_chunks(n_tokens: int, chunk_tokens: int, capped: bool = True) -> list[s
 
 
 def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                           with_grad: bool):
+                           with_grad: bool, softcap: float = 0.0):
     """x [N, D], weight [V, D], targets [N] -> (mean cross-entropy of F.linear(x, weight), and with_grad
     its float32 gradients w.r.t. x and weight; else None, None), in the chunks of _row_chunks(N, chunk).
 
@@ -245,7 +323,7 @@ def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torc
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if with_grad else None
     for rows in _row_chunks(x.shape[0], chunk, capped=dtype != torch.float16):
         x_chunk = x[rows].to(dtype)
-        chunk_loss, grad_logits = _chunk_loss_and_grad(x_chunk, w, targets[rows], with_grad)
+        chunk_loss, grad_logits = _chunk_loss_and_grad(x_chunk, w, targets[rows], with_grad, softcap)
         loss = loss + chunk_loss
         if with_grad:
             grad_x[rows] = grad_logits @ w
@@ -268,8 +346,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, targets, chunk):
-        loss, grad_x, grad_w = _chunked_loss_and_grads(x, weight, targets, chunk, with_grad=True)
+    def forward(ctx, x, weight, targets, chunk, softcap):
+        loss, grad_x, grad_w = _chunked_loss_and_grads(x, weight, targets, chunk, with_grad=True, softcap=softcap)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.dtypes = x.dtype, weight.dtype
         return loss
@@ -279,24 +357,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_x, grad_w = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         # Out of place: the saved gradients must survive a backward with retain_graph=True.
-        return (grad_x * grad_loss).to(x_dtype), (grad_w * grad_loss).to(w_dtype), None, None
+        return (grad_x * grad_loss).to(x_dtype), (grad_w * grad_loss).to(w_dtype), None, None, None
 
 
-def _chunked_token_losses(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+def _chunked_token_losses(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                          softcap: float = 0.0) -> torch.Tensor:
     """x [N, D], weight [V, D], targets [N] -> each token's float32 cross-entropy [N] (0 where ignored),
     in the chunks of _row_chunks(N, chunk), with no gradient work."""
     dtype = _gemm_dtype(x)
     w = weight.to(dtype)
     losses = torch.empty(targets.shape, dtype=torch.float32, device=x.device)
     for rows in _row_chunks(x.shape[0], chunk):
-        losses[rows] = _token_losses(F.linear(x[rows].to(dtype), w).float(), targets[rows])[0]
+        losses[rows] = _token_losses(_chunk_logits(x[rows].to(dtype), w, softcap)[0], targets[rows])[0]
     return losses
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int = LOSS_CHUNK_TOKENS, reduction: str = "mean") -> torch.Tensor:
-    """F.cross_entropy(F.linear(x, weight).float(), targets, reduction=reduction) without ever holding all
-    the logits.
+                         chunk: int = LOSS_CHUNK_TOKENS, reduction: str = "mean", softcap: float = 0.0) -> torch.Tensor:
+    """F.cross_entropy(soft_cap(F.linear(x, weight).float(), softcap), targets, reduction=reduction) without
+    ever holding all the logits.
 
     x [..., D], weight [V, D], targets [...] (x's leading dims). The same mean float32 cross-entropy
     (log-softmax over all V columns; targets equal to IGNORE_INDEX left out of the sum and the count) and the
@@ -315,10 +394,10 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if reduction == "none":
         if wants_grad:
             raise ValueError("reduction='none' has no backward: call it under torch.no_grad()")
-        return _chunked_token_losses(x, weight, targets, chunk).view(shape)
+        return _chunked_token_losses(x, weight, targets, chunk, softcap).view(shape)
     if wants_grad:
-        return _LinearCrossEntropy.apply(x, weight, targets, chunk)
-    return _chunked_loss_and_grads(x, weight, targets, chunk, with_grad=False)[0]
+        return _LinearCrossEntropy.apply(x, weight, targets, chunk, softcap)
+    return _chunked_loss_and_grads(x, weight, targets, chunk, with_grad=False, softcap=softcap)[0]
 
 
 class RMSNorm(nn.RMSNorm):
@@ -344,18 +423,23 @@ class LayerNormLinear(nn.Module):
 
 
 class LayerNormMLP(nn.Module):
-    """RMSNorm then SwiGLU: fc2(silu(gate) * up), with fc1's rows [gate; up] (TE's LayerNormMLP, plain)."""
+    """RMSNorm then SwiGLU: fc2(silu(gate) * up), with fc1's rows [gate; up] (TE's LayerNormMLP, plain); or
+    with kind "relu2", fc2(relu(fc1 x)^2), fc1 of ffn_dim rows."""
 
-    def __init__(self, n_embd: int, ffn_dim: int, eps: float):
+    def __init__(self, n_embd: int, ffn_dim: int, eps: float, kind: str = "swiglu"):
         super().__init__()
         self.eps = eps
+        self.kind = kind
         self.layer_norm_weight = nn.Parameter(torch.empty(n_embd))
-        self.fc1_weight = nn.Parameter(torch.empty(2 * ffn_dim, n_embd))
+        self.fc1_weight = nn.Parameter(torch.empty((2 if kind == "swiglu" else 1) * ffn_dim, n_embd))
         self.fc2_weight = nn.Parameter(torch.empty(n_embd, ffn_dim))
         self.matmul = F.linear  # as in LayerNormLinear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.matmul(rms_norm(x, self.layer_norm_weight, self.eps), self.fc1_weight).chunk(2, dim=-1)
+        h = self.matmul(rms_norm(x, self.layer_norm_weight, self.eps), self.fc1_weight)
+        if self.kind == "relu2":
+            return self.matmul(F.relu(h).square(), self.fc2_weight)
+        gate, up = h.chunk(2, dim=-1)
         return self.matmul(F.silu(gate) * up, self.fc2_weight)
 
 
@@ -370,16 +454,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps)
         self.proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=False)
+        # A plain parameter, not an nn.Linear: it stays out of torchao's float8 conversion (a 4-row GEMM).
+        self.gate_weight = nn.Parameter(torch.empty(config.n_head, config.n_embd)) if config.attn_gate else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0, value_embed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """kv: this layer's KVCache buffers (None in training); x holds positions start..start+T."""
+        """kv: this layer's KVCache buffers (None in training); x holds positions start..start+T. value_embed
+        [B, T, n_kv_head * head_dim]: added to the values (GPT.forward has scaled it by the layer's scalar)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
         )
+        if value_embed is not None:
+            v = v + value_embed.to(v.dtype)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
@@ -393,6 +482,9 @@ class Attention(nn.Module):
             k, v = _cache_write(kv, k, v, start)
             mask = _offset_causal_mask(T, start, x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if self.gate_weight is not None:  # [B, T, H] -> one factor per head and position
+            normed = rms_norm(x, self.qkv.layer_norm_weight, self.qkv.eps)
+            y = y * torch.sigmoid(F.linear(normed, self.gate_weight)).transpose(1, 2)[..., None].to(y.dtype)
         return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
@@ -405,14 +497,25 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.attn = Attention(config)
-        self.mlp = LayerNormMLP(config.n_embd, config.resolved_ffn_dim, config.norm_eps)
+        self.mlp = LayerNormMLP(config.n_embd, config.resolved_ffn_dim, config.norm_eps, config.mlp)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0,
+        kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0, value_embed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(x, cos, sin, kv, start)
+        # value_embed only when there is one: a subclass's attention (fp8.TEAttention) takes none.
+        extra = {} if value_embed is None else {"value_embed": value_embed}
+        x = x + self.attn(x, cos, sin, kv, start, **extra)
         return x + self.mlp(x)
+
+
+def value_embed_layers(config: ModelConfig) -> dict[int, int]:
+    """Layer -> the value-embedding table it adds, for config.value_embeds tables: table i feeds layer i and
+    its mirror n_layer-1-i (one layer when they coincide), so the first and last layers share tables."""
+    layers = {}
+    for table in range(config.value_embeds):
+        layers[table] = layers[config.n_layer - 1 - table] = table
+    return dict(sorted(layers.items()))
 
 
 class GPT(nn.Module):
@@ -424,6 +527,10 @@ class GPT(nn.Module):
         plain PyTorch whatever the block."""
         super().__init__()
         config.validate()
+        unsupported = config.toggles_on(PLAIN_BACKEND_TOGGLES) if block.backend != "plain" else []
+        if unsupported:
+            raise ValueError(f"{', '.join(unsupported)}: not implemented for the {block.backend} backend "
+                             "(--fp8 te); use the plain blocks (--fp8 off or torchao)")
         self.config = config
         self.backend = block.backend
         vocab, dim = config.padded_vocab_size, config.n_embd
@@ -431,6 +538,14 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(block(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(dim, eps=config.norm_eps)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
+        # Recipe toggles' parameters, registered only when on, so that a model without them keeps its state dict.
+        self.ve_layers = value_embed_layers(config)
+        if config.value_embeds:
+            ve_dim = config.n_kv_head * config.resolved_head_dim
+            self.value_embeds = nn.ModuleList(nn.Embedding(vocab, ve_dim) for _ in range(config.value_embeds))
+            self.value_embed_lambdas = nn.Parameter(torch.empty(len(self.ve_layers)))  # one per layer fed
+        if config.unet_skips:
+            self.unet_weights = nn.Parameter(torch.empty(config.n_layer // 2))  # one per skip
         # Non-persistent: derived from the config, so checkpoints stay exactly the parameter contract.
         self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.resolved_head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.resolved_head_dim), persistent=False)
@@ -440,12 +555,15 @@ class GPT(nn.Module):
     def init_weights(self) -> None:
         """(Re)initialise every parameter and the rotary tables; deterministic under torch.manual_seed.
 
-        Matrices and the embedding: normal(0, 0.02). The two projections that write into the residual stream
-        (attn.proj, mlp.fc2) are scaled by 1/sqrt(2 * n_layer) so the stream's variance does not grow with
-        depth, or with config.zero_init_proj are zero, so that every block starts as the identity and the
-        gradient first reaches them alone (modded-nanogpt's recipe; they still draw from the generator, so the
-        other weights are the same either way). Norm weights: 1. Safe to call on a model materialised from the
-        meta device (`to_empty`), which also breaks the embedding tie, so the tie is restored here.
+        Matrices and the embeddings (value embeddings too): normal(0, 0.02). The two projections that write
+        into the residual stream (attn.proj, mlp.fc2) are scaled by 1/sqrt(2 * n_layer) so the stream's variance
+        does not grow with depth, or with config.zero_init_proj are zero, so that every block starts as the
+        identity and the gradient first reaches them alone (modded-nanogpt's recipe; they still draw from the
+        generator, so the other weights are the same either way). Norm weights and the toggles' scalars
+        (value_embed_lambdas, unet_weights): 1. Attention gate weights: 0, every gate 1/2 and alike at the start
+        (a random W_g would gate heads by noise). An untied lm_head: normal(0, 0.02), or 0 with
+        config.head_init "zero" (modded-nanogpt's: the first logits are uniform). Safe to call on a model materialised from the meta device
+        (`to_empty`), which also breaks the embedding tie, so the tie is restored here.
         """
         if self.config.tie_embeddings and self.lm_head.weight is not self.embed.weight:
             self.lm_head.weight = self.embed.weight
@@ -457,6 +575,8 @@ class GPT(nn.Module):
                 nn.init.normal_(param, std=residual_std)
                 if self.config.zero_init_proj:
                     nn.init.zeros_(param)
+            elif name.endswith("attn.gate_weight") or (name == "lm_head.weight" and self.config.head_init == "zero"):
+                nn.init.zeros_(param)
             else:
                 nn.init.normal_(param, std=INIT_STD)
         cos, sin = rope_cos_sin(self.config.resolved_head_dim, self.config.max_seq_len, self.config.rope_theta)
@@ -485,14 +605,28 @@ class GPT(nn.Module):
             raise ValueError(f"KV cache holds {cache.max_len} positions, {start + T} needed")
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
         x = self.embed(idx)
+        tables = [table(idx) for table in self.value_embeds] if self.config.value_embeds else []
+        n_skips = self.config.n_layer // 2 if self.config.unet_skips else 0
+        skips = []  # outputs of the first n_skips blocks; block n_layer-1-i takes skips[i]
+        ve_slots = {layer: slot for slot, layer in enumerate(self.ve_layers)}  # value_embed_lambdas' index
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin) if cache is None else block(x, cos, sin, (cache.k[i], cache.v[i]), start)
+            mirror = self.config.n_layer - 1 - i
+            if mirror < n_skips:
+                x = x + self.unet_weights[mirror] * skips[mirror]
+            extra = {} if cache is None else {"kv": (cache.k[i], cache.v[i]), "start": start}
+            if i in ve_slots:
+                extra["value_embed"] = self.value_embed_lambdas[ve_slots[i]] * tables[self.ve_layers[i]]
+            x = block(x, cos, sin, **extra)  # tensors alone positional: what FSDP2's hooks and checkpointing see
+            if i < n_skips:
+                skips.append(x)
         if cache is not None:
             cache.pos += T
         x = self.norm(x)
+        cap = self.config.logit_softcap
         if targets is None:
-            return self.lm_head(x), None
-        return None, linear_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunk_tokens, reduction)
+            return soft_cap(self.lm_head(x), cap), None
+        return None, linear_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunk_tokens, reduction,
+                                          softcap=cap)
 
     def row_blocks(self) -> dict[str, list[int]]:
         """Row split of each fused weight, by parameter name: qkv into [Q, K, V], fc1 into [gate, up]."""
@@ -501,7 +635,7 @@ class GPT(nn.Module):
         blocks = {}
         for i in range(c.n_layer):
             blocks[f"blocks.{i}.attn.qkv.weight"] = [c.n_head * hd, c.n_kv_head * hd, c.n_kv_head * hd]
-            blocks[f"blocks.{i}.mlp.fc1_weight"] = [ffn, ffn]
+            blocks[f"blocks.{i}.mlp.fc1_weight"] = [ffn, ffn] if c.mlp == "swiglu" else [ffn]
         return blocks
 
     def num_params(self) -> int:
@@ -514,9 +648,11 @@ def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     so a size multiplies them by n_layer instead of walking the layers: a claimed depth costs nothing."""
     D, hd, F = cfg.n_embd, cfg.resolved_head_dim, cfg.resolved_ffn_dim
     H, K = cfg.n_head, cfg.n_kv_head
-    return {"attn.qkv.layer_norm_weight": (D,), "attn.qkv.weight": ((H + 2 * K) * hd, D),
-            "attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,), "attn.proj.weight": (D, H * hd),
-            "mlp.layer_norm_weight": (D,), "mlp.fc1_weight": (2 * F, D), "mlp.fc2_weight": (D, F)}
+    shapes = {"attn.qkv.layer_norm_weight": (D,), "attn.qkv.weight": ((H + 2 * K) * hd, D),
+              "attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,), "attn.proj.weight": (D, H * hd)}
+    if cfg.attn_gate:
+        shapes["attn.gate_weight"] = (H, D)
+    return shapes | {"mlp.layer_norm_weight": (D,), "mlp.fc1_weight": (cfg.fc1_rows, D), "mlp.fc2_weight": (D, F)}
 
 
 def outer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -525,6 +661,12 @@ def outer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes = {"embed.weight": (V, D), "norm.weight": (D,)}
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (V, D)
+    for table in range(cfg.value_embeds):
+        shapes[f"value_embeds.{table}.weight"] = (V, cfg.n_kv_head * cfg.resolved_head_dim)
+    if cfg.value_embeds:
+        shapes["value_embed_lambdas"] = (len(value_embed_layers(cfg)),)
+    if cfg.unet_skips:
+        shapes["unet_weights"] = (cfg.n_layer // 2,)
     return shapes
 
 
@@ -547,9 +689,9 @@ def param_numels(cfg: ModelConfig) -> dict[str, int]:
 def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), the convention of the PaLM paper and nanoGPT's MFU.
 
-    6 * N, where N counts the weights of every matrix multiply: qkv, proj, fc1, fc2 in each block plus the
-    lm_head over the padded vocabulary (the embedding lookup and norm weights are not matmuls; a tied matrix
-    counts once, as the lm_head). Plus attention scores and the weighted sum, 2 matmuls * 2 FLOPs * seq_len *
+    6 * N, where N counts the weights of every matrix multiply: qkv, proj, fc1, fc2 (and an attention gate) in
+    each block plus the lm_head over the padded vocabulary (the embedding and value-embedding lookups, norm
+    weights and the toggles' scalars are not matmuls; a tied matrix counts once, as the lm_head). Plus attention scores and the weighted sum, 2 matmuls * 2 FLOPs * seq_len *
     n_head * head_dim per layer forward, times 3 for forward + backward: 12 * n_layer * n_head * head_dim *
     seq_len. The attention term counts the full T x T square even though causal kernels skip half of it.
     """
@@ -557,8 +699,9 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     per_layer = (
         dim * (config.n_head + 2 * config.n_kv_head) * hd
         + config.n_head * hd * dim
-        + dim * 2 * ffn
+        + dim * config.fc1_rows
         + ffn * dim
+        + (config.n_head * dim if config.attn_gate else 0)
     )
     matmul_params = config.n_layer * per_layer + config.padded_vocab_size * dim
     attention = 12 * config.n_layer * config.n_head * hd * seq_len

@@ -87,6 +87,11 @@ class OptimConfig:
     adam_lr: float | None = field(default=None, metadata={
         "help": "peak LR of the AdamW side of a Muon run (embeddings, norms; default: 3e-3)"})
     momentum: float = field(default=0.95, metadata={"flag": "--muon-momentum", "help": "Muon's momentum"})
+    momentum_warmup: int = field(default=0, metadata={
+        "flag": "--muon-momentum-warmup", "help": "Muon: ramp the momentum linearly from --muon-momentum-start to "
+                                                  "--muon-momentum over this many optimizer steps (0: off)"})
+    momentum_start: float = field(default=0.85, metadata={
+        "flag": "--muon-momentum-start", "help": "Muon's momentum at the first step of --muon-momentum-warmup"})
     nesterov: bool = field(default=True, metadata={
         "flag": "--muon-nesterov", "help": "Muon: Nesterov momentum (--no-muon-nesterov: plain momentum)"})
     ns_steps: int = field(default=5, metadata={"help": "Newton-Schulz iterations in Muon"})
@@ -112,6 +117,10 @@ class OptimConfig:
         "help": "peak LR of the embedding (the tied matrix, if tied); default: the AdamW side's LR"})
     head_lr: float | None = field(default=None, metadata={
         "help": "peak LR of an untied lm_head (needs --untied); default: the AdamW side's LR"})
+    embed_beta1: float | None = field(default=None, metadata={
+        "help": "Adam first-moment decay of the embedding (the tied matrix, if tied); default: --beta1"})
+    embed_beta2: float | None = field(default=None, metadata={
+        "help": "Adam second-moment decay of the embedding; default: --beta2"})
 
     def __post_init__(self):
         """Unset LRs take the optimizer's defaults, so that --optimizer adamw alone gets AdamW's LR, not Muon's."""
@@ -122,6 +131,14 @@ class OptimConfig:
     @property
     def betas(self) -> tuple[float, float]:
         return self.beta1, self.beta2
+
+    @property
+    def embed_betas(self) -> tuple[float, float] | None:
+        """The embedding's own Adam betas, or None when neither is set (it shares the AdamW side's)."""
+        if self.embed_beta1 is None and self.embed_beta2 is None:
+            return None
+        return (self.beta1 if self.embed_beta1 is None else self.embed_beta1,
+                self.beta2 if self.embed_beta2 is None else self.embed_beta2)
 
     def validate(self):
         if self.name not in OPTIMIZERS:
@@ -152,10 +169,21 @@ class OptimConfig:
             raise ValueError(f"unknown ns_coeffs {self.ns_coeffs!r}; choose one of {', '.join(NS_COEFF_SCHEMES)}")
         if not 0 <= self.normuon_beta < 1:
             raise ValueError(f"normuon_beta must be in [0, 1), got {self.normuon_beta}")
+        if isinstance(self.momentum_warmup, bool) or not isinstance(self.momentum_warmup, int) \
+                or self.momentum_warmup < 0:
+            raise ValueError(f"momentum_warmup must be a whole number of steps >= 0, got {self.momentum_warmup!r}")
+        if not 0 <= self.momentum_start < 1:
+            raise ValueError(f"momentum_start must be in [0, 1), got {self.momentum_start}")
+        if self.name != "muon" and self.momentum_warmup:
+            raise ValueError("--muon-momentum-warmup ramps Muon's momentum: it needs --optimizer muon")
         for name in ("embed_lr", "head_lr"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        for name in ("embed_beta1", "embed_beta2"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
         if self.name != "muon" and (self.normuon or self.ns_coeffs != "quintic"):
             raise ValueError("--normuon and --ns-coeffs act on Muon's update: they need --optimizer muon")
         if self.name == "adamw8bit" and self.cautious_wd:
@@ -224,16 +252,18 @@ def _group(kind: str, named: list[tuple[str, nn.Parameter]], lr: float, weight_d
 
 def _adamw_groups(roles: dict, lr: float, weight_decay: float, cfg: OptimConfig) -> list[dict]:
     """The AdamW side: decayed matrices, undecayed vectors, and the embedding and lm_head in groups of their own
-    only where cfg gives them their own LR, so that a run without those flags keeps the same groups (and the
-    same optimizer state_dict layout). Groups carry "cautious_wd" only when it is on."""
-    own_lr = {"embed.weight": cfg.embed_lr, "lm_head.weight": cfg.head_lr}
+    only where cfg gives them their own LR (or the embedding its own betas), so that a run without those flags
+    keeps the same groups (and the same optimizer state_dict layout). Groups carry "cautious_wd" only when it
+    is on, "betas" only when their own."""
+    own = {"embed.weight": (cfg.embed_lr, cfg.embed_betas), "lm_head.weight": (cfg.head_lr, None)}
+    own = {name: (group_lr, betas) for name, (group_lr, betas) in own.items() if (group_lr, betas) != (None, None)}
     extra = {"cautious_wd": True} if cfg.cautious_wd else {}
-    decay = [(n, p) for n, p in roles["decay"] if own_lr.get(n) is None]
+    decay = [(n, p) for n, p in roles["decay"] if n not in own]
     groups = [_group("adamw", decay, lr, weight_decay, **extra), _group("adamw", roles["no_decay"], lr, 0.0, **extra)]
-    for name, group_lr in own_lr.items():
-        if group_lr is not None:
-            groups.append(_group("adamw", [(n, p) for n, p in roles["decay"] if n == name], group_lr, weight_decay,
-                                 **extra))
+    for name, (group_lr, betas) in own.items():
+        groups.append(_group("adamw", [(n, p) for n, p in roles["decay"] if n == name],
+                             lr if group_lr is None else group_lr, weight_decay,
+                             **extra, **({} if betas is None else {"betas": betas})))
     return [g for g in groups if g["params"]]
 
 
@@ -353,7 +383,8 @@ def _build_muon(roles, cfg, row_blocks, device_type):
     groups += _adamw_groups(roles, cfg.adam_lr if cfg.adam_lr is not None else cfg.lr, cfg.weight_decay, cfg)
     return Muon(groups, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_dtype=ns_dtype,
                 muon_scale=cfg.muon_scale, betas=cfg.betas, eps=cfg.eps, ns_coeffs=cfg.ns_coeffs,
-                normuon_beta=cfg.normuon_beta if cfg.normuon else None)
+                normuon_beta=cfg.normuon_beta if cfg.normuon else None, momentum_warmup=cfg.momentum_warmup,
+                momentum_start=cfg.momentum_start)
 
 
 # ----------------------------------------------------------------------------- Muon
@@ -570,8 +601,10 @@ class Muon(torch.optim.Optimizer):
     Recipe options: ns_coeffs (newton_schulz's polynomials); normuon_beta (not None: NorMuon, normuon_rows, whose
     per-row state "row_sq_avg" is laid out like the parameter's rows, a DTensor sharded like it under FSDP2, so
     that it saves and resumes at any world size; it travels to the owner and back with the rows); a group's
-    "cautious_wd" (cautious_decay_). Groups restored from a checkpoint older than these keys lack them: read
-    with .get, they are off.
+    "cautious_wd" (cautious_decay_); momentum_warmup (not 0: the momentum ramps from momentum_start,
+    schedule.muon_momentum of each matrix's count of steps taken, state "step" like AdamW's, which every
+    checkpoint carries, so a resumed run continues the ramp exactly). Groups restored from a checkpoint older
+    than these keys lack them: read with .get, they are off.
 
     A step handed found_inf (step_if_finite) is skipped on the device: where it is nonzero the gradients are
     zeroed and every weight of the step (the momentum's and second moments' EMAs, the decay, the AdamW update
@@ -583,10 +616,11 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, *, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="fp32",
                  muon_scale="match_rms_adamw", betas=(0.9, 0.95), eps=1e-8, split_across_ranks=True,
-                 ns_coeffs="quintic", normuon_beta=None):
+                 ns_coeffs="quintic", normuon_beta=None, momentum_warmup=0, momentum_start=0.85):
         defaults = dict(lr=1e-3, weight_decay=0.0, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, muon_scale=muon_scale, betas=betas, eps=eps, kind="adamw",
-                        ns_coeffs=ns_coeffs, normuon_beta=normuon_beta, cautious_wd=False)
+                        ns_coeffs=ns_coeffs, normuon_beta=normuon_beta, cautious_wd=False,
+                        momentum_warmup=momentum_warmup, momentum_start=momentum_start)
         super().__init__(params, defaults)
         self.split_across_ranks = split_across_ranks
         for group in self.param_groups:
@@ -631,10 +665,31 @@ class Muon(torch.optim.Optimizer):
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p.grad)
         grad, buf = _local(p.grad).masked_fill(skip, 0.0), _local(state["momentum_buffer"])
-        buf.lerp_(grad, per_step(skip, 1 - group["momentum"], 0.0, buf.dtype))
+        momentum = self._momentum_now(p, group, skip)
+        if torch.is_tensor(momentum):
+            buf.lerp_(grad, (1 - momentum).masked_fill(skip, 0.0).to(buf.dtype))
+            momentum = momentum.to(buf.dtype)
+        else:
+            buf.lerp_(grad, per_step(skip, 1 - momentum, 0.0, buf.dtype))
         if group["nesterov"]:
-            return grad.lerp_(buf, group["momentum"]).masked_fill_(skip, 0.0)
+            return grad.lerp_(buf, momentum).masked_fill_(skip, 0.0)
         return buf.masked_fill(skip, 0.0)
+
+    def _momentum_now(self, p, group, skip):
+        """The group's momentum; under a warm-up, schedule.muon_momentum of p's count of steps taken, as a
+        scalar on the device (the host never waits for the count), and the count advanced unless skip."""
+        warmup = group.get("momentum_warmup", 0)
+        if not warmup:
+            return group["momentum"]
+        state, device = self.state[p], _local(p).device
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+        step = state["step"] = state["step"].to(device)  # a checkpoint's comes back on the CPU
+        end, start = group["momentum"], group["momentum_start"]
+        fraction = (step.to(scalar_dtype(device)) / warmup).clamp(max=1.0)
+        momentum = end - (end - start) * (1 - fraction)  # muon_momentum's arithmetic, in the same dtype
+        step.add_((~skip).to(step.dtype))
+        return momentum
 
     def _muon_step(self, group, found_inf):
         todo = [(p, split) for p, split in zip(group["params"], group["row_blocks"]) if p.grad is not None]
@@ -875,6 +930,8 @@ def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
         options = [", nesterov" if d["nesterov"] else "",
                    f", {d['ns_coeffs']} coefficients" if d["ns_coeffs"] != "quintic" else "",
                    f", NorMuon (beta {d['normuon_beta']})" if d["normuon_beta"] is not None else "",
+                   f", momentum from {d['momentum_start']} over {d['momentum_warmup']} steps"
+                   if d["momentum_warmup"] else "",
                    ", cautious wd" if cautious else ""]
         head = (f"Muon (NS {d['ns_steps']} steps in {d['ns_dtype']}, scale {d['muon_scale']}, "
                 f"momentum {d['momentum']}{''.join(options)}) + AdamW")

@@ -29,6 +29,14 @@ def lr_multiplier(step: int, max_steps: int, warmup: int, schedule: str, min_lr_
     return 1.0 - (1 - min_lr_ratio) * progress
 
 
+def muon_momentum(step: int, warmup: int, start: float, end: float) -> float:
+    """Muon's momentum at optimizer step `step` (0-based): linear from start at step 0 to end at step warmup,
+    then end. Written as end - (end - start) * (1 - fraction), so that it is exactly end once warmed up.
+    Muon (optim.py) computes it on the device from its checkpointed step count, with this arithmetic."""
+    fraction = min(1.0, step / warmup) if warmup else 1.0
+    return end - (end - start) * (1 - fraction)
+
+
 def schedule_warning(warmup: int, max_steps: int, schedule: str, decay_frac: float) -> str | None:
     """What is wrong with a warm-up that does not fit the run, for a start-up warning, or None. Not refused:
     a short test run with the default warm-up is legitimate, but the user should know its LR never peaks."""

@@ -1,33 +1,49 @@
-"""Recipe toggles, measured: each toggle is a few extra train.py flags, run against a baseline at one token budget.
+"""Recipe toggles, measured: each toggle is a few extra train.py flags, run against a baseline at a few token
+horizons over seeds, with a GPT-2 + AdamW anchor to count tokens against.
 
-    python bench/recipe.py [--optimizer muon] [--max-tokens 307200] [--seeds 1 2] [--only wsd,normuon]
-                           [--toggle "packing=--packing bos"] [--jobs 2] [--out bench/results/recipe.md]
+    sh bench/prose_corpus.sh                     # once: the prose corpus (apt-get install linux-doc-6.1)
+    python bench/recipe.py [--corpus prose|stdlib] [--max-tokens 65536 131072 262144] [--seeds 1 2 3]
+                           [--only wsd,normuon] [--toggle "packing=--packing bos"] [--jobs 2] [--fresh]
+                           [--anchor-lrs 3e-4 1e-3 3e-3] [--smoke] [--out bench/results/recipe.md]
                            [any train.py flags]
 
-Every (toggle, seed) pair is one `python train.py` run (the default: train.py's small model on the embedded
-stdlib corpus) in its own --out-dir under a temporary directory (--runs-dir keeps them), trained for exactly
---max-tokens tokens (train.py counts the batch warm-up's smaller steps, so that toggle trains as many) with
---seed as the seed of the initialisation and the data order. Only the final validation loss is evaluated, on
-the same val tokens for every run; it is read from the run's metrics.jsonl. The baseline always runs.
+Every (toggle, horizon, seed) is one `python train.py` run at the bench's shape (4 layers, width 256, seq 256,
+micro-batch 16) on the corpus, trained for exactly the horizon's tokens, so that each run's schedule ends at its
+horizon, with --seed as the seed of the initialisation and the data order. Only the final val loss is evaluated,
+on the same val tokens for every run (--eval-tokens 32768 unless given).
 
-The table has, per toggle: its flags, the final val loss of each seed, their mean, their spread (max - min),
-the mean's delta against the baseline's, and whether |delta| exceeds the noise, taken as the larger of the two
-spreads (with one seed there is no noise estimate, so no verdict). A toggle that cannot apply (a Muon option
-under --optimizer adamw, the batch warm-up without gradient accumulation) is listed as n/a, with why.
+The cache (--cache, default bench/results/recipe_cache.json) keeps each run's final val loss, median step time
+and parameter count under its corpus id and its full train.py flags (toggle, horizon and seed among them), so a
+rerun runs only what is not there. It does not know the code: after a change to model.py, optim.py or train.py
+that can move a loss, rerun with --fresh (every run again, its entries replaced).
 
-Unless the train.py flags choose the batch (--batch-size, --grad-accum, --total-batch-tokens), every run uses
-micro-batches of 4 x 4 micro-steps: train.py's global batch of 16 sequences, cut so that the batch warm-up has
-micro-steps to ramp, and the same for every toggle so that they differ in nothing else. --jobs runs that many
-trainings at once, each with OMP_NUM_THREADS = CPU cores / jobs.
+The table has, per toggle and horizon: the final val loss of each seed, their mean, their spread (max - min), the
+mean's delta against the baseline's, and whether |delta| exceeds both the toggle's and the baseline's spread
+(with one seed there is no spread, so no verdict); per toggle, the step time (median after the first steps)
+relative to the baseline's, and the parameter count.
+
+The anchor: bench/anchor.py, GPT-2's architecture from transformers with AdamW, at each of --anchor-lrs for the
+longest horizon x --anchor-factor tokens, seed 1; the LR with the lowest final val loss is its tuned LR. Each
+toggle's "tokens to the anchor's final loss" interpolates the toggle's mean final loss at its horizons linearly
+in log(tokens): a run's loss before its schedule's end is not what a run ending there reaches, so only ends
+count. The ratio is those tokens over the anchor's; past the longest horizon it reads "> longest / anchor".
+
+--smoke: the stdlib corpus, a tiny model, horizons 1,024 and 2,048, one seed, two anchor LRs, its own cache
+(under the runs' directory): the whole path in a few minutes, train.py's start-up being most of it. A toggle that cannot apply (a Muon option under
+--optimizer adamw, the batch warm-up without gradient accumulation) is listed as n/a, with why. --jobs runs that
+many trainings at once, each with OMP_NUM_THREADS = CPU cores / jobs.
 """
-
 import argparse
+import hashlib
+import json
+import math
 import os
 import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,15 +53,29 @@ import config  # noqa: E402
 from cli import HelpFormatter, UsageError  # noqa: E402
 from optimizers import code_line, cpu_model  # noqa: E402
 from plot import MetricsError, read_metrics  # noqa: E402
+from data import DataError, fingerprint, split_paths  # noqa: E402
+from tokenizer import cache_root  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Set by this script for every run; passed through they would make the runs disagree with the table.
 OWN_TRAIN_FLAGS = ("--optimizer", "--out-dir", "--seed", "--max-tokens", "--max-steps", "--resume", "--overwrite")
 BATCH_FLAGS = ("--batch-size", "--grad-accum", "--total-batch-tokens")
-BATCH_DEFAULTS = ["--batch-size", "4", "--grad-accum", "4"]
+# The bench's shape: what --depth 4 derives (4 layers of width 64 x 4 = 256, heads 4q/2kv), spelled out so that
+# the dial's other derivations (LR, batch) stay out of the runs; seq 256, micro-batch 16, no accumulation.
+SHAPE = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--n-kv-head", "2", "--seq-len", "256"]
+BATCH_DEFAULTS = ["--batch-size", "16", "--grad-accum", "1"]
 # Overridable by train.py flags on the command line: evaluate once, at the end; one checkpoint, at the end.
-EVAL_DEFAULTS = ["--eval-interval", str(10**9), "--ckpt-interval", "0"]
+EVAL_DEFAULTS = ["--eval-interval", str(10**9), "--eval-tokens", "32768", "--ckpt-interval", "0"]
+HORIZONS = [65536, 131072, 262144]
+SEEDS = [1, 2, 3]
+ANCHOR_LRS = [3e-4, 1e-3, 3e-3]
+# --smoke: the whole path (runs, cache, anchor, ratio) in about a minute on two cores.
+SMOKE_SHAPE = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--n-kv-head", "2", "--seq-len", "64",
+               "--eval-tokens", "1024"]
+SMOKE_BATCH = ["--batch-size", "4", "--grad-accum", "1"]
+SMOKE = {"corpus": "stdlib", "max_tokens": [1024, 2048], "seeds": [1], "anchor_lrs": [1e-3, 3e-3]}
 BATCH_WARMUP_STEPS = 30  # a fifth of the default budget's 150 steps
+STEP_TIME_SKIP = 3  # first steps left out of the median step time: allocation and warm caches
 
 
 class BenchError(Exception):
@@ -97,34 +127,82 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_bench_args(argv):
-    """-> (bench args, train.py flags to pass through)."""
+    """-> (bench args, train.py flags to pass through). --smoke fills in what the command line left unset."""
     p = _Parser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--optimizer", default="muon", help="train.py's --optimizer for every run")
-    p.add_argument("--max-tokens", type=int, default=307200, help="tokens per run (default: %(default)s, train.py's "
-                                                                  "150 steps of 16 x 128 tokens)")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2],
-                   help="one run per seed per toggle (default: 1 2)")
+    p.add_argument("--corpus", choices=("prose", "stdlib"),
+                   help="prose: bench/prose_corpus.sh's shards; stdlib: train.py's embedded corpus; a --data "
+                        "among the train.py flags instead names its own (default: prose)")
+    p.add_argument("--max-tokens", type=int, nargs="+", metavar="TOKENS",
+                   help="the horizons: one run each, its schedule ending there (default: 65536 131072 262144)")
+    p.add_argument("--seeds", type=int, nargs="+", help="one run per seed per toggle and horizon (default: 1 2 3)")
     p.add_argument("--only", help="comma-separated toggles to run (the baseline runs anyway)")
     p.add_argument("--toggle", type=parse_toggle, action="append", default=[], metavar="NAME=FLAGS",
                    help='another toggle, e.g. "packing=--packing bos" (repeatable)')
-    p.add_argument("--jobs", type=int, default=1, help="trainings at once")
+    p.add_argument("--jobs", type=int, default=2, help="trainings at once (default: 2)")
+    p.add_argument("--anchor-lrs", type=float, nargs="*", metavar="LR",
+                   help="the anchor's AdamW LRs; none: no anchor (default: 3e-4 1e-3 3e-3)")
+    p.add_argument("--anchor-factor", type=int, default=4, help="the anchor trains for the longest horizon x this")
+    p.add_argument("--cache", help="the runs' results (default: bench/results/recipe_cache.json; under --smoke, "
+                                   "the runs' directory)")
+    p.add_argument("--fresh", action="store_true", help="run everything again, replacing its cache entries")
+    p.add_argument("--smoke", action="store_true", help="a tiny model on the stdlib corpus at 2 small horizons")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "recipe.md"),
                    help="the markdown table (default: bench/results/recipe.md)")
     p.add_argument("--runs-dir", help="keep the runs' directories here (default: a temporary directory)")
     a, train_argv = p.parse_known_args(argv)
-    if a.max_tokens < 1 or a.jobs < 1 or len(set(a.seeds)) != len(a.seeds):
-        raise BenchError("--max-tokens and --jobs must be >= 1, and --seeds distinct")
+    defaults = SMOKE if a.smoke else {"corpus": "prose", "max_tokens": HORIZONS, "seeds": SEEDS,
+                                      "anchor_lrs": ANCHOR_LRS}
+    for key, value in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
+    if (min(a.max_tokens) < 1 or a.jobs < 1 or a.anchor_factor < 1 or len(set(a.seeds)) != len(a.seeds)
+            or len(set(a.max_tokens)) != len(a.max_tokens)):
+        raise BenchError("--max-tokens, --jobs and --anchor-factor must be >= 1, --max-tokens and --seeds distinct")
+    a.max_tokens = sorted(a.max_tokens)
     for arg in train_argv:
         if arg.split("=")[0] in OWN_TRAIN_FLAGS:
             raise BenchError(f"{arg.split('=')[0]} is set by this benchmark; see --help for its own flags")
     return a, train_argv
 
 
+def prose_dir() -> str:
+    """Where bench/prose_corpus.sh puts its shards by default."""
+    return os.path.join(cache_root(), "bench", "linux-doc-6.1")
+
+
+def corpus_of(a, train_argv) -> tuple[list[str], str, str]:
+    """-> (the --data flags for the runs, the corpus id the cache keys on, its description for the header).
+    A directory's id is its corpus.json's (bench/prose_corpus.sh) or else its path and a hash of its shards'
+    data.fingerprint, so that a directory prepared again with other text does not reuse the old runs."""
+    data = next((arg.split("=", 1)[1] if "=" in arg else train_argv[i + 1]
+                 for i, arg in enumerate(train_argv) if arg.split("=")[0] == "--data"), None)
+    if data is None and a.corpus == "stdlib":
+        return [], "stdlib", "train.py's embedded stdlib corpus (Python source)"
+    flags = [] if data is not None else ["--data", prose_dir()]
+    data = data or prose_dir()
+    described = os.path.join(data, "corpus.json")
+    if os.path.exists(described):
+        with open(described) as f:
+            record = json.load(f)
+        return flags, record["id"], f"{record['corpus']}; made by `{record['made_by']}`"
+    if data == prose_dir():
+        raise BenchError(f"{data}: no prose corpus there; make it with `sh bench/prose_corpus.sh` (apt-get install "
+                         "linux-doc-6.1, then prepare.py)")
+    try:
+        shards = fingerprint(split_paths(data, "train") + split_paths(data, "val"))
+    except DataError as e:
+        raise BenchError(f"--data: {e}") from None
+    digest = hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:16]
+    return flags, f"{os.path.abspath(data)}@{digest}", f"{data} (shards' fingerprint {digest})"
+
+
 def common_flags(a, train_argv) -> list[str]:
-    """The flags every run shares, toggles and --out-dir / --seed aside; the bench's defaults come first, so the
-    command line's train.py flags override them."""
-    batch = [] if any(arg.split("=")[0] in BATCH_FLAGS for arg in train_argv) else BATCH_DEFAULTS
-    return [*EVAL_DEFAULTS, *batch, *train_argv, "--optimizer", a.optimizer, "--max-tokens", str(a.max_tokens)]
+    """The flags every run shares, toggles and --out-dir / --seed / --max-tokens aside; the bench's defaults come
+    first, so the command line's train.py flags override them."""
+    shape, batch = (SMOKE_SHAPE, SMOKE_BATCH) if a.smoke else (SHAPE, BATCH_DEFAULTS)
+    batch = [] if any(arg.split("=")[0] in BATCH_FLAGS for arg in train_argv) else batch
+    return [*EVAL_DEFAULTS, *shape, *batch, *train_argv, "--optimizer", a.optimizer]
 
 
 def select_toggles(a, cfg) -> dict[str, tuple[list[str], str | None]]:
@@ -146,49 +224,104 @@ def select_toggles(a, cfg) -> dict[str, tuple[list[str], str | None]]:
     return {name: (toggles[name][0], not_applicable(toggles[name][0], toggles[name][1], cfg)) for name in chosen}
 
 
-# ----------------------------------------------------------------------------- runs
+
+# ----------------------------------------------------------------------------- runs and their cache
 
 
-def final_val_loss(out_dir: str) -> tuple[float, int]:
-    """-> (the val loss of the run's final step, the tokens it trained)."""
-    last = read_metrics(out_dir)[-1]
+def run_result(out_dir: str, params: int | None) -> dict:
+    """A finished run's entry: its final val loss, tokens, median step time (after the first STEP_TIME_SKIP
+    steps, from each step's own tokens/s, which leaves out evals and start-up) and parameter count (None:
+    the run's summary.json has it, as bench/anchor.py writes it)."""
+    records = read_metrics(out_dir)
+    last = records[-1]
     if "val_loss" not in last:
         raise BenchError(f"{out_dir}/metrics.jsonl: the last step has no val_loss (was evaluation turned off?)")
-    loss = last["val_loss"]
-    return (float("nan") if loss is None else float(loss)), last["tokens"]
+    skip = min(STEP_TIME_SKIP, last["step"] - 1)  # a run shorter than that still has its last step
+    step_s = [(r["tokens"] - before["tokens"]) / r["tokens_per_sec"]
+              for before, r in zip([{"tokens": 0}, *records], records) if r["step"] > skip and r.get("tokens_per_sec")]
+    curve = [[r["tokens"], r["val_loss"]] for r in records if r.get("val_loss") is not None]
+    if params is None:
+        with open(os.path.join(out_dir, "summary.json")) as f:
+            params = json.load(f)["params"]
+    return {"val_loss": float("nan") if last["val_loss"] is None else float(last["val_loss"]),
+            "tokens": last["tokens"], "step_s": statistics.median(step_s) if step_s else None,
+            "params": params, "curve": curve}
 
 
-def train_once(cmd: list[str], out_dir: str, threads: int) -> tuple[float, int, float]:
-    """One training to completion, its output in out_dir/train.log -> (final val loss, tokens, wall seconds)."""
+def model_params(flags: list[str]) -> int:
+    """The parameter count of train.py's model under flags, built on the meta device (no memory, no time)."""
+    import torch
+
+    from model import GPT
+    with torch.device("meta"):
+        return sum(p.numel() for p in GPT(config.parse_args(flags).model).parameters())
+
+
+def cache_key(corpus: str, flags: list[str]) -> str:
+    """flags: the run's whole train.py command line but its --out-dir (toggle, horizon and seed among them)."""
+    return json.dumps([corpus, *flags])
+
+
+class Cache:
+    """key -> run_result, in a JSON file rewritten (atomically) after every run, so that a sweep stopped midway
+    keeps what it finished."""
+
+    def __init__(self, path: str):
+        self.path, self.lock = path, threading.Lock()
+        try:
+            with open(path) as f:
+                self.entries = json.load(f)
+        except FileNotFoundError:
+            self.entries = {}
+        except (OSError, ValueError) as e:
+            raise BenchError(f"{path}: not a readable cache ({e}); move it away or give another --cache") from None
+
+    def put(self, key: str, result: dict) -> None:
+        with self.lock:
+            self.entries[key] = result
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            tmp = f"{self.path}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump(self.entries, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+
+
+def train_once(cmd: list[str], out_dir: str, threads: int) -> float:
+    """One training to completion, its output in out_dir/train.log -> its wall seconds."""
     os.makedirs(out_dir, exist_ok=True)
     log_path = os.path.join(out_dir, "train.log")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         code = subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
-    wall = time.perf_counter() - t0
     if code != 0:
         with open(log_path) as f:
             last = [line.strip() for line in f if line.strip()][-1:] or ["(no output)"]
         raise BenchError(f"{shlex.join(cmd)} exited with {code}: {last[0]}")
-    return (*final_val_loss(out_dir), wall)
+    return time.perf_counter() - t0
 
 
-def run_all(jobs: list[tuple], n_jobs: int, threads: int) -> dict[tuple, tuple[float, int, float]]:
-    """jobs: (toggle, seed, command, out dir) -> {(toggle, seed): (val loss, tokens, wall)}, n_jobs at a time."""
+def run_all(jobs: list[dict], cache: Cache, fresh: bool, n_jobs: int, threads: int) -> dict[str, dict]:
+    """jobs: {key, label, cmd, out_dir, params} -> {key: its result}: from the cache, unless fresh, else run, n_jobs
+    at a time, each result cached as it finishes."""
     def one(job):
-        toggle, seed, cmd, out_dir = job
-        print(f"[run] {toggle}, seed {seed}: {shlex.join(cmd)}", flush=True)
-        result = train_once(cmd, out_dir, threads)
-        print(f"      {toggle}, seed {seed}: final val loss {result[0]:.4f}, {result[2]:.0f} s", flush=True)
+        print(f"[run] {job['label']}: {shlex.join(job['cmd'])}", flush=True)
+        wall = train_once(job["cmd"], job["out_dir"], threads)
+        result = {**run_result(job["out_dir"], job["params"]), "wall_s": wall}
+        cache.put(job["key"], result)
+        print(f"      {job['label']}: final val loss {result['val_loss']:.4f}, {wall:.0f} s", flush=True)
         return result
 
+    todo = [job for job in jobs if fresh or job["key"] not in cache.entries]
+    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs cached; running {len(todo)}", flush=True)
     pool = ThreadPoolExecutor(max_workers=n_jobs)
     try:
-        futures = {job[:2]: pool.submit(one, job) for job in jobs}
-        return {key: future.result() for key, future in futures.items()}
+        futures = [pool.submit(one, job) for job in todo]
+        for future in futures:
+            future.result()
     finally:  # after a failed run, the runs not yet started are not started
         pool.shutdown(cancel_futures=True)
+    return {job["key"]: cache.entries[job["key"]] for job in jobs}
 
 
 # ----------------------------------------------------------------------------- report
@@ -209,63 +342,162 @@ def summarize(losses: dict[str, list[float]]) -> dict[str, dict]:
     return rows
 
 
-def table(selected: dict, results: dict, seeds: list[int], header: list[str]) -> str:
-    """The markdown report: the header lines, then one row per toggle."""
-    ran = {name: [results[name, seed][0] for seed in seeds] for name, (_, why) in selected.items() if why is None}
-    rows = summarize(ran)
-    lines = [*header, "", "| toggle | flags | final val loss per seed | mean | spread | delta vs baseline | "
-             "beyond the spread | tokens | mean wall s |", "|---|---|---|---|---|---|---|---|---|"]
+def tokens_to_reach(horizons: list[int], losses: list[float], target: float) -> tuple[float | None, str]:
+    """The tokens at which the final-loss curve through (horizons, losses) first reaches target, interpolated
+    linearly in log(tokens) -> (tokens, "") or, outside the horizons, (the first horizon, "<=") when even it is
+    at or below target and (None, ">") when none reaches it."""
+    if losses[0] <= target:
+        return float(horizons[0]), "<="
+    for (t0, l0), (t1, l1) in zip(zip(horizons, losses), zip(horizons[1:], losses[1:])):
+        if l1 <= target:
+            frac = (l0 - target) / (l0 - l1)
+            return math.exp(math.log(t0) + frac * (math.log(t1) - math.log(t0))), ""
+    return None, ">"
+
+
+def ratio_text(horizons: list[int], losses: list[float], target: float, anchor_tokens: int) -> str:
+    tokens, bound = tokens_to_reach(horizons, losses, target)
+    if tokens is None:
+        return f"> {horizons[-1] / anchor_tokens:.3f} (not reached by {horizons[-1]:,} tokens)"
+    return f"{bound + ' ' if bound else ''}{tokens / anchor_tokens:.3f} ({tokens:,.0f} tokens)"
+
+
+def verdict_text(verdict: bool | None) -> str:
+    return {None: "-", True: "**yes**", False: "no"}[verdict]
+
+
+def toggle_table(selected: dict, losses: dict, horizons: list[int], step_s: dict, params: dict) -> list[str]:
+    """losses: (toggle, horizon) -> per-seed final val losses; step_s, params: toggle -> median step seconds
+    (over its runs), parameter count. One row per toggle and horizon, the n/a toggles once."""
+    lines = ["| toggle | flags | horizon | final val loss per seed | mean | spread | delta vs baseline | "
+             "beyond both spreads | step time vs baseline | params |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = {h: summarize({name: losses[name, h] for name, (_, why) in selected.items() if why is None})
+            for h in horizons}
     for name, (flags, why) in selected.items():
         shown = f"`{shlex.join(flags)}`" if flags else "(none)"
         if why is not None:
-            lines.append(f"| {name} | {shown} | n/a: {why} | | | | | | |")
+            lines.append(f"| {name} | {shown} | | n/a: {why} | | | | | | |")
             continue
-        r = rows[name]
-        verdict = {None: "-", True: "**yes**", False: "no"}[r["beyond_noise"]]
-        delta = "-" if name == "baseline" else f"{r['delta']:+.4f}"
-        per_seed = ", ".join(f"{v:.4f}" for v in ran[name])
-        tokens = results[name, seeds[0]][1]
-        wall = statistics.fmean(results[name, seed][2] for seed in seeds)
-        lines.append(f"| {name} | {shown} | {per_seed} | {r['mean']:.4f} | {r['spread']:.4f} | {delta} | "
-                     f"{verdict} | {tokens:,} | {wall:.0f} |")
-    return "\n".join(lines) + "\n"
+        cost = f"{step_s[name] * 1000:,.0f} ms ({step_s[name] / step_s['baseline']:.2f}x)"
+        for h in horizons:
+            r = rows[h][name]
+            delta = "-" if name == "baseline" else f"{r['delta']:+.4f}"
+            per_seed = ", ".join(f"{v:.4f}" for v in losses[name, h])
+            lines.append(f"| {name} | {shown} | {h:,} | {per_seed} | {r['mean']:.4f} | {r['spread']:.4f} | {delta} | "
+                         f"{verdict_text(r['beyond_noise'])} | {cost} | {params[name]:,} |")
+    return lines
+
+
+def anchor_jobs(a, corpus: str, data: str | None, runs_dir: str) -> list[dict]:
+    """The anchor's runs, one per LR, on the runs' shards (the stdlib corpus: its cached shards)."""
+    if data is None:
+        import prepare
+        data = prepare.default_corpus()
+    cfg = config.parse_args(common_flags(a, []))
+    shape = ["--n-layer", str(cfg.model.n_layer), "--n-embd", str(cfg.model.n_embd), "--n-head",
+             str(cfg.model.n_head), "--seq-len", str(cfg.model.max_seq_len), "--batch-size", str(cfg.data.batch_size),
+             "--eval-tokens", str(cfg.eval.eval_tokens)]
+    tokens = a.max_tokens[-1] * a.anchor_factor
+    interval = max(1, tokens // (cfg.data.batch_size * cfg.model.max_seq_len) // 16)  # 16 points on its curve
+    jobs = []
+    for lr in a.anchor_lrs:
+        flags = [*shape, "--lr", f"{lr:g}", "--max-tokens", str(tokens), "--eval-interval", str(interval), "--seed", "1"]
+        out_dir = os.path.join(runs_dir, f"anchor_lr{lr:g}")
+        jobs.append({"key": cache_key(corpus, ["anchor", *flags]), "label": f"anchor, lr {lr:g}", "out_dir": out_dir,
+                     "cmd": [sys.executable, os.path.join(REPO, "bench", "anchor.py"), "--data", data, *flags,
+                             "--out-dir", out_dir], "params": None, "lr": lr})
+    return jobs
+
+
+def anchor_lines(jobs: list[dict], results: dict, selected: dict, losses: dict, horizons: list[int]) -> list[str]:
+    """The anchor's LR sweep, its tuned LR and each toggle's tokens-to-the-anchor's-loss ratio."""
+    sweep = {job["lr"]: results[job["key"]] for job in jobs}
+    best_lr = min(sweep, key=lambda lr: sweep[lr]["val_loss"])
+    best = sweep[best_lr]
+    lines = ["", "## The anchor: GPT-2 (transformers' GPT2LMHeadModel) + AdamW", "",
+             "| AdamW LR | final val loss | tokens | step time | params |", "|---|---|---|---|---|"]
+    for lr, r in sweep.items():
+        mark = " (tuned)" if lr == best_lr else ""
+        lines.append(f"| {lr:g}{mark} | {r['val_loss']:.4f} | {r['tokens']:,} | {r['step_s'] * 1000:,.0f} ms | "
+                     f"{r['params']:,} |")
+    curve = ", ".join(f"{t:,}: {v:.3f}" for t, v in best["curve"])
+    lines += ["", f"The tuned anchor's val loss over tokens: {curve}.", "",
+              f"## Tokens for ours to reach the anchor's final loss ({best['val_loss']:.4f} at {best['tokens']:,} "
+              "tokens)", "", "Each toggle's mean final loss at its horizons, interpolated in log(tokens); the ratio "
+              "is those tokens over the anchor's.", "", "| toggle | ratio |", "|---|---|"]
+    for name, (_, why) in selected.items():
+        if why is None:
+            means = [statistics.fmean(losses[name, h]) for h in horizons]
+            lines.append(f"| {name} | {ratio_text(horizons, means, best['val_loss'], best['tokens'])} |")
+    return lines
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     command = shlex.join(["python", "bench/recipe.py", *argv])
+    started = time.perf_counter()
     try:
         a, train_argv = parse_bench_args(argv)
-        flags = common_flags(a, train_argv)
-        cfg = config.parse_args(flags)  # the runs' common configuration, checked before any run starts
+        data_flags, corpus, corpus_text = corpus_of(a, train_argv)
+        flags = [*common_flags(a, train_argv), *data_flags]
+        cfg = config.parse_args([*flags, "--max-tokens", str(a.max_tokens[0])])  # checked before any run starts
         selected = select_toggles(a, cfg)
+        params = {}
         for name, (toggle_flags, why) in selected.items():
             if why is None:  # optim.py's checks run at train.py's start-up: run them here, before any run
                 config.parse_args([*flags, *toggle_flags]).optim.validate()
+                params[name] = model_params([*flags, *toggle_flags])
     except (BenchError, UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = max(1, cores // a.jobs)
-    header = ["# Recipe toggles", "", f"- command: `{command}`",
-              f"- common train.py flags: `{shlex.join(flags)}`; seeds {', '.join(map(str, a.seeds))}",
-              f"- machine: CPU {cpu_model()}, {cores} cores; {a.jobs} run(s) at once with OMP_NUM_THREADS={threads}",
-              f"- code: {code_line()}",
-              "- noise: a delta counts (**yes**) only when it exceeds both the toggle's and the baseline's spread "
-              "over seeds"]
     with tempfile.TemporaryDirectory(prefix="recipe_") as tmp:
         runs_dir = a.runs_dir or tmp
-        jobs = [(name, seed, [sys.executable, os.path.join(REPO, "train.py"), *flags, *toggle_flags,
-                              "--seed", str(seed), "--out-dir", os.path.join(runs_dir, f"{name}_seed{seed}"),
-                              "--overwrite"],  # a --runs-dir may hold an earlier invocation's runs
-                 os.path.join(runs_dir, f"{name}_seed{seed}"))
-                for name, (toggle_flags, why) in selected.items() if why is None for seed in a.seeds]
+        cache_path = a.cache or (os.path.join(runs_dir, "recipe_cache.json") if a.smoke else
+                                 os.path.join(REPO, "bench", "results", "recipe_cache.json"))
+        jobs = []
+        for name, (toggle_flags, why) in selected.items():
+            for h in a.max_tokens if why is None else []:
+                for seed in a.seeds:
+                    run_flags = [*flags, *toggle_flags, "--max-tokens", str(h), "--seed", str(seed)]
+                    out_dir = os.path.join(runs_dir, f"{name}_{h}_seed{seed}")
+                    jobs.append({"key": cache_key(corpus, run_flags), "label": f"{name}, {h:,} tokens, seed {seed}",
+                                 "name": name, "horizon": h, "out_dir": out_dir, "params": params[name],
+                                 # --overwrite: a --runs-dir may hold an earlier invocation's runs
+                                 "cmd": [sys.executable, os.path.join(REPO, "train.py"), *run_flags, "--out-dir",
+                                         out_dir, "--overwrite"]})
+        data = data_flags[1] if data_flags else next(
+            (arg.split("=", 1)[1] if "=" in arg else train_argv[i + 1]
+             for i, arg in enumerate(train_argv) if arg.split("=")[0] == "--data"), None)
+        anchors = anchor_jobs(a, corpus, data, runs_dir) if a.anchor_lrs else []
         try:
-            results = run_all(jobs, a.jobs, threads)
+            results = run_all(jobs + anchors, Cache(cache_path), a.fresh, a.jobs, threads)
         except (BenchError, MetricsError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-    report = table(selected, results, a.seeds, header)
+    losses = {}
+    for job in jobs:
+        losses.setdefault((job["name"], job["horizon"]), []).append(results[job["key"]]["val_loss"])
+    step_s = {name: statistics.median(results[job["key"]]["step_s"] for job in jobs if job["name"] == name)
+              for name in params}
+    run_walls = sum(results[job["key"]]["wall_s"] for job in jobs + anchors)
+    header = ["# Recipe toggles", "", f"- command: `{command}`",
+              f"- corpus: {corpus_text} (cache id `{corpus}`)",
+              f"- common train.py flags: `{shlex.join(flags)}`; horizons {', '.join(f'{h:,}' for h in a.max_tokens)} "
+              f"tokens (`--max-tokens`, each its own run); seeds {', '.join(map(str, a.seeds))}",
+              f"- machine: CPU {cpu_model()}, {cores} cores, shared with other work; {a.jobs} run(s) at once with "
+              f"OMP_NUM_THREADS={threads}; not measured on a GPU",
+              f"- code: {code_line()}",
+              f"- time: {len(jobs) + len(anchors)} runs, {run_walls / 3600:.2f} h of run wall time in all (about "
+              f"{run_walls / a.jobs / 3600:.2f} h at {a.jobs} at once); this invocation {time.perf_counter() - started:,.0f} s",
+              "- noise: a delta counts (**yes**) only when it exceeds both the toggle's and the baseline's spread "
+              "over seeds; step time: the median over the toggle's runs of each run's median step (after its first "
+              f"{STEP_TIME_SKIP})", ""]
+    lines = header + toggle_table(selected, losses, a.max_tokens, step_s, params)
+    if anchors:
+        lines += anchor_lines(anchors, results, selected, losses, a.max_tokens)
+    report = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         f.write(report)

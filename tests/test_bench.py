@@ -225,19 +225,53 @@ def test_recipe_marks_toggles_that_cannot_apply_and_refuses_its_own_flags():
         recipe.parse_bench_args(["--seed", "3"])
 
 
-def test_recipe_smoke_runs_two_toggles_and_writes_the_table(tmp_path, tiny_data):
-    out = tmp_path / "recipe.md"
-    result = subprocess.run(
-        [sys.executable, os.path.join(REPO, "bench", "recipe.py"), "--only", "baseline,cautious-wd", "--seeds", "1",
-         "--jobs", "2", "--max-tokens", "256", "--out", str(out), "--data", tiny_data, *TINY_FLAGS,
-         "--eval-tokens", "256", "--warmup", "1", "--toggle", "lr-x2=--lr 6e-3", "--runs-dir", str(tmp_path / "runs")],
-        capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-2000:]
+def test_recipe_tokens_to_reach_interpolates_final_losses_in_log_tokens():
+    assert recipe.tokens_to_reach([100, 400], [4.0, 3.0], 3.5) == (pytest.approx(200.0), "")
+    assert recipe.tokens_to_reach([100, 400], [4.0, 3.0], 4.5) == (100.0, "<=")
+    assert recipe.tokens_to_reach([100, 400], [4.0, 3.0], 2.0) == (None, ">")
+    assert recipe.ratio_text([100, 400], [4.0, 3.0], 2.0, 1600) == "> 0.250 (not reached by 400 tokens)"
+
+
+def test_recipe_cache_runs_only_what_it_lacks_and_fresh_runs_all(tmp_path, monkeypatch):
+    ran = []
+
+    def fake_train(cmd, out_dir, threads):
+        ran.append(cmd[-1])
+        if not os.path.exists(out_dir):
+            write_run(out_dir, 8, 5.0, 1e-3, seconds_per_step=0.5)
+        return 4.0
+
+    monkeypatch.setattr(recipe, "train_once", fake_train)
+    cache = recipe.Cache(str(tmp_path / "cache.json"))
+    job = lambda key: {"key": key, "label": key, "cmd": [key], "out_dir": str(tmp_path / key), "params": 7}  # noqa
+    first = recipe.run_all([job("a"), job("b")], cache, False, 2, 1)
+    assert sorted(ran) == ["a", "b"] and first["a"]["val_loss"] == pytest.approx(4.35)
+    assert first["a"]["params"] == 7 and first["a"]["curve"] == [[1024, pytest.approx(4.75)], [2048, pytest.approx(4.35)]]
+    reread = recipe.Cache(str(tmp_path / "cache.json"))  # a later invocation
+    recipe.run_all([job("a"), job("c")], reread, False, 1, 1)
+    assert ran[2:] == ["c"]
+    recipe.run_all([job("a")], reread, True, 1, 1)
+    assert ran[3:] == ["a"]
+
+
+def test_recipe_smoke_runs_toggles_and_anchor_then_reads_them_from_the_cache(tmp_path, tiny_data):
+    out, cache = tmp_path / "recipe.md", tmp_path / "cache.json"
+    argv = [sys.executable, os.path.join(REPO, "bench", "recipe.py"), "--only", "baseline,cautious-wd", "--seeds", "1",
+            "--max-tokens", "128", "--out", str(out), "--cache", str(cache), "--data", tiny_data, *TINY_FLAGS,
+            "--eval-tokens", "128", "--warmup", "1", "--toggle", "lr-x2=--lr 6e-3", "--runs-dir", str(tmp_path / "runs"),
+            "--anchor-lrs", "1e-3", "--anchor-factor", "1"]
+    first = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "0 of 3 runs cached; running 3" in first.stdout
     text = out.read_text()
     assert "python bench/recipe.py --only baseline,cautious-wd" in text
     rows = [line for line in text.splitlines() if line.startswith("| baseline") or line.startswith("| cautious-wd")]
-    assert len(rows) == 2 and "`--cautious-wd`" in rows[1] and "| 256 |" in rows[0]
+    assert len(rows) == 4 and "`--cautious-wd`" in rows[1] and "| 128 |" in rows[0] and "(1.00x)" in rows[0]
     assert "| lr-x2" not in text  # added as a toggle, but not chosen by --only
+    assert "| 0.001 (tuned) |" in text and "Tokens for ours to reach the anchor's final loss" in text
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert again.returncode == 0 and "3 of 3 runs cached; running 0" in again.stdout
+    assert out.read_text().split("- time:")[0] == text.split("- time:")[0]
 
 
 def test_tokenizer_speed_prints_its_table(word_tokenizer, tmp_path, capsys):

@@ -408,3 +408,11 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, capsys, monk
     assert hf.main(["--ckpt", str(tmp_path / "new.pt"), "--out", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(before)  # the killed export's leftovers are gone
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_export_refuses_a_model_with_recipe_toggles_in_one_line(tmp_path):
+    config = ModelConfig(vocab_size=50257, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=16,
+                         unet_skips=True, mlp="relu2")
+    with pytest.raises(ValueError, match=r"^--mlp relu2, --unet-skips: Qwen3ForCausalLM has no such part") as e:
+        export_hf(config, {}, str(tmp_path / "out"))
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -160,6 +160,10 @@ def test_defaults_resolve():
         (dict(head_dim=None, n_embd=24, n_head=8, n_kv_head=2), "head_dim must be even"),
         (dict(norm_eps=0.0), "norm_eps must be positive"),
         (dict(rope_theta=-1.0), "rope_theta must be positive"),
+        (dict(mlp="gelu"), "unknown mlp 'gelu'"),
+        (dict(logit_softcap=-1.0), "logit_softcap must be >= 0"),
+        (dict(value_embeds=2, n_layer=2), r"value_embeds must be in 0..1"),
+        (dict(unet_skips=True, n_layer=1), "unet_skips needs at least 2 layers"),
     ],
 )
 def test_validate_rejects_bad_config(overrides, message):
@@ -306,9 +310,9 @@ def test_no_grad_loss_computes_no_gradients(monkeypatch):
     with_grad = []
     chunk_loss = model_module._chunk_loss_and_grad
 
-    def spy(x, weight, chunk_targets, grad):
+    def spy(x, weight, chunk_targets, grad, *rest):
         with_grad.append(grad)
-        return chunk_loss(x, weight, chunk_targets, grad)
+        return chunk_loss(x, weight, chunk_targets, grad, *rest)
 
     monkeypatch.setattr(model_module, "_chunk_loss_and_grad", spy)
     with torch.no_grad():
@@ -438,3 +442,159 @@ def test_zero_init_proj_is_not_part_of_the_exported_architecture():
     plain, zero = tiny_config(), tiny_config(zero_init_proj=True)
     assert hf.hf_config(zero, eot=199) == hf.hf_config(plain, eot=199)
     assert hf.config_from_hf(hf.hf_config(plain, eot=199)) == plain
+
+
+# ----------------------------------------------------------------------------- recipe toggles (docs/recipe.md)
+
+ALL_TOGGLES = dict(mlp="relu2", logit_softcap=3.0, value_embeds=1, unet_skips=True, attn_gate=True)
+
+
+@pytest.mark.parametrize("toggles", [{}, ALL_TOGGLES], ids=["off", "all-on"])
+def test_toggles_param_count_numels_and_flops_follow_the_model(toggles):
+    model = tiny_model(n_layer=3, tie_embeddings=False, **toggles)
+    c = model.config
+    assert param_numels(c) == {n: p.numel() for n, p in model.named_parameters()}
+    assert param_count(c) == model.num_params()
+    lookups = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 1 or n.startswith(("embed", "value_")))
+    assert flops_per_token(c, 32) == 6 * (model.num_params() - lookups) + 12 * 3 * 8 * 16 * 32
+
+
+def test_toggles_are_off_by_default_and_named_by_their_flags():
+    assert ModelConfig().toggles_on() == []
+    assert tiny_config(**ALL_TOGGLES).toggles_on() == [
+        "--mlp relu2", "--logit-softcap 3.0", "--value-embeds 1", "--unet-skips", "--attn-gate"]
+
+
+def test_toggles_state_dict_round_trip_restores_every_new_parameter():
+    import io
+    model = tiny_model(seed=0, n_layer=3, **ALL_TOGGLES)
+    with torch.no_grad():  # move the new parameters off their init, so a reload that skipped them would show
+        for name, p in model.named_parameters():
+            if name.startswith(("value_embed", "unet_")) or name.endswith("gate_weight"):
+                p.add_(torch.randn_like(p))
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    buffer.seek(0)
+    other = tiny_model(seed=1, n_layer=3, **ALL_TOGGLES)
+    other.load_state_dict(torch.load(buffer))
+    idx = torch.randint(0, 200, (2, 16))
+    torch.testing.assert_close(other(idx)[0], model(idx)[0], rtol=0, atol=0)
+
+
+def test_logit_softcap_caps_logits_and_the_fused_loss_matches_the_capped_reference():
+    model = tiny_model(logit_softcap=0.5)  # far below the raw logits' range, so the cap bites
+    model.loss_chunk_tokens = 7
+    idx, targets = torch.randint(0, 200, (2, 32)), targets_with_ignored()
+    logits = model(idx)[0]
+    assert logits.abs().max() < 0.5
+    raw = model.lm_head(model.norm(model.embed(idx)))  # any logits: soft_cap is cap * tanh(z / cap)
+    torch.testing.assert_close(model_module.soft_cap(raw, 0.5), 0.5 * torch.tanh(raw / 0.5))
+    expected, expected_grads = loss_and_grads(model, lambda: reference_loss(model, idx, targets))
+    loss, grads = loss_and_grads(model, lambda: model(idx, targets)[1])
+    torch.testing.assert_close(loss, expected)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    with torch.no_grad():
+        per_token = model(idx, targets, reduction="none")[1]
+        expected_tokens = F.cross_entropy(model(idx)[0].flatten(0, 1), targets.flatten(), reduction="none")
+    torch.testing.assert_close(per_token.flatten(), expected_tokens)
+
+
+def test_logit_softcap_applies_under_the_kv_cache():
+    model = tiny_model(logit_softcap=0.5)
+    idx = torch.randint(0, 200, (1, 8))
+    cache = model_module.KVCache(model.config, batch_size=1)
+    with torch.no_grad():
+        pieces = torch.cat([model(idx[:, :5], cache=cache)[0], model(idx[:, 5:], cache=cache)[0]], dim=1)
+        torch.testing.assert_close(pieces, model(idx)[0], rtol=1e-5, atol=1e-6)
+    assert pieces.abs().max() < 0.5
+
+
+def test_relu2_mlp_has_swiglus_parameters_and_computes_relu_squared():
+    swiglu, relu2 = (ModelConfig(n_embd=768, n_head=12, mlp=kind) for kind in ("swiglu", "relu2"))
+    assert relu2.resolved_ffn_dim == 3 * swiglu.resolved_ffn_dim // 2 == 3072
+    assert param_count(relu2) == param_count(swiglu)
+    assert flops_per_token(relu2, 1024) == flops_per_token(swiglu, 1024)
+    model = tiny_model(mlp="relu2")  # ffn_dim 96 given: the hidden width as stated
+    mlp = model.blocks[0].mlp
+    assert mlp.fc1_weight.shape == (96, 64) and mlp.fc2_weight.shape == (64, 96)
+    assert model.row_blocks()["blocks.0.mlp.fc1_weight"] == [96]
+    x = torch.randn(2, 5, 64)
+    normed = F.rms_norm(x, (64,), mlp.layer_norm_weight, mlp.eps)
+    torch.testing.assert_close(mlp(x), F.linear(F.relu(F.linear(normed, mlp.fc1_weight)) ** 2, mlp.fc2_weight))
+
+
+def test_value_embed_layers_pair_each_table_with_a_first_and_a_last_layer():
+    assert model_module.value_embed_layers(tiny_config(n_layer=4, value_embeds=2)) == {0: 0, 1: 1, 2: 1, 3: 0}
+    assert model_module.value_embed_layers(tiny_config(n_layer=3, value_embeds=2)) == {0: 0, 1: 1, 2: 0}
+    assert model_module.value_embed_layers(tiny_config(n_layer=4)) == {}
+
+
+def test_value_embeds_shapes_init_and_that_they_reach_the_values():
+    model = tiny_model(n_layer=3, value_embeds=1)
+    assert [tuple(t.weight.shape) for t in model.value_embeds] == [(256, 2 * 16)]  # the values' width
+    assert 0.015 < model.value_embeds[0].weight.std() < 0.025
+    torch.testing.assert_close(model.value_embed_lambdas.detach(), torch.ones(2))  # layers 0 and 2
+    idx = torch.randint(0, 200, (2, 16))
+    _, grads = loss_and_grads(model, lambda: model(idx, idx)[1])
+    assert grads["value_embeds.0.weight"].abs().sum() > 0 and grads["value_embed_lambdas"].abs().min() > 0
+    # With the scalars at 0 the model is the baseline with the same weights.
+    baseline = tiny_model(n_layer=3)
+    baseline.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        model.value_embed_lambdas.zero_()
+    torch.testing.assert_close(model(idx)[0], baseline(idx)[0])
+
+
+def test_unet_skips_add_first_half_outputs_into_the_mirrored_second_half():
+    model = tiny_model(n_layer=5, unet_skips=True)
+    assert model.unet_weights.shape == (2,) and bool((model.unet_weights == 1).all())
+    with torch.no_grad():
+        model.unet_weights.copy_(torch.tensor([0.3, -0.7]))
+    idx = torch.randint(0, 200, (2, 16))
+    cos, sin = model.rope_cos[:16], model.rope_sin[:16]
+    with torch.no_grad():
+        x0 = model.blocks[0](model.embed(idx), cos, sin)
+        x1 = model.blocks[1](x0, cos, sin)
+        x2 = model.blocks[2](x1, cos, sin)  # the middle block of an odd depth takes no skip
+        x3 = model.blocks[3](x2 - 0.7 * x1, cos, sin)
+        x4 = model.blocks[4](x3 + 0.3 * x0, cos, sin)
+        expected = model.lm_head(model.norm(x4))
+        torch.testing.assert_close(model(idx)[0], expected)
+    _, grads = loss_and_grads(model, lambda: model(idx, idx)[1])
+    assert grads["unet_weights"].abs().min() > 0
+
+
+def test_attn_gate_starts_at_one_half_per_head_and_learns_per_head():
+    gated = tiny_model(attn_gate=True)
+    attn = gated.blocks[0].attn
+    assert attn.gate_weight.shape == (8, 64) and not attn.gate_weight.any()
+    plain = tiny_model()
+    plain.load_state_dict(gated.state_dict(), strict=False)
+    x = torch.randn(2, 16, 64)
+    cos, sin = gated.rope_cos[:16], gated.rope_sin[:16]
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, cos, sin), 0.5 * plain.blocks[0].attn(x, cos, sin))
+    idx = torch.randint(0, 200, (2, 16))
+    _, grads = loss_and_grads(gated, lambda: gated(idx, idx)[1])
+    assert (grads["blocks.0.attn.gate_weight"].abs().sum(dim=1) > 0).all()  # every head's row learns
+
+
+def test_te_backend_refuses_the_toggles_it_does_not_implement_in_one_line():
+    class OtherBackend(model_module.Block):
+        backend = "te"
+
+    with pytest.raises(ValueError, match=r"^--mlp relu2, --value-embeds 1, --attn-gate: not implemented for the "
+                                         r"te backend") as excinfo:
+        GPT(tiny_config(**ALL_TOGGLES), block=OtherBackend)
+    assert "\n" not in str(excinfo.value)
+    assert GPT(tiny_config(logit_softcap=3.0, unet_skips=True), block=OtherBackend).backend == "te"
+
+
+def test_head_init_zero_zeroes_only_an_untied_lm_head():
+    model = tiny_model(tie_embeddings=False, head_init="zero")
+    assert not model.lm_head.weight.any() and model.embed.weight.std() > 0.015
+    assert not model(torch.randint(0, 200, (1, 8)))[0].any()  # uniform first predictions
+    assert tiny_model(tie_embeddings=False).lm_head.weight.std() > 0.015
+    with pytest.raises(ValueError, match="--head-init zero needs --untied"):
+        tiny_config(head_init="zero").validate()

@@ -724,6 +724,8 @@ def test_embedding_and_head_lrs_get_groups_of_their_own(name):
     (dict(name="adamw", normuon=True), "--optimizer muon"),
     (dict(name="adamw", ns_coeffs="polar-express"), "--optimizer muon"),
     (dict(name="adamw8bit", cautious_wd=True), "--cautious-wd"),
+    (dict(momentum_warmup=-1), "momentum_warmup"), (dict(momentum_warmup=2.5), "momentum_warmup"),
+    (dict(momentum_start=1.0), "momentum_start"), (dict(name="adamw", momentum_warmup=10), "--optimizer muon"),
 ])
 def test_bad_recipe_options_are_one_line_value_errors(bad, message):
     with pytest.raises(ValueError, match=message) as e:
@@ -731,7 +733,10 @@ def test_bad_recipe_options_are_one_line_value_errors(bad, message):
     assert "\n" not in str(e.value)
 
 
-RECIPE = dict(ns_coeffs="polar-express", normuon=True, cautious_wd=True, embed_lr=0.02)
+# The momentum warm-up outlasts the resumes below (after step 3 of 5; under FSDP2 after 2 of 3): they restart
+# mid-ramp.
+RECIPE = dict(ns_coeffs="polar-express", normuon=True, cautious_wd=True, embed_lr=0.02, momentum_warmup=4,
+              embed_beta1=0.8)
 
 
 @pytest.mark.parametrize("name,options", [("muon", RECIPE), ("adamw", dict(cautious_wd=True, head_lr=0.02))])
@@ -802,3 +807,38 @@ def test_muon_recipe_under_fsdp_with_a_sharded_resume_matches_single_process(tmp
     train(resumed, opt, batches(3, vocab=7)[2:])
     for name, p in model.named_parameters():
         torch.testing.assert_close(resumed.get_parameter(name), p, rtol=0, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_momentum_warmup_follows_schedule_muon_momentum_step_by_step(nesterov, monkeypatch):
+    from schedule import muon_momentum
+
+    w = nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))
+    opt = optim.Muon([muon_group([w], [[4]], lr=0.0, weight_decay=0.0)], nesterov=nesterov, momentum=0.95,
+                     momentum_warmup=3, momentum_start=0.6)
+    updates = []  # what enters Newton-Schulz: the (Nesterov-corrected) momentum
+    original = optim.orthogonalize_blocks
+    monkeypatch.setattr(optim, "orthogonalize_blocks",
+                        lambda blocks, *a, **k: updates.append(blocks[0].clone()) or original(blocks, *a, **k))
+    g = torch.Generator().manual_seed(0)
+    buf = torch.zeros(4, 3, dtype=torch.float64)
+    for step in range(5):
+        w.grad = torch.randn(4, 3, generator=g, dtype=torch.float64)
+        beta = muon_momentum(step, 3, 0.6, 0.95)  # 0.6, 0.7167, 0.8333, then 0.95
+        buf = buf.lerp(w.grad, 1 - beta)
+        expected = w.grad.lerp(buf, beta) if nesterov else buf
+        opt.step()
+        torch.testing.assert_close(opt.state[w]["momentum_buffer"], buf, rtol=0, atol=0)
+        torch.testing.assert_close(updates[-1], expected, rtol=0, atol=0)
+    assert opt.state[w]["step"].item() == 5
+
+
+def test_embedding_betas_get_a_group_of_their_own():
+    model = ToyGPT(n_layer=1, tied=False)
+    opt = build_optimizer(model, OptimConfig(name="muon", embed_beta1=0.8), model.row_blocks(), "cpu")
+    by_name = {n: g for g in opt.param_groups for n in g["names"]}
+    assert by_name["embed.weight"]["betas"] == (0.8, 0.95) and by_name["embed.weight"]["base_lr"] == 3e-3
+    assert by_name["lm_head.weight"]["betas"] == (0.9, 0.95)
+    assert len(by_name["embed.weight"]["names"]) == 1
+    with pytest.raises(ValueError, match="embed_beta2"):
+        OptimConfig(embed_beta2=1.0).validate()

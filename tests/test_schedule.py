@@ -2,7 +2,7 @@
 
 import pytest
 
-from schedule import lr_multiplier, schedule_warning
+from schedule import lr_multiplier, muon_momentum, schedule_warning
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
@@ -29,3 +29,10 @@ def test_a_warmup_that_does_not_fit_the_run_is_named():
     assert "runs into the decay, which starts at step 80" in schedule_warning(90, 100, "wsd", 0.2)
     assert schedule_warning(90, 100, "cosine", 0.2) is None and schedule_warning(15, 150, "wsd", 0.2) is None
     assert schedule_warning(10, 10, "cosine", 0.2) is None  # the last step reaches the peak
+
+
+def test_muon_momentum_ramps_linearly_then_holds_exactly():
+    assert muon_momentum(0, 300, 0.85, 0.95) == 0.85
+    assert muon_momentum(150, 300, 0.85, 0.95) == pytest.approx(0.90)
+    assert muon_momentum(300, 300, 0.85, 0.95) == muon_momentum(10**6, 300, 0.85, 0.95) == 0.95
+    assert muon_momentum(0, 0, 0.85, 0.95) == 0.95  # no warm-up

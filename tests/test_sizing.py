@@ -125,3 +125,10 @@ def test_the_dials_batch_leaves_a_short_run_its_steps():
                                 micro_batch=16)["data.total_batch_tokens"]
     assert batch == 2_000_000 // 150 // 1024 * 1024 < fit
     assert rule.startswith("DeepSeek's fit ") and rule.endswith(", capped at max_tokens/150 steps")
+
+
+def test_the_dial_runs_beside_flags_whose_default_is_zero():
+    import config
+
+    cfg = config.parse_args(["--depth", "4", "--n-embd", "256"])  # --value-embeds 0, --logit-softcap 0: off
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.value_embeds) == (4, 256, 0)
