@@ -308,12 +308,14 @@ def parse_args(argv=None, description: str | None = None, machine_checks=()) -> 
     return parse_command_line(argv, description, machine_checks)[0]
 
 
-def parse_command_line(argv=None, description: str | None = None, machine_checks=()) -> tuple[Config, dict]:
+def parse_command_line(argv=None, description: str | None = None, machine_checks=(),
+                       data_vocab=None) -> tuple[Config, dict]:
     """Flags (over an optional --config file) -> (a validated Config, the flags as given: "section.field" and
     "config_file" for --config, for check_config_edits). Values the size dial derives (sizing.py) fill in what
     neither gave. Raises UsageError on bad or contradictory settings. machine_checks: functions Config -> what
     this machine lacks for the run to start, reported with the flags' problems (train.py's start-up; not for
-    reading a GPU run's config on a laptop, nor for --estimate-memory)."""
+    reading a GPU run's config on a laptop, nor for --estimate-memory). data_vocab: (--data, --vocab-size) ->
+    the model's vocabulary (train.py's reads the shards' record), settled before the dial counts parameters."""
     command_line = vars(build_parser(description).parse_args(argv))
     flags = {key: value for key, value in command_line.items() if key != "config_file"}
     config_file = command_line.get("config_file")
@@ -322,6 +324,9 @@ def parse_command_line(argv=None, description: str | None = None, machine_checks
         raise UsageError(f"--max-tokens must be >= 1, got {given['schedule.max_tokens']}")
     as_given = _config(given)
     _refuse([*_integer_problems(as_given), *_dial_problems(as_given)])
+    if data_vocab and not as_given.ckpt.from_hf:  # --from-hf's directory gives the shape, vocabulary included
+        vocab = data_vocab(as_given.data.data, as_given.model.vocab_size)
+        given = given if vocab == as_given.model.vocab_size else {**given, "model.vocab_size": vocab}
     cfg = _config({**sizing.resolve(given, DataConfig.batch_size), **given})
     validate(cfg, () if cfg.speed.estimate_memory else machine_checks)
     return cfg, command_line

@@ -25,7 +25,7 @@ import numpy as np
 
 from cli import UsageError
 from data import (GPT2_EOT, PACK_BUFFER_DOCS, BatchStream, DataError, Position, ShardLoader, check_split, check_state,
-                  check_vocab, data_record, fingerprint)
+                  check_vocab, data_record, fingerprint, vocab_from_data)
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # it becomes a metric name: val_loss/NAME, epoch/NAME
 MIX_BLOCK = 4096  # rows drawn from one seeded generator: a step reads a block or two, never the rows before it
@@ -116,6 +116,19 @@ def record_dir(sources: list[Source]) -> str:
     """The directory whose data.json speaks for the sources' shared tokenizer (the model's vocabulary, the eval's
     tokenizer): the first source that has one, else the first source."""
     return next((s.dir for s in sources if data_record(s.dir) is not None), sources[0].dir)
+
+
+def data_vocab(spec: str | None, model_vocab: int) -> int:
+    """The model's vocabulary for --data spec (data.vocab_from_data on the source whose data.json speaks for
+    them), settled with the flags: the size dial counts it, --estimate-memory sizes it, config.toml records it.
+    model_vocab as it is for the default corpus, and for a --data or record that cannot be read, which the
+    start-up's checks then report in one line."""
+    if spec is None:
+        return model_vocab
+    try:
+        return vocab_from_data(model_vocab, record_dir(parse_data(spec)))
+    except (UsageError, DataError):
+        return model_vocab
 
 
 def describe(sources: list[Source]) -> str:

@@ -31,7 +31,7 @@ import report
 from checkpoint import CheckpointError, Checkpointer, tokens_trained
 from cli import UsageError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
-from data import DataError, ShardLoader, vocab_from_data
+from data import DataError, ShardLoader
 from evaluate import Evaluator
 from hf import load_hf
 from model import ModelConfig, flops_per_token
@@ -166,9 +166,8 @@ def setup(cfg: Config, command_line: dict | None = None) -> Run:
 def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, resume: bool, lock,
               reasons: dict) -> Run:
     """The model, its wrappers, the optimizer, the data (--data: mixture.py) and the components, restored when
-    resuming. Without --vocab-size the model's vocabulary is the one data.json records (data.vocab_from_data)."""
+    resuming. The model's vocabulary is settled with the flags (mixture.data_vocab)."""
     sources = mixture.open_sources(data, cfg.model.max_seq_len)  # refused before anything that size is allocated
-    cfg = replace(cfg, model=replace(cfg.model, vocab_size=vocab_from_data(cfg.model.vocab_size, mixture.record_dir(sources))))
     if not cfg.ckpt.from_hf:
         memory.check_fits(cfg.model, cfg.optim.name, device, info.world_size if info.mode == "fsdp" else 1)
     model, model_cfg, reasons["init"] = build_model(cfg, device)
@@ -434,7 +433,8 @@ def main(argv=None):
     started = time.perf_counter()
     stop_at_once_during_startup()
     try:
-        cfg, command_line = config.parse_command_line(argv, __doc__, (memory.auto_batch_problems, logger_problems))
+        cfg, command_line = config.parse_command_line(argv, __doc__, (memory.auto_batch_problems, logger_problems),
+                                                      mixture.data_vocab)
         if cfg.speed.estimate_memory:
             print(memory.memory_report(cfg))
             return

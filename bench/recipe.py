@@ -85,9 +85,10 @@ class BenchError(Exception):
 # ----------------------------------------------------------------------------- the toggles
 
 
-def default_toggles(side_lr: float) -> dict[str, tuple[list[str], bool]]:
-    """name -> (train.py flags, whether it needs --optimizer muon). side_lr: the AdamW side's peak LR, which
-    the embedding and lm_head LRs are set relative to (3x and 0.5x: a guess to measure, not a tuned value)."""
+def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], bool]]:
+    """name -> (train.py flags, whether it needs --optimizer muon). lr, side_lr: the runs' peak LR and the AdamW
+    side's, which the LR toggles scale and the embedding and lm_head LRs are set relative to (3x and 0.5x: a
+    guess to measure, not a tuned value)."""
     return {
         "baseline": ([], False),
         "wsd": (["--schedule", "wsd"], False),
@@ -99,6 +100,22 @@ def default_toggles(side_lr: float) -> dict[str, tuple[list[str], bool]]:
         "untied": (["--untied"], False),
         "untied-embed-head-lr": (["--untied", "--embed-lr", f"{3 * side_lr:g}", "--head-lr", f"{side_lr / 2:g}"],
                                  False),
+        # Recipe v2 (docs/recipe.md): architecture, optimizer and schedule toggles for short horizons.
+        "softcap": (["--logit-softcap", "15"], False),
+        "relu2": (["--mlp", "relu2"], False),
+        "value-embeds": (["--value-embeds", "1"], False),
+        "unet-skips": (["--unet-skips"], False),
+        "attn-gate": (["--attn-gate"], False),
+        "momentum-warmup": (["--muon-momentum-warmup", "10"], True),
+        "untied-zero-head": (["--untied", "--head-init", "zero"], False),
+        "embed-beta1": (["--embed-beta1", "0.8"], False),
+        "warmup-3": (["--warmup", "3"], False),
+        "decay-0.5": (["--decay-frac", "0.5"], False),
+        "batch-8": (["--batch-size", "8"], False),
+        "batch-4": (["--batch-size", "4"], False),
+        # lr-half at width 256 is the size dial's rule (sizing.py: the width-128 defaults x 128 / n_embd)
+        "lr-half": (["--lr", f"{lr / 2:g}", "--adam-lr", f"{side_lr / 2:g}"], False),
+        "lr-double": (["--lr", f"{lr * 2:g}", "--adam-lr", f"{side_lr * 2:g}"], False),
     }
 
 
@@ -208,7 +225,7 @@ def common_flags(a, train_argv) -> list[str]:
 def select_toggles(a, cfg) -> dict[str, tuple[list[str], str | None]]:
     """name -> (flags, why it cannot run or None), the baseline first, in the order they are listed."""
     side_lr = cfg.optim.adam_lr if cfg.optim.name == "muon" and cfg.optim.adam_lr is not None else cfg.optim.lr
-    toggles = {name: (flags, muon_only) for name, (flags, muon_only) in default_toggles(side_lr).items()}
+    toggles = dict(default_toggles(cfg.optim.lr, side_lr))
     for name, flags in a.toggle:
         if name in toggles:
             raise BenchError(f"--toggle {name}: that name is taken")
@@ -243,8 +260,9 @@ def run_result(out_dir: str, params: int | None) -> dict:
     if params is None:
         with open(os.path.join(out_dir, "summary.json")) as f:
             params = json.load(f)["params"]
+    step = statistics.median(step_s) if step_s else None
     return {"val_loss": float("nan") if last["val_loss"] is None else float(last["val_loss"]),
-            "tokens": last["tokens"], "step_s": statistics.median(step_s) if step_s else None,
+            "tokens": last["tokens"], "step_s": step, "step_s_on": {cpu_model(): step} if step else {},
             "params": params, "curve": curve}
 
 
@@ -277,8 +295,11 @@ class Cache:
             raise BenchError(f"{path}: not a readable cache ({e}); move it away or give another --cache") from None
 
     def put(self, key: str, result: dict) -> None:
+        """A rerun (--fresh) replaces the entry but keeps its step times on other CPUs: losses agree across
+        machines (fp32), step times only within one."""
         with self.lock:
-            self.entries[key] = result
+            earlier = self.entries.get(key, {}).get("step_s_on", {})
+            self.entries[key] = {**result, "step_s_on": {**earlier, **result.get("step_s_on", {})}}
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             tmp = f"{self.path}.tmp-{os.getpid()}"
             with open(tmp, "w") as f:
@@ -366,9 +387,26 @@ def verdict_text(verdict: bool | None) -> str:
     return {None: "-", True: "**yes**", False: "no"}[verdict]
 
 
-def toggle_table(selected: dict, losses: dict, horizons: list[int], step_s: dict, params: dict) -> list[str]:
-    """losses: (toggle, horizon) -> per-seed final val losses; step_s, params: toggle -> median step seconds
-    (over its runs), parameter count. One row per toggle and horizon, the n/a toggles once."""
+def step_cost(times: dict[str, list[float]], base_times: dict[str, list[float]], here: str,
+              step_tokens: float = 1.0) -> str:
+    """A toggle's step time against the baseline's on one CPU: times, base_times: CPU -> step times of the runs
+    measured on it. The CPU is this machine's if both have runs on it, else the one most of the toggle's runs
+    were timed on that the baseline's were too; losses pool across CPUs, times do not. step_tokens: the toggle's
+    tokens per step over the baseline's; the ratio is per token, so a smaller batch is not counted as faster."""
+    shared = [cpu for cpu in times if cpu in base_times]
+    if not shared:
+        return f"n/a (no baseline run timed on {', '.join(times) or 'any CPU'})"
+    cpu = here if here in shared else max(shared, key=lambda c: len(times[c]))
+    toggle, base = statistics.median(times[cpu]), statistics.median(base_times[cpu])
+    notes = ("" if step_tokens == 1 else " per token") + ("" if cpu == here else f", on {cpu}")
+    return f"{toggle * 1000:,.0f} ms ({toggle / base / step_tokens:.2f}x{notes})"
+
+
+def toggle_table(selected: dict, losses: dict, horizons: list[int], step_s: dict, params: dict,
+                 step_tokens: dict) -> list[str]:
+    """losses: (toggle, horizon) -> per-seed final val losses; step_s: toggle -> CPU -> its runs' median step
+    seconds; params, step_tokens: toggle -> parameter count, tokens per step. One row per toggle and horizon,
+    the n/a toggles once."""
     lines = ["| toggle | flags | horizon | final val loss per seed | mean | spread | delta vs baseline | "
              "beyond both spreads | step time vs baseline | params |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows = {h: summarize({name: losses[name, h] for name, (_, why) in selected.items() if why is None})
@@ -378,7 +416,7 @@ def toggle_table(selected: dict, losses: dict, horizons: list[int], step_s: dict
         if why is not None:
             lines.append(f"| {name} | {shown} | | n/a: {why} | | | | | | |")
             continue
-        cost = f"{step_s[name] * 1000:,.0f} ms ({step_s[name] / step_s['baseline']:.2f}x)"
+        cost = step_cost(step_s[name], step_s["baseline"], cpu_model(), step_tokens[name] / step_tokens["baseline"])
         for h in horizons:
             r = rows[h][name]
             delta = "-" if name == "baseline" else f"{r['delta']:+.4f}"
@@ -442,11 +480,14 @@ def main(argv=None):
         flags = [*common_flags(a, train_argv), *data_flags]
         cfg = config.parse_args([*flags, "--max-tokens", str(a.max_tokens[0])])  # checked before any run starts
         selected = select_toggles(a, cfg)
-        params = {}
+        params, step_tokens = {}, {}
         for name, (toggle_flags, why) in selected.items():
             if why is None:  # optim.py's checks run at train.py's start-up: run them here, before any run
-                config.parse_args([*flags, *toggle_flags]).optim.validate()
+                toggle_cfg = config.parse_args([*flags, *toggle_flags])
+                toggle_cfg.optim.validate()
                 params[name] = model_params([*flags, *toggle_flags])
+                d = toggle_cfg.data
+                step_tokens[name] = d.batch_size * d.grad_accum * toggle_cfg.model.max_seq_len
     except (BenchError, UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -479,8 +520,10 @@ def main(argv=None):
     losses = {}
     for job in jobs:
         losses.setdefault((job["name"], job["horizon"]), []).append(results[job["key"]]["val_loss"])
-    step_s = {name: statistics.median(results[job["key"]]["step_s"] for job in jobs if job["name"] == name)
-              for name in params}
+    step_s = {name: {} for name in params}
+    for job in jobs:
+        for cpu, seconds in results[job["key"]].get("step_s_on", {}).items():
+            step_s[job["name"]].setdefault(cpu, []).append(seconds)
     run_walls = sum(results[job["key"]]["wall_s"] for job in jobs + anchors)
     header = ["# Recipe toggles", "", f"- command: `{command}`",
               f"- corpus: {corpus_text} (cache id `{corpus}`)",
@@ -493,8 +536,9 @@ def main(argv=None):
               f"{run_walls / a.jobs / 3600:.2f} h at {a.jobs} at once); this invocation {time.perf_counter() - started:,.0f} s",
               "- noise: a delta counts (**yes**) only when it exceeds both the toggle's and the baseline's spread "
               "over seeds; step time: the median over the toggle's runs of each run's median step (after its first "
-              f"{STEP_TIME_SKIP})", ""]
-    lines = header + toggle_table(selected, losses, a.max_tokens, step_s, params)
+              f"{STEP_TIME_SKIP}), against the baseline's on the same CPU (this machine's unless named); final "
+              "losses pool runs from different CPUs, which agree (fp32)", ""]
+    lines = header + toggle_table(selected, losses, a.max_tokens, step_s, params, step_tokens)
     if anchors:
         lines += anchor_lines(anchors, results, selected, losses, a.max_tokens)
     report = "\n".join(lines) + "\n"

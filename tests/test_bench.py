@@ -232,6 +232,23 @@ def test_recipe_tokens_to_reach_interpolates_final_losses_in_log_tokens():
     assert recipe.ratio_text([100, 400], [4.0, 3.0], 2.0, 1600) == "> 0.250 (not reached by 400 tokens)"
 
 
+def test_recipe_step_cost_compares_step_times_only_on_one_cpu():
+    base = {"intel": [4.0, 4.2, 4.1], "amd": [6.0]}
+    assert recipe.step_cost({"amd": [6.6]}, base, "amd") == "6,600 ms (1.10x)"
+    assert recipe.step_cost({"intel": [4.1, 4.3, 4.5]}, base, "amd") == "4,300 ms (1.05x, on intel)"
+    assert recipe.step_cost({"intel": [4.1], "amd": [6.3]}, base, "amd") == "6,300 ms (1.05x)"  # here first
+    assert recipe.step_cost({"arm": [1.0]}, base, "amd") == "n/a (no baseline run timed on arm)"
+    assert recipe.step_cost({"amd": [1.65]}, base, "amd", step_tokens=0.25) == "1,650 ms (1.10x per token)"
+
+
+def test_recipe_a_fresh_rerun_keeps_step_times_measured_on_other_cpus(tmp_path):
+    cache = recipe.Cache(str(tmp_path / "cache.json"))
+    cache.put("k", {"val_loss": 5.0, "step_s": 4.0, "step_s_on": {"intel": 4.0}})
+    cache.put("k", {"val_loss": 5.1, "step_s": 6.0, "step_s_on": {"amd": 6.0}})
+    assert recipe.Cache(cache.path).entries["k"] == {"val_loss": 5.1, "step_s": 6.0,
+                                                      "step_s_on": {"intel": 4.0, "amd": 6.0}}
+
+
 def test_recipe_cache_runs_only_what_it_lacks_and_fresh_runs_all(tmp_path, monkeypatch):
     ran = []
 

@@ -368,3 +368,22 @@ def test_every_problem_with_the_flags_is_reported_at_once():
 def test_a_zero_seq_len_with_the_size_dial_is_a_usage_error():
     with pytest.raises(UsageError, match="--seq-len must be >= 1"):
         config.parse_args(["--depth", "4", "--seq-len", "0"])
+
+
+def test_the_shards_vocabulary_is_settled_with_the_flags_for_the_dial_and_the_config_file(tmp_path):
+    import mixture
+    from data import DATA_RECORD
+    qwen = tmp_path / "qwen"
+    qwen.mkdir()
+    (qwen / DATA_RECORD).write_text(json.dumps({"tokenizer": "tokenizer.json", "n_vocab": 151_669}))
+    parse = lambda *argv: config.parse_command_line(list(argv), data_vocab=mixture.data_vocab)[0]  # noqa: E731
+    cfg, gpt2 = parse("--depth", "4", "--data", str(qwen)), parse("--depth", "4")
+    assert (cfg.model.vocab_size, gpt2.model.vocab_size) == (151_669, 50_257)
+    # the dial's horizon (20 tokens a parameter) counts the embedding of the shards' vocabulary
+    assert cfg.schedule.max_tokens - gpt2.schedule.max_tokens == pytest.approx(20 * 256 * (151_680 - 50_304), rel=0.01)
+    assert parse("--data", f"a={qwen}:1,b={tmp_path / 'none'}:1").model.vocab_size == 151_669
+    assert parse("--data", str(qwen), "--vocab-size", "1000").model.vocab_size == 1000  # check_vocab refuses it
+    assert config.parse_args(["--data", str(qwen)]).model.vocab_size == 50_257  # bench scripts: the flags alone
+    config.stage_config(cfg, str(tmp_path / "config.toml"), False, {})
+    assert "vocab_size = 151669" in (tmp_path / "config.toml.tmp").read_text()
+
