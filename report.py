@@ -115,24 +115,45 @@ def read_summary(out_dir: str) -> dict | None:
             summary = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UsageError(f"{path}: {first_line(e)}") from None
-    if not (isinstance(summary, dict) and isinstance(summary.get("facts"), dict) and "done" in summary["facts"]
-            and all(isinstance(summary.get(k), list) for k in ("rows", "machine"))):
+    if not (isinstance(summary, dict) and isinstance(summary.get("facts"), dict)
+            and is_count(summary["facts"].get("done")) and all(is_pairs(summary.get(k)) for k in ("rows", "machine"))):
         raise UsageError(f"{path}: not the facts, rows and machine of a run's summary; move it aside to report "
-                         f"the run without it")
+                         "the run without it")
     return summary
+
+
+def is_count(value) -> bool:
+    """An integer as JSON gives one (a JSON true is a bool, which Python counts as an int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_pairs(rows) -> bool:
+    """Whether rows are a table's [name, value] rows, as summary.json holds the summary's and the machine's."""
+    return isinstance(rows, list) and all(isinstance(row, list) and len(row) == 2 for row in rows)
 
 
 def read_records(out_dir: str) -> list[dict]:
     """metrics.jsonl's records (bench/plot.py's reader), or none for an empty or missing file: a run that ended
-    before its first step's record."""
+    before its first step's record. UsageError, naming the line, for a record without the counts the report
+    prints of every record it shows (step and tokens)."""
     path = os.path.join(out_dir, METRICS_FILE)
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return []
     plot = bench_plot()
     try:
-        return plot.read_metrics(out_dir)
+        records = plot.read_metrics(out_dir)
     except plot.MetricsError as e:
         raise UsageError(str(e)) from None
+    for index, record in enumerate(records):
+        if missing := [key for key in ("step", "tokens") if not is_count(record.get(key))]:
+            raise UsageError(f"{path}:{record_line(path, index)}: a record without an integer '{missing[0]}'")
+    return records
+
+
+def record_line(path: str, index: int) -> int:
+    """The line number of the index-th record of a metrics.jsonl, whose blank lines hold none (plot.read_metrics)."""
+    with open(path) as f:
+        return [number for number, line in enumerate(f, 1) if line.strip()][index]
 
 
 # ----------------------------------------------------------------------------- the sections, pure

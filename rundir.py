@@ -10,12 +10,14 @@ drops the lock when its process dies, however it dies, so a killed run never blo
 A fresh run into a directory that holds a run (checkpoints, best, metrics.jsonl) is refused unless the
 user says what to do: --resume continues it, --overwrite removes it first, --resume auto continues it when
 it has a checkpoint and starts fresh otherwise (what a restart script or a cluster scheduler wants). A run
-stopped before its first checkpoint left nothing to resume and nothing to lose (metrics.jsonl and its report at
-most): a rerun starts fresh there, with a note, and --resume says so. A repeat of a run from its OUT/config.toml names
-that run's directory unless --out-dir says otherwise, so its refusal says to add --out-dir NEW_DIR.
+stopped before its first checkpoint left nothing to resume and nothing to lose (its records: metrics.jsonl, its
+report, its TensorBoard events): a rerun starts fresh there, replacing them, with a note, and --resume says so.
+A repeat of a run from its OUT/config.toml names that run's directory unless --out-dir says otherwise, so its
+refusal says to add --out-dir NEW_DIR.
 
 Every name the run writes in the directory must be free for it: a directory where metrics.jsonl goes would
-fail the run mid-way, so it is refused here, before anything is written.
+fail the run mid-way, so it is refused here, before anything is written (OUT/tensorboard, written only with
+--tensorboard, is checked with it: telemetry.tensorboard_problems).
 """
 
 import errno
@@ -33,7 +35,7 @@ TENSORBOARD_DIR = "tensorboard"  # --tensorboard's event files (telemetry.Metric
 REPORT_FILE, CURVES_FILE, SUMMARY_FILE = "report.md", "curves.png", "summary.json"  # report.py's, at a run's end
 # What a run records of itself, besides its checkpoints: all that a run stopped before its first checkpoint
 # leaves, which a fresh run there replaces without --overwrite (nothing to resume, nothing lost).
-RECORD_FILES = (METRICS_FILE, REPORT_FILE, CURVES_FILE, SUMMARY_FILE)
+RECORDS = (METRICS_FILE, REPORT_FILE, CURVES_FILE, SUMMARY_FILE, TENSORBOARD_DIR)
 
 
 class NothingToDo(Exception):
@@ -75,35 +77,35 @@ class RunLock:
 
 
 def run_outputs(out_dir: str, checkpoints: list[str]) -> list[str]:
-    """The paths of what a run leaves in out_dir: its checkpoints (list_checkpoints), best, metrics.jsonl, and
-    its report (report.py), which --overwrite removes with the rest, so that no report describes a run that is
-    gone."""
+    """The paths of what a run leaves in out_dir: its checkpoints (list_checkpoints), best, and its RECORDS,
+    which a fresh run there removes with the rest, so that no report, summary or TensorBoard point describes a
+    run that is gone. A record counts only as the kind the run writes: a file named tensorboard is the user's."""
     found = list(checkpoints)
     for sharded in (False, True):
         if os.path.exists(best_path(out_dir, sharded)):
             found.append(best_path(out_dir, sharded))
-    return found + [path for name in RECORD_FILES if os.path.exists(path := os.path.join(out_dir, name))]
+    records = [path for name in RECORDS if os.path.exists(path := os.path.join(out_dir, name))]
+    return found + [path for path in records if os.path.isdir(path) == (os.path.basename(path) == TENSORBOARD_DIR)]
 
 
 def misplaced(out_dir: str, sharded: bool) -> str | None:
     """Why a name this run writes in out_dir is taken by something of the other kind (a directory where a file
     goes, say), or None. sharded: the run writes DCP directories (FSDP2), and its best is one. The names of
     later checkpoints are left out: a checkpoint that cannot be written stops the run in one line
-    (CheckpointError), and nothing is lost."""
+    (CheckpointError), and nothing is lost; so is OUT/tensorboard, which only --tensorboard needs free
+    (telemetry.tensorboard_problems)."""
     best = best_path(out_dir, sharded)
     replaced = [os.path.join(out_dir, name) for name in (METRICS_FILE, CONFIG_FILE)]  # written, then renamed
     replaced += [] if sharded else [best, best + DIGEST_SUFFIX]
     files = [os.path.join(out_dir, LOCK_FILE), os.path.join(out_dir, TRACE_FILE), *replaced]
     files += [f"{path}.tmp" for path in replaced]
-    directories = {path: "a checkpoint directory" for path in ([best, f"{best}.tmp"] if sharded else [])}
-    directories[os.path.join(out_dir, TENSORBOARD_DIR)] = "--tensorboard's event files"
     for path in files:
         if os.path.lexists(path) and not os.path.isfile(path):
             kind = "a directory" if os.path.isdir(path) else "not a regular file"
             return f"{path} is {kind}, where this run writes a file"
-    for path, what in directories.items():
+    for path in [best, f"{best}.tmp"] if sharded else []:
         if os.path.lexists(path) and not os.path.isdir(path):
-            return f"{path} is not a directory, where this run writes {what}"
+            return f"{path} is not a directory, where this run writes a checkpoint directory"
     return None
 
 
@@ -113,11 +115,11 @@ def decide_resume(out_dir: str, outputs: list[str], has_checkpoint: bool, resume
 
     on: resume, which needs a checkpoint; auto: resume when there is a checkpoint; off: start fresh. A fresh
     start replaces an earlier run only with overwrite, unless that run never wrote a checkpoint (no ckpt_N, no
-    best): its metrics.jsonl and report are all it left, and nothing a rerun could continue. config_file: the --config file
+    best): its RECORDS are all it left, and nothing a rerun could continue. config_file: the --config file
     of a command line without --out-dir (config.repeated_config), whose refusal says how to repeat its run."""
     if has_checkpoint and resume != "off":
         return True
-    kept = outputs if has_checkpoint else [p for p in outputs if os.path.basename(p) not in RECORD_FILES]
+    kept = outputs if has_checkpoint else [p for p in outputs if os.path.basename(p) not in RECORDS]
     if resume == "on":
         if kept:  # a best without any ckpt_N
             reason = (f"only {os.path.basename(kept[0])}, which is never resumed from; pass --overwrite instead of "
@@ -150,7 +152,7 @@ def replace_outputs(replaced: list[str], staged_config: str | None) -> None:
 
 
 def claim(ckpt_cfg, sharded: bool = False, config_file: str | None = None) -> tuple[RunLock, bool, list[str]]:
-    """Create and lock --out-dir, decide fresh or resume -> (lock, resume, what --overwrite replaces: the
+    """Create and lock --out-dir, decide fresh or resume -> (lock, resume, what a fresh run replaces: the
     caller removes it once the run has passed its start-up checks). ckpt_cfg: config.CheckpointConfig;
     sharded: the run writes DCP directories (misplaced); config_file: as decide_resume's."""
     out_dir = ckpt_cfg.out_dir
@@ -171,7 +173,10 @@ def claim(ckpt_cfg, sharded: bool = False, config_file: str | None = None) -> tu
     except UsageError:
         lock.release()
         raise
-    if outputs and not resume and not ckpt_cfg.overwrite:  # decide_resume allows only a metrics.jsonl here
-        print(f"note: the earlier run in --out-dir {out_dir} left no checkpoint; starting fresh, its {METRICS_FILE} "
-              "is replaced", file=sys.stderr)
-    return lock, resume, outputs if not resume and ckpt_cfg.overwrite else []
+    if resume:
+        return lock, True, []
+    if outputs and not ckpt_cfg.overwrite:  # decide_resume allows only an earlier run's RECORDS here
+        names = ", ".join(os.path.basename(path) for path in outputs)
+        print(f"note: the earlier run in --out-dir {out_dir} left no checkpoint; starting fresh, its {names} "
+              f"{'is' if len(outputs) == 1 else 'are'} replaced", file=sys.stderr)
+    return lock, False, outputs

@@ -143,14 +143,8 @@ class MetricsLog:
                  tensorboard: bool = False):
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.enabled, self.wandb_run = enabled, wandb_run
-        self.tensorboard = None
-        if enabled and tensorboard:  # tensorboard_problems made sure it imports
-            from torch.utils.tensorboard import SummaryWriter
-
-            # A resumed run appends to the same event files' directory; purge_step hides the events of the
-            # steps it redoes, as truncate drops their lines.
-            self.tensorboard = SummaryWriter(os.path.join(out_dir, TENSORBOARD_DIR),
-                                             purge_step=start_step + 1 if start_step else None)
+        self.tensorboard_dir = os.path.join(out_dir, TENSORBOARD_DIR) if enabled and tensorboard else None
+        self.tensorboard = self.purge_step = None  # the writer, opened at the first point (_scalars)
         self.last_kept = self.truncate(start_step, restored)
 
     def truncate(self, done: int, restored: dict | None = None) -> dict | None:
@@ -159,6 +153,7 @@ class MetricsLog:
         eval and log line (train.run_loop), so a kill between them leaves the log one record short."""
         if not self.enabled:  # only rank 0 writes
             return None
+        self._purge_tensorboard_after(done)
         kept, last = [], None
         if done > 0 and os.path.exists(self.path):
             with open(self.path) as f:
@@ -209,10 +204,24 @@ class MetricsLog:
             self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=record["step"])
         self._scalars(record)
 
+    def _purge_tensorboard_after(self, done: int) -> None:
+        """TensorBoard hides the points of the steps after `done`, which are redone (after a resume or a
+        rollback), as truncate drops their lines: the next writer's purge_step starts there."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+        self.purge_step = done + 1 if done else None
+
     def _scalars(self, record: dict) -> None:
         """The record's numbers as TensorBoard scalars at its step (booleans as 0 and 1; null is no point)."""
-        if self.tensorboard is None:
+        if self.tensorboard_dir is None:
             return
+        if self.tensorboard is None:  # tensorboard_problems made sure it imports
+            from torch.utils.tensorboard import SummaryWriter
+
+            # Opened here, not with the log: a fresh run removes the earlier run's event files only once it has
+            # passed its start-up checks (rundir.replace_outputs), after the log is made.
+            self.tensorboard = SummaryWriter(self.tensorboard_dir, purge_step=self.purge_step)
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)):
                 self.tensorboard.add_scalar(key, float(value), global_step=record["step"])
@@ -246,12 +255,18 @@ def wandb_problems(cfg):
 
 def tensorboard_problems(cfg):
     """What --tensorboard needs of this machine (a config.Config's; one of train.py's machine checks, through
-    logger_problems): the optional tensorboard package, which torch.utils.tensorboard writes with."""
-    if cfg.log.tensorboard:
-        try:
-            importlib.import_module("torch.utils.tensorboard")
-        except ImportError as e:
-            yield f"--tensorboard needs the tensorboard package ({first_line(e)}): pip install tensorboard"
+    logger_problems): the optional tensorboard package, which torch.utils.tensorboard writes with, and
+    OUT/tensorboard free for its directory (rundir.misplaced checks the names every run writes)."""
+    if not cfg.log.tensorboard:
+        return
+    try:
+        importlib.import_module("torch.utils.tensorboard")
+    except ImportError as e:
+        yield f"--tensorboard needs the tensorboard package ({first_line(e)}): pip install tensorboard"
+    path = os.path.join(cfg.ckpt.out_dir, TENSORBOARD_DIR)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        yield (f"{path} is not a directory, where --tensorboard writes its event files: move it aside or choose "
+               "another --out-dir")
 
 
 def logger_problems(cfg):
@@ -410,16 +425,19 @@ class Telemetry:
         """Seconds of training since the run started, across resumes (metrics.jsonl's time_s)."""
         return self.time_offset + (time.perf_counter() - self.loop_start if self.loop_start else 0.0)
 
+    @contextmanager
     def timing_step(self):
-        """A context that times the whole step: wall clock, or CUDA events that the host does not wait for."""
-        return self.clock("step")
+        """A context around the whole step: timed (wall clock, or CUDA events that the host does not wait for),
+        and the start its micro-step lines count from, so the previous step's eval and checkpoint are not in it."""
+        self.step_start = self.micro_line = time.perf_counter()
+        with self.clock("step"):
+            yield
 
     def end_step(self) -> StepEnd:
         """What the host notes as a step's work has been queued, for its record (step_record); the profiler
         moves to the next step."""
         if self.profiler is not None:
             self.profiler.step()
-        self.step_start = self.micro_line = time.perf_counter()
         self.steps_taken += 1
         return StepEnd(self.timer.lap(), self.clock.lap(), self.elapsed(), peak_memory_gib(self.device),
                        current_lr(self.optimizer))
@@ -524,7 +542,7 @@ class Telemetry:
     @contextmanager
     def loop(self):
         """The step loop's progress bar and profiler, open while it runs; its clock (time_s) starts here."""
-        self.loop_start = self.step_start = self.micro_line = time.perf_counter()
+        self.loop_start = time.perf_counter()
         self.progress = Progress(self.max_steps, "train", unit="step", initial=self.start_step, enabled=self.is_main,
                                  every=self.cfg.log.log_interval)
         if self.cfg.log.profile:

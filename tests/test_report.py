@@ -144,3 +144,23 @@ def test_a_summary_older_than_the_last_step_says_so():
            "the steps go on to 3, and their process did not reach its summary." in text
     assert "This is the summary" not in report.render("out", logged[:2], summary, {}, curves=True)
     assert "None: every setting is its default." in text and "| torch | 2 |" in text
+
+
+@pytest.mark.parametrize("metrics, summary, expected", [
+    ('{"step": 1, "tokens": 128}\n\n{"tokens": 256}\n', None, "metrics.jsonl:3: a record without an integer 'step'"),
+    ('{"step": 1, "tokens": "128"}\n', None, "metrics.jsonl:1: a record without an integer 'tokens'"),
+    ('{"step": 1, "tokens": 128}\n', {"facts": {"done": "3"}, "rows": [], "machine": []},
+     "summary.json: not the facts, rows and machine of a run's summary; move it aside"),
+    ('{"step": 1, "tokens": 128}\n', {"facts": {"done": 1}, "rows": [3], "machine": []},
+     "summary.json: not the facts"),
+])
+def test_a_record_or_summary_the_report_cannot_show_is_one_line_naming_it(tmp_path, capsys, metrics, summary,
+                                                                           expected):
+    (tmp_path / "metrics.jsonl").write_text(metrics)
+    if summary is not None:
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith(f"error: {tmp_path}/{expected}") and err.count("\n") == 1
+    assert not (tmp_path / "report.md").exists()

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import config
 import rundir
 from cli import UsageError
 from config import CheckpointConfig
@@ -64,10 +65,16 @@ def test_a_repeat_from_a_config_file_into_a_used_out_dir_is_told_what_to_add():
         rundir.decide_resume("d", ["d/ckpt_00000003.pt"], True, "off", False, config_file="d/config.toml")
 
 
-def test_a_file_where_tensorboard_writes_its_directory_is_refused(tmp_path):
-    (tmp_path / "tensorboard").write_text("")
-    assert rundir.misplaced(str(tmp_path), sharded=False) == (f"{tmp_path / 'tensorboard'} is not a directory, where "
-                                                              "this run writes --tensorboard's event files")
+def test_a_file_where_tensorboard_writes_its_directory_is_refused_only_with_tensorboard(tmp_path):
+    import telemetry
+
+    (tmp_path / "tensorboard").write_text("the user's")
+    with pytest.raises(UsageError, match=rf"^{tmp_path / 'tensorboard'} is not a directory, where --tensorboard "
+                                         r"writes its event files: move it aside or choose another --out-dir$"):
+        config.parse_args(["--out-dir", str(tmp_path), "--tensorboard"], machine_checks=(telemetry.logger_problems,))
+    lock, resume, replaced = rundir.claim(CheckpointConfig(out_dir=str(tmp_path), overwrite=True))
+    lock.release()
+    assert (resume, replaced) == (False, []) and (tmp_path / "tensorboard").read_text() == "the user's"
 
 
 def test_best_must_be_of_the_kind_the_run_writes(tmp_path):
@@ -126,9 +133,26 @@ def test_a_fresh_run_refuses_a_used_out_dir_until_told_what_to_do(tiny_data, tmp
 def test_a_runs_outputs_are_its_checkpoints_records_and_report(tmp_path):
     for name in ("ckpt_00000002.pt", "metrics.jsonl", "report.md", "curves.png", "notes.txt"):
         (tmp_path / name).write_text("x")
+    (tmp_path / "tensorboard").mkdir()
     found = rundir.run_outputs(str(tmp_path), [str(tmp_path / "ckpt_00000002.pt")])
     assert sorted(os.path.basename(p) for p in found) == ["ckpt_00000002.pt", "curves.png", "metrics.jsonl",
-                                                          "report.md"]  # what --overwrite removes; not the user's
+                                                          "report.md", "tensorboard"]  # --overwrite's; not the user's
+
+
+@pytest.mark.parametrize("resume", ["off", "auto"])
+def test_a_rerun_after_a_run_without_checkpoints_replaces_all_its_records(tmp_path, resume, capsys):
+    """Run A halted before its first checkpoint: a rerun B must not keep A's summary (report.py would pair it
+    with B's metrics), report, curves or TensorBoard events."""
+    records = ["metrics.jsonl", "summary.json", "report.md", "curves.png", "tensorboard"]
+    for name in records[:-1]:
+        (tmp_path / name).write_text("run A's")
+    (tmp_path / "tensorboard").mkdir()
+    lock, resumed, replaced = rundir.claim(CheckpointConfig(out_dir=str(tmp_path), resume=resume))
+    lock.release()
+    assert not resumed and sorted(replaced) == sorted(str(tmp_path / name) for name in records)
+    assert capsys.readouterr().err == (f"note: the earlier run in --out-dir {tmp_path} left no checkpoint; starting "
+                                       "fresh, its metrics.jsonl, report.md, curves.png, summary.json, tensorboard "
+                                       "are replaced\n")
 
 
 def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tiny_data, tmp_path, capsys):

@@ -223,3 +223,57 @@ def test_tensorboard_without_its_package_is_one_line_at_start_up(monkeypatch, tm
     assert stopped.value.code == 2 and "\n" not in err
     assert err.startswith("error: --tensorboard needs the tensorboard package") and "pip install tensorboard" in err
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def log_losses(out_dir, start_step, losses, build_before=lambda: None):
+    """A MetricsLog with --tensorboard from start_step, logging {step: train_loss}; build_before runs once the log
+    is made and before its first point (train.setup replaces an earlier run's outputs there)."""
+    log = telemetry.MetricsLog(str(out_dir), start_step, None, tensorboard=True)
+    build_before()
+    for step, loss in losses.items():
+        log.log({"step": step, "time_s": 0.1 * step, "train_loss": loss})
+    return log
+
+
+def test_a_fresh_run_shows_none_of_the_earlier_runs_tensorboard_points(tmp_path):
+    pytest.importorskip("tensorboard")
+    from config import CheckpointConfig
+    from rundir import claim, replace_outputs
+
+    log_losses(tmp_path, 0, {1: 5.0, 2: 4.0, 3: 3.0}).close()  # run A: halted before its first checkpoint
+    for overwrite in (False, True):
+        lock, _, replaced = claim(CheckpointConfig(out_dir=str(tmp_path), overwrite=overwrite))
+        log_losses(tmp_path, 0, {1: 6.0, 2: 4.5}, lambda: replace_outputs(replaced, None)).close()
+        lock.release()
+        assert tensorboard_scalars(tmp_path / "tensorboard", "train_loss") == [(1, 6.0), (2, 4.5)]
+
+
+def test_a_rollback_hides_the_tensorboard_points_of_the_steps_it_redoes(tmp_path):
+    pytest.importorskip("tensorboard")
+    log = log_losses(tmp_path, 0, {1: 5.0, 2: 4.0, 3: float("nan"), 4: float("nan")})
+    log.truncate(2)  # Telemetry.rewind, rolled back to ckpt_2
+    for step, loss in {3: 3.5, 4: 2.5}.items():
+        log.log({"step": step, "time_s": 0.1 * step, "train_loss": loss})
+    log.close()
+    assert tensorboard_scalars(tmp_path / "tensorboard", "train_loss") == [(1, 5.0), (2, 4.0), (3, 3.5), (4, 2.5)]
+
+
+def test_the_micro_step_line_counts_from_the_steps_start_not_the_previous_steps_end(tmp_path, monkeypatch, capsys):
+    """An eval or checkpoint between two steps is not time inside the next one."""
+    import types
+
+    import torch
+
+    now = [0.0]
+    monkeypatch.setattr(telemetry, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    tel = telemetry.Telemetry(config.parse_args(["--out-dir", str(tmp_path)]), True, torch.device("cpu"), 0, 9, 1.0,
+                              None, None, optimizer)
+    with tel.timing_step():
+        now[0] = 1.0
+    tel.end_step()
+    now[0] = 100.0  # step 1's eval and checkpoint
+    with tel.timing_step():
+        now[0] = 111.0
+        tel.micro_step(13, 128)
+    assert capsys.readouterr().err == "micro-step 13 of 128 of step 2, 0m11s into it\n"
