@@ -32,7 +32,7 @@ import torch
 import distributed
 import hardware
 from cli import UsageError, first_line, plural
-from data import VOCAB_PAD_MULTIPLE, DataError, ShardLoader, data_tokenizer
+from data import VOCAB_PAD_MULTIPLE, DataError, ShardLoader, _round_up, data_tokenizer
 from mixture import Source, is_mixture, label, parse_data, record_dir
 from model import IGNORE_INDEX
 from progress import Progress
@@ -265,6 +265,7 @@ class Evaluator:
         self.sources: list[Source] = parse_data(data) if data is not None else []
         self.vocab_size, self.seed, self._tokenizer = vocab_size, seed, tokenizer
         self.token_bytes = None  # check_val: bytes per token id, when the model's ids are the tokenizer's
+        self.no_bpb_reason = None  # check_val: why there are no bytes per token, when there are none
         self.val_note = None  # check_val: the note when each eval reads other than --eval-tokens (eval_tokens_note)
         self.choices = []  # load_hellaswag: (inputs, targets, label) per example, on the CPU
 
@@ -310,7 +311,7 @@ class Evaluator:
         without one is refused); val_note says when each eval reads other than --eval-tokens asks (less than
         one batch, or more than a split holds: eval_batches); and the bytes per token for val_bpb, when the
         model's ids can be the tokenizer's (a larger vocabulary, on shards that record no tokenizer, means
-        another tokenizer than GPT-2's, whose bytes we do not know)."""
+        another tokenizer than GPT-2's, whose bytes we do not know), else no_bpb_reason says why not."""
         notes = []
         for source in self.sources:
             try:
@@ -332,12 +333,16 @@ class Evaluator:
         try:
             enc = self.tokenizer
         except DataError as e:  # e.g. a tiktoken encoding not cached on an offline node: train, without val_bpb
+            self.no_bpb_reason = first_line(e)
             if self.info.is_main:
-                message(f"note: no val_bpb: {first_line(e)}")
+                message(f"note: no val_bpb: {self.no_bpb_reason}")
             return
-        padded = -(-enc.n_vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE  # as a model may pad it (check_vocab)
-        if self.vocab_size <= padded:
+        if self.vocab_size <= _round_up(enc.n_vocab, VOCAB_PAD_MULTIPLE):  # as a model may pad it (check_vocab)
             self.token_bytes = token_byte_lengths(enc, self.vocab_size).to(self.device)
+        else:
+            self.no_bpb_reason = (f"the model's vocabulary ({self.vocab_size:,} ids) is larger than the shards' "
+                                  f"tokenizer's, {enc.name} ({enc.n_vocab:,} ids; GPT-2's when they record none), "
+                                  f"so the bytes per token are unknown")
 
     def load_hellaswag(self, seq_len: int, limit: int | None) -> None:
         """Read the first `limit` rows (None: all) of --hellaswag-path on rank 0 (one download, not one per

@@ -514,7 +514,10 @@ def tokenizer_note(enc: Tokenizer, wrote_files: bool, wrote_fast: bool = True) -
     if isinstance(enc, HFTokenizer):
         return (f"Tokenizer: {enc.name} (sha256 {enc.sha256}), document separator {enc.separator} = {enc.eot}.\n"
                 "tokenizer.json is the file the training shards were made with; AutoTokenizer.from_pretrained(DIR)\n"
-                "loads it and gives the same ids.\n" + padding)
+                "loads it and gives the same ids, except on text that holds a special token's text, such as the\n"
+                f"separator {enc.separator}: transformers encodes that as the special token, the shards as text;\n"
+                "AutoTokenizer.from_pretrained(DIR, split_special_tokens=True) gives the shards' ids there too.\n"
+                + padding)
     if not wrote_files:
         return (f"Tokenizer: tiktoken encoding {enc.name!r}; no transformers tokenizer files were written for it.\n"
                 + padding)
@@ -523,7 +526,10 @@ def tokenizer_note(enc: Tokenizer, wrote_files: bool, wrote_fast: bool = True) -
             "builds the fast tokenizer from vocab.json and merges.txt when it loads them.\n")
     return ("Tokenizer: GPT-2 byte-level BPE (tiktoken r50k_base), end of text <|endoftext|> = 50256.\n"
             "vocab.json and merges.txt were rebuilt from tiktoken's ranks; AutoTokenizer.from_pretrained(DIR)\n"
-            "loads them and gives the same ids as tiktoken.get_encoding('r50k_base').\n" + fast + padding)
+            "loads them and gives the same ids as tiktoken.get_encoding('r50k_base').encode_ordinary, which made\n"
+            "the shards, except on text that holds <|endoftext|>: transformers encodes that as the token 50256;\n"
+            "AutoTokenizer.from_pretrained(DIR, split_special_tokens=True) gives the shards' ids there too.\n"
+            + fast + padding)
 
 
 def trained_config(path: str) -> dict | None:

@@ -206,18 +206,15 @@ class MixtureLoader(BatchStream):
                            for s, part in zip(self.sources, self.parts)})
         return self._tensors(buf), after, fields
 
-    tokens_per_epoch = None  # no single epoch: each source has its own (epoch_plan, epochs_read)
+    tokens_per_epoch = None  # no single epoch: each source has its own (epoch_plan; record_fields' epoch/NAME)
 
     def epoch_plan(self, tokens: int) -> list[tuple[int, int, str]]:
         """(the tokens each source is expected to give, its tokens_per_epoch, its name) of a run of `tokens`."""
         return [(round(tokens * s.weight), part.tokens_per_epoch, s.name)
                 for s, part in zip(self.sources, self.parts)]
 
-    def epochs_read(self) -> dict[str, float]:
-        """The epochs of each source's train split read so far: the rows it gave, against one epoch's."""
-        return self._epochs(self._next.read)
-
     def _epochs(self, read: tuple) -> dict[str, float]:
+        """The epochs of each source's split read: the rows it gave, against one epoch's."""
         return {s.name: rows * self.seq_len / part.tokens_per_epoch
                 for s, part, rows in zip(self.sources, self.parts, read)}
 

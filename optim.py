@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from schedule import muon_momentum
+
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # torch built without distributed support: no parameter can be a DTensor
@@ -685,9 +687,7 @@ class Muon(torch.optim.Optimizer):
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=device)
         step = state["step"] = state["step"].to(device)  # a checkpoint's comes back on the CPU
-        end, start = group["momentum"], group["momentum_start"]
-        fraction = (step.to(scalar_dtype(device)) / warmup).clamp(max=1.0)
-        momentum = end - (end - start) * (1 - fraction)  # muon_momentum's arithmetic, in the same dtype
+        momentum = muon_momentum(step.to(scalar_dtype(device)), warmup, group["momentum_start"], group["momentum"])
         step.add_((~skip).to(step.dtype))
         return momentum
 

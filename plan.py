@@ -109,7 +109,7 @@ def run_seconds(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: i
 
 def describe(step: StepTime, grad_accum: int, steps: int, tokens: int, tokens_per_step: int) -> str:
     """The plan row: '307,200 tokens in 150 steps; a step ~0.62 s (2 micro-steps of 0.31 s: one micro-step
-    timed, eager), the run ~1m33s'. Pure."""
+    timed, eager), the run ~1m33s (compile, optimizer and evals not counted)'. Pure."""
     micro = "micro-step" if grad_accum == 1 else "micro-steps"
     return (f"{tokens:,} tokens in {steps:,} step{'s' if steps != 1 else ''}; a step ~{_seconds(step.micro_s * grad_accum)} "
             f"({grad_accum:,} {micro} of {_seconds(step.micro_s)}: {step.how}), the run "

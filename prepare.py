@@ -7,6 +7,7 @@ standard library's own sources, which train.py uses when it is given no --data.
 """
 
 import collections
+import contextlib
 import functools
 import glob
 import json
@@ -17,6 +18,7 @@ import shutil
 import signal
 import sys
 import sysconfig
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -449,6 +451,24 @@ def _partial_dir(out_dir: str) -> tuple[str, int | None]:
     return path, _lock(path)
 
 
+@contextlib.contextmanager
+def _stops_held():
+    """Holds SIGINT and SIGTERM back while the block runs, yielding the list of those that arrived: a stop
+    between _move_into_place's renames would leave no OUT, and the new preparation where the next run removes
+    it. Signals reach Python handlers only in the main thread: elsewhere there is nothing to hold."""
+    stops = []
+    if threading.current_thread() is not threading.main_thread():
+        yield stops
+        return
+    previous = {sig: signal.signal(sig, lambda signum, frame: stops.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stops
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _move_into_place(partial: str, out_dir: str, overwrite: bool) -> None:
     """Rename the finished preparation to out_dir. overwrite: an earlier preparation there is renamed aside
     first and removed only once the new one is in place (kept, and said, if something else has appeared in it
@@ -523,7 +543,11 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
         except BaseException:  # an error, Ctrl-C or SIGTERM (main): no part of the preparation is left
             shutil.rmtree(partial, ignore_errors=True)
             raise
-        _move_into_place(partial, out_dir, overwrite)
+        with _stops_held() as stops:
+            _move_into_place(partial, out_dir, overwrite)
+        if stops:  # too late to stop: the preparation is whole, so it is kept and said
+            print(f"data: {signal.Signals(stops[0]).name} arrived while the finished preparation was moved into "
+                  f"place; {out_dir} holds it, complete", file=sys.stderr)
     finally:
         if lock is not None:
             os.close(lock)
@@ -623,9 +647,9 @@ def build_parser() -> ArgumentParser:
                                 "(never downloaded) (default: gpt2)")
     tokenizer.add_argument("--train-tokenizer", type=int, metavar="VOCAB",
                            help=f"instead of --tokenizer, train a byte-level BPE of VOCAB ids ({MIN_TRAINED_VOCAB} to "
-                                f"{MAX_TRAINED_VOCAB:,}: the 256 bytes, the merges, then the separator, --doc-separator "
-                                f"or {TRAINED_SEPARATOR}) on the input and prepare the shards with it; its "
-                                f"tokenizer.json is saved beside them. It trains on the text after the val split's "
+                                f"{MAX_TRAINED_VOCAB:,}: the 256 bytes, the merges, then the separator, "
+                                f"--doc-separator or {TRAINED_SEPARATOR}) on the input and prepare the shards with it; "
+                                f"its tokenizer.json is saved beside them. It trains on the text after the val split's "
                                 f"(held out: val tokens x {TRAINED_TOKEN_BYTES} bytes, the longest token), at most "
                                 f"{TOKENIZER_TRAIN_CHARS:,} characters of it; the input is read once more for it "
                                 f"(twice under --val-tokens auto)")

@@ -99,13 +99,14 @@ def _activation_dtype(model: GPT, device: torch.device) -> torch.dtype:
 @torch.no_grad()
 def stream(model: GPT, prompt: Iterable[int], max_new_tokens: int, temperature: float = 1.0,
            top_k: int | None = None, top_p: float | None = None, eot: int | None = None,
-           generator: torch.Generator | None = None) -> Iterator[int]:
+           generator: torch.Generator | None = None, n_vocab: int | None = None) -> Iterator[int]:
     """Yield up to max_new_tokens token ids that follow prompt, one at a time, stopping at eot (not yielded).
 
-    Logits are cut to the real vocab_size, so padding ids are never drawn. Sampling runs on the CPU in
-    float32: a seeded CPU generator draws the same tokens on every device, given the same logits. A
-    context that outgrows max_seq_len restarts the cache from its most recent half, as the model never
-    saw positions past max_seq_len in training.
+    Only the first n_vocab ids are drawn (default: the model's vocab_size), so padding ids never are, nor the
+    ids of a model padded beyond its tokenizer's n_vocab (data.check_vocab allows it), which the tokenizer
+    could not decode. Sampling runs on the CPU in float32: a seeded CPU generator draws the same tokens on
+    every device, given the same logits. A context that outgrows max_seq_len restarts the cache from its
+    most recent half, as the model never saw positions past max_seq_len in training.
     """
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     tokens = [int(t) for t in prompt]
@@ -114,6 +115,7 @@ def stream(model: GPT, prompt: Iterable[int], max_new_tokens: int, temperature: 
     if max_new_tokens == 0:
         return
     config = model.config
+    n_vocab = config.vocab_size if n_vocab is None else n_vocab
     device = next(model.parameters()).device
     window = config.max_seq_len
     cache = KVCache(config, 1, min(window, len(tokens) + max_new_tokens), device, _activation_dtype(model, device))
@@ -123,7 +125,7 @@ def stream(model: GPT, prompt: Iterable[int], max_new_tokens: int, temperature: 
             cache.pos = 0
             pending = tokens[-max(1, window // 2):]
         logits, _ = model(torch.tensor([pending], device=device), cache=cache)
-        token = next_token(logits[0, -1, : config.vocab_size].float().cpu(), temperature, top_k, top_p, generator)
+        token = next_token(logits[0, -1, :n_vocab].float().cpu(), temperature, top_k, top_p, generator)
         if token == eot:
             return
         yield token
@@ -133,11 +135,11 @@ def stream(model: GPT, prompt: Iterable[int], max_new_tokens: int, temperature: 
 
 def generate(model: GPT, idx, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, eot: int | None = None,
-             generator: torch.Generator | None = None) -> list[int]:
+             generator: torch.Generator | None = None, n_vocab: int | None = None) -> list[int]:
     """The new token ids after idx (a list or a 1-D tensor of ids), without the EOT that ended them."""
     if isinstance(idx, torch.Tensor):
         idx = idx.flatten().tolist()
-    return list(stream(model, idx, max_new_tokens, temperature, top_k, top_p, eot, generator))
+    return list(stream(model, idx, max_new_tokens, temperature, top_k, top_p, eot, generator, n_vocab))
 
 
 def decode_stream(enc: Tokenizer, tokens: Iterable[int], context: Iterable[int] = ()) -> Iterator[str]:
@@ -170,10 +172,11 @@ def sample_text(model: GPT, enc: Tokenizer, prompt: str = "", max_new_tokens: in
                 top_k: int | None = 200, top_p: float | None = None, seed: int = 0) -> str:
     """prompt plus its continuation, decoded. Draws from its own seeded generator, so calling it leaves
     the global RNG (and a training run's data order and dropout) untouched. An empty prompt starts a
-    fresh document: it conditions on the document separator, which also ends the continuation."""
+    fresh document: it conditions on the document separator, which also ends the continuation. Draws only ids
+    enc has, however far the model's vocabulary is padded."""
     ids = enc.encode(prompt) or [enc.eot]
     generator = torch.Generator().manual_seed(seed)
-    new = generate(model, ids, max_new_tokens, temperature, top_k, top_p, enc.eot, generator)
+    new = generate(model, ids, max_new_tokens, temperature, top_k, top_p, enc.eot, generator, enc.n_vocab)
     return prompt + "".join(decode_stream(enc, new, ids if prompt else []))
 
 

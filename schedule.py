@@ -29,11 +29,15 @@ def lr_multiplier(step: int, max_steps: int, warmup: int, schedule: str, min_lr_
     return 1.0 - (1 - min_lr_ratio) * progress
 
 
-def muon_momentum(step: int, warmup: int, start: float, end: float) -> float:
+def muon_momentum(step: int | torch.Tensor, warmup: int, start: float, end: float) -> float | torch.Tensor:
     """Muon's momentum at optimizer step `step` (0-based): linear from start at step 0 to end at step warmup,
     then end. Written as end - (end - start) * (1 - fraction), so that it is exactly end once warmed up.
-    Muon (optim.py) computes it on the device from its checkpointed step count, with this arithmetic."""
-    fraction = min(1.0, step / warmup) if warmup else 1.0
+    step may be a scalar tensor, giving one in its dtype: Muon (optim.py) passes its checkpointed count of
+    steps as it is on the device, so that the host never waits for it."""
+    if not warmup:
+        return end
+    fraction = step / warmup
+    fraction = fraction.clamp(max=1.0) if torch.is_tensor(fraction) else min(1.0, fraction)
     return end - (end - start) * (1 - fraction)
 
 

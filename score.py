@@ -45,9 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=None, metavar="N",
                    help=f"hellaswag: the first N examples (default: all); bpb: N val tokens "
                         f"(default: {defaults.eval_tokens}, as --eval-tokens)")
-    p.add_argument("--data", metavar="DIR",
-                   help="bpb: the directory of val_*.bin shards (default: the data the checkpoint trained on, "
-                        "its recorded --data; an hf.py directory records none: the stdlib corpus, with a note)")
+    p.add_argument("--data", metavar="DIR|MIX",
+                   help="bpb: the val_*.bin shards to score, a directory or a mixture as train.py --data takes it "
+                        "(default: the data the checkpoint trained on, its recorded --data; an hf.py directory "
+                        "records none: the stdlib corpus, with a note)")
     p.add_argument("--hellaswag-path", default=defaults.hellaswag_path,
                    help=f"a hub dataset name or a .jsonl / .parquet file (default: {defaults.hellaswag_path})")
     p.add_argument("--batch-size", type=int, default=16, help="bpb: sequences per forward (default: 16)")
@@ -66,11 +67,11 @@ def load(path: str, device: torch.device):
 
 
 def val_data(given: str | None, train_config: dict | None, ckpt: str) -> tuple[str | None, str | None]:
-    """bpb: (the directory whose val split to score, None for the default corpus; a note to print with the
-    figures, or None). By default the data the checkpoint trained on (its recorded --data, None being the
-    default corpus, as in train.py); UsageError when that directory is not there. Another --data is scored
-    with a note that it is not the checkpoint's. Nothing recorded (an hf.py directory): --data, or the
-    default corpus with a note."""
+    """bpb: (the data whose val split to score, a directory or a mixture as train.py's --data, None for the
+    default corpus; a note to print with the figures, or None). By default the data the checkpoint trained on
+    (its recorded --data, None being the default corpus, as in train.py); UsageError when a directory of it is
+    not there. Another --data is scored with a note that it is not the checkpoint's. Nothing recorded (an
+    hf.py directory): --data, or the default corpus with a note."""
     recorded = (train_config or {}).get("data") or {}
     if "data" not in recorded:
         if given is None:
@@ -139,8 +140,7 @@ def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.dev
     if "val_bpb" in metrics:
         lines.append(f"val_bpb   {metrics['val_bpb']:.4f}")
     else:
-        lines.append("val_bpb   n/a (the shards record no tokenizer and the model's vocabulary is not GPT-2's, so "
-                     "the bytes per token are unknown)")
+        lines.append(f"val_bpb   n/a ({evaluator.no_bpb_reason or 'the val tokens read hold no bytes of text'})")
     width = max(map(len, metrics))  # a mixture's sources, each under its own name (val_loss/NAME)
     lines += [f"{key.ljust(width)}  {value:.4f}" for key, value in metrics.items() if "/" in key]
     return lines

@@ -115,6 +115,9 @@ def test_no_val_bpb_beyond_gpt2_vocabulary(tiny_data):
     evaluator = Evaluator(eval_config(), tiny_data, distributed.DistInfo(), torch.device("cpu"), 60000, seed=0)
     evaluator.check_val(4, 32)
     assert evaluator.token_bytes is None
+    assert evaluator.no_bpb_reason == ("the model's vocabulary (60,000 ids) is larger than the shards' tokenizer's, "
+                                       "gpt2 (50,257 ids; GPT-2's when they record none), so the bytes per token are "
+                                       "unknown")
 
 
 def word_model() -> GPT:
@@ -163,6 +166,7 @@ def test_an_unloadable_tokenizer_leaves_val_bpb_out_and_training_goes_on(word_da
                           70_001, seed=0)
     evaluator.check(micro_batch=2, seq_len=16)
     assert "note: no val_bpb: could not load tokenizer 'cl100k_base'" in capsys.readouterr().err
+    assert evaluator.no_bpb_reason == "could not load tokenizer 'cl100k_base'"
     metrics = evaluator.val_metrics(model, model, nullcontext, micro_batch=2, seq_len=16)
     assert "val_bpb" not in metrics and metrics["val_loss"] > 0
 

@@ -864,3 +864,28 @@ def test_overwrite_keeps_the_earlier_directory_when_a_file_appeared_in_it(tmp_pa
     kept = tmp_path / f"out{prepare.REPLACED_SUFFIX}{os.getpid()}"
     assert (tmp_path / "out" / "train_000000.bin").read_bytes() == b"new" and (kept / "notes.txt").read_text() == "mine"
     assert f"kept the earlier preparation in {kept}: it holds notes.txt" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_a_stop_between_the_overwrite_renames_is_held_until_the_new_preparation_is_in_place(
+        gpt2, tmp_path, monkeypatch, capsys, stop):
+    """A signal just after the earlier preparation is renamed aside: the new one still takes its place, the earlier
+    one is removed, and the one line says so (it once said nothing was written, with --out missing)."""
+    (tmp_path / "old.jsonl").write_text(json.dumps({"text": DOCS[0]}) + "\n")
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS[1:]))
+    out = tmp_path / "out"
+    prepare.prepare(str(tmp_path / "old.jsonl"), out, val_tokens=5)
+    rename = os.rename
+
+    def stop_after_setting_aside(src, dst):
+        rename(src, dst)
+        if prepare.REPLACED_SUFFIX in str(dst):
+            signal.raise_signal(getattr(signal, stop))
+
+    monkeypatch.setattr(os, "rename", stop_after_setting_aside)
+    args = ["--input", str(tmp_path / "new.jsonl"), "--out", str(out), "--val-tokens", "5", "--overwrite"]
+    assert prepare.main(args) == 0
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"data: {stop} arrived while the finished preparation was moved into place; {out} holds it, complete")
+    _check(gpt2[0], out, DOCS[1:])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.jsonl", "old.jsonl", "out"]

@@ -11,7 +11,7 @@ import checkpoint
 import sample
 from model import GPT, KVCache, ModelConfig
 from sample import decode_stream, generate, next_token, sample_text, top_k_filter, top_p_filter
-from tokenizer import get_tokenizer, load_tokenizer
+from tokenizer import get_tokenizer, load_tokenizer, train_bpe
 
 # GQA (4 query heads per kv head), head_dim not n_embd // n_head, a padded vocab, a small rope_theta so
 # that the rotation matters over a short sequence.
@@ -86,6 +86,16 @@ def test_generate_never_samples_padding_and_stops_at_eot():
     first = generate(model, [1, 2], 1, temperature=0)[0]
     assert generate(model, [1, 2], 10, temperature=0, eot=first) == []
 
+
+def test_sample_text_draws_only_ids_the_tokenizer_has():
+    """A model padded beyond its tokenizer (269 ids, the vocabulary 384, as data.check_vocab allows): a flat
+    draw never takes an id above the tokenizer's, which it could not decode."""
+    enc = train_bpe(["the cat sat on the mat"], 300, "trained:300")
+    model = tiny_model(vocab_size=384)
+    text = sample_text(model, enc, "the cat", max_new_tokens=40, temperature=1e4, top_k=None, seed=0)
+    assert text.startswith("the cat") and len(text) > len("the cat")
+    g = torch.Generator().manual_seed(0)
+    assert max(generate(model, [1, 2], 40, temperature=1e4, generator=g, n_vocab=enc.n_vocab)) < enc.n_vocab
 
 def test_top_k_filter():
     logits = torch.tensor([1.0, 3.0, 2.0, 5.0, 4.0])

@@ -14,12 +14,14 @@ import tokenizers
 import torch
 
 import checkpoint
+import evaluate
 import hf
 import prepare
 import score
 import train
 from cli import UsageError
 from conftest import REPO, TINY_FLAGS, gpt2_model, write_tiny_shards
+from data import DataError
 from evaluate import load_hellaswag
 from model import GPT, IGNORE_INDEX, ModelConfig
 
@@ -141,6 +143,19 @@ def test_score_bpb_reads_the_checkpoints_data_and_refuses_another_tokenizers(tmp
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, err
 
+
+def test_score_says_why_there_is_no_val_bpb(tmp_path, tiny_data, capsys, monkeypatch):
+    """The shards' tokenizer cannot be loaded: the val_bpb line gives that reason, as the note before it does."""
+    def unavailable(data_dir):
+        raise DataError("could not load tokenizer 'cl100k_base'")
+
+    monkeypatch.setattr(evaluate, "data_tokenizer", unavailable)
+    model, ckpt = gpt2_model(), str(tmp_path / "ckpt.pt")
+    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "model": model.state_dict(),
+                          "model_config": dataclasses.asdict(model.config), "train_config": {}}, ckpt)
+    text = run_score(capsys, "--ckpt", ckpt, "--task", "bpb", "--data", tiny_data, "--n", "64", "--batch-size", "2",
+                     "--device", "cpu")
+    assert "val_bpb   n/a (could not load tokenizer 'cl100k_base')" in text.splitlines()
 
 def test_hellaswag_is_encoded_with_the_tokenizer_the_model_trained_with(word_tokenizer, tmp_path):
     """The checkpoint's recorded --data was made with a 70,001-id tokenizer.json: HellaSwag's endings are its
