@@ -53,7 +53,7 @@ from cli import ArgumentParser, UsageError, report_error
 from config import changed_keys
 from data import data_change
 from fp8 import plain_to_te_state_dict, te_to_plain_state_dict
-from model import INIT_ONLY_FIELDS
+from model import INIT_ONLY_FIELDS, QWEN3_VALUES
 from optim import apply_group_settings, group_settings
 from schedule import current_multiplier
 
@@ -538,7 +538,8 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         def check_config(meta) -> list[str]:
-            changes = [c for c in changed_keys(meta["model_config"], dataclasses.asdict(self.model_cfg))
+            recorded = {**QWEN3_VALUES, **meta["model_config"]}  # a toggle it lacks was at Qwen3's value
+            changes = [c for c in changed_keys(recorded, dataclasses.asdict(self.model_cfg))
                        if c[0] not in INIT_ONLY_FIELDS]
             if changes:
                 raise UsageError(f"--resume: the checkpoint of step {meta['step']} in {self.out_dir} was trained "

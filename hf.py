@@ -39,7 +39,7 @@ from checkpoint import CheckpointError
 from data import data_tokenizer
 from fp8 import te_to_plain_state_dict
 from mixture import parse_data, record_dir
-from model import GPT, VOCAB_MULTIPLE, ModelConfig, block_shapes, outer_shapes
+from model import GPT, QWEN3_VALUES, VOCAB_MULTIPLE, ModelConfig, block_shapes, outer_shapes
 from tokenizer import (TOKENIZER_FILE, DataError, HFTokenizer, TiktokenTokenizer, Tokenizer, byte_to_char,
                        load_tokenizer)
 
@@ -269,7 +269,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         vocab_size=vocab, n_layer=d["num_hidden_layers"], n_head=n_head,
         n_kv_head=d.get("num_key_value_heads") or n_head, n_embd=n_embd,
         max_seq_len=d["max_position_embeddings"], rope_theta=float(rope["rope_theta"]),
-        norm_eps=d.get("rms_norm_eps", 1e-6), tie_embeddings=d.get("tie_word_embeddings", False),
+        norm_eps=d.get("rms_norm_eps", 1e-6), tie_embeddings=d.get("tie_word_embeddings", False), **QWEN3_VALUES,
     )
     # Explicit sizes only where they differ from the defaults, so an exported config comes back equal.
     head_dim = d.get("head_dim") or n_embd // n_head
@@ -297,7 +297,7 @@ def read_checkpoint(path: str) -> tuple[ModelConfig, dict]:
     file or a sharded DCP directory. Raises CheckpointError for a missing, corrupt or foreign one."""
     def config_of(meta):
         try:
-            return ModelConfig(**meta["model_config"])
+            return ModelConfig.from_record(meta["model_config"])
         except (KeyError, TypeError) as e:
             raise CheckpointError(f"{path}: unreadable model_config ({e})") from None
 
@@ -651,7 +651,8 @@ def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: Tokeniz
     _safetensors()  # the one optional dependency, checked before anything is written
     toggles = config.toggles_on()
     if toggles:
-        raise ValueError(f"{', '.join(toggles)}: Qwen3ForCausalLM has no such part, so this model cannot be exported")
+        raise ValueError(f"{', '.join(toggles)}: Qwen3ForCausalLM has no such part, so this model cannot be exported "
+                         f"(a model trained with {config.qwen3_flags()} can)")
     enc = tokenizer or load_tokenizer("gpt2")
     if config.vocab_size != enc.n_vocab:
         raise ValueError(f"model vocab_size {config.vocab_size} does not match the {enc.name} tokenizer "

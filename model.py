@@ -7,7 +7,7 @@ targets, the lm_head and the cross-entropy run fused, chunk by chunk (linear_cro
 holds the full logits.
 
 The numerics match Hugging Face transformers' Qwen3ForCausalLM (tests/test_model.py checks the logits).
-The recipe toggles (ARCHITECTURE_TOGGLES: a ReLU^2 MLP, logit soft-capping, value embeddings, U-net skips,
+The recipe toggles (QWEN3_VALUES: a ReLU^2 MLP, logit soft-capping, value embeddings, U-net skips,
 attention output gates; docs/recipe.md) leave that architecture; each is off by default.
 
 Module and parameter names mirror Transformer Engine's LayerNormLinear / LayerNormMLP / Linear, so that a
@@ -49,10 +49,20 @@ def _round_up(n: int, multiple: int) -> int:
 INIT_ONLY_FIELDS = ("zero_init_proj", "head_init")
 HEAD_INITS = ("normal", "zero")
 MLP_KINDS = ("swiglu", "relu2")
-# ModelConfig fields that leave the Qwen3 architecture when not at their defaults (hf.py cannot export them),
-# and those of them the Transformer Engine blocks (fp8.TEBlock) do not implement.
-ARCHITECTURE_TOGGLES = ("mlp", "logit_softcap", "value_embeds", "unet_skips", "attn_gate")
+# The ModelConfig fields that leave the Qwen3 architecture, at Qwen3's values: away from these, hf.py cannot
+# export the model; a record that lacks one (a checkpoint older than the toggle) had Qwen3's value.
+QWEN3_VALUES = {"mlp": "swiglu", "logit_softcap": 0.0, "value_embeds": 0, "unet_skips": False, "attn_gate": False}
+ARCHITECTURE_TOGGLES = tuple(QWEN3_VALUES)
+# Those of them the Transformer Engine blocks (fp8.TEBlock) do not implement.
 PLAIN_BACKEND_TOGGLES = ("mlp", "value_embeds", "attn_gate")
+
+
+def qwen3_flag(name: str) -> str:
+    """The flag that sets toggle `name` to Qwen3's value: --mlp swiglu, --logit-softcap 0, --no-attn-gate."""
+    value, dashed = QWEN3_VALUES[name], name.replace("_", "-")
+    if isinstance(value, bool):
+        return f"--{dashed}" if value else f"--no-{dashed}"
+    return f"--{dashed} {value:g}" if isinstance(value, float) else f"--{dashed} {value}"
 
 
 @dataclass
@@ -148,10 +158,20 @@ class ModelConfig:
             raise ValueError(f"unet_skips needs at least 2 layers, got n_layer {self.n_layer}")
 
     def toggles_on(self, names: tuple[str, ...] = ARCHITECTURE_TOGGLES) -> list[str]:
-        """Each of `names` that is not at its default, as its flag and value ("--mlp relu2")."""
-        defaults = {f.name: f.default for f in fields(self)}
+        """Each of `names` that is not at Qwen3's value, as its flag and value ("--mlp relu2")."""
         return [f"--{n.replace('_', '-')} {getattr(self, n)}".removesuffix(" True")
-                for n in names if getattr(self, n) != defaults[n]]
+                for n in names if getattr(self, n) != QWEN3_VALUES[n]]
+
+    def qwen3_flags(self, names: tuple[str, ...] = ARCHITECTURE_TOGGLES) -> str:
+        """The flags that put `names` back at Qwen3's values ("--mlp swiglu --no-attn-gate"), for a refusal to
+        say how to train a model it accepts."""
+        return " ".join(qwen3_flag(n) for n in names if getattr(self, n) != QWEN3_VALUES[n])
+
+    @classmethod
+    def from_record(cls, record: dict) -> "ModelConfig":
+        """The config a checkpoint recorded (dataclasses.asdict's), with Qwen3's value for each toggle it lacks:
+        a checkpoint older than a toggle was trained without it, whatever today's default."""
+        return cls(**{**QWEN3_VALUES, **record})
 
     @property
     def resolved_head_dim(self) -> int:
@@ -530,7 +550,8 @@ class GPT(nn.Module):
         unsupported = config.toggles_on(PLAIN_BACKEND_TOGGLES) if block.backend != "plain" else []
         if unsupported:
             raise ValueError(f"{', '.join(unsupported)}: not implemented for the {block.backend} backend "
-                             "(--fp8 te); use the plain blocks (--fp8 off or torchao)")
+                             f"(--fp8 te); add {config.qwen3_flags(PLAIN_BACKEND_TOGGLES)}, or use the plain blocks "
+                             "(--fp8 off or torchao)")
         self.config = config
         self.backend = block.backend
         vocab, dim = config.padded_vocab_size, config.n_embd

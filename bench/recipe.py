@@ -13,9 +13,10 @@ horizon, with --seed as the seed of the initialisation and the data order. Only 
 on the same val tokens for every run (--eval-tokens 32768 unless given).
 
 The cache (--cache, default bench/results/recipe_cache.json) keeps each run's final val loss, median step time
-and parameter count under its corpus id and its full train.py flags (toggle, horizon and seed among them), so a
-rerun runs only what is not there. It does not know the code: after a change to model.py, optim.py or train.py
-that can move a loss, rerun with --fresh (every run again, its entries replaced).
+and parameter count under its corpus id and the whole configuration its train.py flags resolve to (toggle,
+horizon and seed among them; a changed default is a new key), so a rerun runs only what is not there. It does not
+know the code: after a change to model.py, optim.py or train.py that can move a loss at the same settings, rerun
+with --fresh (every run again, its entries replaced).
 
 The table has, per toggle and horizon: the final val loss of each seed, their mean, their spread (max - min), the
 mean's delta against the baseline's, and whether |delta| exceeds both the toggle's and the baseline's spread
@@ -275,9 +276,21 @@ def model_params(flags: list[str]) -> int:
         return sum(p.numel() for p in GPT(config.parse_args(flags).model).parameters())
 
 
+# Where a run reads and writes, not what it computes: the corpus id stands for the data's path.
+LOCATION_FIELDS = ("data.data", "ckpt.out_dir", "ckpt.resume", "ckpt.overwrite")
+
+
 def cache_key(corpus: str, flags: list[str]) -> str:
-    """flags: the run's whole train.py command line but its --out-dir (toggle, horizon and seed among them)."""
-    return json.dumps([corpus, *flags])
+    """flags: the run's whole train.py command line but its --out-dir (toggle, horizon and seed among them). The
+    key is the configuration they resolve to, every field's value, so that a changed default (a toggle adopted)
+    is a different run, never a cached one; any new field makes every entry a miss, which errs towards running."""
+    values = config.flat_values(config.parse_args(flags))
+    return json.dumps([corpus, {k: v for k, v in values.items() if k not in LOCATION_FIELDS}], sort_keys=True)
+
+
+def anchor_key(corpus: str, flags: list[str]) -> str:
+    """bench/anchor.py's flags, which are its own, not train.py's."""
+    return json.dumps([corpus, "anchor", *flags])
 
 
 class Cache:
@@ -441,7 +454,7 @@ def anchor_jobs(a, corpus: str, data: str | None, runs_dir: str) -> list[dict]:
     for lr in a.anchor_lrs:
         flags = [*shape, "--lr", f"{lr:g}", "--max-tokens", str(tokens), "--eval-interval", str(interval), "--seed", "1"]
         out_dir = os.path.join(runs_dir, f"anchor_lr{lr:g}")
-        jobs.append({"key": cache_key(corpus, ["anchor", *flags]), "label": f"anchor, lr {lr:g}", "out_dir": out_dir,
+        jobs.append({"key": anchor_key(corpus, flags), "label": f"anchor, lr {lr:g}", "out_dir": out_dir,
                      "cmd": [sys.executable, os.path.join(REPO, "bench", "anchor.py"), "--data", data, *flags,
                              "--out-dir", out_dir], "params": None, "lr": lr})
     return jobs

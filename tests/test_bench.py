@@ -249,6 +249,13 @@ def test_recipe_a_fresh_rerun_keeps_step_times_measured_on_other_cpus(tmp_path):
                                                       "step_s_on": {"intel": 4.0, "amd": 6.0}}
 
 
+def test_recipe_cache_key_is_the_resolved_configuration_not_the_spelling():
+    key = lambda *flags: recipe.cache_key("corpus", ["--max-tokens", "4096", *flags])  # noqa: E731
+    assert key() == key("--mlp", "swiglu", "--out-dir", "/elsewhere", "--data", "/moved")  # defaults, locations
+    assert key() != key("--mlp", "relu2") and key() != key("--warmup", "3")
+    assert key("--seed", "1") != key("--seed", "2") and recipe.cache_key("other", ["--max-tokens", "4096"]) != key()
+
+
 def test_recipe_cache_runs_only_what_it_lacks_and_fresh_runs_all(tmp_path, monkeypatch):
     ran = []
 

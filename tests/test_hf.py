@@ -416,3 +416,4 @@ def test_export_refuses_a_model_with_recipe_toggles_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"^--mlp relu2, --unet-skips: Qwen3ForCausalLM has no such part") as e:
         export_hf(config, {}, str(tmp_path / "out"))
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+    assert str(e.value).endswith("(a model trained with --mlp swiglu --no-unet-skips can)")

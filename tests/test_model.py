@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -465,6 +466,16 @@ def test_toggles_are_off_by_default_and_named_by_their_flags():
         "--mlp relu2", "--logit-softcap 3.0", "--value-embeds 1", "--unet-skips", "--attn-gate"]
 
 
+def test_toggles_say_how_to_get_back_to_qwen3_and_old_records_were_qwen3():
+    assert tiny_config(**ALL_TOGGLES).qwen3_flags() == (
+        "--mlp swiglu --logit-softcap 0 --value-embeds 0 --no-unet-skips --no-attn-gate")
+    assert tiny_config(attn_gate=True).qwen3_flags(model_module.PLAIN_BACKEND_TOGGLES) == "--no-attn-gate"
+    record = dataclasses.asdict(tiny_config(**ALL_TOGGLES))
+    assert ModelConfig.from_record(record) == tiny_config(**ALL_TOGGLES)
+    older = {k: v for k, v in record.items() if k not in model_module.QWEN3_VALUES}  # written before the toggles
+    assert ModelConfig.from_record(older).toggles_on() == []
+
+
 def test_toggles_state_dict_round_trip_restores_every_new_parameter():
     import io
     model = tiny_model(seed=0, n_layer=3, **ALL_TOGGLES)
@@ -587,7 +598,7 @@ def test_te_backend_refuses_the_toggles_it_does_not_implement_in_one_line():
     with pytest.raises(ValueError, match=r"^--mlp relu2, --value-embeds 1, --attn-gate: not implemented for the "
                                          r"te backend") as excinfo:
         GPT(tiny_config(**ALL_TOGGLES), block=OtherBackend)
-    assert "\n" not in str(excinfo.value)
+    assert "\n" not in str(excinfo.value) and "add --mlp swiglu --value-embeds 0 --no-attn-gate" in str(excinfo.value)
     assert GPT(tiny_config(logit_softcap=3.0, unet_skips=True), block=OtherBackend).backend == "te"
 
 
