@@ -19,7 +19,7 @@ The rules, each a constant below:
 - global batch: DeepSeek LLM's fitted compute-optimal batch, B = 0.292 x C^0.3271 tokens with C = 6 x params x
   training tokens (--max-tokens when given, else the horizon below), rounded to a power of two (and to whole
   micro-batches), and capped at training tokens / MIN_STEPS (150), so that a short run still takes that many
-  steps;
+  steps; below one default micro-batch, the micro-batch itself shrinks to the cap, in whole sequences;
 - horizon: --tokens-per-param x params training tokens (Chinchilla's 20 by default), params counting the
   embedding.
 
@@ -143,6 +143,11 @@ def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
     budget = explicit.get("schedule.max_tokens") or tokens  # the run's tokens, given or derived
     optimal = compute_optimal_batch(params, budget, granule)
     batch = batch_for_budget(optimal, budget, granule)
+    if "data.batch_size" not in explicit and isinstance(micro, int) and budget // MIN_STEPS < granule:
+        # Even one default micro-batch leaves the run under MIN_STEPS steps: the micro-batch shrinks instead, in
+        # whole sequences (tests: a short run is step-starved, docs/recipe.md's batch rows).
+        batch = batch_for_budget(optimal, budget, model_cfg.max_seq_len)
+        values["data.batch_size"] = (batch // model_cfg.max_seq_len, f"max_tokens/{MIN_STEPS} steps in sequences")
     values["data.total_batch_tokens"] = (batch, "DeepSeek's batch fit" if batch == optimal else
                                          f"DeepSeek's fit {optimal:,}, capped at max_tokens/{MIN_STEPS} steps")
     return values
@@ -162,6 +167,7 @@ def resolve(explicit: dict, micro_batch: int | str | None = None) -> dict:
         derived.pop("schedule.max_tokens")
     if "data.grad_accum" in given or "data.total_batch_tokens" in given:
         derived.pop("data.total_batch_tokens")
+        derived.pop("data.batch_size", None)
     return {**derived, **preset}
 
 

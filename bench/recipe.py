@@ -112,6 +112,8 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
         "embed-beta1": (["--embed-beta1", "0.8"], False),
         "warmup-3": (["--warmup", "3"], False),
         "decay-0.5": (["--decay-frac", "0.5"], False),
+        # The combination of the v2 toggles that won on their own (docs/recipe.md)
+        "v2": (["--attn-gate", "--warmup", "3"], False),
         "batch-8": (["--batch-size", "8"], False),
         "batch-4": (["--batch-size", "4"], False),
         # lr-half at width 256 is the size dial's rule (sizing.py: the width-128 defaults x 128 / n_embd)

@@ -129,6 +129,18 @@ def test_the_dials_batch_leaves_a_short_run_its_steps():
     assert rule.startswith("DeepSeek's fit ") and rule.endswith(", capped at max_tokens/150 steps")
 
 
+def test_a_run_too_short_for_one_micro_batch_a_step_gets_a_smaller_micro_batch():
+    """131,072 tokens at seq 256 would be 32 steps of the default 16 sequences: the dial gives 3 sequences a
+    step (170 steps), unless the batch is the user's."""
+    short = ["--depth", "4", "--seq-len", "256", "--max-tokens", "131072"]
+    cfg = config.parse_args(short)
+    assert (cfg.data.batch_size, cfg.data.grad_accum, cfg.data.total_batch_tokens) == (3, 1, 768)
+    assert config.parse_args([*short, "--batch-size", "16"]).data.total_batch_tokens == 4096  # one micro-batch
+    assert config.parse_args([*short, "--grad-accum", "2"]).data.batch_size == 16  # the batch was given
+    long = config.parse_args(["--depth", "4", "--seq-len", "256", "--max-tokens", "2000000"])
+    assert (long.data.batch_size, long.data.total_batch_tokens) == (16, 12288)  # the cap is whole micro-batches
+
+
 def test_the_dial_runs_beside_flags_whose_default_is_zero():
     import config
 
