@@ -74,7 +74,7 @@ class ScheduleConfig:
 
     max_steps: int = option(150, "optimizer steps to train")
     max_tokens: int = option(0, "train for this many tokens instead of --max-steps (0: off)")
-    warmup: int = option(15, "linear warm-up steps")
+    warmup: int = option(3, "linear warm-up steps")
     schedule: str = option("wsd", "warmup-stable-decay, with a linear decay over the last --decay-frac "
                                   "(docs/recipe.md), or cosine decay", choices=("wsd", "cosine"))
     min_lr_ratio: float = option(0.1, "final LR as a fraction of peak")

@@ -39,7 +39,7 @@ from checkpoint import CheckpointError
 from data import data_tokenizer
 from fp8 import te_to_plain_state_dict
 from mixture import parse_data, record_dir
-from model import GPT, QWEN3_VALUES, VOCAB_MULTIPLE, ModelConfig, block_shapes, outer_shapes
+from model import GPT, QWEN3_VALUES, VOCAB_MULTIPLE, ModelConfig, block_shapes, outer_shapes, param_numels
 from tokenizer import (TOKENIZER_FILE, DataError, HFTokenizer, TiktokenTokenizer, Tokenizer, byte_to_char,
                        load_tokenizer)
 
@@ -110,9 +110,15 @@ def row_split(name: str, config: ModelConfig) -> list[int]:
     return [ffn, ffn]
 
 
+def model_names(config: ModelConfig) -> list[str]:
+    """Every state-dict name of GPT(config): our_names plus the recipe toggles' parameters (a tied lm_head is
+    in a state dict under both of its names)."""
+    return [*param_numels(config), *(["lm_head.weight"] if config.tie_embeddings else [])]
+
+
 def check_names(config: ModelConfig, state: dict) -> None:
-    """ValueError (one line) unless state holds exactly the parameters of GPT(config)."""
-    expected = our_names(config)
+    """ValueError (one line) unless state holds exactly the parameters of GPT(config), toggles' included."""
+    expected = model_names(config)
     unknown = sorted(set(state) - set(expected))
     missing = [n for n in expected if n not in state]
     if unknown or missing:

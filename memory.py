@@ -203,14 +203,22 @@ def attention_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> i
             + act * (H + K) * hd  # rotated q, k
             + act * H * hd + FP32 * H  # attention output, log-sum-exp
             + act * H * hd  # proj GEMM input
-            + (FP32 * D + FP32 * H if cfg.attn_gate else 0))  # the gate's normed input, its sigmoid
+            + (attention_gate_bytes_per_token(cfg, act, fused_norm) if cfg.attn_gate else 0))
+
+
+def attention_gate_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
+    """Saved bytes per token of one block's attention gates: their second norm of the block input (whose input
+    the qkv norm already keeps), the gate GEMM input and the per-head sigmoid."""
+    D = cfg.n_embd
+    return _norm_bytes(D, fused_norm) - FP32 * D + act * D + act * cfg.n_head
 
 
 def mlp_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
-    """Saved bytes per token of one block's MLP: norm, fc1 input, fc1 output ([gate; up], or ReLU^2's h),
-    silu(gate) (or relu(h)), fc2 input."""
+    """Saved bytes per token of one block's MLP: norm, fc1 input, then SwiGLU's fc1 output [gate; up],
+    silu(gate) and fc2 input, or ReLU^2's relu(h) and fc2 input (relu keeps its output, not h)."""
     D, F = cfg.n_embd, cfg.resolved_ffn_dim
-    return _norm_bytes(D, fused_norm) + act * D + act * cfg.fc1_rows + act * F + act * F
+    fc1_output = act * cfg.fc1_rows if cfg.mlp == "swiglu" else 0
+    return _norm_bytes(D, fused_norm) + act * D + fc1_output + act * F + act * F
 
 
 def head_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:

@@ -8,7 +8,8 @@ holds the full logits.
 
 The numerics match Hugging Face transformers' Qwen3ForCausalLM (tests/test_model.py checks the logits).
 The recipe toggles (QWEN3_VALUES: a ReLU^2 MLP, logit soft-capping, value embeddings, U-net skips,
-attention output gates; docs/recipe.md) leave that architecture; each is off by default.
+attention output gates; docs/recipe.md) leave that architecture; the gates are on by default, so a model
+exported to transformers (hf.py) or built from Transformer Engine blocks takes --no-attn-gate.
 
 Module and parameter names mirror Transformer Engine's LayerNormLinear / LayerNormMLP / Linear, so that a
 TE-backed block can load the same state dict: the pre-attention norm lives on the qkv projection and the
@@ -103,7 +104,8 @@ class ModelConfig:
     head_init: str = field(default="normal", metadata={
         "choices": HEAD_INITS, "help": "init of an untied lm_head (needs --untied): normal(0, 0.02) like the "
                                        "embedding, or zero, so every logit starts at 0 (init only)"})
-    # Recipe toggles (ARCHITECTURE_TOGGLES), each off until the recipe sweep shows it wins (docs/recipe.md).
+    # Recipe toggles (QWEN3_VALUES), each on by default only once the recipe sweep showed it wins
+    # (docs/recipe.md): attn_gate.
     mlp: str = field(default="swiglu", metadata={
         "choices": MLP_KINDS, "help": "MLP: SwiGLU (3 matrices) or ReLU^2, relu(x W1)^2 W2 (2 matrices, hidden "
                                       "3/2 of SwiGLU's default: the same parameters)"})
@@ -116,7 +118,7 @@ class ModelConfig:
     unet_skips: bool = field(default=False, metadata={
         "help": "U-net skips: the output of block i of the first half is added (times a learned scalar, init 1) "
                 "to the input of block n_layer-1-i"})
-    attn_gate: bool = field(default=False, metadata={
+    attn_gate: bool = field(default=True, metadata={
         "help": "per-head output gates in attention: each head's output times sigmoid(x W_g), x the normed "
                 "attention input, W_g [n_head, n_embd] zero-initialised (every gate starts at 1/2)"})
 

@@ -9,7 +9,8 @@ The rules, each a constant below:
   otherwise have one or two heads);
 - heads: n_head = n_embd / head_dim, and n_kv_head = n_head / 2 (GQA halves the KV cache and the K/V
   projections); an odd head count keeps full multi-head attention, since 2 must divide it;
-- ffn_dim: the model's own default, 8/3 n_embd rounded up to a multiple of 128 (model.ModelConfig);
+- ffn_dim: the model's own default (model.ModelConfig): SwiGLU's 8/3 n_embd rounded up to a multiple of 128,
+  ReLU^2's 3/2 of that (the same parameters);
 - peak LRs: the optimizer's default for the width-128 default model (optim.DEFAULT_LRS) x 128 / n_embd, inverse
   in width as muP prescribes for Adam on hidden matrices. For AdamW, 3e-3 x 128 / n_embd lands within 25% of
   GPT-3's published AdamW LRs at GPT-2's four widths (6e-4 at 768, 3e-4 at 1024, 2.5e-4 at 1536, 2e-4 at
@@ -37,6 +38,7 @@ HEAD_DIM, SMALL_HEAD_DIM, SMALL_WIDTH = 128, 64, 512
 GQA_RATIO = 2  # query heads per key/value head
 BASE_WIDTH = 128  # the default model's width, where optim.DEFAULT_LRS were measured
 BATCH_COEFF, BATCH_EXPONENT = 0.292, 0.3271  # DeepSeek LLM (2024), optimal batch in tokens against compute C
+FFN_RULES = {"swiglu": "8/3·n_embd", "relu2": "3/2 of SwiGLU's 8/3·n_embd"}  # by --mlp, as model.ModelConfig
 # The fewest steps the dial's batch leaves a run: the fit is for long horizons, and a short run needs steps.
 MIN_STEPS = 150
 # --tokens-per-param's range: from a smoke test's horizon (124k tokens at 124M) to well past the most
@@ -127,7 +129,7 @@ def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
                     if key.startswith("model.")}
     model_cfg = ModelConfig(**{**base.__dict__, **model_fields})
     width = model_cfg.n_embd
-    values["model.ffn_dim"] = (replace(model_cfg, ffn_dim=None).resolved_ffn_dim, "8/3·n_embd")
+    values["model.ffn_dim"] = (replace(model_cfg, ffn_dim=None).resolved_ffn_dim, FFN_RULES[model_cfg.mlp])
     lr, adam_lr = DEFAULT_LRS[explicit.get("optim.name", OptimConfig.name)]
     values["optim.lr"] = (float(f"{lr * BASE_WIDTH / width:.3g}"), f"{lr:g}·{BASE_WIDTH}/n_embd")
     if adam_lr is not None:

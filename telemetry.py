@@ -578,6 +578,8 @@ class Telemetry:
             "best_ckpt": existing_best(self.cfg.ckpt.out_dir), "epoch_tokens": self.epoch_tokens,
             "bos": self.cfg.data.packing == "bos", "source_epochs": self.source_epochs,
             "sample_prompt": self.cfg.eval.sample_prompt,
+            # what keeps the model from transformers' Qwen3 (hf.py's export): --from-hf's directory is Qwen3
+            "qwen3_flags": "" if self.cfg.ckpt.from_hf else self.cfg.model.qwen3_flags(),
         }
         print("\nrun summary", flush=True)
         print_table(summary_rows(facts))
@@ -631,8 +633,8 @@ def summary_rows(f: dict) -> list[tuple[str, str]]:
     weights = f["best_ckpt"] or f["final_ckpt"]
     if weights:
         prompt = f" --prompt {shlex.quote(f['sample_prompt'])}" if f["sample_prompt"] else ""
-        rows += [("sample", f"python sample.py --ckpt {shlex.quote(weights)}{prompt}"),
-                 ("export", f"python hf.py --ckpt {shlex.quote(weights)} "
-                            f"--out {shlex.quote(os.path.join(f['out_dir'], 'hf'))}")]
+        export = (f"python hf.py --ckpt {shlex.quote(weights)} --out {shlex.quote(os.path.join(f['out_dir'], 'hf'))}"
+                  if not f.get("qwen3_flags") else f"not to transformers' Qwen3 (a run with {f['qwen3_flags']} is)")
+        rows += [("sample", f"python sample.py --ckpt {shlex.quote(weights)}{prompt}"), ("export", export)]
     rows.append(("plot", f"python bench/plot.py {shlex.quote(f['out_dir'])}"))
     return rows

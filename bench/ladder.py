@@ -63,9 +63,10 @@ RUNGS = [
     ("muon", "Muon instead of AdamW", {"optimizer": "muon"}, None),
 ]
 # Model and batch when the command line gives none. GPU: GPT-2-small width and depth with head_dim 128, so
-# that the FP8-attention rung can run. CPU: train.py's small default model, a small batch.
+# that the FP8-attention rung can run, and Qwen3's MLP and attention (SwiGLU, no output gates), the only ones the
+# Transformer Engine rungs build. CPU: train.py's small default model, a small batch.
 GPU_DEFAULTS = ["--n-layer", "12", "--n-embd", "768", "--n-head", "6", "--n-kv-head", "2", "--seq-len", "1024",
-                "--batch-size", "16"]
+                "--batch-size", "16", "--mlp", "swiglu", "--no-attn-gate"]
 CPU_DEFAULTS = ["--batch-size", "8"]
 # --mfu-sweep sizes: the shapes of train.py's --preset (sizing.py), without the horizon and batch it derives.
 SIZES = {name: [flag for field in ("n_layer", "n_embd", "n_head", "n_kv_head", "head_dim")

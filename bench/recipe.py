@@ -106,14 +106,14 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
         "relu2": (["--mlp", "relu2"], False),
         "value-embeds": (["--value-embeds", "1"], False),
         "unet-skips": (["--unet-skips"], False),
-        "attn-gate": (["--attn-gate"], False),
+        "no-attn-gate": (["--no-attn-gate"], False),
         "momentum-warmup": (["--muon-momentum-warmup", "10"], True),
         "untied-zero-head": (["--untied", "--head-init", "zero"], False),
         "embed-beta1": (["--embed-beta1", "0.8"], False),
-        "warmup-3": (["--warmup", "3"], False),
+        "warmup-15": (["--warmup", "15"], False),
         "decay-0.5": (["--decay-frac", "0.5"], False),
-        # The combination of the v2 toggles that won on their own (docs/recipe.md)
-        "v2": (["--attn-gate", "--warmup", "3"], False),
+        # The defaults before recipe v2 adopted --attn-gate and --warmup 3 (docs/recipe.md)
+        "recipe-v1": (["--no-attn-gate", "--warmup", "15"], False),
         "batch-8": (["--batch-size", "8"], False),
         "batch-4": (["--batch-size", "4"], False),
         # lr-half at width 256 is the size dial's rule (sizing.py: the width-128 defaults x 128 / n_embd)

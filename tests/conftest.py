@@ -92,10 +92,10 @@ def word_tokenizer(tmp_path_factory):
     return write_word_tokenizer(tmp_path_factory.mktemp("word_tokenizer") / "tokenizer.json", words)
 
 
-def gpt2_model(seed: int = 0) -> GPT:
+def gpt2_model(seed: int = 0, **overrides) -> GPT:
     """Weights larger than the init's, so that the endings' losses are far apart (no near-ties)."""
     torch.manual_seed(seed)
-    model = GPT(ModelConfig(**GPT2_TINY)).eval()
+    model = GPT(ModelConfig(**{**GPT2_TINY, **overrides})).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(1 + 0.2 * torch.randn_like(p) if p.ndim == 1 else 0.1 * torch.randn_like(p))

@@ -150,7 +150,8 @@ def test_a_resume_that_changes_the_lr_schedule_says_what_it_does_and_refuses_a_r
         lr_on_resume(["--max-steps", "20"], ["--max-steps", "20", "--lr", "2e-2"], 18)
     # Told, not refused: in the warm-up, in the stable phase (a new peak there is no re-warm), after a rollback
     # halved the LR, a lower LR mid-decay, and a rise within rounding.
-    assert lr_on_resume(["--max-steps", "2"], ["--max-steps", "3"], 2) == (
+    warm = ["--warmup", "15"]  # both steps well inside it
+    assert lr_on_resume([*warm, "--max-steps", "2"], [*warm, "--max-steps", "3"], 2) == (
         "note: the LR goes from 0.0008 at the checkpoint (step 2) to 0.0012 at the next step")
     assert lr_on_resume(["--max-steps", "100"], ["--max-steps", "200", "--lr", "1e-2"], 50) == (
         "note: the LR goes from 0.006 at the checkpoint (step 50) to 0.01 at the next step")

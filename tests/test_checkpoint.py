@@ -321,12 +321,13 @@ def test_resuming_on_other_shards_is_refused_unless_allowed(tmp_path):
     (tmp_path / "b").mkdir()
     first, other = write_tiny_shards(tmp_path / "a"), write_tiny_shards(tmp_path / "b", seed=1)  # same sizes
     out = tmp_path / "out"
-    assert run_train(out, first, "--max-steps", "2").returncode == 0
-    refused = run_train(out, other, "--max-steps", "4", "--resume")
+    warm = ("--warmup", "15")  # every step in the warm-up: a longer --max-steps re-warms no decayed LR
+    assert run_train(out, first, *warm, "--max-steps", "2").returncode == 0
+    refused = run_train(out, other, *warm, "--max-steps", "4", "--resume")
     assert "the training shards differ from the checkpoint's: shard contents differ" in one_error_line(refused)
-    allowed = run_train(out, other, "--max-steps", "4", "--resume", "--allow-data-change")
+    allowed = run_train(out, other, *warm, "--max-steps", "4", "--resume", "--allow-data-change")
     assert allowed.returncode == 0, allowed.stderr
-    assert run_train(out, first, "--max-steps", "6", "--resume", "--allow-data-change").returncode == 0
+    assert run_train(out, first, *warm, "--max-steps", "6", "--resume", "--allow-data-change").returncode == 0
 
 
 # ----------------------------------------------------------------------------- what a resume trains with

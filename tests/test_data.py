@@ -84,7 +84,8 @@ def test_check_vocab_against_the_recorded_tokenizer(gpt2, tmp_path):
         assert f"({vocab:,} ids)" in problem and "gpt2 tokenizer (50,257 ids" in problem and "\n" not in problem
     # Our own export of a GPT-2-vocabulary model: load_hf gives the unpadded vocabulary (config.json keeps it).
     torch.manual_seed(0)
-    config = model.ModelConfig(vocab_size=50257, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, max_seq_len=16)
+    config = model.ModelConfig(vocab_size=50257, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, max_seq_len=16,
+                               **model.QWEN3_VALUES)  # the architecture an export writes
     hf.export_hf(config, model.GPT(config).state_dict(), str(tmp_path / "hf"))
     loaded, _ = hf.load_hf(str(tmp_path / "hf"))
     assert loaded.vocab_size == 50257 and data.check_vocab(loaded.vocab_size, shards) is None

@@ -202,6 +202,7 @@ def test_resume_across_world_sizes(data_dir, tmp_path):
     single = torch.load(checkpoint.checkpoint_path(str(tmp_path / "one"), 6, sharded=False), weights_only=True)
     converted = torch.load(as_file, weights_only=True)
     assert converted["model_config"] == single["model_config"] and converted["step"] == 6
+    assert "blocks.1.attn.gate_weight" in converted["model"]  # the default recipe's state went through DCP
     for name, tensor in single["model"].items():
         torch.testing.assert_close(converted["model"][name], tensor, rtol=1e-5, atol=1e-6)
     back = str(tmp_path / "back")

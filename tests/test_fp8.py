@@ -15,10 +15,12 @@ import fp8
 import config
 import train
 from conftest import REPO, write_tiny_shards
-from model import GPT, ModelConfig
+from model import GPT, QWEN3_VALUES, ModelConfig
 
 CFG = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
-HD128 = ModelConfig(vocab_size=256, n_layer=2, n_head=2, n_kv_head=1, n_embd=256, max_seq_len=32)
+# Qwen3's architecture (QWEN3_VALUES), as the TE blocks need: SwiGLU, no attention gates.
+HD128 = ModelConfig(vocab_size=256, n_layer=2, n_head=2, n_kv_head=1, n_embd=256, max_seq_len=32, **QWEN3_VALUES)
+QWEN3_FLAGS = ["--mlp", "swiglu", "--no-attn-gate"]
 ALL_THERE = {"cuda": True, "te": (2, 20), "have_torchao": True}
 needs_torchao = pytest.mark.skipif(not fp8.torchao_installed(), reason="needs torchao")
 
@@ -240,7 +242,7 @@ def test_train_cli_runs_fp8_te(tiny_data, tmp_path, extra):
     """Through train.py in a fresh process, so that NVTE_DPA_FP8_RECIPE is set before TE's import."""
     flags = ["--data", tiny_data, "--out-dir", str(tmp_path), "--vocab-size", "256", "--n-layer", "2",
              "--n-embd", "256", "--n-head", "2", "--n-kv-head", "1", "--seq-len", "32", "--batch-size", "4",
-             "--max-steps", "3", "--eval-interval", "0", "--dtype", "bf16", "--fp8", "te", *extra]
+             "--max-steps", "3", "--eval-interval", "0", "--dtype", "bf16", "--fp8", "te", *QWEN3_FLAGS, *extra]
     result = subprocess.run([sys.executable, "train.py", *flags], cwd=REPO, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -248,8 +250,9 @@ def test_train_cli_runs_fp8_te(tiny_data, tmp_path, extra):
     assert ("FP8 attention" in result.stdout) == ("--fp8-attn" in extra)
 
 
-TE_FLAGS = ["--vocab-size", "256", "--n-layer", "2", "--n-embd", "256", "--n-head", "2", "--n-kv-head", "1",
-            "--eval-interval", "0", "--dtype", "bf16", "--fp8", "te"]
+TE_FLAGS_DEFAULT_ARCHITECTURE = ["--vocab-size", "256", "--n-layer", "2", "--n-embd", "256", "--n-head", "2",
+                                 "--n-kv-head", "1", "--eval-interval", "0", "--dtype", "bf16", "--fp8", "te"]
+TE_FLAGS = [*TE_FLAGS_DEFAULT_ARCHITECTURE, *QWEN3_FLAGS]
 
 
 def run_train(*flags):
@@ -268,6 +271,17 @@ def test_fp8_te_trains_at_the_smallest_legal_token_count(tiny_data, tmp_path, re
     refused = run_train("--data", tiny_data, "--out-dir", str(tmp_path / "b"), *TE_FLAGS, "--seq-len", "8",
                         "--batch-size", "1", "--max-steps", "2")
     assert refused.returncode == 2 and "multiple of 16" in refused.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fp8.te_installed()), reason="needs CUDA and TE")
+def test_fp8_te_refuses_the_default_architecture_in_one_line_that_names_the_flags(tiny_data, tmp_path):
+    result = run_train("--data", tiny_data, "--out-dir", str(tmp_path), *TE_FLAGS_DEFAULT_ARCHITECTURE,
+                       "--seq-len", "16", "--batch-size", "1", "--max-steps", "2")
+    assert result.returncode == 2
+    assert [line for line in result.stderr.splitlines() if line.startswith("error: ")] == [
+        "error: --mlp relu2, --attn-gate: not implemented for the te backend (--fp8 te); add --mlp swiglu "
+        "--no-attn-gate, or use the plain blocks (--fp8 off or torchao)"]
 
 
 @pytest.mark.gpu

@@ -14,14 +14,15 @@ import hf
 import prepare
 from conftest import WORD_TEXT
 from hf import config_from_hf, export_hf, from_hf, hf_config, load_hf, our_names, read_checkpoint, to_hf
-from model import GPT, ModelConfig
+from model import GPT, QWEN3_VALUES, ModelConfig
 from sample import generate
 from tokenizer import get_tokenizer, load_tokenizer
 
 # The GPT-2 vocabulary (export checks it against the tokenizer), otherwise tiny: GQA, head_dim not
-# n_embd // n_head, a small rope_theta so the rotation matters.
+# n_embd // n_head, a small rope_theta so the rotation matters; Qwen3's architecture (QWEN3_VALUES), the only
+# one the export writes.
 TINY = dict(vocab_size=50257, n_layer=2, n_head=8, n_kv_head=2, n_embd=64, head_dim=16, ffn_dim=96,
-            max_seq_len=32, rope_theta=500.0)
+            max_seq_len=32, rope_theta=500.0, **QWEN3_VALUES)
 
 
 def tiny_model(tied: bool, seed: int = 0) -> GPT:
@@ -411,8 +412,7 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, capsys, monk
 
 
 def test_export_refuses_a_model_with_recipe_toggles_in_one_line(tmp_path):
-    config = ModelConfig(vocab_size=50257, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=16,
-                         unet_skips=True, mlp="relu2")
+    config = ModelConfig(**{**TINY, "unet_skips": True, "mlp": "relu2"})
     with pytest.raises(ValueError, match=r"^--mlp relu2, --unet-skips: Qwen3ForCausalLM has no such part") as e:
         export_hf(config, {}, str(tmp_path / "out"))
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()

@@ -16,7 +16,7 @@ import memory
 import train
 from cli import UsageError
 from config import ACT_CKPT_MODES
-from model import GPT, ModelConfig, param_numels
+from model import GPT, QWEN3_VALUES, ModelConfig, param_numels
 from optim import OptimConfig, build_optimizer, canonical_name, optimizer_state_bytes
 
 CFG = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
@@ -107,7 +107,9 @@ def test_optimizer_state_estimate_matches_the_allocated_state(name):
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ACT_CKPT_MODES)
 @pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["tied", "untied"])
-def test_activation_estimate_is_within_10_percent_of_saved_tensor_bytes(cfg, mode, dtype):
+@pytest.mark.parametrize("architecture", [{}, QWEN3_VALUES, {"mlp": "relu2"}], ids=["default", "qwen3", "relu2"])
+def test_activation_estimate_is_within_10_percent_of_saved_tensor_bytes(cfg, architecture, mode, dtype):
+    cfg = dataclasses.replace(cfg, **architecture)
     idx, targets = batch(cfg)
     measured = memory.saved_tensor_bytes(model_with(cfg, mode), idx, targets, dtype)
     estimated, _ = memory.activation_bytes(cfg, B, cfg.max_seq_len, mode, dtype, "cpu")
@@ -122,14 +124,15 @@ def test_each_mode_saves_what_it_promises():
 
 
 def test_estimate_totals_and_sharding():
-    one = memory.estimate_memory(CFG2, 4, 48, "adamw", "none", torch.bfloat16, "cuda")
-    n = sum(param_numels(CFG2).values())
+    cfg = dataclasses.replace(CFG2, **QWEN3_VALUES)  # SwiGLU's block: recomputing it outweighs the loss chunk
+    one = memory.estimate_memory(cfg, 4, 48, "adamw", "none", torch.bfloat16, "cuda")
+    n = sum(param_numels(cfg).values())
     assert (one.params, one.grads, one.optimizer) == (4 * n, 4 * n, 8 * n)
-    four = memory.estimate_memory(CFG2, 4, 48, "adamw", "full", torch.bfloat16, "cuda", shards=4)
+    four = memory.estimate_memory(cfg, 4, 48, "adamw", "full", torch.bfloat16, "cuda", shards=4)
     assert four.params == one.params // 4 and four.optimizer == one.optimizer // 4
     assert four.activations < one.activations and four.transient > one.transient
     assert one.total == one.params + one.grads + one.optimizer + one.activations + one.transient
-    assert one.transient == memory.loss_chunk_bytes(CFG2, 4 * 48, 2)  # no recompute: the loss chunk is the peak
+    assert one.transient == memory.loss_chunk_bytes(cfg, 4 * 48, 2)  # no recompute: the loss chunk is the peak
 
 
 def test_the_loss_chunk_grows_only_past_max_loss_chunks_chunks():

@@ -9,10 +9,12 @@ import model as model_module
 from model import GPT, ModelConfig, flops_per_token, linear_cross_entropy, param_count, param_numels
 
 # GQA with 4 query heads per kv head, a head_dim that is not n_embd // n_head, a vocab that needs padding
-# and a small rope_theta so that the rotation is far from the identity over a short sequence.
+# and a small rope_theta so that the rotation is far from the identity over a short sequence. Qwen3's
+# architecture (QWEN3_VALUES), whatever the defaults: the tests compare with transformers' Qwen3 and count
+# SwiGLU's fused [gate; up] weight; a toggle test turns its toggle on itself.
 TINY = dict(
     vocab_size=200, n_layer=2, n_head=8, n_kv_head=2, n_embd=64, head_dim=16, ffn_dim=96,
-    max_seq_len=32, rope_theta=500.0, norm_eps=1e-6,
+    max_seq_len=32, rope_theta=500.0, norm_eps=1e-6, **model_module.QWEN3_VALUES,
 )
 
 
@@ -141,9 +143,13 @@ def test_tied_embedding_shares_storage_and_counts_once():
 
 def test_defaults_resolve():
     c = ModelConfig(n_layer=12, n_head=12, n_kv_head=4, n_embd=768, max_seq_len=1024)  # GPT-2 small
-    assert (c.resolved_head_dim, c.resolved_ffn_dim, c.padded_vocab_size) == (64, 2048, 50304)
+    assert (c.resolved_head_dim, c.resolved_ffn_dim, c.padded_vocab_size) == (64, 2048, 50304)  # 8/3 * 768
     assert ModelConfig(n_embd=1024, n_head=16).resolved_ffn_dim == 2816
     assert ModelConfig(n_embd=512, n_head=8).resolved_ffn_dim == 1408
+    # ReLU^2's: 3/2 of SwiGLU's, the same parameters.
+    assert ModelConfig(n_embd=768, n_head=12, mlp="relu2").resolved_ffn_dim == 3072
+    assert ModelConfig(n_embd=1024, n_head=16, mlp="relu2").resolved_ffn_dim == 4224
+    assert ModelConfig(n_embd=512, n_head=8, mlp="relu2").resolved_ffn_dim == 2112
     assert ModelConfig(vocab_size=128).padded_vocab_size == 128
 
 
@@ -177,7 +183,8 @@ def test_validate_rejects_bad_config(overrides, message):
 
 
 def test_flops_per_token_hand_count():
-    c = ModelConfig(vocab_size=100, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, head_dim=4, ffn_dim=32)
+    c = ModelConfig(vocab_size=100, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, head_dim=4, ffn_dim=32,
+                    **model_module.QWEN3_VALUES)
     # per layer: qkv 16*(4+2*2)*4=512, proj 16*16=256, fc1 16*64=1024, fc2 32*16=512 -> 2304
     # N = 2*2304 + lm_head 128*16 = 6656; attention = 12 * 2 layers * 4 heads * 4 hd * 8 tokens = 3072
     assert flops_per_token(c, seq_len=8) == 6 * 6656 + 3072
@@ -460,8 +467,9 @@ def test_toggles_param_count_numels_and_flops_follow_the_model(toggles):
     assert flops_per_token(c, 32) == 6 * (model.num_params() - lookups) + 12 * 3 * 8 * 16 * 32
 
 
-def test_toggles_are_off_by_default_and_named_by_their_flags():
-    assert ModelConfig().toggles_on() == []
+def test_the_default_toggle_is_the_gate_and_toggles_are_named_by_their_flags():
+    assert ModelConfig().toggles_on() == ["--attn-gate"]
+    assert tiny_config().toggles_on() == []
     assert tiny_config(**ALL_TOGGLES).toggles_on() == [
         "--mlp relu2", "--logit-softcap 3.0", "--value-embeds 1", "--unet-skips", "--attn-gate"]
 

@@ -6,12 +6,14 @@ import torch
 
 import fp8
 from fp8 import TE_MODULES, TEBlock, plain_to_te_state_dict, te_to_plain_state_dict
-from model import GPT, ModelConfig
+from model import GPT, QWEN3_VALUES, ModelConfig
 
-TINY = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
+# Qwen3's architecture (QWEN3_VALUES): the TE blocks implement SwiGLU and no attention gates.
+TINY = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32, **QWEN3_VALUES)
 # TE's fused kernels want 16-multiples and FP8 attention wants head_dim 128.
-TE_CFG = ModelConfig(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=256, max_seq_len=64)
-FP8_ATTN_CFG = ModelConfig(vocab_size=512, n_layer=2, n_head=2, n_kv_head=1, n_embd=256, max_seq_len=64)
+TE_CFG = ModelConfig(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=256, max_seq_len=64, **QWEN3_VALUES)
+FP8_ATTN_CFG = ModelConfig(vocab_size=512, n_layer=2, n_head=2, n_kv_head=1, n_embd=256, max_seq_len=64,
+                           **QWEN3_VALUES)
 
 
 

@@ -118,7 +118,8 @@ def one_error_line(result):
 
 
 def test_a_fresh_run_refuses_a_used_out_dir_until_told_what_to_do(tiny_data, tmp_path):
-    common = ["--data", tiny_data, "--ckpt-interval", "2", "--eval-interval", "0"]
+    # A warm-up past every step: extending the run to 6 steps re-warms no decayed LR.
+    common = ["--data", tiny_data, "--ckpt-interval", "2", "--eval-interval", "0", "--warmup", "15"]
     assert train(tmp_path, *common, "--max-steps", "4").returncode == 0
     before = sorted(os.listdir(tmp_path))
     assert "already holds a run" in one_error_line(train(tmp_path, *common, "--max-steps", "2"))

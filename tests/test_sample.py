@@ -9,7 +9,7 @@ import torch
 
 import checkpoint
 import sample
-from model import GPT, KVCache, ModelConfig
+from model import GPT, QWEN3_VALUES, KVCache, ModelConfig
 from sample import decode_stream, generate, next_token, sample_text, top_k_filter, top_p_filter
 from tokenizer import get_tokenizer, load_tokenizer, train_bpe
 
@@ -179,9 +179,10 @@ def _is_utf8(b: bytes) -> bool:
         return False
 
 
-def gpt2_sized(seed=0) -> GPT:
+def gpt2_sized(seed=0, **overrides) -> GPT:
     """The GPT-2 vocabulary, so the tokenizer's ids fit; otherwise tiny."""
-    return tiny_model(seed, vocab_size=50257, n_embd=32, head_dim=8, ffn_dim=64, n_head=4)
+    return tiny_model(seed, **{"vocab_size": 50257, "n_embd": 32, "head_dim": 8, "ffn_dim": 64, "n_head": 4,
+                               **overrides})
 
 
 def test_sample_text_is_seeded_and_leaves_global_rng_alone():
@@ -203,7 +204,7 @@ def write_checkpoint(path, model, train_config=None):
 
 @pytest.mark.parametrize("source", ["ckpt", "hf"])
 def test_cli_prints_text(tmp_path, capsys, source):
-    model = gpt2_sized()
+    model = gpt2_sized(**QWEN3_VALUES)  # the architecture an export can write
     path = tmp_path / "ckpt.pt"
     write_checkpoint(path, model)
     if source == "hf":
@@ -224,6 +225,15 @@ def test_cli_prints_text(tmp_path, capsys, source):
                                           "config.json); pass it as --hf\n"
 
 
+def test_cli_samples_a_checkpoint_with_every_recipe_toggle(tmp_path, capsys):
+    """The toggles' parameters (attention gates, value embeddings, U-net weights) are the model's own: the
+    checkpoint loads with them, however Qwen3's names differ."""
+    model = gpt2_sized(mlp="relu2", logit_softcap=3.0, value_embeds=1, unet_skips=True, attn_gate=True)
+    write_checkpoint(tmp_path / "ckpt.pt", model)
+    code, out, err = run_cli(capsys, "--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", "Hello", "--greedy")
+    assert (code, err) == (0, "") and out == greedy_text(model)
+
+
 def test_decode_stream_keeps_a_word_tokenizers_spaces(word_tokenizer):
     """A decoder that puts a space between words: the pieces are what each token adds to the text so far,
     after the prompt's too."""
@@ -241,7 +251,7 @@ def test_cli_samples_with_the_tokenizer_the_model_was_trained_with(word_tokenize
 
     (tmp_path / "docs.jsonl").write_text('{"text": "the cat sat"}\n' * 4)
     prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "data", word_tokenizer, val_tokens=4)
-    model = tiny_model(vocab_size=70_001, n_embd=32, head_dim=8, ffn_dim=64, n_head=4)
+    model = tiny_model(vocab_size=70_001, n_embd=32, head_dim=8, ffn_dim=64, n_head=4, **QWEN3_VALUES)  # exported
     write_checkpoint(tmp_path / "ckpt.pt", model, {"data": {"data": str(tmp_path / "data")}})
     enc = load_tokenizer(word_tokenizer)
     prompt = enc.encode("the cat")

@@ -23,7 +23,7 @@ from cli import UsageError
 from conftest import REPO, TINY_FLAGS, gpt2_model, write_tiny_shards
 from data import DataError
 from evaluate import load_hellaswag
-from model import GPT, IGNORE_INDEX, ModelConfig
+from model import GPT, IGNORE_INDEX, QWEN3_VALUES, ModelConfig
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.jsonl")
 
@@ -39,7 +39,8 @@ def test_training_checkpoint_and_export_agree(tmp_path, tiny_data, capsys):
     out = tmp_path / "out"
     flags = list(TINY_FLAGS)
     flags[flags.index("--vocab-size") + 1] = "50257"
-    train.main(["--data", tiny_data, "--out-dir", str(out), *flags, "--max-steps", "3", "--warmup", "1",
+    qwen3 = ["--mlp", "swiglu", "--no-attn-gate"]  # the architecture an export writes
+    train.main(["--data", tiny_data, "--out-dir", str(out), *flags, *qwen3, "--max-steps", "3", "--warmup", "1",
                 "--eval-interval", "3", "--eval-tokens", "256", "--eval-hellaswag", "8",
                 "--hellaswag-path", FIXTURE, "--dtype", "fp32", "--device", "cpu"])
     err = capsys.readouterr().err
@@ -66,7 +67,7 @@ def test_training_checkpoint_and_export_agree(tmp_path, tiny_data, capsys):
 
 def test_score_refuses_bad_input_in_one_line(tmp_path, tiny_data, capsys):
     model_dir = tmp_path / "hf"
-    model = gpt2_model()
+    model = gpt2_model(**QWEN3_VALUES)  # the architecture an export writes
     hf.export_hf(model.config, model.state_dict(), str(model_dir))
     cases = [(["--ckpt", str(tmp_path / "missing.pt"), "--task", "hellaswag"], "no such file or directory"),
              (["--ckpt", str(model_dir), "--task", "mmlu"], "invalid choice: 'mmlu'"),
@@ -81,7 +82,7 @@ def test_score_refuses_bad_input_in_one_line(tmp_path, tiny_data, capsys):
 
 
 def test_score_offline_hub_is_one_line(tmp_path):
-    model = gpt2_model()
+    model = gpt2_model(**QWEN3_VALUES)  # the architecture an export writes
     hf.export_hf(model.config, model.state_dict(), str(tmp_path / "hf"))
     result = subprocess.run([sys.executable, "score.py", "--ckpt", str(tmp_path / "hf"), "--task", "hellaswag"],
                             cwd=REPO, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},

@@ -40,6 +40,8 @@ def test_derived_training_settings():
     adamw = {key: value for key, (value, _) in sizing.derive(12, {"optim.name": "adamw"}).items()}
     assert adamw["optim.lr"] == pytest.approx(3e-3 * 128 / 768) and "optim.adam_lr" not in adamw
     assert values["model.ffn_dim"] == 2048
+    assert sizing.derive(12, {})["model.ffn_dim"] == (2048, "8/3·n_embd")
+    assert sizing.derive(12, {"model.mlp": "relu2"})["model.ffn_dim"] == (3072, "3/2 of SwiGLU's 8/3·n_embd")
     assert values["schedule.max_tokens"] == round(20 * params)
     # 0.292 * (6 * 116.5M * 2.33B)^0.3271 = 2.8e5 tokens -> 2^18
     assert values["data.total_batch_tokens"] == 2**18

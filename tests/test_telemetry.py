@@ -34,6 +34,11 @@ def test_the_summary_names_what_the_run_did_and_what_to_run_next():
     assert rows["plot"] == "python bench/plot.py out"
 
 
+def test_the_summary_says_which_flags_make_a_model_transformers_can_load():
+    rows = dict(telemetry.summary_rows({**FACTS, "qwen3_flags": "--no-attn-gate"}))
+    assert rows["export"] == "not to transformers' Qwen3 (a run with --no-attn-gate is)"
+
+
 def test_the_summary_of_a_resumed_run_without_evals_or_checkpoints():
     rows = dict(telemetry.summary_rows({**FACTS, "start_step": 100, "session_tokens": 819_200, "last_eval": None,
                                         "best_val": float("inf"), "compile_s": None, "mfu": None,

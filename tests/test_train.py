@@ -339,9 +339,11 @@ def test_from_hf_starts_from_the_exported_weights(tmp_path, tiny_data):
     from sample import load_model
 
     gpt2_vocab = ["--vocab-size", "50257"]  # export writes the GPT-2 tokenizer next to the weights
-    tiny_run(tiny_data, tmp_path / "a", "--max-steps", "3", *gpt2_vocab)
+    qwen3 = ["--mlp", "swiglu", "--no-attn-gate"]  # the architecture an export writes
+    tiny_run(tiny_data, tmp_path / "a", "--max-steps", "3", *gpt2_vocab, *qwen3)
     ckpt = checkpoint.checkpoint_path(str(tmp_path / "a"), 3, sharded=False)
     assert export_main(["--ckpt", ckpt, "--out", str(tmp_path / "hf")]) == 0
+    # The default flags' --attn-gate: the directory's Qwen3 architecture wins, as its shape does.
     records = tiny_run(tiny_data, tmp_path / "b", "--max-steps", "1", "--from-hf", str(tmp_path / "hf"))
 
     model = load_model(ckpt=ckpt)
