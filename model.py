@@ -17,7 +17,7 @@ pre-MLP norm on the MLP, each as `layer_norm_weight`.
 """
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
