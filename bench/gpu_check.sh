@@ -6,6 +6,7 @@
 #     bash bench/gpu_check.sh ladder OUT   # the optimization ladder         -> OUT/ladder.md, .json, .log
 #     bash bench/gpu_check.sh mfu    OUT   # MFU, gpt2-124m at seq 1024 and 2048  -> OUT/mfu.md, OUT/mfu.log
 #     bash bench/gpu_check.sh all    OUT   # the three in a row (about 20 minutes)
+#     bash bench/gpu_check.sh lease  OUT   # the three cut to fit one 10-minute command (about 9 minutes)
 #
 # tests: TE vs plain parity on the same weights, TE FP8 (both recipes, FP8 attention) through train.py, the
 # activation estimate against CUDA's saved tensors. ladder: bench/ladder.py on its GPU defaults (12 layers,
@@ -19,8 +20,8 @@ cd "$(dirname "$0")/.."
 WHAT=${1:-}
 OUT=${2:-bench/results/gpu_check_$(date +%Y%m%d)}
 PY=${PY:-python3}
-case "$WHAT" in tests | ladder | mfu | all) ;; *)
-    echo "usage: bash bench/gpu_check.sh tests|ladder|mfu|all [OUT_DIR]" >&2
+case "$WHAT" in tests | ladder | mfu | all | lease) ;; *)
+    echo "usage: bash bench/gpu_check.sh tests|ladder|mfu|all|lease [OUT_DIR]" >&2
     exit 2
     ;;
 esac
@@ -54,7 +55,7 @@ environment() {
     echo '```'
 }
 
-run_tests() { # pytest -v writes one line per test as it finishes
+run_tests() { # [LIMIT_S [PYTEST ARGS]]: pytest -v writes one line per test as it finishes
     {
         echo "# GPU tests, $(date '+%Y-%m-%d %H:%M')"
         echo
@@ -62,7 +63,9 @@ run_tests() { # pytest -v writes one line per test as it finishes
         echo
     } > "$OUT/tests.md"
     local status
-    status=$(limited 420 "$OUT/tests.log" $PY -m pytest -m gpu -v -rs -p no:cacheprovider tests)
+    local limit=${1:-420}
+    shift
+    status=$(limited "$limit" "$OUT/tests.log" $PY -m pytest -m gpu -v -rs -p no:cacheprovider "$@" tests)
     local rc=$?
     {
         echo "$status"
@@ -75,20 +78,21 @@ run_tests() { # pytest -v writes one line per test as it finishes
     return $rc
 }
 
-run_ladder() { # ladder.py rewrites ladder.md and ladder.json after every rung; its stderr has the start-up tables
+run_ladder() { # [LIMIT_S BUDGET_S]: ladder.py rewrites ladder.md and ladder.json after every rung; its stderr has the start-up tables
     local status
-    status=$(limited 480 "$OUT/ladder.log" $PY bench/ladder.py --windows 3 --steps-per-window 5 --warmup-steps 3 \
-        --budget-s 330 --no-chart --out "$OUT/ladder")
+    status=$(limited "${1:-480}" "$OUT/ladder.log" $PY bench/ladder.py --windows 3 --steps-per-window 5 \
+        --warmup-steps 3 --budget-s "${2:-330}" --no-chart --out "$OUT/ladder")
     local rc=$?
     echo "$status" >> "$OUT/ladder.md"
     echo "ladder: $status"
     return $rc
 }
 
-run_mfu() { # the sweep rewrites mfu.md after every point
+run_mfu() { # [LIMIT_S BUDGET_S SEQ_LENS BATCH_SIZES]: the sweep rewrites mfu.md after every point
     local status
-    status=$(limited 420 "$OUT/mfu.log" $PY bench/ladder.py --mfu-sweep --sizes gpt2-124m --seq-lens 1024,2048 \
-        --batch-sizes 8,16 --windows 3 --steps-per-window 5 --warmup-steps 3 --budget-s 300 --out "$OUT/mfu")
+    status=$(limited "${1:-420}" "$OUT/mfu.log" $PY bench/ladder.py --mfu-sweep --sizes gpt2-124m \
+        --seq-lens "${3:-1024,2048}" --batch-sizes "${4:-8,16}" --windows 3 --steps-per-window 5 --warmup-steps 3 \
+        --budget-s "${2:-300}" --out "$OUT/mfu")
     local rc=$?
     echo "$status" >> "$OUT/mfu.md"
     echo "mfu: $status"
@@ -100,6 +104,8 @@ tests) run_tests ;;
 ladder) run_ladder ;;
 mfu) run_mfu ;;
 all) run_tests; r1=$?; run_ladder; r2=$?; run_mfu; r3=$?; (exit $((r1 | r2 | r3))) ;;
+# Four pytest workers: the GPU tests are independent runs, each mostly start-up and compilation on the CPU.
+lease) run_tests 140 -n 4; r1=$?; run_ladder 250 140; r2=$?; run_mfu 130 40 1024 16; r3=$?; (exit $((r1 | r2 | r3))) ;;
 esac
 rc=$?
 echo "results in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import batch
 import checkpoint
@@ -144,6 +145,34 @@ def test_resume_is_bit_identical(tmp_path, tiny_data):
     for a, b in zip(full, resumed):
         assert a["train_loss"] == b["train_loss"] and a["grad_norm"] == b["grad_norm"]
         assert a.get("val_loss") == b.get("val_loss")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_compiled_bf16_cuda_run_evaluates_samples_and_resumes_exactly(tmp_path, tiny_data, optimizer, capsys):
+    """The everyday GPU run: torch.compile, bf16 autocast, fused kernels, eval, a sample, a checkpoint, a resume.
+    The step after the resume computes its loss with the checkpoint's weights on the same batch: bit-equal."""
+    flags = ["--device", "cuda", "--dtype", "bf16", "--compile", "default", "--optimizer", optimizer,
+             "--max-steps", "8", "--ckpt-interval", "4", "--keep-ckpts", "5", "--sample-tokens", "5",
+             "--sample-prompt", "x"]
+    train.main(["--data", tiny_data, "--out-dir", str(tmp_path / "full"), *TINY_MODEL, "--warmup", "2",
+                "--eval-interval", "4", "--eval-tokens", "256", *flags])
+    full = read_metrics(tmp_path / "full")
+    assert capsys.readouterr().err.count("sample at step 8: 'x") == 1
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    ckpt = checkpoint.checkpoint_path(str(tmp_path / "full"), 4, sharded=False)
+    for path in (ckpt, ckpt + checkpoint.DIGEST_SUFFIX):
+        shutil.copy(path, resumed_dir)
+    train.main(["--data", tiny_data, "--out-dir", str(resumed_dir), *TINY_MODEL, "--warmup", "2",
+                "--eval-interval", "4", "--eval-tokens", "256", *flags, "--resume"])
+    resumed = read_metrics(resumed_dir)
+    assert [r["step"] for r in resumed][-4:] == [5, 6, 7, 8]
+    assert resumed[-4]["train_loss"] == full[4]["train_loss"]
+    np.testing.assert_allclose([r["train_loss"] for r in resumed[-4:]], [r["train_loss"] for r in full[4:]],
+                               rtol=1e-2)
+    assert full[-1]["train_loss"] < full[0]["train_loss"]
 
 
 def test_logged_tokens_count_what_was_trained_across_a_resume_with_another_batch(tmp_path, tiny_data, capsys):
