@@ -81,16 +81,21 @@ class EarlyStopping:
         self.step = state.get("step")  # None: a checkpoint that records none was written after its eval
 
 
-def stop_at_once_during_startup() -> None:
-    """SIGTERM or SIGINT before the step loop (which installs StopSignals): one line, then exit 128 + the
-    signal's number, as a shell expects. Nothing has been trained yet, so there is nothing to save."""
+# What a signal outside the step loop stops, by phase: before the loop nothing is trained yet; after it every
+# checkpoint on disk is whole (writes are atomic) and only the records and the process's exit are left.
+STOPPED_AT_ONCE = {"start-up": "during start-up: stopping before the first step (nothing to save)",
+                   "wind-down": "after the last step: exiting now (every checkpoint written is whole)"}
+
+
+def stop_at_once(phase: str = "start-up") -> None:
+    """SIGTERM or SIGINT outside the step loop (which installs StopSignals): one line saying what the stop
+    means in this phase (STOPPED_AT_ONCE), then exit 128 + the signal's number, as a shell expects."""
 
     def handle(signum, frame):
-        name = signal.Signals(signum).name
-        print(f"\n{name} during start-up: stopping before the first step (nothing to save)", file=sys.stderr,
-              flush=True)
+        print(f"\n{signal.Signals(signum).name} {STOPPED_AT_ONCE[phase]}", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
 
+    handle.phase = phase
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handle)
 
@@ -132,8 +137,11 @@ class StopSignals:
               "agree) and writing a checkpoint (Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
 
     def restore(self) -> None:
+        """Put back the handlers from before the loop, except a start-up one: the loop is over, not to come."""
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+        if any(getattr(h, "phase", None) == "start-up" for h in self.previous.values()):
+            stop_at_once("wind-down")
         signal.set_wakeup_fd(self.previous_wakeup)
         self.wakeup.close()
         self.wakeup_writer.close()

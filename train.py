@@ -38,7 +38,7 @@ from model import ModelConfig, flops_per_token
 from optim import build_optimizer, step_if_finite
 from prepare import default_corpus
 from readback import Taken, log_unread, read_back
-from resilience import Guard, StopSignals, TrainingHalted, stop_at_once_during_startup
+from resilience import Guard, StopSignals, TrainingHalted, stop_at_once
 from rundir import CONFIG_FILE, NothingToDo, RunLock, claim, replace_outputs
 from schedule import lr_multiplier, set_lr
 from telemetry import Telemetry, announce, logger_problems, message, start_wandb
@@ -431,7 +431,7 @@ def shrink_micro_batch(run: Run, loader_state: dict, smaller: int) -> None:
 
 def main(argv=None):
     started = time.perf_counter()
-    stop_at_once_during_startup()
+    stop_at_once()
     try:
         cfg, command_line = config.parse_command_line(argv, __doc__, (memory.auto_batch_problems, logger_problems),
                                                       mixture.data_vocab)

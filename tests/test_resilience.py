@@ -553,16 +553,36 @@ def test_the_wandb_key_never_reaches_logs_or_checkpoints(data_dir, tmp_path, mon
 
 
 def test_a_signal_during_startup_is_one_line_and_the_shell_exit_code(capsys):
-    from resilience import stop_at_once_during_startup
+    from resilience import stop_at_once
 
     previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
-        stop_at_once_during_startup()
+        stop_at_once()
         with pytest.raises(SystemExit) as exit_info:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)  # the handler runs at the next bytecode boundary
         assert exit_info.value.code == 128 + signal.SIGTERM
         assert capsys.readouterr().err.strip() == "SIGTERM during start-up: stopping before the first step (nothing to save)"
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
+
+
+def test_a_signal_after_the_loop_says_the_run_is_winding_down_not_starting(capsys):
+    """A SIGTERM while the records are written or the process exits (a compile worker pool's shutdown can
+    take seconds): the loop's handlers give way to a one-line stop that does not claim nothing was trained."""
+    from resilience import StopSignals, stop_at_once
+
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        stop_at_once()
+        StopSignals().restore()
+        with pytest.raises(SystemExit) as exit_info:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        assert exit_info.value.code == 128 + signal.SIGTERM
+        assert capsys.readouterr().err.strip() == ("SIGTERM after the last step: exiting now (every checkpoint "
+                                                   "written is whole)")
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGINT, previous[1])
