@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 import torch.nn.functional as F
 from torch import nn
 
@@ -266,8 +267,10 @@ def test_adamw_side_of_muon_matches_torch_adamw():
     opt = build_optimizer(model, cfg, model.row_blocks(), "cpu")
     adam_groups = [g for g in opt.param_groups if g["kind"] == "adamw"]
     ref_params = dict(ref_model.named_parameters())
+    fused = optim.fused_adamw_available("cpu")  # Muon's AdamW side runs torch's fused kernel where there is one
     ref = torch.optim.AdamW([{"params": [ref_params[n] for n in g["names"]], "weight_decay": g["weight_decay"]}
-                             for g in adam_groups], lr=3e-3, betas=(0.8, 0.9), eps=1e-6, foreach=False)
+                             for g in adam_groups], lr=3e-3, betas=(0.8, 0.9), eps=1e-6, foreach=False,
+                            fused=fused or None)
     muon_names = [n for g in opt.param_groups if g["kind"] == "muon" for n in g["names"]]
     for x, y in batches(3):
         for m in (model, ref_model):
@@ -282,6 +285,42 @@ def test_adamw_side_of_muon_matches_torch_adamw():
     for g in adam_groups:
         for name, p in zip(g["names"], g["params"]):
             assert torch.equal(p, ref_params[name]), name
+
+
+def test_adamw_side_of_muon_fused_and_per_parameter_paths_agree_and_resume_each_other(monkeypatch):
+    """Fused where the device has the kernel (a few launches for the group), per parameter elsewhere and under
+    cautious decay: the same update up to rounding, and one state, so a checkpoint of either resumes on the other."""
+    if not optim.fused_adamw_available("cpu"):
+        pytest.skip("no fused AdamW kernel on this CPU build")
+    cfg = OptimConfig(name="muon", lr=0.02, adam_lr=3e-3, weight_decay=0.1, beta1=0.8, beta2=0.9, eps=1e-6)
+    models = [ToyGPT(n_layer=1, tied=False) for _ in range(2)]
+    opts = [build_optimizer(m, cfg, m.row_blocks(), "cpu") for m in models]
+    opts[1]._fused_on["cpu"] = False  # the per-parameter path
+    data = batches(4)
+    for step, (x, y) in enumerate(data):
+        if step == 2:  # swap paths mid-run through a checkpoint of each
+            states = [o.state_dict() for o in opts]
+            for o, state in zip(opts, states[::-1]):
+                o.load_state_dict(state)
+        for m, o in zip(models, opts):
+            m(x, y).backward()
+            o.step()
+            m.zero_grad(set_to_none=True)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    ops = []
+
+    class Dispatched(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket)
+            return func(*args, **(kwargs or {}))
+
+    models[0](*data[0]).backward()
+    with Dispatched():
+        opts[0].step()
+    assert ops.count(torch.ops.aten._fused_adamw_) == 2 and torch.ops.aten.addcdiv_ not in ops  # two AdamW groups
+    assert all(s["step"].item() == 4 for g in opts[1].param_groups if g["kind"] == "adamw"
+               for s in (opts[1].state[p] for p in g["params"]))
 
 
 # ----------------------------------------------------------------------------- FSDP2 and DDP on gloo
