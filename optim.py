@@ -659,6 +659,8 @@ class Muon(torch.optim.Optimizer):
 
     def _fused_adamw(self, group) -> bool:
         """Whether torch has a fused AdamW kernel on the group's device (probed once per device type)."""
+        if not group["params"]:
+            return False
         device_type = _local(group["params"][0]).device.type
         if device_type not in self._fused_on:
             self._fused_on[device_type] = fused_adamw_available(device_type)
@@ -671,6 +673,8 @@ class Muon(torch.optim.Optimizer):
         either path resumes on the other. found_inf is the kernel's own skip, as GradScaler hands it: p and its
         moments unchanged, and the count taken back."""
         params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
         for p in params:
             state = self.state[p]
             if not state:

@@ -315,6 +315,14 @@ def test_adamw_side_of_muon_fused_and_per_parameter_paths_agree_and_resume_each_
             ops.append(func.overloadpacket)
             return func(*args, **(kwargs or {}))
 
+    muon_side = {p for g in opts[0].param_groups if g["kind"] == "muon" for p in g["params"]}
+    for p in models[0].parameters():  # a step where the AdamW side has no gradients at all takes nothing
+        p.grad = torch.zeros_like(p) if p in muon_side else None
+    before = [p.clone() for g in opts[0].param_groups if g["kind"] == "adamw" for p in g["params"]]
+    optim.step_if_finite(opts[0], torch.tensor(True))
+    after = [p for g in opts[0].param_groups if g["kind"] == "adamw" for p in g["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    models[0].zero_grad(set_to_none=True)
     models[0](*data[0]).backward()
     with Dispatched():
         opts[0].step()
