@@ -53,7 +53,7 @@ from cli import ArgumentParser, UsageError, report_error
 from config import changed_keys
 from data import data_change
 from fp8 import plain_to_te_state_dict, te_to_plain_state_dict
-from model import INIT_ONLY_FIELDS, QWEN3_VALUES
+from model import INIT_ONLY_FIELDS, with_qwen3_toggles
 from optim import apply_group_settings, group_settings
 from schedule import current_multiplier
 
@@ -538,7 +538,7 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         def check_config(meta) -> list[str]:
-            recorded = {**QWEN3_VALUES, **meta["model_config"]}  # a toggle it lacks was at Qwen3's value
+            recorded = with_qwen3_toggles(meta["model_config"])
             changes = [c for c in changed_keys(recorded, dataclasses.asdict(self.model_cfg))
                        if c[0] not in INIT_ONLY_FIELDS]
             if changes:

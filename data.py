@@ -170,21 +170,22 @@ def check_vocab(model_vocab: int, data_dir: str) -> str | None:
     except DataError as e:
         return str(e)
     if record is not None:
-        n_vocab, padded = record["n_vocab"], _round_up(record["n_vocab"], VOCAB_PAD_MULTIPLE)
+        n_vocab, padded = record["n_vocab"], padded_vocab(record["n_vocab"])
         if n_vocab <= model_vocab <= padded:
             return None
         return (f"the model's vocabulary ({model_vocab:,} ids) does not fit the shards in {data_dir}: they were "
                 f"made with the {record['tokenizer']} tokenizer ({n_vocab:,} ids; a model may pad that to "
                 f"{padded:,}); prepare the data with the model's tokenizer (prepare.py --tokenizer)")
-    if limit is not None and model_vocab > _round_up(limit, VOCAB_PAD_MULTIPLE):
+    if limit is not None and model_vocab > padded_vocab(limit):
         return (f"the model's vocabulary ({model_vocab:,} ids) is not the one of the shards in {data_dir}: they "
                 f"are 16-bit, so their tokenizer has at most {limit:,} ids (they record none: no {DATA_RECORD}); "
                 f"prepare the data with the model's tokenizer (prepare.py --tokenizer)")
     return None
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def padded_vocab(n_vocab: int) -> int:
+    """The largest vocabulary a model of a tokenizer's n_vocab ids may have: n_vocab padded to VOCAB_PAD_MULTIPLE."""
+    return -(-n_vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
 
 
 # ----------------------------------------------------------------------------------------------------------

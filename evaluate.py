@@ -32,7 +32,7 @@ import torch
 import distributed
 import hardware
 from cli import UsageError, first_line, plural
-from data import VOCAB_PAD_MULTIPLE, DataError, ShardLoader, _round_up, data_tokenizer
+from data import DataError, ShardLoader, data_tokenizer, padded_vocab
 from mixture import Source, is_mixture, label, parse_data, record_dir
 from model import IGNORE_INDEX
 from progress import Progress
@@ -337,7 +337,7 @@ class Evaluator:
             if self.info.is_main:
                 message(f"note: no val_bpb: {self.no_bpb_reason}")
             return
-        if self.vocab_size <= _round_up(enc.n_vocab, VOCAB_PAD_MULTIPLE):  # as a model may pad it (check_vocab)
+        if self.vocab_size <= padded_vocab(enc.n_vocab):  # as a model may pad it (check_vocab)
             self.token_bytes = token_byte_lengths(enc, self.vocab_size).to(self.device)
         else:
             self.no_bpb_reason = (f"the model's vocabulary ({self.vocab_size:,} ids) is larger than the shards' "

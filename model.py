@@ -58,6 +58,12 @@ ARCHITECTURE_TOGGLES = tuple(QWEN3_VALUES)
 PLAIN_BACKEND_TOGGLES = ("mlp", "value_embeds", "attn_gate")
 
 
+def with_qwen3_toggles(record: dict) -> dict:
+    """A recorded ModelConfig (dataclasses.asdict's), with Qwen3's value for each toggle it lacks: a checkpoint
+    older than a toggle was trained without it, whatever today's default."""
+    return {**QWEN3_VALUES, **record}
+
+
 def qwen3_flag(name: str) -> str:
     """The flag that sets toggle `name` to Qwen3's value: --mlp swiglu, --logit-softcap 0, --no-attn-gate."""
     value, dashed = QWEN3_VALUES[name], name.replace("_", "-")
@@ -171,9 +177,8 @@ class ModelConfig:
 
     @classmethod
     def from_record(cls, record: dict) -> "ModelConfig":
-        """The config a checkpoint recorded (dataclasses.asdict's), with Qwen3's value for each toggle it lacks:
-        a checkpoint older than a toggle was trained without it, whatever today's default."""
-        return cls(**{**QWEN3_VALUES, **record})
+        """The config a checkpoint recorded (with_qwen3_toggles)."""
+        return cls(**with_qwen3_toggles(record))
 
     @property
     def resolved_head_dim(self) -> int:

@@ -675,13 +675,7 @@ class Muon(torch.optim.Optimizer):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = torch.zeros((), device=_local(p).device)
-                state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
-            state["step"] = state["step"].to(_local(p).device, torch.float32)  # a checkpoint's comes back on the CPU
-        states = [self.state[p] for p in params]
+        states = [self._adamw_state(p) for p in params]
         steps = [state["step"] for state in states]
         torch._foreach_add_(steps, 1)
         (beta1, beta2) = group["betas"]
@@ -856,6 +850,16 @@ class Muon(torch.optim.Optimizer):
                                                       stride=(1,)) if _is_dtensor(p) else local)
         return state["row_sq_avg"]
 
+    def _adamw_state(self, p) -> dict:
+        """p's AdamW state (step, exp_avg, exp_avg_sq), made at zero on first use, its step count a float32 scalar
+        on p's device, where both AdamW paths keep it (a checkpoint's comes back on the CPU)."""
+        state, device = self.state[p], _local(p).device
+        if not state:
+            state["step"] = torch.zeros((), device=device)
+            state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+        state["step"] = state["step"].to(device, torch.float32)
+        return state
+
     def _adamw_update(self, p, group, found_inf=None):
         """AdamW on one parameter, its step count and bias corrections kept on the device (nothing waits for the
         GPU). found_inf (step_if_finite's; None: 0) weighs the step: where it is nonzero the gradient (zeroed
@@ -865,12 +869,7 @@ class Muon(torch.optim.Optimizer):
         param, grad = _local(p), _local(p.grad)
         skip = (torch.zeros((), dtype=torch.bool, device=param.device) if found_inf is None
                 else found_inf.to(param.device).bool())
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.zeros((), device=param.device)
-            state["exp_avg"] = torch.zeros_like(p)
-            state["exp_avg_sq"] = torch.zeros_like(p)
-        state["step"] = state["step"].to(param.device)  # a checkpoint's comes back on the CPU
+        state = self._adamw_state(p)
         exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
         (beta1, beta2), lr, decay = group["betas"], group["lr"], group["lr"] * group["weight_decay"]
         dtype = scalar_dtype(param.device)
