@@ -545,6 +545,11 @@ def _row_shards(p: torch.Tensor) -> tuple | None:
     return None
 
 
+def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """t[start:start + count], or t itself where that is all of it: a slice is one more operation for the host."""
+    return t if start == 0 and count == t.shape[0] else t[start:start + count]
+
+
 def _first_local_row(p: torch.Tensor) -> int:
     shards = _row_shards(p)
     return 0 if shards is None else shard_rows(p.shape[0], *shards[1:])[0]
@@ -692,29 +697,40 @@ class Muon(torch.optim.Optimizer):
             return dist.get_world_size(), dist.get_rank()
         return 1, 0
 
-    def _momentum(self, p, group, skip) -> torch.Tensor:
-        """Update p's momentum; -> this rank's rows (all of them, off FSDP2) of the Nesterov-corrected update.
-        Where skip (a bool scalar) the momentum stays as it was and the update is all zeros."""
-        state = self.state[p]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(p.grad)
-        grad, buf = _local(p.grad).masked_fill(skip, 0.0), _local(state["momentum_buffer"])
-        momentum = self._momentum_now(p, group, skip)
-        if torch.is_tensor(momentum):
-            buf.lerp_(grad, (1 - momentum).masked_fill(skip, 0.0).to(buf.dtype))
-            momentum = momentum.to(buf.dtype)
+    def _momenta(self, params, group, skip) -> list[torch.Tensor]:
+        """Update each p's momentum; -> this rank's rows (all of them, off FSDP2) of each Nesterov-corrected
+        update. Where skip (a bool scalar) the momenta stay as they were and the updates are all zeros.
+
+        Multi-tensor (foreach) calls over the bucket, not a few operations per matrix: each operation is host
+        work, and on a GPU a launch, which bounds the step when its kernels are small. Each computes what the
+        per-matrix lerp_ would, bit for bit."""
+        grads = [_local(p.grad).masked_fill(skip, 0.0) for p in params]  # a NaN times a weight of 0 stays NaN
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            bufs.append(_local(state["momentum_buffer"]))
+        if group.get("momentum_warmup", 0):
+            momenta = [self._momentum_now(p, group, skip) for p in params]
+            torch._foreach_lerp_(bufs, grads, [(1 - m).masked_fill(skip, 0.0).to(b.dtype)
+                                               for m, b in zip(momenta, bufs)])
+            momentum = [m.to(b.dtype) for m, b in zip(momenta, bufs)]
         else:
-            buf.lerp_(grad, per_step(skip, 1 - momentum, 0.0, buf.dtype))
-        if group["nesterov"]:
-            return grad.lerp_(buf, momentum).masked_fill_(skip, 0.0)
-        return buf.masked_fill(skip, 0.0)
+            momentum = group["momentum"]
+            weights = {dtype: per_step(skip, 1 - momentum, 0.0, dtype) for dtype in {b.dtype for b in bufs}}
+            torch._foreach_lerp_(bufs, grads, [weights[b.dtype] for b in bufs])
+        keep = per_step(skip, 1.0, 0.0, torch.float32)
+        if not group["nesterov"]:
+            return torch._foreach_mul(bufs, keep)
+        torch._foreach_lerp_(grads, bufs, momentum)
+        torch._foreach_mul_(grads, keep)
+        return grads
 
     def _momentum_now(self, p, group, skip):
-        """The group's momentum; under a warm-up, schedule.muon_momentum of p's count of steps taken, as a
-        scalar on the device (the host never waits for the count), and the count advanced unless skip."""
-        warmup = group.get("momentum_warmup", 0)
-        if not warmup:
-            return group["momentum"]
+        """The momentum under a warm-up: schedule.muon_momentum of p's count of steps taken, as a scalar on
+        the device (the host never waits for the count), and the count advanced unless skip."""
+        warmup = group["momentum_warmup"]
         state, device = self.state[p], _local(p).device
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=device)
@@ -735,7 +751,7 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_bucket(self, todo, group, skip):
         """Momentum, Newton-Schulz and the update for a bucket of (param, row split) pairs."""
-        updates = [self._momentum(p, group, skip) for p, _ in todo]
+        updates = self._momenta([p for p, _ in todo], group, skip)
         blocks = [(i, start, rows) for i, (_, split) in enumerate(todo)  # (index into todo, first row, rows)
                   for start, rows in zip(itertools.accumulate(split, initial=0), split)]
         shards = _row_shards(todo[0][0])
@@ -747,7 +763,7 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalize_whole(self, todo, updates, blocks, group, skip) -> list[torch.Tensor]:
         """Each block's orthogonalised (NorMuon'd, if on) update, where every rank holds every row."""
-        orthos = orthogonalize_blocks([updates[i][start:start + rows] for i, start, rows in blocks],
+        orthos = orthogonalize_blocks([_rows(updates[i], start, rows) for i, start, rows in blocks],
                                       group["ns_steps"], NS_DTYPES[group["ns_dtype"]], *self._ranks(),
                                       coeffs=group.get("ns_coeffs", "quintic"))
         if group.get("normuon_beta") is None:
@@ -823,21 +839,26 @@ class Muon(torch.optim.Optimizer):
 
     def _apply_muon(self, todo, blocks, orthos, group, skip):
         """Decay and step the parameters; orthos[k] is block k's update for the rows of it this rank holds (all
-        zeros where skip, so that only the decay needs its weight set to 0)."""
+        zeros where skip, so that only the decay needs its weight set to 0). Foreach calls, as in _momenta: one
+        decay for the bucket, one step per update scale (blocks of one shape share it)."""
         lr, cautious = group["lr"], group.get("cautious_wd", False)
         decay, dtype = lr * group["weight_decay"], scalar_dtype(skip.device)
-        if not cautious:
-            factor = per_step(skip, 1 - decay, 1.0, dtype)
-            for p, _ in todo:
-                _local(p).mul_(factor)
+        if not cautious:  # the factor in float32, as a float32 parameter's mul_ would round it
+            params = [_local(p) for p, _ in todo]
+            torch._foreach_mul_(params, per_step(skip, 1 - decay, 1.0, torch.promote_types(params[0].dtype,
+                                                                                           torch.float32)))
+        steps: dict[float, tuple[list, list]] = {}  # alpha -> (targets, updates)
         for (i, start, rows), update in zip(blocks, orthos):
             p = todo[i][0]
             first = _first_local_row(p)
-            lo = max(start, first) - first
-            target = _local(p)[lo:lo + update.shape[0]]
+            target = _rows(_local(p), max(start, first) - first, update.shape[0])
             if cautious:  # every row of a matrix is in exactly one block, so each is decayed once
                 cautious_decay_(target, update, per_step(skip, decay, 0.0, dtype))
-            target.add_(update, alpha=-lr * muon_scale_factor(rows, p.shape[1], group["muon_scale"]))
+            alpha = -lr * muon_scale_factor(rows, p.shape[1], group["muon_scale"])
+            steps.setdefault(alpha, ([], []))[0].append(target)
+            steps[alpha][1].append(update)
+        for alpha, (targets, updates) in steps.items():
+            torch._foreach_add_(targets, updates, alpha=alpha)
 
     def _row_sq_avg(self, p) -> torch.Tensor:
         """NorMuon's per-row second moment of p, created at zero on first use, laid out like p's rows (a DTensor

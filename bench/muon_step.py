@@ -18,6 +18,7 @@ are CPU processes on gloo, one thread each.
 """
 
 import argparse
+import collections
 import os
 import shlex
 import statistics
@@ -191,11 +192,15 @@ class OpCounter(TorchDispatchMode):
     launch), which bounds the step when its kernels are small."""
 
     def __enter__(self):
-        self.count = 0
+        self.by_func = collections.Counter()  # operation (aten.lerp_, ...) -> how many times
         return super().__enter__()
 
+    @property
+    def count(self) -> int:
+        return sum(self.by_func.values())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
+        self.by_func[func.overloadpacket] += 1
         return func(*args, **(kwargs or {}))
 
 

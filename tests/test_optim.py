@@ -331,6 +331,27 @@ def test_adamw_side_of_muon_fused_and_per_parameter_paths_agree_and_resume_each_
                for s in (opts[1].state[p] for p in g["params"]))
 
 
+
+def test_muon_side_is_a_few_foreach_calls_per_bucket_not_operations_per_matrix():
+    """Momentum, Nesterov, the skip's zeroing, decay and step: one multi-tensor call each for the bucket, whatever
+    its number of matrices (each per-matrix operation is a host-issued launch on a GPU)."""
+    cfg = OptimConfig(name="muon", lr=0.02, adam_lr=3e-3, weight_decay=0.1)
+    counts = {}
+    for n_layer in (1, 3):
+        torch.manual_seed(0)
+        model = ToyGPT(n_layer=n_layer)
+        opt = build_optimizer(model, cfg, model.row_blocks(), "cpu")
+        for _ in range(2):  # the second step is counted: the state exists
+            model.zero_grad(set_to_none=True)
+            model(*batches(1)[0]).backward()
+            with muon_step.OpCounter() as counted:
+                optim.step_if_finite(opt, torch.tensor(True))
+        counts[n_layer] = counted.by_func
+    one, three = counts[1], counts[3]
+    per_matrix = {torch.ops.aten.lerp_, torch.ops.aten.mul_, torch.ops.aten.add_}
+    assert not per_matrix & (set(one) | set(three)), per_matrix & (set(one) | set(three))
+    assert three[torch.ops.aten._foreach_lerp_] == one[torch.ops.aten._foreach_lerp_] == 2
+    assert three[torch.ops.aten._foreach_mul_] == one[torch.ops.aten._foreach_mul_]  # the skip's zeroing and decay
 # ----------------------------------------------------------------------------- FSDP2 and DDP on gloo
 
 
