@@ -278,23 +278,22 @@ def test_recipe_cache_runs_only_what_it_lacks_and_fresh_runs_all(tmp_path, monke
     assert ran[3:] == ["a"]
 
 
-def test_recipe_smoke_runs_toggles_and_anchor_then_reads_them_from_the_cache(tmp_path, tiny_data):
+def test_recipe_smoke_runs_toggles_and_anchor_then_reads_them_from_the_cache(tmp_path, tiny_data, capsys):
     out, cache = tmp_path / "recipe.md", tmp_path / "cache.json"
-    argv = [sys.executable, os.path.join(REPO, "bench", "recipe.py"), "--only", "baseline,cautious-wd", "--seeds", "1",
+    argv = ["--only", "baseline,cautious-wd", "--seeds", "1", "--jobs", "3",
             "--max-tokens", "128", "--out", str(out), "--cache", str(cache), "--data", tiny_data, *TINY_FLAGS,
             "--eval-tokens", "128", "--warmup", "1", "--toggle", "lr-x2=--lr 6e-3", "--runs-dir", str(tmp_path / "runs"),
             "--anchor-lrs", "1e-3", "--anchor-factor", "1"]
-    first = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert "0 of 3 runs cached; running 3" in first.stdout
+    recipe.main(argv)  # in this process; the runs are train.py and anchor.py processes
+    assert "0 of 3 runs cached; running 3" in capsys.readouterr().out
     text = out.read_text()
     assert "python bench/recipe.py --only baseline,cautious-wd" in text
     rows = [line for line in text.splitlines() if line.startswith("| baseline") or line.startswith("| cautious-wd")]
     assert len(rows) == 4 and "`--cautious-wd`" in rows[1] and "| 128 |" in rows[0] and "(1.00x)" in rows[0]
     assert "| lr-x2" not in text  # added as a toggle, but not chosen by --only
     assert "| 0.001 (tuned) |" in text and "Tokens for ours to reach the anchor's final loss" in text
-    again = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert again.returncode == 0 and "3 of 3 runs cached; running 0" in again.stdout
+    recipe.main(argv)
+    assert "3 of 3 runs cached; running 0" in capsys.readouterr().out
     assert out.read_text().split("- time:")[0] == text.split("- time:")[0]
 
 
