@@ -855,8 +855,9 @@ class Muon(torch.optim.Optimizer):
             if cautious:  # every row of a matrix is in exactly one block, so each is decayed once
                 cautious_decay_(target, update, per_step(skip, decay, 0.0, dtype))
             alpha = -lr * muon_scale_factor(rows, p.shape[1], group["muon_scale"])
-            steps.setdefault(alpha, ([], []))[0].append(target)
-            steps[alpha][1].append(update)
+            targets, updates = steps.setdefault(alpha, ([], []))
+            targets.append(target)
+            updates.append(update)
         for alpha, (targets, updates) in steps.items():
             torch._foreach_add_(targets, updates, alpha=alpha)
 
