@@ -1,10 +1,11 @@
 """Fixtures the test files share: tiny token shards, GPT-2's tokenizer loaded offline, a tokenizer.json of over
-65,535 ids, the tiny model's flags, a tiny GPT-2-vocabulary model, and a NaN injected into one training step
+65,535 ids, the tiny model's flags, train.py run in the test's process, a tiny GPT-2-vocabulary model, and a NaN injected into one training step
 (tests poison a step by patching it, so the product carries no test-only flag), and the process group every
 multi-process test runs in."""
 
 import os
 import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -27,6 +28,27 @@ HELLASWAG_FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.json
 WORD_TEXT = "the cat sat on the mat . a dog ran to the park , and the cat slept !"
 # The GPT-2 vocabulary (HellaSwag's text needs it), otherwise as small as TINY_FLAGS.
 GPT2_TINY = dict(vocab_size=50257, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=32)
+
+
+@pytest.fixture
+def train_in_process(capsys):
+    """-> run(*argv): train.main(argv) in this process, read back as a subprocess.CompletedProcess (returncode,
+    stdout, stderr). A tiny run in a new process is mostly its start-up (importing torch and the checkpoint
+    stack, about 3 s), so tests of what a run says, refuses and leaves behind call main here; the entry point
+    itself (exit code 2, one line, no traceback) is tested in a real process in tests/test_train.py."""
+    import train
+
+    def run(*argv):
+        capsys.readouterr()
+        try:
+            train.main([str(arg) for arg in argv])
+            code = 0
+        except SystemExit as e:
+            code = 0 if e.code is None else e.code
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(list(argv), code, out.out, out.err)
+
+    return run
 
 
 def write_tiny_shards(root, train_tokens=(5000, 5000, 5000), val_tokens=2000, seed=0, vocab_size=256) -> str:

@@ -278,17 +278,15 @@ def test_a_damaged_checkpoint_does_not_count_toward_keep_ckpts_and_each_one_is_h
     assert sorted(verified) == [checkpoint.checkpoint_path(str(tmp_path), s, sharded=False) for s in (2, 3)]
 
 
-def test_a_damaged_later_checkpoint_does_not_make_new_ones_disappear(tiny_data, tmp_path):
+def test_a_damaged_later_checkpoint_does_not_make_new_ones_disappear(tiny_data, tmp_path, train_in_process):
     from conftest import TINY_FLAGS
 
     flags = ["--out-dir", str(tmp_path), *TINY_FLAGS, "--data", tiny_data, "--eval-interval", "0",
              "--ckpt-interval", "3", "--keep-ckpts", "1"]
-    first = subprocess.run([sys.executable, "train.py", *flags, "--max-steps", "3"], cwd=REPO, capture_output=True,
-                           text=True, timeout=300)
+    first = train_in_process(*flags, "--max-steps", "3")
     assert first.returncode == 0, first.stderr
     (tmp_path / "ckpt_00000099.pt").write_bytes(b"damaged")
-    resumed = subprocess.run([sys.executable, "train.py", *flags, "--max-steps", "9", "--resume"], cwd=REPO,
-                             capture_output=True, text=True, timeout=300)
+    resumed = train_in_process(*flags, "--max-steps", "9", "--resume")
     assert resumed.returncode == 0 and "skipping checkpoint" in resumed.stderr, resumed.stderr
     assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt_") and n.endswith(".pt")) == [
         "ckpt_00000009.pt", "ckpt_00000099.pt"]
@@ -297,14 +295,15 @@ def test_a_damaged_later_checkpoint_does_not_make_new_ones_disappear(tiny_data, 
 # ----------------------------------------------------------------------------- what a resume refuses
 
 
-def run_train(out_dir, data, *flags):
+@pytest.fixture
+def run_train(train_in_process):
     from conftest import TINY_FLAGS
 
-    return subprocess.run([sys.executable, "train.py", "--out-dir", str(out_dir), "--data", str(data), *TINY_FLAGS,
-                           "--eval-interval", "0", *flags], cwd=REPO, capture_output=True, text=True, timeout=300)
+    return lambda out_dir, data, *flags: train_in_process("--out-dir", out_dir, "--data", data, *TINY_FLAGS,
+                                                          "--eval-interval", "0", *flags)
 
 
-def test_a_checkpoint_without_optimizer_state_is_refused(tiny_data, tmp_path):
+def test_a_checkpoint_without_optimizer_state_is_refused(tiny_data, tmp_path, run_train):
     assert run_train(tmp_path, tiny_data, "--max-steps", "2").returncode == 0
     path = checkpoint.checkpoint_path(str(tmp_path), 2, sharded=False)
     state = torch.load(path, weights_only=True)
@@ -314,7 +313,7 @@ def test_a_checkpoint_without_optimizer_state_is_refused(tiny_data, tmp_path):
     assert "has no optimizer state" in one_error_line(refused)
 
 
-def test_resuming_on_other_shards_is_refused_unless_allowed(tmp_path):
+def test_resuming_on_other_shards_is_refused_unless_allowed(tmp_path, run_train):
     from conftest import write_tiny_shards
 
     (tmp_path / "a").mkdir()

@@ -106,9 +106,9 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_killed_holder_leaves_no
     lock.release()
 
 
-def train(out_dir, *flags):
-    return subprocess.run([sys.executable, "train.py", "--out-dir", str(out_dir), *TINY_FLAGS, *flags], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture
+def train(train_in_process):
+    return lambda out_dir, *flags: train_in_process("--out-dir", out_dir, *TINY_FLAGS, *flags)
 
 
 def one_error_line(result):
@@ -117,7 +117,7 @@ def one_error_line(result):
     return lines[0]
 
 
-def test_a_fresh_run_refuses_a_used_out_dir_until_told_what_to_do(tiny_data, tmp_path):
+def test_a_fresh_run_refuses_a_used_out_dir_until_told_what_to_do(tiny_data, tmp_path, train):
     # A warm-up past every step: extending the run to 6 steps re-warms no decayed LR.
     common = ["--data", tiny_data, "--ckpt-interval", "2", "--eval-interval", "0", "--warmup", "15"]
     assert train(tmp_path, *common, "--max-steps", "4").returncode == 0
@@ -173,12 +173,12 @@ def test_a_run_stopped_before_its_first_checkpoint_is_no_dead_end(tiny_data, tmp
     assert [r["step"] for r in records] == [1, 2] and all(r["train_loss"] != 99.0 for r in records)
 
 
-def test_resume_auto_starts_fresh_when_there_is_nothing_to_resume(tiny_data, tmp_path):
+def test_resume_auto_starts_fresh_when_there_is_nothing_to_resume(tiny_data, tmp_path, train):
     result = train(tmp_path, "--data", tiny_data, "--max-steps", "2", "--eval-interval", "0", "--resume", "auto")
     assert result.returncode == 0 and "off (fresh run; --resume auto)" in result.stdout
 
 
-def test_two_runs_in_one_out_dir_cannot_overlap(tiny_data, tmp_path):
+def test_two_runs_in_one_out_dir_cannot_overlap(tiny_data, tmp_path, train):
     first = subprocess.Popen([sys.executable, "train.py", "--out-dir", str(tmp_path), *TINY_FLAGS, "--data", tiny_data,
                               "--max-steps", "100000", "--eval-interval", "0"], cwd=REPO, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)

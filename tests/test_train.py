@@ -76,7 +76,8 @@ def test_bad_flags_are_usage_errors(args, message):
         config.parse_args(args)
 
 
-def test_bad_input_exits_2_with_one_line(tmp_path, tiny_data):
+def test_bad_input_exits_2_with_one_line(tmp_path, tiny_data, train_in_process):
+    """The first case through the real entry point (exit code 2, one line, no traceback), the rest in-process."""
     empty = tmp_path / "empty"
     empty.mkdir()
     cases = [
@@ -85,21 +86,21 @@ def test_bad_input_exits_2_with_one_line(tmp_path, tiny_data):
         ["--data", str(empty)],
         ["--data", tiny_data, *TINY_MODEL[:-4], "--seq-len", "8192", "--batch-size", "1"],
     ]
-    for args in cases:
-        result = run_cli(*args, "--out-dir", str(tmp_path / "out"))
+    for i, args in enumerate(cases):
+        result = (run_cli if i == 0 else train_in_process)(*args, "--out-dir", str(tmp_path / "out"))
         assert result.returncode == 2, (args, result.stderr)
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), (args, result.stderr)
 
 
-def test_a_model_whose_vocabulary_is_not_the_shards_tokenizers_is_refused(tmp_path):
+def test_a_model_whose_vocabulary_is_not_the_shards_tokenizers_is_refused(tmp_path, train_in_process):
     import prepare
 
     (tmp_path / "corpus.txt").write_text("def f(x):\n    return x + 1\n" * 400)
     prepare.prepare(str(tmp_path / "corpus.txt"), str(tmp_path / "shards"), val_tokens=2000)  # GPT-2, recorded
     shards = ["--data", str(tmp_path / "shards"), "--out-dir", str(tmp_path / "out"), "--device", "cpu"]
     for vocab in ("151936", "256"):  # Qwen3's vocabulary, and one too small for GPT-2's ids
-        result = run_cli(*shards, *TINY_MODEL, "--vocab-size", vocab)
+        result = train_in_process(*shards, *TINY_MODEL, "--vocab-size", vocab)
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1, result.stderr
         assert f"vocabulary ({int(vocab):,} ids)" in lines[0] and "gpt2 tokenizer (50,257 ids" in lines[0]
@@ -230,23 +231,23 @@ def test_metrics_survive_a_crash_while_rewritten_at_resume(tmp_path, monkeypatch
     assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines)
 
 
-def test_resume_rejects_a_different_model(tmp_path, tiny_data):
+def test_resume_rejects_a_different_model(tmp_path, tiny_data, train_in_process):
     tiny_run(tiny_data, tmp_path, "--max-steps", "2")
-    result = run_cli("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--n-layer", "3",
-                     "--max-steps", "4", "--resume", "--device", "cpu")
+    result = train_in_process("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--n-layer", "3",
+                              "--max-steps", "4", "--resume", "--device", "cpu")
     assert result.returncode == 2 and "another model shape (n_layer 2 -> 3)" in result.stderr
 
 
-def test_resume_names_the_settings_that_changed(tmp_path, tiny_data):
+def test_resume_names_the_settings_that_changed(tmp_path, tiny_data, train_in_process):
     """The checkpoint stores the resolved config: a changed optimizer is refused, a changed LR is named."""
     tiny_run(tiny_data, tmp_path, "--max-steps", "2")
     common = ["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--max-steps", "3", "--resume",
               "--device", "cpu", "--eval-interval", "0"]
-    result = run_cli(*common, "--optimizer", "adamw")
+    result = train_in_process(*common, "--optimizer", "adamw")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == ("error: --resume: the checkpoint was trained with settings "
                                                       "that cannot change within a run: optim.name 'muon' -> 'adamw'")
-    result = run_cli(*common, "--lr", "1e-3")
+    result = train_in_process(*common, "--lr", "1e-3")
     assert result.returncode == 0, result.stderr
     assert "setting changed since the checkpoint: optim.lr 0.006 -> 0.001" in result.stderr
     assert "schedule.max_steps 2 -> 3" in result.stderr
@@ -309,9 +310,9 @@ def test_overwrite_removes_nothing_until_the_new_config_is_written(tmp_path, tin
     assert {name: (tmp_path / name).read_bytes() for name in os.listdir(tmp_path) if name != ".lock"} == before
 
 
-def test_resume_rejects_a_foreign_checkpoint(tmp_path, tiny_data):
+def test_resume_rejects_a_foreign_checkpoint(tmp_path, tiny_data, train_in_process):
     (tmp_path / "ckpt_00000001.pt").write_bytes(b"not a checkpoint")
-    result = run_cli("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--resume", "--device", "cpu")
+    result = train_in_process("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--resume", "--device", "cpu")
     assert result.returncode == 2
     assert "skipping checkpoint" in result.stderr and "no usable checkpoint" in result.stderr.splitlines()[-1]
 
