@@ -27,6 +27,7 @@ import typing
 from dataclasses import dataclass, field
 
 import fp8
+import optim
 import sizing
 from cli import ArgumentParser, UsageError, int_or_auto
 from fp8 import FP8Config
@@ -213,6 +214,11 @@ class Config:
     fp8: FP8Config = field(default_factory=FP8Config)
     log: LogConfig = field(default_factory=LogConfig)
 
+    def __post_init__(self):
+        """An untied model's embedding and lm_head LRs follow the AdamW side's (optim.untied_lr_defaults): resolved
+        here, where the model and the optimizer meet, so that Config() is what parsing no flag gives."""
+        self.optim = dataclasses.replace(self.optim, **optim.untied_lr_defaults(self.optim, self.model.tie_embeddings))
+
 
 SECTION_TITLES = {
     "data": "data and batch", "size": "model size: one dial (see sizing.py)", "model": "model",
@@ -244,9 +250,7 @@ def _add_flag(group, section: str, cls, f: dataclasses.Field) -> None:
     namespace is one the user gave, and the dataclass fills in the rest."""
     kwargs = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS}
     value_type = _value_type(cls, f)
-    if "action" in f.metadata:
-        kwargs["action"] = f.metadata["action"]
-    elif value_type is bool:
+    if value_type is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     else:
         kwargs["type"] = value_type
@@ -256,7 +260,7 @@ def _add_flag(group, section: str, cls, f: dataclasses.Field) -> None:
         kwargs["choices"] = f.metadata["choices"]
     elif "action" not in kwargs:
         kwargs["metavar"] = f.metadata.get("metavar", f.name.upper())
-    shown = f.default if "action" not in f.metadata else not f.default
+    shown = f.default
     hidden = shown is None or shown is False or shown == ""  # 0 is a default to show (0 == False)
     kwargs["help"] = f.metadata["help"] + ("" if hidden else f" (default: {shown})")
     group.add_argument(flag_name(f), **kwargs)
@@ -404,11 +408,10 @@ def read_config_file(path: str) -> dict:
 
 def key_names(cls) -> dict[str, dataclasses.Field]:
     """The keys a --config file may use for cls's fields -> the field: its name, and its flag's spelling (seq_len
-    for --seq-len; a key's dashes read as underscores) unless the flag negates the field (--untied). Pure."""
+    for --seq-len; a key's dashes read as underscores). Pure."""
     names = {}
     for f in dataclasses.fields(cls):
-        if "action" not in f.metadata:
-            names[flag_name(f).removeprefix("--").replace("-", "_")] = f
+        names[flag_name(f).removeprefix("--").replace("-", "_")] = f
         names[f.name] = f
     return names
 

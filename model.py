@@ -101,15 +101,16 @@ class ModelConfig:
     max_seq_len: int = field(default=128, metadata={"flag": "--seq-len", "help": "tokens per training sequence"})
     rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base frequency"})
     norm_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon"})
-    tie_embeddings: bool = field(default=True, metadata={
-        "flag": "--untied", "action": "store_false", "help": "separate lm_head and embedding weights"})
+    tie_embeddings: bool = field(default=False, metadata={
+        "help": "one matrix for the embedding and the lm_head, as in GPT-2 (the gpt2-* presets set it); off, "
+                "the lm_head is its own matrix with its own LR, which trains faster (docs/recipe.md)"})
     # Initialisation, not shape: hf.hf_config leaves it out, so Hugging Face exports stay exact.
     zero_init_proj: bool = field(default=False, metadata={
         "help": "initialise attn.proj and mlp.fc2, the projections into the residual stream, to zero: every block "
                 "starts as the identity (init only; not part of the exported architecture)"})
     head_init: str = field(default="normal", metadata={
-        "choices": HEAD_INITS, "help": "init of an untied lm_head (needs --untied): normal(0, 0.02) like the "
-                                       "embedding, or zero, so every logit starts at 0 (init only)"})
+        "choices": HEAD_INITS, "help": "init of an untied lm_head (not with --tie-embeddings): normal(0, 0.02) like "
+                                       "the embedding, or zero, so every logit starts at 0 (init only)"})
     # Recipe toggles (QWEN3_VALUES), each on by default only once the recipe sweep showed it wins
     # (docs/recipe.md): attn_gate.
     mlp: str = field(default="swiglu", metadata={
@@ -153,7 +154,8 @@ class ModelConfig:
         if self.head_init not in HEAD_INITS:
             raise ValueError(f"unknown head_init {self.head_init!r}; choose one of {', '.join(HEAD_INITS)}")
         if self.head_init != "normal" and self.tie_embeddings:
-            raise ValueError("--head-init zero needs --untied: a tied lm_head is the embedding, which it would zero")
+            raise ValueError("--head-init zero needs an untied lm_head: a tied one (--tie-embeddings) is the "
+                             "embedding, which it would zero")
         if self.mlp not in MLP_KINDS:
             raise ValueError(f"unknown mlp {self.mlp!r}; choose one of {', '.join(MLP_KINDS)}")
         if not 0 <= self.logit_softcap < math.inf:

@@ -70,6 +70,10 @@ WRAPPER_NAMES = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_modul
 # Peak LRs (the matrices', and the AdamW side's under Muon) for train.py's small default model, from the sweep
 # in bench/results/optimizers.md: the best of 3e-3 / 6e-3 / 1.2e-2 for Muon, of 1.5e-3 ... 1.2e-2 for AdamW.
 DEFAULT_LRS = {"muon": (6e-3, 3e-3), "adamw": (3e-3, None), "adamw8bit": (3e-3, None)}
+# Under Muon, an untied model's embedding and lm_head LRs as multiples of the AdamW side's: the recipe sweep's
+# best (docs/recipe.md#on-top-of-v2). The embedding's rows see sparse gradients and take a much higher LR than
+# a matrix that is also the head could; the head itself wants a little more than the AdamW side's.
+UNTIED_LR_MULTIPLES = {"embed_lr": 10, "head_lr": 2}
 
 
 @dataclass
@@ -116,9 +120,11 @@ class OptimConfig:
         "help": "cautious weight decay: decay only the coordinates whose update has the parameter's sign "
                 "(muon and adamw)"})
     embed_lr: float | None = field(default=None, metadata={
-        "help": "peak LR of the embedding (the tied matrix, if tied); default: the AdamW side's LR"})
+        "help": "peak LR of the embedding (the tied matrix, if tied); default: 10x --adam-lr for an untied "
+                "model under muon, else the AdamW side's LR"})
     head_lr: float | None = field(default=None, metadata={
-        "help": "peak LR of an untied lm_head (needs --untied); default: the AdamW side's LR"})
+        "help": "peak LR of an untied lm_head (not with --tie-embeddings); default: 2x --adam-lr under muon, "
+                "else the AdamW side's LR"})
     embed_beta1: float | None = field(default=None, metadata={
         "help": "Adam first-moment decay of the embedding (the tied matrix, if tied); default: --beta1"})
     embed_beta2: float | None = field(default=None, metadata={
@@ -191,6 +197,16 @@ class OptimConfig:
         if self.name == "adamw8bit" and self.cautious_wd:
             raise ValueError("--cautious-wd needs the update's sign, which 8-bit AdamW keeps quantised: "
                              "use --optimizer adamw or muon")
+
+
+def untied_lr_defaults(cfg: OptimConfig, tied: bool) -> dict[str, float]:
+    """The embedding's and the lm_head's LRs that cfg leaves unset, for a model whose head is (not) tied:
+    UNTIED_LR_MULTIPLES of --adam-lr under Muon with an untied head, else none (they share the AdamW side's
+    LR). Resolved into the run's config, so that its config.toml and the recipe cache see the values. Pure."""
+    if tied or cfg.name != "muon":
+        return {}
+    return {name: float(f"{multiple * cfg.adam_lr:.3g}") for name, multiple in UNTIED_LR_MULTIPLES.items()
+            if getattr(cfg, name) is None}
 
 
 # ----------------------------------------------------------------------------- settings across a resume
@@ -282,7 +298,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, row_blocks: dict[str, li
     cfg.validate()
     roles = split_params(model, use_muon=cfg.name == "muon")
     if cfg.head_lr is not None and not any(n == "lm_head.weight" for n, _ in roles["decay"]):
-        raise ValueError("--head-lr needs an untied lm_head (--untied); a tied one is the embedding: use --embed-lr")
+        raise ValueError("--head-lr needs an untied lm_head (not --tie-embeddings); a tied one is the embedding: "
+                         "use --embed-lr")
     if cfg.name == "adamw":
         return _build_adamw(roles, cfg, device_type)
     if cfg.name == "adamw8bit":

@@ -20,9 +20,9 @@ from cli import HelpFormatter  # noqa: E402
 from config import ACT_CKPT_MODES  # noqa: E402
 from model import GPT, ModelConfig, param_numels  # noqa: E402
 
-MODEL = ModelConfig(vocab_size=4096, n_layer=4, n_head=4, n_kv_head=2, n_embd=256, max_seq_len=256)
+MODEL = ModelConfig(vocab_size=4096, n_layer=4, n_head=4, n_kv_head=2, n_embd=256, max_seq_len=256, tie_embeddings=True)
 BATCH = 4
-GPT2_SMALL = ModelConfig(n_layer=12, n_head=12, n_kv_head=4, n_embd=768, max_seq_len=1024)
+GPT2_SMALL = ModelConfig(n_layer=12, n_head=12, n_kv_head=4, n_embd=768, max_seq_len=1024, tie_embeddings=True)
 GPT2_BATCH = 16
 MIB = 2**20
 

@@ -64,13 +64,16 @@ RUNGS = [
 ]
 # Model and batch when the command line gives none. GPU: GPT-2-small width and depth with head_dim 128, so
 # that the FP8-attention rung can run, and Qwen3's MLP and attention (SwiGLU, no output gates), the only ones the
-# Transformer Engine rungs build. CPU: train.py's small default model, a small batch.
+# Transformer Engine rungs build, with GPT-2's tied head. CPU: train.py's small default model's shape, tied as its
+# committed results (bench/results/ladder_cpu.md) were measured, a small batch.
 GPU_DEFAULTS = ["--n-layer", "12", "--n-embd", "768", "--n-head", "6", "--n-kv-head", "2", "--seq-len", "1024",
-                "--batch-size", "16", "--mlp", "swiglu", "--no-attn-gate"]
-CPU_DEFAULTS = ["--batch-size", "8"]
-# --mfu-sweep sizes: the shapes of train.py's --preset (sizing.py), without the horizon and batch it derives.
-SIZES = {name: [flag for field in ("n_layer", "n_embd", "n_head", "n_kv_head", "head_dim")
-                for flag in (f"--{field.replace('_', '-')}", str(getattr(sizing.preset_shape(name), field)))]
+                "--batch-size", "16", "--mlp", "swiglu", "--no-attn-gate", "--tie-embeddings"]
+CPU_DEFAULTS = ["--batch-size", "8", "--tie-embeddings"]
+# --mfu-sweep sizes: the shapes of train.py's --preset (sizing.py), tied as GPT-2, without the horizon and batch
+# it derives.
+SIZES = {name: [*(flag for field in ("n_layer", "n_embd", "n_head", "n_kv_head", "head_dim")
+                  for flag in (f"--{field.replace('_', '-')}", str(getattr(sizing.preset_shape(name), field)))),
+                "--tie-embeddings"]
          for name in sizing.PRESETS}
 SWEEP_SETTINGS = {**BASE, "dtype": "bf16", "tf32": True, "sdpa": "flash", "fused": True, "compile": "default"}
 # Environment variables that change the timings, recorded in the table's header when set.

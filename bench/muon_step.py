@@ -142,8 +142,9 @@ def parse_bench_args(argv):
 
 
 def model_config(bench) -> ModelConfig:
+    """GPT-2's tied head, as the results in bench/results/muon_step_*.md were measured."""
     return ModelConfig(vocab_size=bench.vocab_size, n_layer=bench.n_layer, n_head=bench.n_head,
-                       n_kv_head=bench.n_kv_head, n_embd=bench.n_embd, max_seq_len=1024)
+                       n_kv_head=bench.n_kv_head, n_embd=bench.n_embd, max_seq_len=1024, tie_embeddings=True)
 
 
 def make_optimizer(variant, model):

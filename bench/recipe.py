@@ -88,8 +88,7 @@ class BenchError(Exception):
 
 def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], bool]]:
     """name -> (train.py flags, whether it needs --optimizer muon). lr, side_lr: the runs' peak LR and the AdamW
-    side's, which the LR toggles scale and the embedding and lm_head LRs are set relative to (3x and 0.5x: a
-    guess to measure, not a tuned value)."""
+    side's, which the LR toggles scale."""
     return {
         "baseline": ([], False),
         "wsd": (["--schedule", "wsd"], False),
@@ -98,9 +97,7 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
         "normuon": (["--normuon"], True),
         "cautious-wd": (["--cautious-wd"], False),
         "batch-warmup": (["--batch-warmup-steps", str(BATCH_WARMUP_STEPS)], False),
-        "untied": (["--untied"], False),
-        "untied-embed-head-lr": (["--untied", "--embed-lr", f"{3 * side_lr:g}", "--head-lr", f"{side_lr / 2:g}"],
-                                 False),
+        "tied": (["--tie-embeddings"], False),
         # Recipe v2 (docs/recipe.md): architecture, optimizer and schedule toggles for short horizons.
         "softcap": (["--logit-softcap", "15"], False),
         "relu2": (["--mlp", "relu2"], False),
@@ -108,7 +105,7 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
         "unet-skips": (["--unet-skips"], False),
         "no-attn-gate": (["--no-attn-gate"], False),
         "momentum-warmup": (["--muon-momentum-warmup", "10"], True),
-        "untied-zero-head": (["--untied", "--head-init", "zero"], False),
+        "zero-head": (["--head-init", "zero"], False),
         "embed-beta1": (["--embed-beta1", "0.8"], False),
         "warmup-15": (["--warmup", "15"], False),
         "decay-0.5": (["--decay-frac", "0.5"], False),

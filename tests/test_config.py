@@ -63,7 +63,7 @@ def test_help_shows_the_default_from_the_field():
 
 @pytest.mark.parametrize("argv, section, name, value", [
     (["--seq-len", "64"], "model", "max_seq_len", 64),
-    (["--untied"], "model", "tie_embeddings", False),
+    (["--tie-embeddings"], "model", "tie_embeddings", True),
     (["--optimizer", "muon"], "optim", "name", "muon"),
     (["--beta2", "0.99"], "optim", "beta2", 0.99),
     (["--no-fused-adamw"], "optim", "fused", False),
@@ -192,10 +192,20 @@ def test_train_is_a_thin_file():
 # ----------------------------------------------------------------------------- configuration files
 
 
+def test_an_untied_run_resolves_its_embedding_and_head_lrs_and_the_gpt2_presets_stay_tied():
+    cfg = config.parse_args(["--adam-lr", "2e-3"])
+    assert (cfg.model.tie_embeddings, cfg.optim.embed_lr, cfg.optim.head_lr) == (False, 0.02, 0.004)
+    tied = config.parse_args(["--adam-lr", "2e-3", "--tie-embeddings"])
+    assert (tied.optim.embed_lr, tied.optim.head_lr) == (None, None)
+    dial = config.parse_args(["--depth", "4", "--seq-len", "64"])  # the dial's AdamW-side LR carries them
+    assert (dial.optim.embed_lr, dial.optim.head_lr) == (10 * dial.optim.adam_lr, 2 * dial.optim.adam_lr)
+    assert config.parse_args(["--preset", "gpt2-124m"]).model.tie_embeddings  # GPT-2 is tied
+
+
 def test_toml_round_trip_reproduces_the_config(tmp_path):
     """Every field, derived ones included, survives to_toml -> --config; strings with quotes, backslashes and
     non-ASCII text too."""
-    cfg = config.parse_args(["--depth", "3", "--sample-prompt", 'a "quoted" \\ line\nnaïve', "--untied",
+    cfg = config.parse_args(["--depth", "3", "--sample-prompt", 'a "quoted" \\ line\nnaïve', "--tie-embeddings",
                              "--wandb-tags", "x,y", "--lr", "1e-05", "--batch-size", "8", "--optimizer", "muon"])
     path = tmp_path / "run.toml"
     config.write_config(cfg, str(path))
@@ -268,9 +278,6 @@ def test_toml_keys_may_be_spelled_as_their_flags(tmp_path):
     assert (cfg.model.max_seq_len, cfg.model.n_layer, cfg.optim.name, cfg.optim.eps) == (64, 3, "adamw", 1e-6)
     path.write_text("[model]\nmax_seq_len = 64\nseq_len = 32\n")
     with pytest.raises(UsageError, match=r"model.max_seq_len and model.seq_len set the same field$"):
-        config.parse_args(["--config", str(path)])
-    path.write_text("[model]\nuntied = true\n")  # a flag that negates its field is no key: true would mean false
-    with pytest.raises(UsageError, match=r"unknown key model.untied$"):
         config.parse_args(["--config", str(path)])
 
 
@@ -379,8 +386,9 @@ def test_the_shards_vocabulary_is_settled_with_the_flags_for_the_dial_and_the_co
     parse = lambda *argv: config.parse_command_line(list(argv), data_vocab=mixture.data_vocab)[0]  # noqa: E731
     cfg, gpt2 = parse("--depth", "4", "--data", str(qwen)), parse("--depth", "4")
     assert (cfg.model.vocab_size, gpt2.model.vocab_size) == (151_669, 50_257)
-    # the dial's horizon (20 tokens a parameter) counts the embedding of the shards' vocabulary
-    assert cfg.schedule.max_tokens - gpt2.schedule.max_tokens == pytest.approx(20 * 256 * (151_680 - 50_304), rel=0.01)
+    # the dial's horizon (20 tokens a parameter) counts the embedding and the untied head of the shards' vocabulary
+    vocab_params = 2 * 256 * (151_680 - 50_304)
+    assert cfg.schedule.max_tokens - gpt2.schedule.max_tokens == pytest.approx(20 * vocab_params, rel=0.01)
     assert parse("--data", f"a={qwen}:1,b={tmp_path / 'none'}:1").model.vocab_size == 151_669
     assert parse("--data", str(qwen), "--vocab-size", "1000").model.vocab_size == 1000  # check_vocab refuses it
     assert config.parse_args(["--data", str(qwen)]).model.vocab_size == 50_257  # bench scripts: the flags alone

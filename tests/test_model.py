@@ -615,5 +615,5 @@ def test_head_init_zero_zeroes_only_an_untied_lm_head():
     assert not model.lm_head.weight.any() and model.embed.weight.std() > 0.015
     assert not model(torch.randint(0, 200, (1, 8)))[0].any()  # uniform first predictions
     assert tiny_model(tie_embeddings=False).lm_head.weight.std() > 0.015
-    with pytest.raises(ValueError, match="--head-init zero needs --untied"):
-        tiny_config(head_init="zero").validate()
+    with pytest.raises(ValueError, match="--head-init zero needs an untied lm_head"):
+        tiny_config(head_init="zero", tie_embeddings=True).validate()

@@ -1,5 +1,6 @@
 """Tests for optim.py: parameter groups, Muon against torch.optim.Muon, FSDP2/DDP on gloo, 8-bit AdamW, resume."""
 
+import dataclasses
 import io
 import math
 import os
@@ -575,7 +576,8 @@ def test_missing_bitsandbytes_says_how_to_install(monkeypatch):
 
 def test_groups_real_model():
     model_py = pytest.importorskip("model")
-    config = model_py.ModelConfig(vocab_size=100, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=16)
+    config = model_py.ModelConfig(vocab_size=100, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=16,
+                                  tie_embeddings=True)
     model = model_py.GPT(config)
     opt = build_optimizer(model, OptimConfig(name="muon", lr=0.02), model.row_blocks(), "cpu")
     groups = {(g["kind"], g["weight_decay"]): g for g in opt.param_groups}
@@ -783,8 +785,19 @@ def test_embedding_and_head_lrs_get_groups_of_their_own(name):
     embed_only = build_optimizer(model, OptimConfig(name=name, embed_lr=0.1), model.row_blocks(), "cpu")
     assert len(embed_only.param_groups) == len(default.param_groups) + 1  # and unset, the groups are as they were
     assert {n: g["base_lr"] for g in embed_only.param_groups for n in g["names"]}["lm_head.weight"] == 3e-3
-    with pytest.raises(ValueError, match="--untied"):
+    with pytest.raises(ValueError, match="not --tie-embeddings"):
         build_optimizer(ToyGPT(n_layer=1, tied=True), OptimConfig(name=name, head_lr=0.1), {}, "cpu")
+
+
+def test_an_untied_muon_run_gets_the_embedding_and_head_lrs_the_recipe_sweep_chose():
+    """10x and 2x the AdamW side's LR, resolved into the config (its config.toml, the recipe cache), for an
+    untied head under Muon only: a tied matrix is also the head, and AdamW runs have no AdamW side of their own."""
+    muon = OptimConfig(name="muon", adam_lr=1.5e-3)
+    assert optim.untied_lr_defaults(muon, tied=False) == {"embed_lr": 0.015, "head_lr": 0.003}
+    assert optim.untied_lr_defaults(muon, tied=True) == {}
+    assert optim.untied_lr_defaults(OptimConfig(name="adamw"), tied=False) == {}
+    given = dataclasses.replace(muon, head_lr=1e-3)  # a given LR stays; the other is still derived
+    assert optim.untied_lr_defaults(given, tied=False) == {"embed_lr": 0.015}
 
 
 @pytest.mark.parametrize("bad,message", [

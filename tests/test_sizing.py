@@ -34,8 +34,8 @@ def test_shape_rules(depth, width, head_dim, heads, kv_heads):
 
 
 def test_derived_training_settings():
-    values = {key: value for key, (value, _) in sizing.derive(12, {}).items()}
-    params = param_count(config.parse_args(["--preset", "gpt2-124m"]).model)
+    values = {key: value for key, (value, _) in sizing.derive(12, {"model.tie_embeddings": True}).items()}
+    params = param_count(config.parse_args(["--preset", "gpt2-124m"]).model)  # depth 12, tied as GPT-2
     assert (values["optim.lr"], values["optim.adam_lr"]) == (pytest.approx(6e-3 * 128 / 768), 5e-4)  # Muon
     adamw = {key: value for key, (value, _) in sizing.derive(12, {"optim.name": "adamw"}).items()}
     assert adamw["optim.lr"] == pytest.approx(3e-3 * 128 / 768) and "optim.adam_lr" not in adamw
