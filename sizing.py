@@ -47,13 +47,15 @@ TOKENS_PER_PARAM_RANGE = (1e-3, 1e6)
 
 # Published GPT-2 sizes as aliases: a depth plus the overrides that reproduce GPT-2's context and width (and,
 # for 1.5B, the 25 heads of 64 that 1600 needs; 25 is odd, so it is full multi-head attention, as GPT-2 was).
-# GPT-2 ties its embedding and lm_head; so do its presets, so that their parameter counts are GPT-2's.
+# What every GPT-2 size shares: its context, and its embedding tied to its lm_head (so that a preset's parameter
+# count is GPT-2's).
+GPT2 = {"model.max_seq_len": 1024, "model.tie_embeddings": True}
 PRESETS = {
-    "gpt2-124m": {"size.depth": 12, "model.max_seq_len": 1024, "model.tie_embeddings": True},
-    "gpt2-350m": {"size.depth": 24, "model.max_seq_len": 1024, "model.n_embd": 1024, "model.tie_embeddings": True},
-    "gpt2-760m": {"size.depth": 36, "model.max_seq_len": 1024, "model.n_embd": 1280, "model.tie_embeddings": True},
-    "gpt2-1.5b": {"size.depth": 48, "model.max_seq_len": 1024, "model.n_embd": 1600, "model.head_dim": 64,
-                  "model.n_head": 25, "model.n_kv_head": 25, "model.tie_embeddings": True},
+    "gpt2-124m": {"size.depth": 12, **GPT2},
+    "gpt2-350m": {"size.depth": 24, **GPT2, "model.n_embd": 1024},
+    "gpt2-760m": {"size.depth": 36, **GPT2, "model.n_embd": 1280},
+    "gpt2-1.5b": {"size.depth": 48, **GPT2, "model.n_embd": 1600, "model.head_dim": 64, "model.n_head": 25,
+                  "model.n_kv_head": 25},
 }
 # The published parameter counts the presets are checked against (tests/test_sizing.py): within 10%.
 PUBLISHED_PARAMS = {"gpt2-124m": 124e6, "gpt2-350m": 355e6, "gpt2-760m": 774e6, "gpt2-1.5b": 1558e6}

@@ -1,7 +1,7 @@
 """Fixtures the test files share: tiny token shards, GPT-2's tokenizer loaded offline, a tokenizer.json of over
-65,535 ids, the tiny model's flags, train.py run in the test's process, a tiny GPT-2-vocabulary model, and a NaN injected into one training step
-(tests poison a step by patching it, so the product carries no test-only flag), and the process group every
-multi-process test runs in."""
+65,535 ids, the tiny model's flags, train.py run in the test's process, a tiny GPT-2-vocabulary model, and a NaN
+injected into one training step (tests poison a step by patching it, so the product carries no test-only flag),
+and the process group every multi-process test runs in."""
 
 import os
 import re

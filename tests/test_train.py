@@ -312,7 +312,8 @@ def test_overwrite_removes_nothing_until_the_new_config_is_written(tmp_path, tin
 
 def test_resume_rejects_a_foreign_checkpoint(tmp_path, tiny_data, train_in_process):
     (tmp_path / "ckpt_00000001.pt").write_bytes(b"not a checkpoint")
-    result = train_in_process("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--resume", "--device", "cpu")
+    result = train_in_process("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--resume",
+                              "--device", "cpu")
     assert result.returncode == 2
     assert "skipping checkpoint" in result.stderr and "no usable checkpoint" in result.stderr.splitlines()[-1]
 
