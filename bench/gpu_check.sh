@@ -5,8 +5,10 @@
 #     bash bench/gpu_check.sh tests  OUT   # environment + pytest -m gpu     -> OUT/tests.md, OUT/tests.log
 #     bash bench/gpu_check.sh ladder OUT   # the optimization ladder         -> OUT/ladder.md, .json, .log
 #     bash bench/gpu_check.sh mfu    OUT   # MFU, gpt2-124m at seq 1024 and 2048  -> OUT/mfu.md, OUT/mfu.log
-#     bash bench/gpu_check.sh all    OUT   # the three in a row (about 20 minutes)
-#     bash bench/gpu_check.sh lease  OUT   # the three cut to fit one 10-minute command (at most 9 minutes)
+#     bash bench/gpu_check.sh profile OUT  # one compiled gpt2-124m step profiled, AdamW then Muon -> OUT/profile_*.md
+#     bash bench/gpu_check.sh fp8    OUT   # bf16 against TE and torchao FP8 at about 1B (d=2048, seq 2048) -> OUT/fp8_1b.md
+#     bash bench/gpu_check.sh all    OUT   # all of them in a row (about 25 minutes)
+#     bash bench/gpu_check.sh lease  OUT   # tests, profiles and FP8 at 1B, cut to fit one command (at most 8.5 minutes)
 #
 # tests: TE vs plain parity on the same weights, TE FP8 (both recipes, FP8 attention) through train.py, the
 # activation estimate against CUDA's saved tensors. ladder: bench/ladder.py on its GPU defaults (12 layers,
@@ -20,8 +22,8 @@ cd "$(dirname "$0")/.."
 WHAT=${1:-}
 OUT=${2:-bench/results/gpu_check_$(date +%Y%m%d)}
 PY=${PY:-python3}
-case "$WHAT" in tests | ladder | mfu | all | lease) ;; *)
-    echo "usage: bash bench/gpu_check.sh tests|ladder|mfu|all|lease [OUT_DIR]" >&2
+case "$WHAT" in tests | ladder | mfu | profile | fp8 | all | lease) ;; *)
+    echo "usage: bash bench/gpu_check.sh tests|ladder|mfu|profile|fp8|all|lease [OUT_DIR]" >&2
     exit 2
     ;;
 esac
@@ -102,13 +104,65 @@ run_mfu() { # [LIMIT_S BUDGET_S SEQ_LENS BATCH_SIZES]: the sweep rewrites mfu.md
     return $rc
 }
 
+# The gpt2-124m preset's shape as the MFU sweep runs it (bench/ladder.py SIZES and SWEEP_SETTINGS), so that the
+# profile's tokens/s compares with the sweep's.
+GPT2_124M="--n-layer 12 --n-embd 768 --n-head 6 --n-kv-head 3 --head-dim 128 --tie-embeddings --seq-len 1024
+    --batch-size 16 --dtype bf16 --tf32 --compile default --fused-adamw"
+# About 1B parameters at seq 2048, where every block GEMM is at least 2048 wide and FP8 should pay; Qwen3's MLP and
+# attention without output gates, the only ones Transformer Engine's blocks build.
+SHAPE_1B="--n-layer 16 --n-embd 2048 --n-head 16 --n-kv-head 4 --head-dim 128 --seq-len 2048 --batch-size 8
+    --mlp swiglu --no-attn-gate --dtype bf16 --tf32 --compile default --optimizer adamw --fused-adamw"
+
+run_profile() { # NAME LIMIT_S [train.py flags]: bench/profile_step.py -> OUT/profile_NAME.md, its log onto OUT/profile.log
+    local name=$1 limit=$2 status
+    shift 2
+    status=$(limited "$limit" "$OUT/profile_$name.log" $PY bench/profile_step.py --out "$OUT/profile_$name.md" "$@")
+    local rc=$?
+    { echo "== $name: $status"; cat "$OUT/profile_$name.log"; } >> "$OUT/profile.log" && rm "$OUT/profile_$name.log"
+    echo "$status" >> "$OUT/profile_$name.md"
+    echo "profile $name: $status"
+    return $rc
+}
+
+run_profiles() { # [LIMIT_S for each]: Muon's second, its compilation mostly from inductor's cache
+    # shellcheck disable=SC2086
+    run_profile adamw "${1:-120}" $GPT2_124M --optimizer adamw
+    local r1=$?
+    # shellcheck disable=SC2086
+    run_profile muon "${1:-120}" $GPT2_124M --optimizer muon
+    return $((r1 | $?))
+}
+
+run_fp8() { # [LIMIT_S for each] [MODES]: bench/throughput.py at SHAPE_1B per --fp8 mode -> OUT/fp8_1b.md, .log
+    local limit=${1:-150} rc=0 status
+    {
+        echo "# bf16 against FP8 at about 1B parameters, $(date '+%Y-%m-%d %H:%M')"
+        echo
+        echo "shape: \`$(echo $SHAPE_1B)\`"
+    } > "$OUT/fp8_1b.md"
+    for mode in ${2:-off te torchao}; do
+        # shellcheck disable=SC2086
+        status=$(limited "$limit" "$OUT/fp8_$mode.log" $PY bench/throughput.py --windows 3 --steps-per-window 5 \
+            --warmup-steps 3 $SHAPE_1B --fp8 "$mode")
+        rc=$((rc | $?))
+        { echo; echo "## --fp8 $mode"; echo; echo "$status"; echo; grep '^|' "$OUT/fp8_$mode.log"; } >> "$OUT/fp8_1b.md"
+        { echo "== --fp8 $mode: $status"; cat "$OUT/fp8_$mode.log"; } >> "$OUT/fp8_1b.log" && rm "$OUT/fp8_$mode.log"
+        echo "fp8 $mode: $status"
+    done
+    return $rc
+}
+
 case "$WHAT" in
 tests) run_tests ;;
 ladder) run_ladder ;;
 mfu) run_mfu ;;
-all) run_tests; r1=$?; run_ladder; r2=$?; run_mfu; r3=$?; (exit $((r1 | r2 | r3))) ;;
-# Four pytest workers: the GPU tests are independent runs, each mostly start-up and compilation on the CPU.
-lease) run_tests 100 -n 4; r1=$?; run_ladder 340 260; r2=$?; run_mfu 100 30 1024 16; r3=$?; (exit $((r1 | r2 | r3))) ;;
+profile) run_profiles ;;
+fp8) run_fp8 ;;
+all) run_tests; r1=$?; run_profiles; r2=$?; run_fp8; r3=$?; run_ladder; r4=$?; run_mfu; r5=$?
+    (exit $((r1 | r2 | r3 | r4 | r5))) ;;
+# Four pytest workers: the GPU tests are independent runs, each mostly start-up and compilation on the CPU. The
+# ladder and the MFU sweep stay out: their compiled bf16 rung is the AdamW profile's tokens/s.
+lease) run_tests 100 -n 4; r1=$?; run_profiles 95; r2=$?; run_fp8 100 "off te"; r3=$?; (exit $((r1 | r2 | r3))) ;;
 esac
 rc=$?
 echo "results in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,89 @@
+"""bench/profile_step.py: the pure parts (categories, busy time, phases) directly, and the whole profile of a
+tiny step on the CPU, whose table must account for the profiled wall time."""
+
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, TINY_FLAGS
+
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import profile_step  # noqa: E402
+
+
+@pytest.mark.parametrize("name, phase, category", [
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "forward", "GEMM"),
+    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNT", "backward", "GEMM"),
+    ("aten::mm", "forward", "GEMM"),
+    ("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "forward", "attention"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "backward", "attention"),
+    ("triton_red_fused__log_softmax_exp_sub_0", "forward", "loss"),
+    ("aten::scatter_add_", "forward", "loss"),
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_3", "forward", "norm/elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "backward",
+     "norm/elementwise"),
+    ("Memcpy DtoD (Device -> Device)", "other", "copies"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "backward", "communication"),
+    ("void multi_tensor_apply_kernel<FusedAdamMathFunctor>", "other", "optimizer"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "optimizer", "optimizer"),  # Newton-Schulz
+])
+def test_kernel_category_reads_names_and_gives_the_optimizer_phase_everything(name, phase, category):
+    assert profile_step.kernel_category(name, phase) == category
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    assert profile_step.busy_us([]) == 0
+    assert profile_step.busy_us([(0, 10), (5, 15), (20, 30), (22, 25)]) == 25
+    assert profile_step.busy_us([(20, 30), (0, 10)]) == 20
+
+
+def test_phase_at_is_the_range_holding_the_time_else_other():
+    ranges = [(0, 10, "forward"), (10.5, 20, "backward")]
+    assert [profile_step.phase_at(t, ranges) for t in (0, 10, 10.2, 15, 25)] == \
+        ["forward", "forward", "other", "backward", "other"]
+
+
+def test_attribute_sums_by_category_and_phase_and_keeps_names_apart_by_category():
+    items = [("aten::mm", "forward", 4.0, 0, 4), ("aten::mm", "optimizer", 2.0, 10, 12),
+             ("aten::add", "forward", 1.0, 4, 5)]
+    by_cell, by_name, busy = profile_step.attribute(items, cuda=False)
+    assert by_cell == {("GEMM", "forward"): 4.0, ("optimizer", "optimizer"): 2.0,
+                       ("norm/elementwise", "forward"): 1.0}
+    assert by_name[("aten::mm", "GEMM")] == (1, 4.0) and by_name[("aten::mm", "optimizer")] == (1, 2.0)
+    assert busy == 7.0
+    assert profile_step.attribute([*items, ("k", "forward", 3.0, 1, 4)], cuda=True)[2] == 7.0  # [1, 4] overlaps
+
+
+def test_profile_of_a_tiny_cpu_step_accounts_for_its_wall_time(tiny_data, tmp_path, capsys):
+    out = str(tmp_path / "profile.md")
+    profile_step.main(["--steps", "2", "--warmup-steps", "1", "--windows", "1", "--steps-per-window", "1",
+                       "--out", out, "--data", tiny_data, *TINY_FLAGS, "--optimizer", "muon"])
+    text = open(out).read()
+    assert text in capsys.readouterr().out
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    for category in ("GEMM", "attention", "optimizer", "idle (nothing running)", "step (wall, profiled)"):
+        assert category in rows, category
+    ms = lambda row: float(rows[row].split(" | ")[-2])  # noqa: E731
+    parts = sum(ms(row) for row in rows if row in (*profile_step.CATEGORIES, "idle (nothing running)"))
+    assert parts == pytest.approx(ms("step (wall, profiled)"), rel=0.02, abs=0.05)
+    assert float(rows["optimizer"].split(" | ")[3]) > 0  # the optimizer phase's own column
+    assert re.search(r"unprofiled: [\d,]+ tokens/s", text)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_profile_of_a_cuda_step_attributes_kernels_to_their_launching_phase(tiny_data, tmp_path):
+    out = str(tmp_path / "profile.md")
+    profile_step.main(["--steps", "2", "--warmup-steps", "2", "--windows", "1", "--steps-per-window", "1",
+                       "--out", out, "--data", tiny_data, *TINY_FLAGS, "--device", "cuda", "--dtype", "bf16"])
+    text = open(out).read()
+    assert "GPU kernel time" in text
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    forward, backward, optimizer = (float(rows["GEMM"][i]) for i in (1, 2, 3))
+    assert forward > 0 and backward > 0 and optimizer == 0  # AdamW launches no GEMM
+    assert float(rows["optimizer"][3]) > 0
+    assert sum(float(rows[c][-2]) for c in profile_step.CATEGORIES if c in rows) <= \
+        float(rows["step (wall, profiled)"][-2]) * 1.01
