@@ -4,8 +4,8 @@ backward, optimizer), and the idle gaps in which nothing ran.
 
     python bench/profile_step.py [--steps 3 --warmup-steps 5 --out profile.md] [any train.py flags]
 
-On CUDA the time is the GPU kernels' own (device events), attributed to the phase whose host range
-launched them; idle is the profiled steps' wall time minus the time at least one kernel was running. On the
+On CUDA the time is the GPU kernels' own (device events), attributed to the phase whose range on the GPU's
+timeline holds them; idle is the profiled steps' wall time minus the time at least one kernel was running. On the
 CPU it is each operator's self time, and idle is the interpreter's share. Warm-up steps (torch.compile's
 compilation) run first and are not profiled; a timed window of unprofiled steps gives the tokens/s beside the
 table, so the profiler's own overhead stays out of it. Kernel categories come from kernel names
@@ -45,7 +45,7 @@ NAME_RULES = (
     ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "reduce_scatter", "c10d")),
     ("copies", ("memcpy", "memset", "aten::copy_", "aten::to", "aten::_to_copy", "aten::clone", "aten::cat",
                 "aten::contiguous", "aten::fill_", "aten::zero_", "aten::empty")),
-    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "softmax_bwd_dq")),
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "cudnn")),  # cuDNN runs only SDPA here
     ("loss", ("cross_entropy", "log_softmax", "logsumexp", "nll_loss", "scatter", "softmax")),
     ("optimizer", ("adam", "muon", "multi_tensor_apply", "foreach", "newton")),
     ("GEMM", ("gemm", "cutlass", "cublas", "xmma", "nvjet", "matmul", "aten::mm", "aten::addmm", "aten::bmm",
@@ -76,11 +76,17 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
 
 
 def phase_at(t: float, ranges: list[tuple[float, float, str]]) -> str:
-    """The phase whose (start, end, phase) host range holds the time t, else "other" (data, the step's edges)."""
-    for start, end, phase in ranges:
+    """The phase of work that started at time t: that of the (start, end, phase) range holding t; between a
+    forward range and the next range, "backward" (on CUDA the autograd engine launches the backward's kernels
+    from a thread of its own, so no range of the loop's thread holds them on the GPU's timeline); else "other"
+    (data, the step's edges)."""
+    before = "other"
+    for start, end, phase in sorted(ranges):
         if start <= t <= end:
             return phase
-    return "other"
+        if end < t:
+            before = "backward" if phase == "forward" else "other"
+    return before
 
 
 class AnnotatedTimer:
@@ -101,19 +107,21 @@ class AnnotatedTimer:
 
 def work_items(events, cuda: bool) -> list[tuple[str, str, float, float, float]]:
     """A profile's events -> (name, phase, microseconds, start, end) per unit of work. CUDA: every device kernel,
-    copy and memset, in the phase of the host operator that launched it (its linked correlation id). CPU: every
-    operator's self time, in the phase its start falls into."""
+    copy and memset, in the phase whose range on the GPU's timeline holds its start (the profiler draws each
+    host range again there, over the kernels launched inside it; those drawings are ranges, not work). CPU:
+    every operator's self time, in the phase its start falls into."""
+    device = DeviceType.CUDA if cuda else DeviceType.CPU
     ranges = [(e.time_range.start, e.time_range.end, e.name.removeprefix("phase:"))
-              for e in events if e.name.startswith("phase:")]
+              for e in events if e.name.startswith("phase:") and e.device_type == device]
     if cuda:
-        launched_at = {e.id: e.time_range.start for e in events if e.device_type == DeviceType.CPU}
-        return [(e.name, phase_at(launched_at.get(getattr(e, "linked_correlation_id", 0), -1.0), ranges),
-                 e.time_range.end - e.time_range.start, e.time_range.start, e.time_range.end)
-                for e in events if e.device_type == DeviceType.CUDA]
+        return [(e.name, phase_at(e.time_range.start, ranges), e.time_range.end - e.time_range.start,
+                 e.time_range.start, e.time_range.end)
+                for e in events if e.device_type == device and not getattr(e, "is_user_annotation", False)
+                and not e.name.startswith("phase:")]
     return [(e.name, phase_at(e.time_range.start, ranges), e.self_cpu_time_total, e.time_range.start,
              e.time_range.end)
             for e in events
-            if e.device_type == DeviceType.CPU and not e.name.startswith("phase:") and e.self_cpu_time_total > 0]
+            if e.device_type == device and not e.name.startswith("phase:") and e.self_cpu_time_total > 0]
 
 
 def attribute(items, cuda: bool) -> tuple[dict, dict, float]:

@@ -23,6 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A model and batch small enough for a CPU test to train a few steps in about a second.
 TINY_FLAGS = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
               "--seq-len", "32", "--batch-size", "4"]
+# The flags that give Qwen3's architecture where the defaults differ: what the Transformer Engine blocks build.
+QWEN3_FLAGS = ["--mlp", "swiglu", "--no-attn-gate"]
 HELLASWAG_FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.jsonl")
 # Text the word_tokenizer knows every word of.
 WORD_TEXT = "the cat sat on the mat . a dog ran to the park , and the cat slept !"
@@ -181,3 +183,13 @@ def _gloo_process(rank, body, world_size, init_file, args):
         dist.barrier()  # neither rank tears down gloo while another still works
     finally:
         distributed.shutdown(info)
+
+
+def pytest_runtest_logreport(report):
+    """With PYTEST_FAILURES=FILE (bench/gpu_check.sh sets it), append each failure's traceback to FILE as it
+    happens: a run stopped by its time limit keeps the tracebacks that pytest prints only at the end. Under
+    pytest-xdist the controller writes, not the workers, so each failure is written once."""
+    path = os.environ.get("PYTEST_FAILURES")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(path, "a") as f:
+            f.write(f"\n### {report.nodeid} ({report.when})\n\n```\n{report.longreprtext[-4000:]}\n```\n")

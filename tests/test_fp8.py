@@ -14,13 +14,12 @@ import torch
 import fp8
 import config
 import train
-from conftest import REPO, write_tiny_shards
+from conftest import QWEN3_FLAGS, REPO, write_tiny_shards
 from model import GPT, QWEN3_VALUES, ModelConfig
 
 CFG = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
 # Qwen3's architecture (QWEN3_VALUES), as the TE blocks need: SwiGLU, no attention gates.
 HD128 = ModelConfig(vocab_size=256, n_layer=2, n_head=2, n_kv_head=1, n_embd=256, max_seq_len=32, **QWEN3_VALUES)
-QWEN3_FLAGS = ["--mlp", "swiglu", "--no-attn-gate"]
 ALL_THERE = {"cuda": True, "te": (2, 20), "have_torchao": True}
 needs_torchao = pytest.mark.skipif(not fp8.torchao_installed(), reason="needs torchao")
 
@@ -280,8 +279,8 @@ def test_fp8_te_refuses_the_default_architecture_in_one_line_that_names_the_flag
                        "--seq-len", "16", "--batch-size", "1", "--max-steps", "2")
     assert result.returncode == 2
     assert [line for line in result.stderr.splitlines() if line.startswith("error: ")] == [
-        "error: --mlp relu2, --attn-gate: not implemented for the te backend (--fp8 te); add --mlp swiglu "
-        "--no-attn-gate, or use the plain blocks (--fp8 off or torchao)"]
+        "error: --attn-gate: not implemented for the te backend (--fp8 te); add --no-attn-gate, or use the plain "
+        "blocks (--fp8 off or torchao)"]
 
 
 @pytest.mark.gpu

@@ -4,9 +4,11 @@ tiny step on the CPU, whose table must account for the profiled wall time."""
 import os
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.autograd import DeviceType
 
 from conftest import REPO, TINY_FLAGS
 
@@ -40,10 +42,28 @@ def test_busy_time_counts_overlapping_kernels_once():
     assert profile_step.busy_us([(20, 30), (0, 10)]) == 20
 
 
-def test_phase_at_is_the_range_holding_the_time_else_other():
-    ranges = [(0, 10, "forward"), (10.5, 20, "backward")]
-    assert [profile_step.phase_at(t, ranges) for t in (0, 10, 10.2, 15, 25)] == \
-        ["forward", "forward", "other", "backward", "other"]
+def test_phase_at_is_the_range_holding_the_time_and_backward_after_a_forward():
+    ranges = [(30, 40, "optimizer"), (0, 10, "forward"), (-5, -1, "data")]
+    assert [profile_step.phase_at(t, ranges) for t in (-9, -3, 0, 10, 10.2, 29, 35, 41)] == \
+        ["other", "data", "forward", "forward", "backward", "backward", "optimizer", "other"]
+
+
+def event(name, device, start, end, annotation=False, self_us=0.0):
+    """The fields of torch.profiler's FunctionEvent that work_items reads."""
+    return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                           is_user_annotation=annotation, self_cpu_time_total=self_us)
+
+
+def test_cuda_work_is_every_kernel_in_its_gpu_phase_range_and_no_annotation():
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    events = [event("phase:forward", cpu, 0, 5, annotation=True), event("phase:forward", cuda, 10, 20, True),
+              event("phase:optimizer", cuda, 40, 45, True), event("Optimizer.step#AdamW.step", cuda, 40, 45, True),
+              event("aten::mm", cpu, 1, 2, self_us=1.0), event("gemm_fwd", cuda, 11, 15),
+              event("gemm_bwd", cuda, 25, 30), event("adam_kernel", cuda, 41, 44), event("Memcpy HtoD", cuda, 2, 3)]
+    assert profile_step.work_items(events, cuda=True) == [
+        ("gemm_fwd", "forward", 4, 11, 15), ("gemm_bwd", "backward", 5, 25, 30),
+        ("adam_kernel", "optimizer", 3, 41, 44), ("Memcpy HtoD", "other", 1, 2, 3)]
+    assert profile_step.work_items(events, cuda=False) == [("aten::mm", "forward", 1.0, 1, 2)]
 
 
 def test_attribute_sums_by_category_and_phase_and_keeps_names_apart_by_category():
