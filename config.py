@@ -168,6 +168,9 @@ class SpeedConfig:
                           choices=("off", "default", "reduce-overhead", "max-autotune"))
     act_ckpt: str = option("none", "activation checkpointing: every block, every other block, or each "
                                    "block's MLP", choices=ACT_CKPT_MODES)
+    loss_chunk_tokens: int = option(0, "tokens per chunk of the fused lm_head + cross-entropy (0: on CUDA as "
+                                       "many as 1/16 of the GPU's memory holds, at least 1024; 1024 on a CPU or "
+                                       "under fp16)")
     estimate_memory: bool = option(False, "print the memory estimate for these flags (every --act-ckpt mode) "
                                           "and exit")
     target_gpu: str | None = option(None, "--estimate-memory for a GPU this machine need not have: a name "
@@ -627,7 +630,8 @@ def _range_problems(cfg: Config):
                     "--sample-tokens": e.sample_tokens, "--eval-interval": e.eval_interval,
                     "--eval-hellaswag": e.eval_hellaswag,
                     "--ckpt-interval": cfg.ckpt.ckpt_interval, "--total-batch-tokens": d.total_batch_tokens,
-                    "--grad-clip": s.grad_clip, "--peak-tflops": cfg.log.peak_tflops, "--seed": d.seed}
+                    "--grad-clip": s.grad_clip, "--peak-tflops": cfg.log.peak_tflops, "--seed": d.seed,
+                    "--loss-chunk-tokens": cfg.speed.loss_chunk_tokens}
     yield from (f"{name} must be >= 0, got {value}" for name, value in non_negative.items() if value < 0)
     if e.eval_interval and e.eval_tokens < 1:
         yield "--eval-tokens must be >= 1 when evaluating"

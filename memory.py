@@ -35,6 +35,9 @@ from model import LOSS_CHUNK_TOKENS, ModelConfig, block_shapes, loss_chunks, out
 
 FP32 = 4
 INDEX = 8  # int64 token ids and targets
+# On CUDA one chunk of the fused loss may take this share of the device's memory (loss_chunk_tokens): gpt2-124m's
+# 16 x 1,024 tokens then fit one chunk on an 80 GB card (4.6 GiB of 4.98) and four on a 24 GB one.
+LOSS_CHUNK_SHARE = 16
 # bitsandbytes' 8-bit AdamW (0.50): tensors of at least 4096 elements keep two uint8 states plus one float32
 # absmax per 256-element block each; smaller ones, and the embedding / lm_head (optim.FULL_PRECISION_STATE),
 # keep two float32 states; two 256-entry float32 quantisation maps are shared.
@@ -80,6 +83,14 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> nn.Module:
         elif mode == "selective":
             block.mlp = _checkpoint_wrapper(block.mlp, checkpoint_fn)
     return model
+
+
+def configure(model: nn.Module, speed, device: torch.device, autocast_dtype: torch.dtype | None) -> None:
+    """The model's two memory settings (a config.SpeedConfig's): --act-ckpt, and the loss path's tokens per
+    chunk (--loss-chunk-tokens, else loss_chunk_tokens from the device's memory)."""
+    apply_activation_checkpointing(model, speed.act_ckpt)
+    model.loss_chunk_tokens = loss_chunk_tokens(model.config, autocast_dtype, device.type,
+                                                device_capacity_bytes(device), speed.loss_chunk_tokens)
 
 
 def _checkpoint_wrapper(module: nn.Module, checkpoint_fn) -> nn.Module:
@@ -234,14 +245,34 @@ def loss_head_bytes(cfg: ModelConfig) -> int:
     return FP32 * cfg.padded_vocab_size * cfg.n_embd
 
 
-def loss_chunk_bytes(cfg: ModelConfig, tokens: int, act: int) -> int:
-    """The transient peak of model.linear_cross_entropy: one chunk's logits in the GEMM dtype and in float32
-    (twice in float32 under a logit soft-cap: the capped logits and the tanh), and its [V, d] weight-gradient
-    GEMM output. Chunks grow with the micro-batch beyond MAX_LOSS_CHUNKS x LOSS_CHUNK_TOKENS tokens, so this
-    does too."""
-    rows = -(-tokens // loss_chunks(tokens, LOSS_CHUNK_TOKENS))
-    fp32_copies = 2 if cfg.logit_softcap else 1
-    return rows * cfg.padded_vocab_size * (act + fp32_copies * FP32) + act * cfg.padded_vocab_size * cfg.n_embd
+def loss_bytes_per_token(cfg: ModelConfig, act: int) -> int:
+    """One token's row of a loss chunk: its logits in the GEMM dtype and in float32 (twice in float32 under a
+    logit soft-cap: the capped logits and the tanh)."""
+    return cfg.padded_vocab_size * (act + (2 if cfg.logit_softcap else 1) * FP32)
+
+
+def loss_chunk_bytes(cfg: ModelConfig, tokens: int, act: int, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> int:
+    """The transient peak of model.linear_cross_entropy: one chunk's rows (loss_bytes_per_token) and its
+    [V, d] weight-gradient GEMM output. Chunks grow with the micro-batch beyond MAX_LOSS_CHUNKS x chunk_tokens
+    tokens, so this does too."""
+    rows = -(-tokens // loss_chunks(tokens, chunk_tokens))
+    return rows * loss_bytes_per_token(cfg, act) + act * cfg.padded_vocab_size * cfg.n_embd
+
+
+def loss_chunk_tokens(cfg: ModelConfig, autocast_dtype: torch.dtype | None, device_type: str,
+                      capacity: int | None, requested: int = 0) -> int:
+    """Tokens per chunk of model.linear_cross_entropy (GPT.loss_chunk_tokens): `requested`
+    (--loss-chunk-tokens) when given; on CUDA, as many as 1/LOSS_CHUNK_SHARE of the device's memory holds,
+    never fewer than LOSS_CHUNK_TOKENS; on a CPU, or under fp16 (each chunk's weight-gradient GEMM sums its
+    rows in fp16, which must stay in range), LOSS_CHUNK_TOKENS. Few large chunks cost a GPU less: each chunk
+    reads and writes the float32 [V, d] weight gradient once and launches its own kernels, while the memory
+    they take is transient (the forward's end)."""
+    if requested:
+        return requested
+    if device_type != "cuda" or capacity is None or autocast_dtype == torch.float16:
+        return LOSS_CHUNK_TOKENS
+    act = torch.finfo(autocast_dtype).bits // 8 if autocast_dtype is not None else FP32
+    return max(LOSS_CHUNK_TOKENS, capacity // LOSS_CHUNK_SHARE // loss_bytes_per_token(cfg, act))
 
 
 def _weight_copies(cfg: ModelConfig, act: int) -> tuple[int, int]:
@@ -278,18 +309,25 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, act_ckpt: 
     return L * (attn + w_attn + block_input) + head, mlp + w_mlp
 
 
+def describe_loss_path(model: nn.Module, tokens: int) -> str:
+    """The start-up table's row: the fused lm_head + cross-entropy's chunks for a micro-batch of `tokens`."""
+    count, chunk = loss_chunks(tokens, model.loss_chunk_tokens), model.loss_chunk_tokens
+    return (f"fused lm_head + cross-entropy in {count} chunk{'s' if count > 1 else ''} of about "
+            f"{-(-tokens // count):,} tokens per micro-batch (--loss-chunk-tokens: {chunk:,} a chunk)")
+
+
 def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: str, act_ckpt: str,
                     autocast_dtype: torch.dtype | None, device_type: str, shards: int = 1,
-                    runtime: int = 0) -> MemoryEstimate:
+                    runtime: int = 0, loss_chunk: int = LOSS_CHUNK_TOKENS) -> MemoryEstimate:
     """Training memory per device before anything is allocated: float32 parameters and gradients, the
     optimizer's state, and the activations of one micro-batch; on the CPU also `runtime` (runtime_bytes) and
     the allocator's share. shards: FSDP2 world size (parameters, gradients and optimizer state are split
-    across it; activations are not)."""
+    across it; activations are not). loss_chunk: the loss path's tokens per chunk (loss_chunk_tokens)."""
     n_params = param_count(cfg)
     activations, recompute = activation_bytes(cfg, batch_size, seq_len, act_ckpt, autocast_dtype, device_type)
     act = torch.finfo(autocast_dtype).bits // 8 if autocast_dtype is not None else FP32
     # Neither outlives its moment (a recomputed region in backward, a loss chunk at the forward's end).
-    transient = max(recompute, loss_chunk_bytes(cfg, batch_size * seq_len, act))
+    transient = max(recompute, loss_chunk_bytes(cfg, batch_size * seq_len, act, loss_chunk))
     e = MemoryEstimate(params=FP32 * n_params // shards, grads=FP32 * n_params // shards,
                        optimizer=optimizer_state_bytes_estimate(cfg, optimizer) // shards,
                        activations=activations, transient=transient)
@@ -439,8 +477,10 @@ def memory_report(cfg) -> str:
     model_cfg, batch_size = cfg.model, cfg.data.batch_size
     shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.dist.dist == "fsdp" else 1
     runtime = runtime_bytes() if device_type == "cpu" else 0
+    capacity = target[0] if target else device_capacity_bytes(torch.device(device_type))
+    loss_chunk = loss_chunk_tokens(model_cfg, autocast_dtype, device_type, capacity, cfg.speed.loss_chunk_tokens)
     estimates = {mode: estimate_memory(model_cfg, batch_size, model_cfg.max_seq_len, cfg.optim.name, mode,
-                                       autocast_dtype, device_type, shards, runtime)
+                                       autocast_dtype, device_type, shards, runtime, loss_chunk)
                  for mode in ACT_CKPT_MODES}
     n_params = param_count(model_cfg)
     sharding = f", FSDP2 over {shards} ranks" if shards > 1 else ""

@@ -83,9 +83,9 @@ class Run:
 # ----------------------------------------------------------------------------- setup
 
 
-def build_model(cfg: Config, device: torch.device):
-    """-> (model, its config, where its weights come from). FP8 and activation checkpointing are applied
-    here, before anything wraps the model (distributed.parallelize documents the order)."""
+def build_model(cfg: Config, device: torch.device, autocast_dtype: torch.dtype | None = None):
+    """-> (model, its config, where its weights come from). FP8 and memory.configure are applied here, before
+    anything wraps the model (distributed.parallelize documents the order)."""
     torch.manual_seed(cfg.data.seed)
     random.seed(cfg.data.seed)
     model_cfg, init_state, init_reason = cfg.model, None, f"random (seed {cfg.data.seed})"
@@ -94,7 +94,7 @@ def build_model(cfg: Config, device: torch.device):
         model_cfg = replace(hf_cfg, max_seq_len=cfg.model.max_seq_len)
         init_reason = f"weights of {cfg.ckpt.from_hf}"
     model = fp8.build_model(model_cfg, cfg.fp8, device, init_state)
-    memory.apply_activation_checkpointing(model, cfg.speed.act_ckpt)
+    memory.configure(model, cfg.speed, device, autocast_dtype)
     return model, model_cfg, init_reason
 
 
@@ -170,7 +170,7 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
     sources = mixture.open_sources(data, cfg.model.max_seq_len)  # refused before anything that size is allocated
     if not cfg.ckpt.from_hf:
         memory.check_fits(cfg.model, cfg.optim.name, device, info.world_size if info.mode == "fsdp" else 1)
-    model, model_cfg, reasons["init"] = build_model(cfg, device)
+    model, model_cfg, reasons["init"] = build_model(cfg, device, autocast_dtype)
     if problem := mixture.vocab_problem(model_cfg.vocab_size, sources):
         raise DataError(f"--from-hf {cfg.ckpt.from_hf}: {problem}" if cfg.ckpt.from_hf else problem)
     layout = build_layout(cfg, model, info, device, autocast_dtype, fp8_recipe)

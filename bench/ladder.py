@@ -47,7 +47,7 @@ from optim import newton_schulz_flops  # noqa: E402
 
 # The starting point: everything a plain PyTorch loop does without trying.
 BASE = {"dtype": "fp32", "tf32": False, "sdpa": "math", "fused": False, "compile": "off", "fp8": "off",
-        "fp8_attn": False, "optimizer": "adamw"}
+        "fp8_attn": False, "optimizer": "adamw", "loss_chunk": LOSS_CHUNK_TOKENS}
 # (key, label, change applied on top of the rung before, rung whose change this one needs)
 RUNGS = [
     ("fp32", "fp32 (eager, math attention, foreach AdamW)", {}, None),
@@ -56,6 +56,7 @@ RUNGS = [
     ("flash", "+ SDPA flash attention", {"sdpa": "flash"}, None),
     ("fused_adamw", "+ fused AdamW", {"fused": True}, None),
     ("compile", "+ torch.compile", {"compile": "default"}, None),
+    ("loss_chunks", "+ loss chunks sized from GPU memory", {"loss_chunk": 0}, None),
     ("fp8_te", "+ FP8 GEMMs (Transformer Engine)", {"fp8": "te"}, None),
     ("fp8_attn", "+ FP8 attention (TE)", {"fp8_attn": True}, "fp8_te"),
     ("torchao", "torchao FP8 instead of TE", {"fp8": "torchao", "fp8_attn": False}, None),
@@ -75,12 +76,14 @@ SIZES = {name: [*(flag for field in ("n_layer", "n_embd", "n_head", "n_kv_head",
                   for flag in (f"--{field.replace('_', '-')}", str(getattr(sizing.preset_shape(name), field)))),
                 "--tie-embeddings"]
          for name in sizing.PRESETS}
-SWEEP_SETTINGS = {**BASE, "dtype": "bf16", "tf32": True, "sdpa": "flash", "fused": True, "compile": "default"}
+SWEEP_SETTINGS = {**BASE, "dtype": "bf16", "tf32": True, "sdpa": "flash", "fused": True, "compile": "default",
+                  "loss_chunk": 0}
 # Environment variables that change the timings, recorded in the table's header when set.
 TIMING_ENV = ("OMP_NUM_THREADS", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "CUDA_VISIBLE_DEVICES")
 # H100 SXM datasheet figures for the peak and the bandwidth (estimated_step_parts, the MFU column).
 H100_PEAK_BF16 = 989e12
 H100_HBM_BYTES_PER_S = 3.35e12
+H100_MEMORY, _ = memory.TARGET_GPUS["h100"]
 # The estimate's assumptions (estimated_step_parts), read from what these kernels reach at GPT-2 small's
 # shapes in public H100 reports, not measured here: bf16 GEMMs of width 768 at 60% of the dense peak, causal
 # flash attention at 40%, streaming kernels at 80% of HBM bandwidth.
@@ -127,6 +130,7 @@ def parse_ladder_args(argv):
 def settings_argv(settings, out_dir):
     argv = ["--dtype", settings["dtype"], "--compile", settings["compile"], "--fp8", settings["fp8"],
             "--optimizer", settings["optimizer"], "--out-dir", out_dir, "--eval-interval", "0",
+            "--loss-chunk-tokens", str(settings["loss_chunk"]),
             "--tf32" if settings["tf32"] else "--no-tf32", "--fused-adamw" if settings["fused"] else "--no-fused-adamw"]
     return argv + (["--fp8-attn"] if settings["fp8_attn"] else [])
 
@@ -214,6 +218,8 @@ def run_ladder(bench, train_argv, report):
             result = {"status": f"n/a (needs the {needs} rung, which did not run)"}
         elif change.get("tf32") and not torch.cuda.is_available():
             result = {"status": "n/a (TF32 is a CUDA tensor-core mode)"}
+        elif "loss_chunk" in change and not torch.cuda.is_available():
+            result = {"status": f"n/a (a CPU's loss chunk is {LOSS_CHUNK_TOKENS:,} tokens either way)"}
         elif over_budget(bench, started):
             result = {"status": f"skipped (--budget-s {bench.budget_s:g} spent)"}
         else:
@@ -403,7 +409,8 @@ def muon_flops_per_step(cfg: ModelConfig) -> int:
 
 def estimated_step_parts(cfg: ModelConfig, seq_len: int, micro_batch: int, step_tokens: int,
                          peak=H100_PEAK_BF16, hbm=H100_HBM_BYTES_PER_S, gemm_eff=GEMM_EFFICIENCY,
-                         attn_eff=ATTENTION_EFFICIENCY, hbm_eff=HBM_EFFICIENCY) -> dict[str, float]:
+                         attn_eff=ATTENTION_EFFICIENCY, hbm_eff=HBM_EFFICIENCY, chunk_tokens: int | None = None
+                         ) -> dict[str, float]:
     """Seconds per token of each part of a bf16, compiled training step on one GPU: an estimate read from
     the FLOPs and bytes each part must move, not a measurement.
 
@@ -411,8 +418,9 @@ def estimated_step_parts(cfg: ModelConfig, seq_len: int, micro_batch: int, step_
         lm_head       6 x V x d                                      / (gemm_eff x P)
         attention     (12 x L x H x hd x T) / 2 (causal)            / (attn_eff x P)
         elementwise   ACTIVATION_PASSES x bf16 block activations     / (hbm_eff x BW)
-        loss          LOSS_BYTES_PER_LOGIT x V, plus each chunk's float32 [V, d] weight-gradient
-                      read-modify-write (8 x V x d per chunk)        / (hbm_eff x BW)
+        loss          LOSS_BYTES_PER_LOGIT x V, plus the float32 [V, d] weight gradient: the first
+                      chunk writes it (4 x V x d), each further chunk reads and writes it (8 x V x d)
+                      / (hbm_eff x BW); chunks of chunk_tokens (default: what train.py picks on an H100)
         Muon          Newton-Schulz FLOPs per step / step tokens     / (gemm_eff x P),
                       plus MUON_BYTES_PER_PARAM per parameter per step / (hbm_eff x BW)
 
@@ -424,8 +432,8 @@ def estimated_step_parts(cfg: ModelConfig, seq_len: int, micro_batch: int, step_
     f_blocks = flops_per_token(cfg, seq_len) - f_attn - f_head
     act = L * (memory.attention_bytes_per_token(cfg, 2, True) + memory.mlp_bytes_per_token(cfg, 2, True))
     tokens = micro_batch * seq_len
-    chunk_tokens = tokens / loss_chunks(tokens, LOSS_CHUNK_TOKENS)
-    loss_bytes = LOSS_BYTES_PER_LOGIT * V + 8 * V * D / chunk_tokens
+    chunks = loss_chunks(tokens, chunk_tokens or memory.loss_chunk_tokens(cfg, torch.bfloat16, "cuda", H100_MEMORY))
+    loss_bytes = LOSS_BYTES_PER_LOGIT * V + 4 * V * D * (2 * chunks - 1) / tokens
     bw, flops = hbm_eff * hbm, gemm_eff * peak
     n_params = sum(param_numels(cfg).values())
     return {"block GEMMs": f_blocks / flops, "lm_head": f_head / flops, "attention": f_attn / 2 / (attn_eff * peak),

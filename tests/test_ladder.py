@@ -40,6 +40,7 @@ def test_ladder_runs_end_to_end_on_cpu(tiny_data, tmp_path, monkeypatch, capsys)
         assert rungs[key]["mfu"] is None and rungs[key]["peak_mem_gib"] is None  # no CPU peak: never invented
     assert rungs["tf32"]["status"] == "n/a (TF32 is a CUDA tensor-core mode)"
     assert rungs["compile"]["status"] == "skipped (--no-compile)"
+    assert rungs["loss_chunks"]["status"] == "n/a (a CPU's loss chunk is 1,024 tokens either way)"
     assert rungs["fp8_te"]["status"].startswith("n/a (--fp8 te needs a CUDA GPU")
     assert rungs["fp8_attn"]["status"] == "n/a (needs the fp8_te rung, which did not run)"
     assert rungs["torchao"]["status"] == ("ok" if fp8.torchao_installed() else rungs["torchao"]["status"])
@@ -116,10 +117,13 @@ def test_muon_newton_schulz_flops_count_each_block_on_its_short_side():
     assert ladder.muon_flops_per_step(cfg) == 2 * per_layer
 
 
-def test_the_loss_part_shrinks_as_chunks_grow_past_max_loss_chunks():
+def test_the_loss_part_counts_one_weight_gradient_write_and_a_read_modify_write_per_further_chunk():
     cfg = ModelConfig(n_layer=12, n_embd=768, n_head=12, n_kv_head=4)
-    loss = {b: ladder.estimated_step_parts(cfg, 1024, b, 2**19)["loss"] for b in (16, 64)}
-    assert loss[64] < loss[16]  # the weight gradient's read-modify-write, once per chunk, over more tokens
+    V, D = cfg.padded_vocab_size, cfg.n_embd
+    one, sixteen = (ladder.estimated_step_parts(cfg, 1024, 16, 2**19, chunk_tokens=c)["loss"] for c in (2**14, 1024))
+    bw = ladder.HBM_EFFICIENCY * ladder.H100_HBM_BYTES_PER_S
+    assert sixteen - one == pytest.approx(4 * V * D * 30 / 2**14 / bw)
+    assert ladder.estimated_step_parts(cfg, 1024, 16, 2**19)["loss"] == one  # an H100 holds 16 x 1024 in one chunk
 
 
 def test_ladder_flags_do_not_swallow_train_flags():

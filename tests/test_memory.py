@@ -13,9 +13,10 @@ import torch
 
 import fp8
 import memory
+import model as model_module
 import train
 from cli import UsageError
-from config import ACT_CKPT_MODES
+from config import ACT_CKPT_MODES, SpeedConfig
 from model import GPT, QWEN3_VALUES, ModelConfig, param_numels
 from optim import OptimConfig, build_optimizer, canonical_name, optimizer_state_bytes
 
@@ -141,6 +142,42 @@ def test_the_loss_chunk_grows_only_past_max_loss_chunks_chunks():
     logits = 1024 * gpt2.padded_vocab_size * (2 + 4)  # bf16 and float32 logits of 1,024 tokens
     assert per_chunk[1] == per_chunk[16] == logits + 2 * gpt2.padded_vocab_size * 768
     assert per_chunk[64] == 4 * logits + 2 * gpt2.padded_vocab_size * 768  # 16 chunks of 4,096 tokens
+
+
+GPT2_124M = ModelConfig(n_layer=12, n_head=6, n_kv_head=3, n_embd=768, head_dim=128, max_seq_len=1024)
+
+
+@pytest.mark.parametrize("gpu, most_chunks", [("h100", 1), ("a100-40gb", 2), ("rtx4090", 4), ("l4", 4)])
+def test_a_gpu_with_room_runs_gpt2s_loss_in_few_chunks_within_its_share_of_memory(gpu, most_chunks):
+    capacity, _ = memory.TARGET_GPUS[gpu]
+    chunk = memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, "cuda", capacity)
+    assert model_module.loss_chunks(16 * 1024, chunk) <= most_chunks
+    assert chunk * memory.loss_bytes_per_token(GPT2_124M, 2) <= capacity // memory.LOSS_CHUNK_SHARE
+    assert memory.loss_chunk_bytes(GPT2_124M, 16 * 1024, 2, chunk) > memory.loss_chunk_bytes(GPT2_124M, 16 * 1024, 2)
+
+
+def test_the_loss_chunk_stays_small_on_a_cpu_under_fp16_or_without_a_capacity_and_a_request_wins():
+    h100, _ = memory.TARGET_GPUS["h100"]
+    small = model_module.LOSS_CHUNK_TOKENS
+    assert memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, "cpu", 2**40) == small
+    assert memory.loss_chunk_tokens(GPT2_124M, torch.float16, "cuda", h100) == small
+    assert memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, "cuda", None) == small
+    assert memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, "cuda", 2**20) == small  # a tiny budget: the floor
+    assert memory.loss_chunk_tokens(GPT2_124M, None, "cuda", h100) < \
+        memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, "cuda", h100)  # fp32 logits take more per token
+    assert memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, "cuda", h100, requested=512) == 512
+    assert memory.loss_chunk_tokens(GPT2_124M, None, "cpu", None, requested=4096) == 4096
+
+
+def test_configure_sets_the_models_loss_chunk_and_the_table_describes_it():
+    model = GPT(CFG2)
+    memory.configure(model, SpeedConfig(loss_chunk_tokens=64), torch.device("cpu"), None)
+    assert model.loss_chunk_tokens == 64
+    assert memory.describe_loss_path(model, 4 * 48) == (
+        "fused lm_head + cross-entropy in 3 chunks of about 64 tokens per micro-batch (--loss-chunk-tokens: 64 "
+        "a chunk)")
+    memory.configure(model, SpeedConfig(), torch.device("cpu"), None)
+    assert model.loss_chunk_tokens == model_module.LOSS_CHUNK_TOKENS
 
 
 def test_estimate_memory_flag_prints_every_mode_and_builds_nothing(monkeypatch, capsys):
