@@ -617,3 +617,14 @@ def test_head_init_zero_zeroes_only_an_untied_lm_head():
     assert tiny_model(tie_embeddings=False).lm_head.weight.std() > 0.015
     with pytest.raises(ValueError, match="--head-init zero needs an untied lm_head"):
         tiny_config(head_init="zero", tie_embeddings=True).validate()
+
+
+def test_the_chunk_gradient_is_softmax_minus_one_hot_bit_for_bit_and_zero_on_ignored_rows():
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 8), torch.randn(11, 8)
+    targets = torch.tensor([3, 0, 10, model_module.IGNORE_INDEX, 7, 3])
+    _, grad = model_module._chunk_loss_and_grad(x, w, targets, with_grad=True)
+    expected = (x @ w.t()).sub(torch.logsumexp(x @ w.t(), dim=-1, keepdim=True)).exp()
+    expected.scatter_add_(1, targets.clamp(min=0)[:, None], torch.full((6, 1), -1.0))
+    expected[3] = 0.0
+    assert torch.equal(grad, expected)
