@@ -2,7 +2,8 @@
 
     --fp8 te       GPT(config, block=TEBlock): blocks of Transformer Engine modules; each micro-batch's
                    forward runs inside autocast(recipe), its backward outside; recipe "current" or "delayed"
-    --fp8 torchao  convert_to_torchao_float8(model) on the plain blocks: dynamic tensorwise scaling
+    --fp8 torchao  convert_to_torchao_float8(model) on the plain blocks: dynamic scaling, one scale per tensor
+                   (recipe "current") or per row (recipe "rowwise")
 
     recipe = prepare(cfg.fp8, model_cfg, micro_batch, device, autocast_dtype)   # checks, then TE's recipe
     model = build_model(model_cfg, cfg.fp8, device, init_state)               # the blocks these flags want
@@ -35,7 +36,10 @@ from cli import UsageError
 from model import GPT, Block, LayerNormMLP, ModelConfig, RMSNorm, apply_rope
 
 FP8_MODES = ("off", "te", "torchao")
-FP8_RECIPES = ("current", "delayed")
+FP8_RECIPES = ("current", "delayed", "rowwise")
+# Which recipes each path has: TE's current and delayed scaling; torchao's dynamic scaling, one scale per tensor
+# ("current", torchao's tensorwise) or per row of each operand (torchao's rowwise).
+RECIPES_OF = {"te": ("current", "delayed"), "torchao": ("current", "rowwise")}
 # TE reads this at import time (attention/dot_product_attention/dot_product_attention.py). On H100, FP8
 # attention trains only with delayed scaling, so with the current-scaling recipe the attention gets its own.
 DPA_RECIPE_ENV = "NVTE_DPA_FP8_RECIPE"
@@ -67,7 +71,8 @@ class FP8Config:
         "help": "FP8 block GEMMs: Transformer Engine modules, or torchao float8 linears"})
     recipe: str = field(default="current", metadata={
         "flag": "--fp8-recipe", "choices": FP8_RECIPES,
-        "help": "--fp8 te scaling: current (stateless, compile-friendly) or delayed (amax history)"})
+        "help": "FP8 scaling: current (one scale per tensor, from its amax now; te and torchao), delayed "
+                "(te: from an amax history) or rowwise (torchao: one scale per row)"})
     attn: bool = field(default=False, metadata={
         "flag": "--fp8-attn", "help": "--fp8 te: FP8 attention too (needs head_dim 128)"})
 
@@ -78,10 +83,11 @@ def check_fp8_flags(mode: str, recipe: str, fp8_attn: bool) -> None:
         raise ValueError(f"unknown fp8 mode {mode!r}; choose one of {', '.join(FP8_MODES)}")
     if recipe not in FP8_RECIPES:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; choose one of {', '.join(FP8_RECIPES)}")
-    if mode != "te" and (fp8_attn or recipe != FP8Config.recipe):
-        which = "--fp8-attn" if fp8_attn else "--fp8-recipe"
-        raise ValueError(f"{which} needs --fp8 te: --fp8-attn and --fp8-recipe apply to --fp8 te only "
-                         "(FP8 attention and the scaling recipes are Transformer Engine's)")
+    if mode != "te" and fp8_attn:
+        raise ValueError("--fp8-attn needs --fp8 te: FP8 attention is Transformer Engine's")
+    if recipe not in RECIPES_OF.get(mode, (FP8Config.recipe,)):
+        paths = " or ".join(f"--fp8 {m}" for m, recipes in RECIPES_OF.items() if recipe in recipes)
+        raise ValueError(f"--fp8-recipe {recipe} needs {paths}" + (f", not --fp8 {mode}" if mode != "off" else ""))
 
 
 def te_installed() -> bool:
@@ -421,8 +427,10 @@ def is_block_linear(module: nn.Module, fqn: str) -> bool:
     return isinstance(module, nn.Linear) and (fqn.startswith("blocks.") or ".blocks." in fqn)
 
 
-def convert_to_torchao_float8(model: nn.Module) -> nn.Module:
-    """Run every block GEMM through torchao's float8 training (dynamic tensorwise scaling), in place.
+def convert_to_torchao_float8(model: nn.Module, recipe: str = "current") -> nn.Module:
+    """Run every block GEMM through torchao's float8 training, in place: dynamic scaling, one scale per
+    tensor (recipe "current", torchao's tensorwise) or per row (recipe "rowwise", finer, so less error from
+    an outlier row, at the cost of a cast that reads each operand along its rows).
 
     The block nn.Linear layers (attn.proj) go through torchao's convert_to_float8_training; the fused
     qkv / fc1 / fc2 weights get a Float8Matmul. Parameter names and tensors are unchanged. Call it before
@@ -434,7 +442,7 @@ def convert_to_torchao_float8(model: nn.Module) -> nn.Module:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise ValueError("--fp8 torchao: torchao is not installed: pip install torchao") from None
-    config = Float8LinearConfig()
+    config = Float8LinearConfig.from_recipe_name("rowwise") if recipe == "rowwise" else Float8LinearConfig()
     convert_to_float8_training(model, module_filter_fn=is_block_linear, config=config)
     for block in model.blocks:
         block.attn.qkv.matmul = Float8Matmul(config)
@@ -456,7 +464,9 @@ def describe_fp8(model: nn.Module, fp8_recipe=None) -> str:
     if te_blocks:
         return f"off ({te_blocks} Transformer Engine blocks, no FP8 recipe)"
     if float8_blocks:
-        return (f"torchao float8, dynamic tensorwise: qkv, proj, fc1, fc2 of {float8_blocks} blocks; "
+        config = next(m.matmul.config for m in model.modules() if isinstance(m, LayerNormMLP))
+        scaling = "rowwise" if config.cast_config_input.scaling_granularity.name == "AXISWISE" else "tensorwise"
+        return (f"torchao float8, dynamic {scaling}: qkv, proj, fc1, fc2 of {float8_blocks} blocks; "
                 "embedding, lm_head not FP8")
     return "off"
 
@@ -475,6 +485,9 @@ def prepare(cfg: FP8Config, model_cfg: ModelConfig, micro_batch: int | None, dev
     try:
         check_fp8_config(cfg.mode, cfg.recipe, cfg.attn, model_cfg, batch, model_cfg.max_seq_len,
                          cuda=device.type == "cuda", te=te_version(), have_torchao=torchao_installed())
+        if cfg.recipe == "rowwise" and device.type == "cuda" and autocast_dtype != torch.bfloat16:
+            raise ValueError("--fp8-recipe rowwise on CUDA needs --dtype bf16: torch._scaled_mm's row-wise FP8 "
+                             "kernel writes bf16")
         if cfg.mode != "te":
             return None
         if autocast_dtype is None:
@@ -493,5 +506,5 @@ def build_model(model_cfg: ModelConfig, cfg: FP8Config, device: torch.device, in
     if init_state is not None:
         model.load_state_dict(plain_to_te_state_dict(init_state) if cfg.mode == "te" else init_state)
     if cfg.mode == "torchao":
-        convert_to_torchao_float8(model)
+        convert_to_torchao_float8(model, cfg.recipe)
     return model

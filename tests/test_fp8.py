@@ -50,6 +50,9 @@ def check(mode, cfg=CFG, recipe="current", attn=False, batch=4, seq=32, **machin
     ("te", {"attn": True}, "--fp8-attn needs head_dim 128 .*got 16"),
     ("fp6", {}, "unknown fp8 mode 'fp6'"),
     ("te", {"recipe": "mxfp8"}, "unknown fp8 recipe 'mxfp8'"),
+    ("te", {"recipe": "rowwise"}, "^--fp8-recipe rowwise needs --fp8 torchao, not --fp8 te$"),
+    ("torchao", {"recipe": "delayed"}, "^--fp8-recipe delayed needs --fp8 te, not --fp8 torchao$"),
+    ("off", {"recipe": "rowwise"}, "^--fp8-recipe rowwise needs --fp8 torchao$"),
 ])
 def test_fp8_constraint_errors_are_one_line(mode, kwargs, message):
     with pytest.raises(ValueError, match=message) as e:
@@ -90,10 +93,18 @@ def test_te_version_is_none_when_te_is_absent(monkeypatch):
     assert fp8.te_version() is None
 
 
-def test_train_refuses_fp8_flags_without_te_at_parse_time():
-    for flags in (["--fp8-attn"], ["--fp8", "torchao", "--fp8-recipe", "delayed"]):
-        with pytest.raises(train.UsageError, match="apply to --fp8 te only"):
+def test_train_refuses_fp8_flags_without_their_path_at_parse_time():
+    for flags, message in ((["--fp8-attn"], "--fp8-attn needs --fp8 te"),
+                           (["--fp8", "torchao", "--fp8-recipe", "delayed"], "delayed needs --fp8 te"),
+                           (["--fp8-recipe", "rowwise"], "rowwise needs --fp8 torchao")):
+        with pytest.raises(train.UsageError, match=message):
             config.parse_args(flags)
+
+
+def test_rowwise_on_cuda_needs_bf16_autocast():
+    cfg = fp8.FP8Config(mode="torchao", recipe="rowwise")
+    with pytest.raises(train.UsageError, match="rowwise on CUDA needs --dtype bf16"):
+        fp8.prepare(cfg, HD128, 16, torch.device("cuda"), None)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA refusal")
@@ -162,12 +173,12 @@ def test_torchao_conversion_keeps_every_parameter_name_and_tensor():
     assert "torchao float8" in fp8.describe_fp8(model) and fp8.describe_fp8(GPT(CFG)) == "off"
 
 
-def check_fp8_within_tolerance_of_bf16(compile_model: bool):
+def check_fp8_within_tolerance_of_bf16(compile_model: bool, recipe: str = "current"):
     """Stated tolerance: the loss within 0.5% of bf16's, and every parameter's gradient within 0.2 relative
     L2 error (cosine > 0.98). E4M3 keeps 3 mantissa bits and the E5M2 gradients 2, so elementwise errors
     of several percent are expected; on this model they come out near 0.1 relative."""
     model, reference = tiny_pair()
-    fp8.convert_to_torchao_float8(model)
+    fp8.convert_to_torchao_float8(model, recipe)
     # fullgraph: a graph break is an error
     run = torch.compile(model, backend="inductor", fullgraph=True) if compile_model else model
     idx = torch.randint(0, CFG.vocab_size, (4, CFG.max_seq_len), generator=torch.Generator().manual_seed(1))
@@ -183,9 +194,18 @@ def check_fp8_within_tolerance_of_bf16(compile_model: bool):
         assert rel < 0.2 and cos > 0.98, (name, rel.item(), cos.item())
 
 
+@pytest.mark.parametrize("recipe", ["current", "rowwise"])
 @needs_torchao
-def test_torchao_fp8_forward_backward_within_tolerance_of_bf16():
-    check_fp8_within_tolerance_of_bf16(compile_model=False)
+def test_torchao_fp8_forward_backward_within_tolerance_of_bf16(recipe):
+    check_fp8_within_tolerance_of_bf16(compile_model=False, recipe=recipe)
+
+
+@needs_torchao
+def test_torchao_rowwise_scales_each_row_and_says_so():
+    model, _ = tiny_pair()
+    fp8.convert_to_torchao_float8(model, "rowwise")
+    assert "dynamic rowwise" in fp8.describe_fp8(model)
+    assert model.blocks[0].mlp.matmul.config.cast_config_input.scaling_granularity.name == "AXISWISE"
 
 
 @pytest.mark.slow
