@@ -8,7 +8,7 @@
 #     bash bench/gpu_check.sh profile OUT  # one compiled gpt2-124m step profiled, AdamW then Muon -> OUT/profile_*.md
 #     bash bench/gpu_check.sh fp8    OUT   # bf16 against TE and torchao FP8 at about 1B (d=2048, seq 2048) -> OUT/fp8_1b.md
 #     bash bench/gpu_check.sh all    OUT   # all of them in a row (about 25 minutes)
-#     bash bench/gpu_check.sh lease  OUT   # tests, profiles and FP8 at 1B, cut to fit one command (at most 8 minutes 40 s)
+#     bash bench/gpu_check.sh lease  OUT   # tests, profiles, the ladder's deciding rungs: one command (at most 8 min 30 s)
 #
 # tests: TE vs plain parity on the same weights, TE FP8 (both recipes, FP8 attention) through train.py, the
 # activation estimate against CUDA's saved tensors. ladder: bench/ladder.py on its GPU defaults (12 layers,
@@ -66,7 +66,10 @@ run_tests() { # [LIMIT_S [PYTEST ARGS]]: pytest -v writes one line per test as i
         echo
         environment
         echo
+        # The kit's install log, when the command put it here (OUT/install.log): one file fewer to bring back.
+        if [ -f "$OUT/install.log" ]; then echo '```'; cat "$OUT/install.log"; echo '```'; echo; fi
     } > "$OUT/tests.md"
+    rm -f "$OUT/install.log"
     local status
     local limit=${1:-420}
     shift
@@ -89,10 +92,11 @@ run_tests() { # [LIMIT_S [PYTEST ARGS]]: pytest -v writes one line per test as i
     return $rc
 }
 
-run_ladder() { # [LIMIT_S BUDGET_S]: ladder.py rewrites ladder.md and ladder.json after every rung; its stderr has the start-up tables
-    local status
-    status=$(limited "${1:-480}" "$OUT/ladder.log" $PY bench/ladder.py --windows 3 --steps-per-window 5 \
-        --warmup-steps 3 --budget-s "${2:-330}" --no-chart --out "$OUT/ladder")
+run_ladder() { # [LIMIT_S BUDGET_S [ladder.py flags]]: ladder.md and .json rewritten after every rung; stderr: start-up tables
+    local status limit=${1:-480} budget=${2:-330}
+    shift 2
+    status=$(limited "$limit" "$OUT/ladder.log" $PY bench/ladder.py --windows 3 --steps-per-window 5 \
+        --warmup-steps 3 --budget-s "$budget" --no-chart --out "$OUT/ladder" "$@")
     local rc=$?
     echo "$status" >> "$OUT/ladder.md"
     echo "ladder: $status"
@@ -160,15 +164,19 @@ run_fp8() { # [LIMIT_S for each] [MODES]: bench/throughput.py at SHAPE_1B per --
 
 case "$WHAT" in
 tests) run_tests ;;
-ladder) run_ladder ;;
+ladder) run_ladder 480 330 ;;
 mfu) run_mfu ;;
 profile) run_profiles ;;
 fp8) run_fp8 ;;
-all) run_tests; r1=$?; run_profiles; r2=$?; run_fp8; r3=$?; run_ladder; r4=$?; run_mfu; r5=$?
+all) run_tests; r1=$?; run_profiles; r2=$?; run_fp8; r3=$?; run_ladder 480 330; r4=$?; run_mfu; r5=$?
     (exit $((r1 | r2 | r3 | r4 | r5))) ;;
-# Four pytest workers: the GPU tests are independent runs, each mostly start-up and compilation on the CPU. The
-# ladder and the MFU sweep stay out: their compiled bf16 rung is the AdamW profile's tokens/s.
-lease) run_tests 140 -n 4; r1=$?; run_profiles 90; r2=$?; run_fp8 100 "off te"; r3=$?; (exit $((r1 | r2 | r3))) ;;
+# Four pytest workers: the GPU tests are independent runs, each mostly start-up and compilation on the CPU. Then,
+# in the order of what the defaults depend on: the profiles (the parts of the step; Muon against AdamW), and the
+# ladder's rungs from the compiled bf16 step on that decide the loss path, attention kernel, CUDA graphs and
+# torchao's recipe. FP8 at 1B has its own command (fp8).
+lease) run_tests 110 -n 4; r1=$?; run_profiles 85; r2=$?
+    run_ladder 200 150 --start-at compile --rungs compile,loss_chunks,cudnn_attn,cuda_graphs,torchao_rowwise
+    r3=$?; (exit $((r1 | r2 | r3))) ;;
 esac
 rc=$?
 echo "results in $OUT: $(ls "$OUT" | tr '\n' ' ')"

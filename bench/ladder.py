@@ -4,8 +4,10 @@
     python bench/ladder.py --mfu-sweep [--sizes gpt2-124m --seq-lens 1024,2048 --batch-sizes 8,16]  # GPU only
     python bench/ladder.py --projection                # gpt2-124m's H100 step estimated part by part
 
-Rung k runs everything rung k-1 ran plus one change (torchao FP8 replaces TE's; Muon replaces 8-bit AdamW).
-A rung that cannot run here (no CUDA, no Transformer Engine, head_dim not 128, ...) is reported "n/a" with
+A step rung runs everything the last step that ran did plus one change, and later rungs keep it; a variant
+rung ("vs: ...") swaps one setting of that step (Muon for fused AdamW, cuDNN attention, CUDA graphs,
+max-autotune, 8-bit AdamW, torchao FP8 tensorwise or rowwise) and later rungs do not keep it, so each variant
+is compared with the same step. --start-at RUNG applies the steps before RUNG untimed. A rung that cannot run here (no CUDA, no Transformer Engine, head_dim not 128, ...) is reported "n/a" with
 the reason, and later rungs go on without its change; a rung that crashes, in set-up or while timed, is
 reported "failed" (its traceback goes to stderr) and the ladder goes on. No number in the table is anything
 but a measurement on this machine. Each rung is timed with bench/throughput.py's measure(): untimed warm-up
@@ -47,22 +49,32 @@ from optim import newton_schulz_flops  # noqa: E402
 
 # The starting point: everything a plain PyTorch loop does without trying.
 BASE = {"dtype": "fp32", "tf32": False, "sdpa": "math", "fused": False, "compile": "off", "fp8": "off",
-        "fp8_attn": False, "optimizer": "adamw", "loss_chunk": LOSS_CHUNK_TOKENS}
-# (key, label, change applied on top of the rung before, rung whose change this one needs)
+        "fp8_recipe": "current", "fp8_attn": False, "optimizer": "adamw", "loss_chunk": LOSS_CHUNK_TOKENS}
+# (key, label, change, rung whose change this one needs, kind). A "step" applies its change on top of the last
+# step that ran, and the rungs after it keep it; a "variant" swaps one setting of that step for comparison and
+# nothing after it keeps its change. Variants come in the order of what a GPU run's defaults most depend on.
 RUNGS = [
-    ("fp32", "fp32 (eager, math attention, foreach AdamW)", {}, None),
-    ("tf32", "+ TF32 matmuls", {"tf32": True}, None),
-    ("bf16", "+ bf16 autocast", {"dtype": "bf16"}, None),
-    ("flash", "+ SDPA flash attention", {"sdpa": "flash"}, None),
-    ("fused_adamw", "+ fused AdamW", {"fused": True}, None),
-    ("compile", "+ torch.compile", {"compile": "default"}, None),
-    ("loss_chunks", "+ loss chunks sized from GPU memory", {"loss_chunk": 0}, None),
-    ("fp8_te", "+ FP8 GEMMs (Transformer Engine)", {"fp8": "te"}, None),
-    ("fp8_attn", "+ FP8 attention (TE)", {"fp8_attn": True}, "fp8_te"),
-    ("torchao", "torchao FP8 instead of TE", {"fp8": "torchao", "fp8_attn": False}, None),
-    ("adamw8bit", "+ 8-bit AdamW", {"optimizer": "adamw8bit"}, None),
-    ("muon", "Muon instead of AdamW", {"optimizer": "muon"}, None),
+    ("fp32", "fp32 (eager, math attention, foreach AdamW)", {}, None, "step"),
+    ("tf32", "+ TF32 matmuls", {"tf32": True}, None, "step"),
+    ("bf16", "+ bf16 autocast", {"dtype": "bf16"}, None, "step"),
+    ("flash", "+ SDPA flash attention", {"sdpa": "flash"}, None, "step"),
+    ("fused_adamw", "+ fused AdamW", {"fused": True}, None, "step"),
+    ("compile", "+ torch.compile", {"compile": "default"}, None, "step"),
+    ("loss_chunks", "+ loss chunks sized from GPU memory", {"loss_chunk": 0}, None, "step"),
+    ("muon", "vs: Muon instead of fused AdamW", {"optimizer": "muon"}, None, "variant"),
+    ("cudnn_attn", "vs: cuDNN attention first", {"sdpa": "cudnn"}, None, "variant"),
+    ("cuda_graphs", "vs: CUDA graphs (compile reduce-overhead)", {"compile": "reduce-overhead"}, None, "variant"),
+    ("max_autotune", "vs: compile max-autotune", {"compile": "max-autotune"}, None, "variant"),
+    ("adamw8bit", "vs: 8-bit AdamW instead of fused AdamW", {"optimizer": "adamw8bit"}, None, "variant"),
+    ("torchao", "vs: torchao FP8, tensorwise", {"fp8": "torchao"}, None, "variant"),
+    ("torchao_rowwise", "vs: torchao FP8, rowwise", {"fp8": "torchao", "fp8_recipe": "rowwise"}, None, "variant"),
+    ("fp8_te", "+ FP8 GEMMs (Transformer Engine)", {"fp8": "te"}, None, "step"),
+    ("fp8_attn", "+ FP8 attention (TE)", {"fp8_attn": True}, "fp8_te", "step"),
 ]
+# What a CPU cannot run, by the setting a rung changes: -> the reason.
+CUDA_ONLY = {"tf32": "TF32 is a CUDA tensor-core mode", "loss_chunk": f"a CPU's loss chunk is {LOSS_CHUNK_TOKENS:,} "
+             "tokens either way", "sdpa=cudnn": "cuDNN attention is CUDA's",
+             "compile=reduce-overhead": "CUDA graphs are CUDA's"}
 # Model and batch when the command line gives none. GPU: GPT-2-small width and depth with head_dim 128, so
 # that the FP8-attention rung can run, and Qwen3's MLP and attention (SwiGLU, no output gates), the only ones the
 # Transformer Engine rungs build, with GPT-2's tied head. CPU: train.py's small default model's shape, tied as its
@@ -105,6 +117,8 @@ def parse_ladder_args(argv):
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (they include compilation)")
     p.add_argument("--rungs", default=None, help="comma-separated rung keys to run (default: all): "
                    + ",".join(key for key, *_ in RUNGS))
+    p.add_argument("--start-at", default=None, choices=[key for key, *_ in RUNGS],
+                   help="time the rungs from this one on; the steps before it apply their changes untimed")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile (later rungs run eager)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="skip the rungs (or sweep points) that would start after this many seconds")
@@ -130,7 +144,7 @@ def parse_ladder_args(argv):
 def settings_argv(settings, out_dir):
     argv = ["--dtype", settings["dtype"], "--compile", settings["compile"], "--fp8", settings["fp8"],
             "--optimizer", settings["optimizer"], "--out-dir", out_dir, "--eval-interval", "0",
-            "--loss-chunk-tokens", str(settings["loss_chunk"]),
+            "--loss-chunk-tokens", str(settings["loss_chunk"]), "--fp8-recipe", settings["fp8_recipe"],
             "--tf32" if settings["tf32"] else "--no-tf32", "--fused-adamw" if settings["fused"] else "--no-fused-adamw"]
     return argv + (["--fp8-attn"] if settings["fp8_attn"] else [])
 
@@ -138,12 +152,14 @@ def settings_argv(settings, out_dir):
 def attention_kernel(sdpa):
     """math: force SDPA's unfused reference kernel (the baseline). flash: every fused kernel and never the
     math one; flash first, and cuDNN or memory-efficient attention where flash cannot take the call (on
-    the CPU, flash is the only fused kernel)."""
+    the CPU, flash is the only fused kernel). cudnn: the same with cuDNN's first."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if sdpa == "math":
         return sdpa_kernel(SDPBackend.MATH)
     fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    if sdpa == "cudnn":
+        fused = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
     return sdpa_kernel(fused, set_priority=True)
 
 
@@ -204,30 +220,50 @@ def over_budget(bench, started):
     return bench.budget_s is not None and time.perf_counter() - started > bench.budget_s
 
 
+def cpu_refusal(change: dict) -> str | None:
+    """Why a rung with this change cannot run without CUDA, or None."""
+    for key, value in change.items():
+        reason = CUDA_ONLY.get(key) or CUDA_ONLY.get(f"{key}={value}")
+        if reason:
+            return reason
+    return None
+
+
+def why_not(bench, key, change, needs, ran, started) -> str | None:
+    """The status of a rung that is not run ("skipped (...)" or "n/a (...)"), or None to run it."""
+    if bench.rungs and key not in bench.rungs.split(","):
+        return "skipped (--rungs)"
+    if "compile" in change and bench.no_compile:
+        return "skipped (--no-compile)"
+    if needs is not None and needs not in ran:
+        return f"n/a (needs the {needs} rung, which did not run)"
+    if not torch.cuda.is_available() and (reason := cpu_refusal(change)):
+        return f"n/a ({reason})"
+    if over_budget(bench, started):
+        return f"skipped (--budget-s {bench.budget_s:g} spent)"
+    return None
+
+
 def run_ladder(bench, train_argv, report):
-    """-> list of (key, label, settings, result), one per rung; report(rows so far) after every rung."""
-    wanted = set(bench.rungs.split(",")) if bench.rungs else None
+    """-> list of (key, label, settings, result), one per rung; report(rows so far) after every rung. With
+    --start-at, the steps before that rung apply their changes untimed."""
     current, rows, ran, started = dict(BASE), [], set(), time.perf_counter()
-    for key, label, change, needs in RUNGS:
+    before_start = bench.start_at is not None
+    for key, label, change, needs, kind in RUNGS:
         settings = {**current, **change}
-        if wanted is not None and key not in wanted:
-            result = {"status": "skipped (--rungs)"}
-        elif key == "compile" and bench.no_compile:
-            result = {"status": "skipped (--no-compile)"}
-        elif needs is not None and needs not in ran:
-            result = {"status": f"n/a (needs the {needs} rung, which did not run)"}
-        elif change.get("tf32") and not torch.cuda.is_available():
-            result = {"status": "n/a (TF32 is a CUDA tensor-core mode)"}
-        elif "loss_chunk" in change and not torch.cuda.is_available():
-            result = {"status": f"n/a (a CPU's loss chunk is {LOSS_CHUNK_TOKENS:,} tokens either way)"}
-        elif over_budget(bench, started):
-            result = {"status": f"skipped (--budget-s {bench.budget_s:g} spent)"}
+        before_start = before_start and key != bench.start_at
+        if before_start:
+            result = {"status": f"skipped (--start-at {bench.start_at}" + ("; its change kept)" if kind == "step"
+                                                                           else ")")}
+            current = settings if kind == "step" else current
+        elif status := why_not(bench, key, change, needs, ran, started):
+            result = {"status": status}
         else:
             print(f"rung {key}: {label} ...", file=sys.stderr, flush=True)
             result = measure_settings(settings, train_argv, bench)
         if result["status"] == "ok":  # a rung that did not run leaves its change out of the later ones
             ran.add(key)
-            current = settings
+            current = settings if kind == "step" else current
         rows.append((key, label, settings, result))
         report(rows)
     return rows

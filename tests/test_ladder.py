@@ -35,18 +35,20 @@ def test_ladder_runs_end_to_end_on_cpu(tiny_data, tmp_path, monkeypatch, capsys)
     with open(f"{out}.json") as f:
         rungs = {r["key"]: r for r in json.load(f)["rungs"]}
     assert list(rungs) == [key for key, *_ in ladder.RUNGS]
-    for key in ("fp32", "bf16", "flash", "fused_adamw", "muon"):
+    for key in ("fp32", "bf16", "flash", "fused_adamw", "muon", "adamw8bit", "torchao", "torchao_rowwise"):
         assert rungs[key]["status"] == "ok" and rungs[key]["tokens_per_s"] > 0, rungs[key]
         assert rungs[key]["mfu"] is None and rungs[key]["peak_mem_gib"] is None  # no CPU peak: never invented
     assert rungs["tf32"]["status"] == "n/a (TF32 is a CUDA tensor-core mode)"
-    assert rungs["compile"]["status"] == "skipped (--no-compile)"
+    assert rungs["compile"]["status"] == rungs["max_autotune"]["status"] == "skipped (--no-compile)"
     assert rungs["loss_chunks"]["status"] == "n/a (a CPU's loss chunk is 1,024 tokens either way)"
+    assert rungs["cudnn_attn"]["status"] == "n/a (cuDNN attention is CUDA's)"
+    assert rungs["cuda_graphs"]["status"] == "skipped (--no-compile)"
     assert rungs["fp8_te"]["status"].startswith("n/a (--fp8 te needs a CUDA GPU")
     assert rungs["fp8_attn"]["status"] == "n/a (needs the fp8_te rung, which did not run)"
-    assert rungs["torchao"]["status"] == ("ok" if fp8.torchao_installed() else rungs["torchao"]["status"])
-    assert rungs["muon"]["settings"] == {**ladder.BASE, "dtype": "bf16", "sdpa": "flash", "fused": True,
-                                         "fp8": "torchao" if rungs["torchao"]["status"] == "ok" else "off",
-                                         "optimizer": "muon"}
+    step = {**ladder.BASE, "dtype": "bf16", "sdpa": "flash", "fused": True}  # the last step that ran
+    assert rungs["muon"]["settings"] == {**step, "optimizer": "muon"}
+    assert rungs["torchao_rowwise"]["settings"] == {**step, "fp8": "torchao", "fp8_recipe": "rowwise"}
+    assert rungs["fp8_te"]["settings"] == {**step, "fp8": "te"}  # no variant's change carried over
     table = open(f"{out}.md").read()
     assert table.count("\n| ") == 1 + len(ladder.RUNGS)  # header row + one row per rung
     assert "| 1 | fp32 (eager, math attention, foreach AdamW) |" in table and "| 1.00x |" in table
@@ -84,6 +86,19 @@ def test_rungs_past_the_time_budget_are_skipped_not_started(monkeypatch):
     bench, train_argv = ladder.parse_ladder_args([*FAST, "--budget-s", "0", *TINY])
     rows = ladder.run_ladder(bench, train_argv, lambda rows: None)
     assert rows[0][3]["status"] == "skipped (--budget-s 0 spent)"
+
+
+def test_start_at_applies_the_earlier_steps_untimed_and_no_variant(monkeypatch):
+    measured = []
+    monkeypatch.setattr(ladder, "measure_settings", lambda settings, *a: measured.append(settings) or {
+        "status": "ok", "tokens_per_s": 1.0, "rates": [1.0], "warmup_s": 0.0, "compile_s": None, "mfu": None,
+        "peak_mem_gib": None})
+    bench, train_argv = ladder.parse_ladder_args([*FAST, "--start-at", "compile", "--rungs", "compile,muon", *TINY])
+    rows = {key: result["status"] for key, _, _, result in ladder.run_ladder(bench, train_argv, lambda rows: None)}
+    assert rows["fp32"] == rows["fused_adamw"] == "skipped (--start-at compile; its change kept)"
+    assert rows["compile"] == rows["muon"] == "ok" and rows["cudnn_attn"] == "skipped (--rungs)"
+    steps = {"tf32": True, "dtype": "bf16", "sdpa": "flash", "fused": True, "compile": "default"}
+    assert measured == [{**ladder.BASE, **steps}, {**ladder.BASE, **steps, "optimizer": "muon"}]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
