@@ -30,6 +30,8 @@ def read_back(window: list[Taken], guard: Guard, telemetry: Telemetry, world_siz
     order: the guard observes it, then its record is made -> (done, record) pairs, lazily, so that a rollback
     ends the window at the step that calls for it. Non-finite steps were skipped on the device as they ran, so
     the guard's verdict may come later without anything to undo."""
+    if not window:
+        return
     values = torch.stack([v.float() for t in window for v in (t.loss, t.grad_norm, t.finite)]).view(-1, 3).tolist()
     for t, (loss, grad_norm, finite) in zip(window, values):
         health = guard.observe(loss, bool(finite))

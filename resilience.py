@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import sys
+from contextlib import contextmanager
 
 
 class LossHealth:
@@ -100,18 +101,28 @@ def stop_at_once(phase: str = "start-up") -> None:
         signal.signal(sig, handle)
 
 
+class StepInterrupted(Exception):
+    """A stop signal cut a step short before its update (StopSignals.interruptible): the step is dropped."""
+
+
 class StopSignals:
-    """SIGTERM (preemption) and SIGINT (Ctrl-C) ask the run to stop after the current step; a second
-    SIGINT exits at once, even while a checkpoint is being written (writes are atomic: a temporary name is
-    never taken for a checkpoint). train.py checks `requested` between steps, checkpoints and exits 0.
+    """SIGTERM (preemption) and SIGINT (Ctrl-C) stop the run; a second SIGINT exits at once, even while a
+    checkpoint is being written (writes are atomic: a temporary name is never taken for a checkpoint).
+
+    In a single process (`interrupt`) a signal during a step's micro-steps ends that step at once: the handler
+    raises StepInterrupted there, train.py drops the step (its gradients and data are rewound) and keeps the
+    last completed one, so a stop answers within seconds however long a step is; during the update, which
+    must not be cut in half, it waits for the step's end. Under torch.distributed every rank must stop at
+    the same step, so a signal is acted on at the next read-back, where the ranks agree (train.read_due).
 
     Python runs a handler once for all the deliveries of a signal since it last looked, so two Ctrl-Cs inside
     one long C call (a matmul, an fsync) would reach it as one. The interpreter also writes one byte per
     delivery to its wakeup fd: the handler counts those."""
 
-    def __init__(self):
+    def __init__(self, interrupt: bool = False):
         self.requested = None  # the name of the signal that asked
         self.sigints = 0
+        self.interrupt, self.cut_now = interrupt, False
         self.wakeup, self.wakeup_writer = socket.socketpair()
         for end in (self.wakeup, self.wakeup_writer):
             end.setblocking(False)
@@ -133,8 +144,22 @@ class StopSignals:
             print(f"\n{name} again: exiting now, without a checkpoint", file=sys.stderr, flush=True)
             os._exit(130)
         self.requested = name
+        if self.cut_now:
+            self.cut_now = False
+            print(f"\n{name}: dropping the step in progress and keeping the last completed one (Ctrl-C again to "
+                  "exit at once)", file=sys.stderr, flush=True)
+            raise StepInterrupted(name)
         print(f"\n{name}: finishing this step (under torchrun, the next --log-interval step, where the ranks "
               "agree) and writing a checkpoint (Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
+
+    @contextmanager
+    def interruptible(self):
+        """Around a step's micro-steps: a first signal inside raises StepInterrupted (in a single process)."""
+        self.cut_now = self.interrupt and self.requested is None
+        try:
+            yield
+        finally:
+            self.cut_now = False
 
     def restore(self) -> None:
         """Put back the handlers from before the loop, except a start-up one: the loop is over, not to come."""

@@ -15,6 +15,7 @@ import os
 import random
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -38,7 +39,8 @@ from model import ModelConfig, flops_per_token
 from optim import build_optimizer, step_if_finite
 from prepare import default_corpus
 from readback import Taken, log_unread, read_back
-from resilience import Guard, StopSignals, TrainingHalted, stop_at_once
+from recovery import interrupted_reason, rewind_step, rollback, shrink_micro_batch, stop_reason
+from resilience import Guard, StepInterrupted, StopSignals, TrainingHalted, stop_at_once
 from rundir import CONFIG_FILE, NothingToDo, RunLock, claim, replace_outputs
 from schedule import lr_multiplier, set_lr
 from telemetry import Telemetry, announce, logger_problems, message, start_wandb
@@ -219,10 +221,10 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
 # ----------------------------------------------------------------------------- the step
 
 
-def train_step(run: Run):
+def train_step(run: Run, interruptible=nullcontext):
     """One optimizer step over grad_accum micro-batches (run.step_layout's during the batch warm-up) ->
     (mean loss over ranks, grad norm, finite), tensors on the device: the host queues the step without
-    waiting for the GPU.
+    waiting for the GPU. A stop signal may cut the micro-steps short (StopSignals.interruptible), never the update.
 
     A non-finite loss or gradient norm skips the update: parameters and optimizer state stay exactly as
     they were, decided on the device where the optimizer can (optim.step_if_finite). The fp16 GradScaler's
@@ -232,16 +234,17 @@ def train_step(run: Run):
     """
     timer, grad_accum = run.telemetry.timer, (run.step_layout or run.layout).grad_accum
     loss_sum = torch.zeros((), device=run.device)
-    for micro in range(grad_accum):
-        with timer("data"):
-            x, y = next(run.loader)
-        with distributed.set_grad_sync(run.wrapped, run.info, micro == grad_accum - 1):
-            with timer("forward"), run.autocast():
-                _, loss = run.compiled(x, y)
-            loss_sum += loss.detach()
-            with timer("backward"):
-                run.scaler.scale(loss / grad_accum).backward()
-        run.telemetry.micro_step(micro + 1, grad_accum)
+    with interruptible():
+        for micro in range(grad_accum):
+            with timer("data"):
+                x, y = next(run.loader)
+            with distributed.set_grad_sync(run.wrapped, run.info, micro == grad_accum - 1):
+                with timer("forward"), run.autocast():
+                    _, loss = run.compiled(x, y)
+                loss_sum += loss.detach()
+                with timer("backward"):
+                    run.scaler.scale(loss / grad_accum).backward()
+            run.telemetry.micro_step(micro + 1, grad_accum)
     with timer("optimizer"):
         run.scaler.unscale_(run.optimizer)
         clip = run.cfg.schedule.grad_clip
@@ -263,7 +266,7 @@ def run_loop(run: Run) -> str | None:
 
     The host queues steps without waiting for the GPU and reads their losses back only when read_due says;
     then the guard counts each of them in order and each gets its record, as if they had been read one by one."""
-    s, signals = run.cfg.schedule, StopSignals()
+    s, signals = run.cfg.schedule, StopSignals(interrupt=run.info.mode == "none")
     step, oom_retried, taken = run.start_step, False, []
     try:
         with run.telemetry.loop():
@@ -277,7 +280,10 @@ def run_loop(run: Run) -> str | None:
                 loader_state = run.loader.state_dict()
                 try:
                     with run.telemetry.timing_step():
-                        loss, grad_norm, finite = train_step(run)
+                        loss, grad_norm, finite = train_step(run, signals.interruptible)
+                except StepInterrupted:
+                    rewind_step(run, loader_state)
+                    return keep_last_step(run, step, taken, signals)
                 except torch.cuda.OutOfMemoryError:
                     smaller = 0 if oom_retried else memory.retry_micro_batch(run.layout, run.cfg.fp8.mode)
                     if not smaller:
@@ -386,47 +392,17 @@ def save_if_due(run: Run, done: int, record: dict, regular: bool, best: bool = F
     return written or regular
 
 
-def stop_reason(run: Run, done: int, signals: StopSignals, signalled: bool, stop_early: bool,
-                saved: bool) -> str | None:
-    """Why the run stops after step `done` (saved: its checkpoint is on disk), or None when it goes on."""
-    if signalled:
-        written = "checkpoint written" if saved else "no checkpoint inside a streak of non-finite steps"
-        return (f"stopped by {signals.requested or 'a signal to another rank'} at step {done}; {written}. "
-                "Resume with the same command plus --resume")
-    if stop_early:
-        return (f"early stop at step {done}: val loss has not improved on {run.guard.early_stop.best:.4f} for "
-                f"{run.cfg.resilience.early_stop_patience} evals; the best weights are in {run.checkpointer.best_path}")
-    return None
-
-
-def rollback(run: Run) -> int:
-    """After too many non-finite steps: reload the newest good checkpoint and continue with a lower LR."""
-    try:
-        meta = run.checkpointer.restore(run.model, run.optimizer, run.loader, warn=run.telemetry.write)
-    except UsageError:
-        raise TrainingHalted(f"{run.cfg.resilience.max_bad_steps} non-finite steps in a row and no checkpoint to "
-                             "roll back to yet; restart with a lower --lr") from None
-    if fp8.is_delayed(run.fp8_recipe):  # the restored weights start a fresh amax history, as a resume's do
-        fp8.reset_delayed_scaling(run.model)
-    run.guard.rolled_back(meta)
-    run.telemetry.rewind(meta["step"], tokens_trained(meta, run.layout.tokens_per_step), meta.get("record"))
-    run.telemetry.write(f"rolled back to step {meta['step']} after {run.cfg.resilience.max_bad_steps} non-finite "
-                        f"steps; LR now x{run.guard.lr_scale:g} of the schedule")
-    return meta["step"]
-
-
-def shrink_micro_batch(run: Run, loader_state: dict, smaller: int) -> None:
-    """After an out-of-memory error mid-step: rewind the step and redo it with a smaller micro-batch and more
-    micro-steps, so the global batch and the data order stay exactly the same."""
-    run.optimizer.zero_grad(set_to_none=True)
-    run.telemetry.timer.collect()
-    if run.device.type == "cuda":
-        torch.cuda.empty_cache()
-    run.layout = run.layout.with_micro_batch(smaller)
-    run.loader.load_state_dict(loader_state)
-    run.loader.resize(smaller)
-    run.telemetry.write(f"warning: out of memory; retrying the step with micro-batch {smaller} x "
-                        f"{run.layout.grad_accum} micro-steps (same global batch)")
+def keep_last_step(run: Run, step: int, taken: list, signals: StopSignals) -> str:
+    """After a stop signal cut step step + 1 short: log the steps taken since the last read-back and write step
+    `step`'s checkpoint, unless it is on disk (the read-back at a due checkpoint wrote it) -> the stop reason."""
+    record, on_disk = None, not taken and run.checkpointer.due(step, run.max_steps)
+    for _, record in read_back(taken, run.guard, run.telemetry, run.info.world_size):
+        run.telemetry.log(record)
+    if step == run.start_step:
+        return f"stopped by {signals.requested} during step {step + 1}, before this process completed a step"
+    started = time.perf_counter()
+    saved = save_if_due(run, step, record, regular=True, written=on_disk)
+    return interrupted_reason(signals.requested, step, saved, None if on_disk else time.perf_counter() - started)
 
 
 def main(argv=None):

@@ -137,14 +137,14 @@ def inject_nan(monkeypatch):
     def poison(n):
         calls = {"count": 0}
 
-        def step(run):
+        def step(run, *args):
             index, calls["count"] = calls["count"], calls["count"] + 1
             if index != n:
-                return original(run)
+                return original(run, *args)
             forward = run.compiled
             run.compiled = lambda x, y: (lambda out: (out[0], out[1] * float("nan")))(forward(x, y))
             try:
-                return original(run)
+                return original(run, *args)
             finally:
                 run.compiled = forward
 

@@ -40,11 +40,11 @@ def test_a_stopped_run_and_its_resume_leave_a_report_that_report_py_writes_again
                                                                                          monkeypatch, capsys):
     step, calls = train.train_step, []
 
-    def stopped_in_step_2(run):
+    def stopped_in_step_2(run, *args):
         calls.append(1)
         if len(calls) == 2:
             os.kill(os.getpid(), signal.SIGTERM)
-        return step(run)
+        return step(run, *args)
 
     flags = ["--max-steps", "4", "--lr", "0.01", "--sample-tokens", "4", "--sample-prompt", "x"]
     monkeypatch.setattr(train, "train_step", stopped_in_step_2)

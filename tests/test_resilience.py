@@ -16,6 +16,7 @@ import torch
 import checkpoint
 import model
 import plan
+import telemetry
 import train
 from data import write_shard
 from memory import fits_by_trying, largest_fitting_batch, micro_batch_for
@@ -244,9 +245,9 @@ class Diverging:
     def __init__(self, monkeypatch, n):
         original, self.calls = train.train_step, 0
 
-        def step(run):
+        def step(run, *args):
             self.calls += 1
-            loss, norm, finite = original(run)
+            loss, norm, finite = original(run, *args)
             return (loss, norm, finite) if self.calls <= n else (loss * float("nan"), norm, torch.zeros_like(finite))
 
         monkeypatch.setattr(train, "train_step", step)
@@ -269,10 +270,10 @@ def test_sigterm_is_obeyed_on_the_rollback_path(data_dir, tmp_path, capsys, monk
     diverging = Diverging(monkeypatch, 2)
     bad_step = train.train_step
 
-    def step(run):
+    def step(run, *args):
         if diverging.calls == 3:  # inside the first bad streak
             os.kill(os.getpid(), signal.SIGTERM)
-        return bad_step(run)
+        return bad_step(run, *args)
 
     monkeypatch.setattr(train, "train_step", step)
     train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "50", "--ckpt-interval", "2",
@@ -619,3 +620,28 @@ def test_two_sigints_during_one_long_call_still_exit_at_once(monkeypatch, capsys
         signals.restore()
     assert signals.requested == "SIGINT" and exits == [130]
     assert "SIGINT again: exiting now" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ckpt_interval, kept", [(100, "its checkpoint written in"),
+                                                  (4, "its checkpoint on disk already")])
+def test_a_signal_mid_step_drops_that_step_keeps_the_last_and_resumes_exactly(data_dir, tmp_path, capsys,
+                                                                             monkeypatch, ckpt_interval, kept):
+    args = ["--data", data_dir, *MODEL, "--max-steps", "8", "--grad-accum", "2", "--ckpt-interval", str(ckpt_interval)]
+    train.main([*args, "--out-dir", str(tmp_path / "reference")])
+    micro_step = telemetry.Telemetry.micro_step
+
+    def signal_inside_step_5(self, done, of):  # between step 5's two micro-steps
+        micro_step(self, done, of)
+        if self.steps_taken == 4 and done == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(telemetry.Telemetry, "micro_step", signal_inside_step_5)
+    capsys.readouterr()
+    train.main([*args, "--out-dir", str(tmp_path / "run")])
+    out, err = capsys.readouterr()
+    assert "SIGTERM: dropping the step in progress and keeping the last completed one" in err
+    assert f"stopped by SIGTERM during step 5, which is dropped; kept step 4, {kept}" in out
+    assert checkpoint.checkpoint_step(checkpoint.list_checkpoints(str(tmp_path / "run"))[-1]) == 4
+    monkeypatch.setattr(telemetry.Telemetry, "micro_step", micro_step)
+    train.main([*args, "--out-dir", str(tmp_path / "run"), "--resume"])
+    assert losses(tmp_path / "run") == losses(tmp_path / "reference")

@@ -40,9 +40,9 @@ def test_a_step_that_does_not_log_never_waits_for_the_device(flags, tiny_data, t
                                          "--max-steps", "4", "--log-interval", "4"]))
     reads, marks, original = HostReads(), [], train.train_step
 
-    def step(run):
+    def step(run, *args):
         marks.append(reads.count)
-        return original(run)
+        return original(run, *args)
 
     monkeypatch.setattr(train, "train_step", step)
     try:
@@ -155,11 +155,11 @@ def test_a_run_that_fails_between_read_backs_still_logs_the_steps_it_finished(ti
                                                                              capsys):
     original, calls = train.train_step, []
 
-    def step(run):
+    def step(run, *args):
         calls.append(run)
         if len(calls) == 4:
             raise train.DataError("train_000001.bin: unreadable")
-        return original(run)
+        return original(run, *args)
 
     monkeypatch.setattr(train, "train_step", step)
     with pytest.raises(SystemExit) as exit_info:
