@@ -8,6 +8,7 @@ flood the log; otherwise one every `interval` seconds.
 """
 
 import sys
+import threading
 import time
 
 
@@ -27,7 +28,7 @@ class Progress:
         self.total, self.desc, self.unit, self.n = total, desc, unit, initial
         self.enabled, self.interval, self.every, self.min_interval = enabled, interval, every, min_interval
         self.postfix = ""
-        self.start = self.last_print = time.perf_counter()
+        self.start = self.last_print = self.last_output = time.perf_counter()
         self.start_n = initial
         self.bar = None
         if enabled and self.stream.isatty():
@@ -55,6 +56,7 @@ class Progress:
         self.n += n
         if self.bar is not None:
             self.bar.update(n)
+            self.last_output = time.perf_counter()
             return
         now = time.perf_counter()
         if self.enabled and (self.n == self.total or self._line_due(now)):
@@ -62,8 +64,8 @@ class Progress:
             self.write(self.line(now))
 
     def _line_due(self, now: float) -> bool:
-        if self.every:
-            return self.n % self.every == 0 and now - self.last_print >= self.min_interval
+        if self.every:  # and the first update: a run's first step always gets its line
+            return (self.n % self.every == 0 or self.n == self.start_n + 1) and now - self.last_print >= self.min_interval
         return now - self.last_print >= self.interval
 
     def line(self, now: float) -> str:
@@ -81,6 +83,7 @@ class Progress:
         """A message that does not tear the bar."""
         if not self.enabled:
             return
+        self.last_output = time.perf_counter()
         if self.bar is not None:
             self.bar.write(message, file=self.stream)
         else:
@@ -89,3 +92,29 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class Heartbeat:
+    """A line whenever nothing has been said for `every` seconds (last_output() is when something last was):
+    a first step that compiles, a long micro-step, an eval, in a terminal or a file that would otherwise stay
+    silent for minutes. A daemon thread: the long C calls (matmuls) release the GIL and Python work hands it
+    over every few milliseconds, so it speaks within a second of its time. describe(quiet seconds) -> the line."""
+
+    def __init__(self, every: float, describe, write, last_output):
+        self.every, self.describe, self.write, self.last_output = every, describe, write, last_output
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def _run(self) -> None:
+        while not self.stopped.wait(min(1.0, self.every / 4)):
+            quiet = time.perf_counter() - self.last_output()
+            if quiet >= self.every:
+                self.write(self.describe(quiet))
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stopped.set()
+        self.thread.join()

@@ -24,7 +24,7 @@ import shlex
 import sys
 import time
 import urllib.parse
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from statistics import median
 
@@ -41,7 +41,7 @@ from cli import first_line, plural
 from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values
 from hardware import peak_memory_gib
 from optim import describe_param_groups, optimizer_state_bytes
-from progress import Progress, duration
+from progress import Heartbeat, Progress, duration
 from rundir import TENSORBOARD_DIR
 from schedule import current_lr
 
@@ -50,6 +50,7 @@ PHASES = ("data", "forward", "backward", "optimizer")  # a step's, timed by Phas
 # Steps timed to separate torch.compile's one-off compilation (in the first step) from the steady step time.
 COMPILE_TIMING_STEPS = 6
 MICRO_LINE_S = 10.0  # a step running longer than this says which micro-step it is at, this often
+HEARTBEAT_S = 15.0  # the loop is never silent for longer than this (progress.Heartbeat)
 
 
 def print_table(rows: list[tuple[str, str]]) -> None:
@@ -421,6 +422,7 @@ class Telemetry:
         self.step_times, self.step_tokens, self.data_warned, self.last_loss = [], [], False, float("nan")
         self.done, self.compile_s, self.last_eval = start_step, None, None
         self.steps_taken = start_step  # queued on the device, read back or not (done: read back)
+        self.in_step, self.micro_done, self.last_write = False, (0, 0), time.perf_counter()
 
     def elapsed(self) -> float:
         """Seconds of training since the run started, across resumes (metrics.jsonl's time_s)."""
@@ -431,8 +433,12 @@ class Telemetry:
         """A context around the whole step: timed (wall clock, or CUDA events that the host does not wait for),
         and the start its micro-step lines count from, so the previous step's eval and checkpoint are not in it."""
         self.step_start = self.micro_line = time.perf_counter()
-        with self.clock("step"):
-            yield
+        self.in_step, self.micro_done = True, (0, 0)
+        try:
+            with self.clock("step"):
+                yield
+        finally:
+            self.in_step = False
 
     def end_step(self) -> StepEnd:
         """What the host notes as a step's work has been queued, for its record (step_record); the profiler
@@ -447,7 +453,7 @@ class Telemetry:
         """After each of a step's `of` micro-steps: once the step has run MICRO_LINE_S, a line every MICRO_LINE_S
         saying how far it is, so that a run of long steps (many micro-steps, a slow device) is never silent for
         minutes. Host time: on a GPU the host runs ahead of the kernels by at most the queue it fills."""
-        now = time.perf_counter()
+        now, self.micro_done = time.perf_counter(), (done, of)
         if done < of and now - self.micro_line >= MICRO_LINE_S:
             self.micro_line = now
             self.write(f"micro-step {done:,} of {of:,} of step {self.steps_taken + 1:,}, "
@@ -548,13 +554,29 @@ class Telemetry:
                                  every=self.cfg.log.log_interval)
         if self.cfg.log.profile:
             self.profiler = start_profiler(self.device, self.cfg.ckpt.out_dir, self.is_main)
+        if self.cfg.speed.compile != "off":
+            self.write(f"torch.compile ({self.cfg.speed.compile}): compiling the model during the first step; a line "
+                       f"every {HEARTBEAT_S:.0f} s until it is done")
+        last_output = lambda: max(self.last_write, self.progress.last_output)  # noqa: E731
         try:
-            yield
+            with Heartbeat(HEARTBEAT_S, self.still_running, self.write, last_output) if self.is_main else nullcontext():
+                yield
         finally:
             if self.profiler is not None:
                 self.profiler.stop()
             self.progress.close()
             self.progress = self.profiler = None
+
+    def still_running(self, quiet_s: float) -> str:
+        """The heartbeat's line: where the loop is, and why a first step may be slow."""
+        if not self.in_step:
+            return f"still running: {duration(quiet_s)} since the last line (an eval, a checkpoint or a read-back)"
+        done, of = self.micro_done
+        micro = f", micro-step {done + 1:,} of {of:,}" if of > 1 else ""
+        compiling = (" (torch.compile compiles the model during this process's first step)"
+                     if self.cfg.speed.compile != "off" and self.steps_taken == self.start_step else "")
+        return (f"still running: step {self.steps_taken + 1:,}{micro}, "
+                f"{duration(time.perf_counter() - self.step_start)} into it{compiling}")
 
     def mean_tokens_per_sec(self) -> float | None:
         """This process's tokens over its step time, without its first step (compilation, warm-up) when
@@ -588,6 +610,7 @@ class Telemetry:
 
     def write(self, text: str) -> None:
         """A line for the user: above the progress bar inside the loop, plainly outside it; rank 0 only."""
+        self.last_write = time.perf_counter()
         if self.progress is not None:
             self.progress.write(text)
         elif self.is_main:

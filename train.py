@@ -323,11 +323,13 @@ def run_loop(run: Run) -> str | None:
 
 
 def read_due(run: Run, done: int, signals: StopSignals) -> bool:
-    """Read the steps taken back from the device after step `done`? Every --log-interval steps, at the end,
-    and where something acts on them: a checkpoint (never one inside a streak of non-finite steps) or an eval;
-    in a single process also once a stop signal has come. Under torch.distributed every rank must read at the
-    same steps, so a signal waits for the next of those (stop_requested asks all ranks then)."""
-    return (done % run.cfg.log.log_interval == 0 or run.checkpointer.due(done, run.max_steps)
+    """Read the steps taken back from the device after step `done`? After this process's first step (its line
+    comes whatever --log-interval is), every --log-interval steps, at the end, and where something acts on
+    them: a checkpoint (never one inside a streak of non-finite steps) or an eval; in a single process also
+    once a stop signal has come. Under torch.distributed every rank must read at the same steps, so a signal
+    waits for the next of those (stop_requested asks all ranks then)."""
+    return (done % run.cfg.log.log_interval == 0 or done == run.start_step + 1
+            or run.checkpointer.due(done, run.max_steps)
             or run.evaluator.due(done, run.max_steps)
             or (run.info.mode == "none" and signals.requested is not None))
 

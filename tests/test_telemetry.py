@@ -3,6 +3,8 @@
 import io
 import shlex
 import sys
+import time
+import types
 
 import pytest
 
@@ -11,7 +13,7 @@ import telemetry
 import train
 from cli import UsageError
 from conftest import TINY_FLAGS
-from progress import Progress
+from progress import Heartbeat, Progress
 
 FACTS = {"outcome": "finished", "wall_s": 241.4, "compile_s": 25.25, "start_step": 0, "done": 150,
          "max_steps": 150, "tokens": 2_457_600, "session_tokens": 2_457_600, "tokens_per_sec": 10_234.4,
@@ -90,7 +92,7 @@ def test_the_start_up_table_tells_the_truth_about_compile_modes():
     assert telemetry.describe_compile("reduce-overhead", "cuda") == "on, mode reduce-overhead"
 
 
-@pytest.mark.parametrize("min_interval, expected", [(0.0, [3, 6, 9, 10]), (3600.0, [10])])
+@pytest.mark.parametrize("min_interval, expected", [(0.0, [1, 3, 6, 9, 10]), (3600.0, [10])])
 def test_progress_off_a_terminal_prints_every_n_steps_unless_they_are_sub_second(min_interval, expected):
     stream = io.StringIO()
     progress = Progress(10, "train", unit="step", stream=stream, every=3, min_interval=min_interval)
@@ -282,3 +284,44 @@ def test_the_micro_step_line_counts_from_the_steps_start_not_the_previous_steps_
         now[0] = 111.0
         tel.micro_step(13, 128)
     assert capsys.readouterr().err == "micro-step 13 of 128 of step 2, 0m11s into it\n"
+
+
+def test_the_heartbeat_speaks_only_after_its_quiet_time():
+    said, last = [], [time.perf_counter()]
+
+    def write(line):
+        said.append(time.perf_counter())
+        last[0] = said[-1]
+
+    with Heartbeat(0.2, lambda quiet: f"quiet {quiet:.1f}", write, lambda: last[0]):
+        time.sleep(0.1)
+        assert said == []
+        time.sleep(1.0)
+    assert 3 <= len(said) <= 6
+    assert max(b - a for a, b in zip(said, said[1:])) < 0.5
+
+
+def test_a_slow_run_to_a_file_is_never_quiet_for_long(tiny_data, tmp_path, monkeypatch):
+    """Steps of 1.2 s with --log-interval 10: without the heartbeat the log would say nothing between the first
+    step's line and the end; with it (0.5 s here) no gap exceeds a little over its period."""
+    lines, step = [], train.train_step
+    monkeypatch.setattr(telemetry, "HEARTBEAT_S", 0.5)
+    monkeypatch.setattr(Progress, "write", lambda self, text: lines.append((time.perf_counter(), text)))
+    monkeypatch.setattr(train, "train_step", lambda run, *args: time.sleep(1.2) or step(run, *args))
+    train.main(["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--device", "cpu", "--dtype", "fp32",
+                "--eval-interval", "0", "--max-steps", "4", "--log-interval", "10", "--compile", "off"])
+    times = [t for t, _ in lines]
+    assert any(text.startswith("train 1/4 step") for _, text in lines)  # the first step's line
+    assert sum(text.startswith("still running: step ") for _, text in lines) >= 4
+    assert max(b - a for a, b in zip(times, times[1:])) < 2.0
+
+
+def test_the_heartbeat_says_where_the_step_is_and_that_a_first_step_compiles():
+    cfg = config.parse_args(["--compile", "default"])
+    t = types.SimpleNamespace(cfg=cfg, in_step=True, micro_done=(2, 8), steps_taken=0, start_step=0,
+                              step_start=time.perf_counter() - 75)
+    line = telemetry.Telemetry.still_running(t, 20.0)
+    assert line.startswith("still running: step 1, micro-step 3 of 8, 1m15s into it (torch.compile compiles")
+    t.steps_taken, t.in_step = 5, False
+    assert telemetry.Telemetry.still_running(t, 20.0) == ("still running: 0m20s since the last line (an eval, a "
+                                                          "checkpoint or a read-back)")

@@ -124,13 +124,16 @@ def test_a_non_finite_step_leaves_parameters_and_state_bit_identical(kind):
     assert all(not torch.equal(p, params[n]) for n, p in model.named_parameters() if n in names)
 
 
-def test_reads_are_due_on_the_interval_before_checkpoints_and_evals_and_on_a_signal_in_one_process():
+def test_reads_are_due_after_the_first_step_on_the_interval_before_checkpoints_and_evals_and_on_a_signal():
     run = types.SimpleNamespace(cfg=types.SimpleNamespace(log=types.SimpleNamespace(log_interval=10)), max_steps=100,
+                                start_step=0,
                                 checkpointer=types.SimpleNamespace(due=lambda done, max_steps: done % 25 == 0),
                                 evaluator=types.SimpleNamespace(due=lambda done, max_steps: done == 7),
                                 info=types.SimpleNamespace(mode="none"))
     quiet, signalled = types.SimpleNamespace(requested=None), types.SimpleNamespace(requested="SIGTERM")
-    assert [d for d in range(1, 31) if train.read_due(run, d, quiet)] == [7, 10, 20, 25, 30]
+    assert [d for d in range(1, 31) if train.read_due(run, d, quiet)] == [1, 7, 10, 20, 25, 30]
+    run.start_step = 20  # a resumed process: its own first step
+    assert [d for d in range(21, 31) if train.read_due(run, d, quiet)] == [21, 25, 30]
     assert train.read_due(run, 3, signalled)
     run.info.mode = "ddp"  # the ranks must agree on when: the signal waits for the next read
     assert not train.read_due(run, 3, signalled)
