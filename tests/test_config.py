@@ -83,7 +83,7 @@ def test_flags_land_in_their_section(argv, section, name, value):
 @pytest.mark.parametrize("argv, message", [
     (["--batch-size", "x"], "must be an integer or auto"),
     (["--batch-size", "auto"], "needs --total-batch-tokens"),
-    (["--fp8", "torchao", "--fp8-recipe", "delayed"], "apply to --fp8 te only"),
+    (["--fp8", "torchao", "--fp8-recipe", "delayed"], "--fp8-recipe delayed needs --fp8 te, not --fp8 torchao"),
     (["--dist", "fsdp", "--optimizer", "adamw8bit"], "adamw8bit does not support"),
     (["--fp8", "te", "--sample-tokens", "4"], "needs the plain backend's KV cache"),
     (["--keep-ckpts", "0"], "--keep-ckpts must be >= 1"),
