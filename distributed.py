@@ -5,6 +5,7 @@ home-made communication layer. A run without torchrun is world size 1 and touche
 """
 
 import gc
+import logging
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -175,4 +176,6 @@ def parallelize(model: torch.nn.Module, info: DistInfo, device: torch.device, au
         wrapped = apply_fsdp(model, model.blocks, autocast_dtype, cfg.reshard_after_forward)
     if compile_mode == "off":
         return wrapped, wrapped
+    if device.type != "cuda":  # inductor's C++ build helpers warn of a CUDA_HOME that a CPU run never uses
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     return wrapped, torch.compile(wrapped, mode=None if compile_mode == "default" else compile_mode, fullgraph=False)

@@ -125,6 +125,15 @@ def cpu_bf16_decision(flags: set[str], speedup) -> tuple[torch.dtype | None, str
     return torch.bfloat16, f"bf16 autocast (auto: {found})"
 
 
+def cpu_bf16_warning(requested: str, device_type: str, flags: set[str]) -> str | None:
+    """A start-up warning for --dtype bf16 on a CPU without native bf16, where autocast emulates it (about 50x
+    slower than fp32 on an AVX2 machine of this project's), or None. Pure."""
+    if requested != "bf16" or device_type != "cpu" or flags & CPU_BF16_FLAGS:
+        return None
+    return ("warning: --dtype bf16 on a CPU without native bf16 (neither avx512_bf16 nor amx_bf16): bf16 is "
+            "emulated, far slower than fp32; use --dtype fp32 (or auto, which chooses)")
+
+
 def resolve_dtype(requested: str, device: torch.device) -> tuple[torch.dtype | None, str]:
     """-> (autocast dtype, or None for plain fp32, reason)."""
     if requested == "auto":

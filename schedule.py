@@ -52,6 +52,9 @@ def schedule_warning(warmup: int, max_steps: int, schedule: str, decay_frac: flo
     if schedule == "wsd" and warmup > decay_start:
         return (f"warning: --warmup {warmup} runs into the decay, which starts at step {decay_start} of "
                 f"{max_steps}: the LR never holds its peak; lower --warmup or --decay-frac")
+    if schedule == "cosine" and warmup >= max_steps - 1:
+        return (f"warning: --warmup {warmup} leaves the cosine decay no step of the run's {max_steps}: the LR never "
+                "decays; lower --warmup or run longer")
     return None
 
 

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--ckpt", required=True, metavar="PATH",
                    help="a train.py checkpoint (file or sharded directory) or an hf.py directory")
-    p.add_argument("--task", required=True, choices=TASKS)
+    p.add_argument("--task", choices=TASKS, help="what to score (required): " + ", ".join(TASKS))
     p.add_argument("--n", type=int, default=None, metavar="N",
                    help=f"hellaswag: the first N examples (default: all); bpb: N val tokens "
                         f"(default: {defaults.eval_tokens}, as --eval-tokens)")
@@ -149,6 +149,8 @@ def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.dev
 def main(argv=None) -> int:
     try:
         a = build_parser().parse_args(argv)
+        if a.task is None:
+            raise UsageError(f"--task is required: choose one of {', '.join(TASKS)}")
         check_args(a)
         device, _ = resolve_device(a.device)
         model = load(a.ckpt, device)

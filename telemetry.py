@@ -39,7 +39,7 @@ from batch import describe_epochs, plan_warnings
 from checkpoint import best_path, list_checkpoints
 from cli import first_line, plural
 from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values
-from hardware import peak_memory_gib
+from hardware import cpu_bf16_warning, cpu_flags, peak_memory_gib
 from optim import describe_param_groups, optimizer_state_bytes
 from progress import Heartbeat, Progress, duration
 from rundir import TENSORBOARD_DIR
@@ -59,16 +59,19 @@ def print_table(rows: list[tuple[str, str]]) -> None:
 
 
 def announce(run, sources: list, reasons: dict, planned_tokens: int) -> None:
-    """Rank 0's start-up table (startup_rows), then its warnings about the plan: the schedule's, a train split
-    read more than once (batch.plan_warnings), a run over a day or a step over a minute (plan.warnings)."""
+    """Rank 0's start-up table (startup_rows), then its warnings about the plan: bf16 emulated on a CPU, the
+    schedule's, a train split read more than once (batch.plan_warnings), a run over a day or a step over a
+    minute (plan.warnings)."""
     if not run.info.is_main:
         return
     print_table(startup_rows(run, sources, reasons, planned_tokens))
     cfg, layout = run.cfg, run.layout
     length_flag = "--max-tokens" if cfg.schedule.max_tokens else "--max-steps"
-    for warning in (*plan_warnings(cfg, layout, run.max_steps, run.loader.epoch_plan(planned_tokens)),
-                    *plan.warnings(reasons["step"], layout.grad_accum, planned_tokens - run.telemetry.start_tokens,
-                                   layout.tokens_per_step, length_flag)):
+    warnings = [cpu_bf16_warning(cfg.speed.dtype, run.device.type, cpu_flags()),
+                *plan_warnings(cfg, layout, run.max_steps, run.loader.epoch_plan(planned_tokens)),
+                *plan.warnings(reasons["step"], layout.grad_accum, planned_tokens - run.telemetry.start_tokens,
+                               layout.tokens_per_step, length_flag)]
+    for warning in filter(None, warnings):
         message(warning)
 
 

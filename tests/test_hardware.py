@@ -89,3 +89,10 @@ def test_a_cpu_run_reuses_freed_large_blocks_instead_of_faulting_them_in_again()
     assert faults["default"] > pages / 2, faults  # glibc maps each 64 MiB block anew...
     assert faults["keep"] < pages / 20, faults  # ...unless freed blocks stay in the heap
     assert not hardware.keep_freed_memory(torch.device("meta"))  # a no-op off the CPU
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_warned():
+    assert "bf16 is emulated" in hardware.cpu_bf16_warning("bf16", "cpu", {"avx2", "fma"})
+    assert hardware.cpu_bf16_warning("bf16", "cpu", {"avx2", "avx512_bf16"}) is None
+    assert hardware.cpu_bf16_warning("auto", "cpu", {"avx2"}) is None  # auto decides by itself
+    assert hardware.cpu_bf16_warning("bf16", "cuda", set()) is None

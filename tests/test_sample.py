@@ -407,3 +407,11 @@ def test_drawn_seeds_come_from_the_os_and_fit_torch(monkeypatch):
     seed = sample.draw_seed()
     assert seed == 2**sample.DRAWN_SEED_BITS - 1
     sample.check_seed(seed)
+
+
+def test_cli_says_when_a_sample_ended_at_end_of_text(tmp_path, capsys, monkeypatch):
+    write_checkpoint(tmp_path / "ckpt.pt", gpt2_sized())
+    monkeypatch.setattr(sample, "stream", lambda *args, **kwargs: iter([15496, 11]))  # "Hello", ","; then eot
+    code, out, err = run_cli(capsys, "--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", "A", "--greedy")
+    assert code == 0 and out == "AHello,\n"
+    assert err == "(sample 1 ended at the end-of-text token after 2 of 8 tokens)\n"  # run_cli asks for 8

@@ -28,7 +28,7 @@ def test_a_warmup_that_does_not_fit_the_run_is_named():
     assert "reaches only 67% of its peak" in schedule_warning(15, 10, "wsd", 0.2)
     assert "runs into the decay, which starts at step 80" in schedule_warning(90, 100, "wsd", 0.2)
     assert schedule_warning(90, 100, "cosine", 0.2) is None and schedule_warning(15, 150, "wsd", 0.2) is None
-    assert schedule_warning(10, 10, "cosine", 0.2) is None  # the last step reaches the peak
+    assert "the LR never decays" in schedule_warning(10, 10, "cosine", 0.2)  # the peak, but no decay after it
 
 
 def test_muon_momentum_ramps_linearly_then_holds_exactly():
@@ -36,3 +36,9 @@ def test_muon_momentum_ramps_linearly_then_holds_exactly():
     assert muon_momentum(150, 300, 0.85, 0.95) == pytest.approx(0.90)
     assert muon_momentum(300, 300, 0.85, 0.95) == muon_momentum(10**6, 300, 0.85, 0.95) == 0.95
     assert muon_momentum(0, 0, 0.85, 0.95) == 0.95  # no warm-up
+
+
+def test_a_cosine_run_too_short_to_decay_is_warned_and_one_that_decays_is_not():
+    assert "the LR never decays" in schedule_warning(2, 3, "cosine", 0.2)
+    assert schedule_warning(1, 3, "cosine", 0.2) is None
+    assert schedule_warning(2, 3, "wsd", 0.34) is None  # WSD decays in its own last steps

@@ -173,3 +173,8 @@ def test_hellaswag_is_encoded_with_the_tokenizer_the_model_trained_with(word_tok
     ending = load_hellaswag(FIXTURE, 1)[0].endings[0]
     own = tokenizers.Tokenizer.from_file(word_tokenizer)
     assert y[0][y[0] != IGNORE_INDEX].tolist() == own.encode(" " + ending).ids
+
+
+def test_a_missing_task_is_one_line_that_names_the_choices(capsys):
+    assert score.main(["--ckpt", "anything.pt"]) == 2
+    assert capsys.readouterr().err == f"error: --task is required: choose one of {', '.join(score.TASKS)}\n"
