@@ -31,6 +31,9 @@ PROBE_MAX_S = 2.0  # the FLOP estimate of a micro-step under which one is timed 
 RATE_WINDOW_S = 0.05  # how long the matmul-rate measurement repeats its GEMM (at start-up: kept short)
 GEMM_FLOPS = 2 * 10**9  # at most, per GEMM of that measurement: 10 ms on a 2-core CPU, microseconds on a GPU
 LONG_RUN_S = 24 * 3600  # a plan over a day gets a warning
+# What a CPU run's long-plan warning says one H100 would take: its FLOPs at the MFU that a compiled bf16
+# gpt2-124m step reached on one H100 80GB HBM3 (31.2%, bench/results/gpu_check_20261128), of its 989 TFLOP/s.
+H100_MEASURED_MFU, H100_PEAK_FLOPS = 0.312, 989e12
 SLOW_STEP_S = 60.0  # so does a first step over a minute
 
 
@@ -117,14 +120,19 @@ def describe(step: StepTime, grad_accum: int, steps: int, tokens: int, tokens_pe
             "not counted)")
 
 
-def warnings(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int, length_flag: str) -> list[str]:
-    """A warning for a run planned to take over LONG_RUN_S, naming length_flag (what sets the run's length),
-    and one for a step over SLOW_STEP_S, naming what sets a step's size. Pure."""
+def warnings(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int, length_flag: str,
+             cpu_flops: float | None = None) -> list[str]:
+    """A warning for a run planned to take over LONG_RUN_S, naming length_flag (what sets the run's length)
+    and, on a CPU (cpu_flops: the run's training FLOPs), what one H100 would take; and one for a step over
+    SLOW_STEP_S, naming what sets a step's size. Pure."""
     found = []
     total = run_seconds(step, grad_accum, tokens, tokens_per_step)
     if total > LONG_RUN_S:
+        gpu = ("; this run wants a GPU: one H100 would take about "
+               f"{_seconds(cpu_flops / (H100_MEASURED_MFU * H100_PEAK_FLOPS))} (its FLOPs at the "
+               f"{100 * H100_MEASURED_MFU:.0f}% MFU gpt2-124m reached there)") if cpu_flops else ""
         found.append(f"warning: the run is planned at ~{_seconds(total)} on this device ({tokens:,} tokens at "
-                     f"~{_seconds(step.micro_s * grad_accum)} a step); lower {length_flag} for a shorter one")
+                     f"~{_seconds(step.micro_s * grad_accum)} a step); lower {length_flag} for a shorter one{gpu}")
     if step.micro_s * grad_accum > SLOW_STEP_S:
         found.append(f"warning: each step will take ~{_seconds(step.micro_s * grad_accum)} ({grad_accum:,} "
                      f"micro-step{'s' if grad_accum != 1 else ''} of {_seconds(step.micro_s)}), so the first "

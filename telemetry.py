@@ -70,7 +70,8 @@ def announce(run, sources: list, reasons: dict, planned_tokens: int) -> None:
     warnings = [cpu_bf16_warning(cfg.speed.dtype, run.device.type, cpu_flags()),
                 *plan_warnings(cfg, layout, run.max_steps, run.loader.epoch_plan(planned_tokens)),
                 *plan.warnings(reasons["step"], layout.grad_accum, planned_tokens - run.telemetry.start_tokens,
-                               layout.tokens_per_step, length_flag)]
+                               layout.tokens_per_step, length_flag,
+                               run.telemetry.flops_per_token * planned_tokens if run.device.type == "cpu" else None)]
     for warning in filter(None, warnings):
         message(warning)
 

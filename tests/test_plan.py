@@ -38,6 +38,14 @@ def test_a_run_over_a_day_or_a_step_over_a_minute_is_warned_of_with_the_flag_to_
                       "away; lower --total-batch-tokens (or --grad-accum) for smaller steps")
 
 
+def test_a_cpu_run_over_a_day_is_told_what_one_h100_would_take():
+    slow = plan.StepTime(20.0, "one micro-step timed, eager")
+    flops = plan.H100_MEASURED_MFU * plan.H100_PEAK_FLOPS * 3 * 3600  # three hours of an H100 at that MFU
+    (day, _) = plan.warnings(slow, 4, 8192 * 1100, 8192, "--max-tokens", cpu_flops=flops)
+    assert day.endswith("lower --max-tokens for a shorter one; this run wants a GPU: one H100 would take about "
+                        "3h00m (its FLOPs at the 31% MFU gpt2-124m reached there)")
+
+
 def test_the_matmul_rate_is_measured():
     rate = plan.matmul_rate(torch.device("cpu"), torch.float32, 64, 128, 256)
     assert math.isfinite(rate) and 1e7 < rate < 1e14  # FLOP/s: a CPU core does 1e9 or more
