@@ -33,8 +33,9 @@ MAX_EVAL_ROWS = 40  # a longer eval table keeps evenly spaced rows and the last 
 LAST_SAMPLES = 3
 PHASE_MEANINGS = {
     "data": "waiting for the next batch (host wall clock)",
-    "forward": "forward passes and the loss (with --compile, the first step's includes the compilation)",
-    "backward": "backward passes",
+    "forward": "forward passes and the loss, with the lm_head's and the loss's gradients, which the fused loss "
+               "computes here (with --compile, the first step's includes the compilation)",
+    "backward": "backward passes through the blocks and the embedding (the lm_head's ran in the forward)",
     "optimizer": "gradient clipping, the optimizer's step and zeroing the gradients",
 }
 

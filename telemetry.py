@@ -597,6 +597,7 @@ class Telemetry:
         rate = self.mean_tokens_per_sec()
         facts = {
             "outcome": outcome, "wall_s": wall_s, "compile_s": self.compile_s, "start_step": self.start_step,
+            "train_s": self.elapsed(),
             "done": self.done, "max_steps": self.max_steps, "tokens": self.tokens,
             "session_tokens": self.tokens - self.start_tokens, "tokens_per_sec": rate,
             "mfu": self.mfu(rate / world_size) if rate else None, "last_eval": self.last_eval,
@@ -649,7 +650,11 @@ def summary_rows(f: dict) -> list[tuple[str, str]]:
     rate = "n/a" if f["tokens_per_sec"] is None else f"{f['tokens_per_sec']:,.0f} tokens/s" + (
         f", MFU {100 * f['mfu']:.1f}%" if f["mfu"] is not None else ", MFU n/a (no peak FLOP/s known)")
     memory_kind = "allocated by tensors" if f["device"] == "cuda" else "process resident set"
-    rows = [("outcome", f["outcome"]), ("wall time", duration(f["wall_s"]) + compiled), ("steps", steps),
+    # A resumed run's training loop time across all its processes (metrics.jsonl's time_s goes on over resumes).
+    across = f"; the run's training loop {duration(f['train_s'])} over all its processes" \
+        if f["start_step"] and f.get("train_s") else ""
+    rows = [("outcome", f["outcome"]), ("wall time", f"{duration(f['wall_s'])} this process{compiled}{across}"),
+            ("steps", steps),
             ("tokens", f"{f['tokens']:,}{session}"),
             *([("epochs", describe_epochs(f["tokens"], f["epoch_tokens"], f["bos"]))] if f["epoch_tokens"] else []),
             *([("epochs", "of each source's train split, read: " + ", ".join(

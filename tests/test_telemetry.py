@@ -25,7 +25,7 @@ FACTS = {"outcome": "finished", "wall_s": 241.4, "compile_s": 25.25, "start_step
 
 def test_the_summary_names_what_the_run_did_and_what_to_run_next():
     rows = dict(telemetry.summary_rows(FACTS))
-    assert rows["wall time"] == "4m01s (25.2 s of it compiling)"
+    assert rows["wall time"] == "4m01s this process (25.2 s of it compiling)"
     assert rows["steps"] == "150 of 150" and rows["tokens"] == "2,457,600"
     assert rows["epochs"] == "2,457,600 tokens of a 921,600-token train split: 2.67 epochs"
     assert rows["val loss"] == "3.4901 at step 150 (bpb 1.9854); best 3.4901"
@@ -44,9 +44,10 @@ def test_the_summary_says_which_flags_make_a_model_transformers_can_load():
 def test_the_summary_of_a_resumed_run_without_evals_or_checkpoints():
     rows = dict(telemetry.summary_rows({**FACTS, "start_step": 100, "session_tokens": 819_200, "last_eval": None,
                                         "best_val": float("inf"), "compile_s": None, "mfu": None,
-                                        "final_ckpt": None, "best_ckpt": None}))
+                                        "final_ckpt": None, "best_ckpt": None, "train_s": 742.0}))
     assert rows["steps"] == "150 of 150, resumed at 100" and rows["tokens"] == "2,457,600, 819,200 in this process"
-    assert rows["val loss"] == "no eval ran in this process" and rows["wall time"] == "4m01s"
+    assert rows["val loss"] == "no eval ran in this process"
+    assert rows["wall time"] == "4m01s this process; the run's training loop 12m22s over all its processes"
     assert rows["final checkpoint"] == "none written" and "sample" not in rows and "export" not in rows
     assert rows["epochs"].endswith(": 2.67 epochs")  # all the tokens trained, not this process's
 
