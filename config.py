@@ -160,7 +160,8 @@ class SpeedConfig:
     """Device, precision, compilation and activation memory (hardware.py, distributed.parallelize, memory.py)."""
 
     device: str = option("auto", "auto: cuda, then mps, then cpu", choices=DEVICES)
-    dtype: str = option("auto", "autocast dtype (auto: bf16 on CUDA that supports it, else fp32); fp16 uses a "
+    dtype: str = option("auto", "autocast dtype (auto: bf16 on CUDA that supports it, and on a CPU with native "
+                                "bf16 where a probe matmul confirms it is faster; else fp32); fp16 uses a "
                                 "GradScaler", choices=DTYPES)
     tf32: bool = option(True, "CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa); --no-tf32 keeps them "
                               "true fp32")

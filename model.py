@@ -85,8 +85,9 @@ class ModelConfig:
     of SwiGLU's (a multiple of 64): two matrices of 3F/2 rows hold exactly the parameters of SwiGLU's three
     of F (768 -> 3072).
 
-    The shape defaults are train.py's small model (7.2M parameters, minutes on a laptop CPU). Each field's
-    metadata is its command-line help: config.py generates train.py's flags from these fields.
+    The shape defaults are train.py's small model (13.67M parameters with its untied head, minutes on a laptop
+    CPU). Each field's metadata is its command-line help: config.py generates train.py's flags from these
+    fields.
     """
 
     vocab_size: int = field(default=50257, metadata={
