@@ -1,10 +1,13 @@
 """The documentation: docs/flags.md is what the parsers give, the README stays short and keeps CI's test
-command, no page retypes a flag table, and every relative link (and its #section) resolves."""
+command, no page retypes a flag table, every relative link (and its #section) resolves, and the README and
+docs name only flags that exist, the default model's true size and the default corpus's true count."""
 
 import glob
 import os
 import re
 import sys
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "docs"))
@@ -94,3 +97,46 @@ def test_relative_links_resolve():
             assert os.path.exists(resolved), f"{page}: broken link {target}"
             if section:
                 assert section in anchors(resolved), f"{page}: no section #{section} in {path or 'this page'}"
+
+
+# Flags of other tools that the pages quote: pip's, TensorBoard's and torchrun's.
+OTHER_TOOLS_FLAGS = {"--index-url", "--no-build-isolation", "--logdir", "--nnodes", "--node_rank", "--nproc_per_node",
+                     "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone"}
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*")
+
+
+def project_flags() -> set[str]:
+    """Every flag a program of this repository takes: the documented parsers' own option strings, and the
+    literal flags of every add_argument call in the other programs and bench/ scripts."""
+    known = {option for _, build in make_flags.CLIS for action in build()._actions for option in action.option_strings}
+    for path in [*glob.glob(os.path.join(REPO, "*.py")), *glob.glob(os.path.join(REPO, "bench", "*.py"))]:
+        for call in re.finditer(r"add_argument\(([^)]*)", read(path)):
+            known.update(re.findall(r'"(--[a-z0-9-]+)"', call.group(1)))
+    return known
+
+
+def test_every_flag_the_readme_and_docs_name_exists():
+    known = project_flags() | OTHER_TOOLS_FLAGS
+    named = {(flag, os.path.relpath(page, REPO)) for page in PAGES if page.startswith(os.path.join(REPO, "docs"))
+             or page == README for flag in FLAG.findall(read(page))}
+    assert sorted((flag, page) for flag, page in named if flag not in known) == []
+
+
+def test_the_readme_and_model_py_give_the_default_models_size():
+    from model import ModelConfig, param_count
+
+    n = param_count(ModelConfig())
+    assert f"The default model has {n / 1e6:.1f}M parameters" in read(README)
+    assert f"({n / 1e6:.2f}M parameters" in read(os.path.join(REPO, "model.py"))
+
+
+def test_the_readme_gives_the_default_corpus_document_count_on_this_python():
+    import platform
+
+    from prepare import stdlib_sources
+
+    documents = sum(os.path.getsize(path) > 0 for path in stdlib_sources())  # prepare drops empty documents
+    said = re.search(r"on Python ([\d.]+): ([\d,]+) files", read(README))
+    if said.group(1) != platform.python_version():
+        pytest.skip(f"the README counts Python {said.group(1)}'s standard library; this is {platform.python_version()}")
+    assert int(said.group(2).replace(",", "")) == documents
