@@ -5,16 +5,18 @@ whole run will take, with a warning when either is more than a person would wait
     describe(step, grad_accum, steps, tokens, tokens_per_step)      # the start-up table's plan row
     warnings(step, grad_accum, tokens, tokens_per_step, "--max-steps")   # a run over a day, a step over a minute
 
-A step's time comes from one of two measurements, and the plan row says which:
-- a timed probe: one micro-step (forward and backward) of the model itself at the run's micro-batch, eager,
-  before any wrapper, timed after one warm-up; run when the FLOP estimate of a micro-step is under
-  PROBE_MAX_S, so that the probe never costs more than a few seconds, and never under FSDP2 (the unwrapped
-  model is whole on every rank and may not fit);
-- FLOPs against a measured matmul rate: the micro-step's training FLOPs (model.flops_per_token) over the rate of
-  one GEMM of the model's own shape in the run's dtype, timed here. It counts only the matmuls, so it is a
-  lower bound: norms, softmax and the optimizer add to it.
-Neither counts torch.compile's compilation, the optimizer's step, evals or checkpoints; a step is its
-micro-steps' time (grad accumulation runs them one after another).
+A step's time is measured on the model itself, and the plan row says how:
+- a timed micro-step (forward and backward) of the model at the run's micro-batch, eager, before any wrapper,
+  timed after one warm-up, when that costs at most the probe budget: PROBE_MAX_S, or PROBE_SHARE of the run
+  as its FLOPs plan it, whichever is more;
+- else the same at a smaller batch (one sequence; then a quarter of a sequence), timed and scaled to the
+  micro-step by training FLOPs (model.flops_per_token): the model's own rate, norms, softmax and launches
+  included, on less work;
+- else, and under FSDP2 (the unwrapped model is whole on every rank and may not fit), the micro-step's FLOPs
+  at the rate of one GEMM of the model's own largest shape in the run's dtype, timed here: an estimate, which
+  the matmul alone can put above or below the step (a short GEMM runs below the step's sustained rate).
+The matmul rate also prices the probes beforehand. None counts torch.compile's compilation, the optimizer's
+step, evals or checkpoints; a step is its micro-steps' time (grad accumulation runs them one after another).
 """
 
 import time
@@ -27,7 +29,8 @@ import hardware
 from model import flops_per_token
 from progress import duration
 
-PROBE_MAX_S = 2.0  # the FLOP estimate of a micro-step under which one is timed for real
+PROBE_MAX_S = 2.0  # a probe this cheap (by the FLOP estimate) always runs
+PROBE_SHARE = 0.05  # and one costing up to this share of the planned run
 RATE_WINDOW_S = 0.05  # how long the matmul-rate measurement repeats its GEMM (at start-up: kept short)
 GEMM_FLOPS = 2 * 10**9  # at most, per GEMM of that measurement: 10 ms on a 2-core CPU, microseconds on a GPU
 LONG_RUN_S = 24 * 3600  # a plan over a day gets a warning
@@ -81,28 +84,43 @@ def time_micro_step(model: torch.nn.Module, micro_batch: int, seq_len: int, devi
         model.zero_grad(set_to_none=True)
 
 
+def probes(micro_batch: int, seq_len: int) -> list[tuple[int, int]]:
+    """The (micro-batch, seq_len) shapes a probe may time, largest first: the micro-step itself, one sequence,
+    a quarter of one (at least 16 tokens). Pure."""
+    shapes = [(micro_batch, seq_len), (1, seq_len), (1, max(16, seq_len // 4))]
+    return [shape for i, shape in enumerate(shapes) if shape[0] * shape[1] <= micro_batch * seq_len
+            and shape not in shapes[:i]]
+
+
 def step_time(model: torch.nn.Module, layout, device: torch.device, dtype: torch.dtype | None, fp8_recipe,
-              sharded: bool) -> StepTime:
-    """A micro-step's time at layout's micro-batch (batch.BatchLayout): timed (time_micro_step, under the
-    training's autocast and FP8, fp8.probing's recipe) when the FLOP estimate says that is cheap and the model
-    is not sharded, else the FLOP estimate itself (module docstring)."""
+              sharded: bool, planned_micro_steps: int = 1) -> StepTime:
+    """A micro-step's time at layout's micro-batch (batch.BatchLayout): the largest probe (probes) whose two
+    passes cost at most the budget (module docstring) by the FLOP estimate, timed under the training's
+    autocast and FP8 (fp8.probing's recipe) and scaled by FLOPs to the micro-step; else the FLOP estimate.
+    planned_micro_steps: the run's, for the budget."""
     cfg, micro_batch, seq_len = model.config, layout.micro_batch, layout.seq_len
     k, n = cfg.n_embd, max(cfg.resolved_ffn_dim, cfg.padded_vocab_size)  # the model's largest GEMM's shape
     m = max(64, min(micro_batch * seq_len, 4096, GEMM_FLOPS // (2 * k * n)))  # rows: few enough to be quick
     rate = matmul_rate(device, dtype or torch.float32, m, k, n)
-    flop_s = flops_per_token(cfg, seq_len) * micro_batch * seq_len / rate
-    estimate = StepTime(flop_s, f"FLOPs at the measured matmul rate, {rate / 1e12:.3g} TFLOP/s: a lower bound")
-    if flop_s >= PROBE_MAX_S or sharded:
+    work = lambda batch, seq: flops_per_token(cfg, seq) * batch * seq  # noqa: E731 training FLOPs of a probe
+    estimate = StepTime(work(micro_batch, seq_len) / rate,
+                        f"an estimate: FLOPs at one GEMM's measured rate, {rate / 1e12:.3g} TFLOP/s")
+    budget = max(PROBE_MAX_S, PROBE_SHARE * estimate.micro_s * planned_micro_steps)
+    affordable = [(b, s) for b, s in probes(micro_batch, seq_len) if 2 * work(b, s) / rate <= budget]
+    if sharded or not affordable:
         return estimate
+    batch, seq = affordable[0]
     try:
         with fp8.probing(model, fp8_recipe) as recipe:
-            seconds = time_micro_step(model, micro_batch, seq_len, device,
-                                      lambda: fp8.forward_context(device, dtype, recipe))
+            seconds = time_micro_step(model, batch, seq, device, lambda: fp8.forward_context(device, dtype, recipe))
     except torch.cuda.OutOfMemoryError:  # the first step will say so, and retry smaller (train.shrink_micro_batch)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return estimate
-    return StepTime(seconds, "one micro-step timed, eager")
+    if (batch, seq) == (micro_batch, seq_len):
+        return StepTime(seconds, "one micro-step timed, eager")
+    scale = work(micro_batch, seq_len) / work(batch, seq)
+    return StepTime(seconds * scale, f"a {batch} x {seq}-token micro-batch timed, eager, and scaled by FLOPs x{scale:.3g}")
 
 
 def run_seconds(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int) -> float:

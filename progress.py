@@ -30,6 +30,7 @@ class Progress:
         self.postfix = ""
         self.start = self.last_print = self.last_output = time.perf_counter()
         self.start_n = initial
+        self.first_done = None  # when the first update came: the rate leaves out that first, slow unit
         self.bar = None
         if enabled and self.stream.isatty():
             from tqdm import tqdm
@@ -41,6 +42,7 @@ class Progress:
         """Back to count n (train.py's rollback redoes steps): the rate and ETA restart from there."""
         self.n = self.start_n = n
         self.start = self.last_print = time.perf_counter()
+        self.first_done = None
         if self.bar is not None:
             self.bar.reset(total=self.total)
             self.bar.update(n)
@@ -54,6 +56,8 @@ class Progress:
 
     def update(self, n: int = 1) -> None:
         self.n += n
+        if self.first_done is None:
+            self.first_done = (time.perf_counter(), self.n)
         if self.bar is not None:
             self.bar.update(n)
             self.last_output = time.perf_counter()
@@ -69,8 +73,11 @@ class Progress:
         return now - self.last_print >= self.interval
 
     def line(self, now: float) -> str:
+        """The count, the postfix, and the rate and ETA: measured from the first update on once there is a later
+        one, so that a first step's compilation and warm-up do not slow the estimate for the whole run."""
         done = self.n - self.start_n
-        rate = done / max(now - self.start, 1e-9)
+        since, at = self.first_done if self.first_done and self.n > self.first_done[1] else (self.start, self.start_n)
+        rate = (self.n - at) / max(now - since, 1e-9)
         parts = [f"{self.desc} {self.n:,}" + (f"/{self.total:,}" if self.total else "") + f" {self.unit}"]
         if self.postfix:
             parts.append(self.postfix)

@@ -177,7 +177,8 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
         raise DataError(f"--from-hf {cfg.ckpt.from_hf}: {problem}" if cfg.ckpt.from_hf else problem)
     layout = build_layout(cfg, model, info, device, autocast_dtype, fp8_recipe)
     if info.is_main:  # the plan row's step time, measured on the bare model before a wrapper syncs its ranks
-        reasons["step"] = plan.step_time(model, layout, device, autocast_dtype, fp8_recipe, info.mode == "fsdp")
+        reasons["step"] = plan.step_time(model, layout, device, autocast_dtype, fp8_recipe, info.mode == "fsdp",
+                                         batch.max_steps(cfg, layout) * layout.grad_accum)
     wrapped, compiled = distributed.parallelize(model, info, device, autocast_dtype, cfg.dist, cfg.speed.compile)
     optimizer = build_optimizer(model, cfg.optim, model.row_blocks(), device.type)
     loader = mixture.open_loader(sources, split="train", batch_size=layout.micro_batch, seq_len=layout.seq_len,

@@ -9,7 +9,7 @@ import plan
 import telemetry
 import train
 from conftest import GPT2_TINY, TINY_FLAGS
-from model import GPT, ModelConfig
+from model import GPT, ModelConfig, flops_per_token
 
 TIMED = plan.StepTime(0.25, "one micro-step timed, eager")
 
@@ -60,20 +60,40 @@ def test_the_probe_leaves_no_gradient_and_the_rng_where_it_was():
     assert torch.equal(torch.get_rng_state(), state)
 
 
-def test_a_cheap_micro_step_is_timed_and_a_costly_or_sharded_one_estimated(monkeypatch):
+def test_probes_are_the_micro_step_one_sequence_and_a_quarter_of_one():
+    assert plan.probes(16, 1024) == [(16, 1024), (1, 1024), (1, 256)]
+    assert plan.probes(1, 32) == [(1, 32), (1, 16)]
+    assert plan.probes(1, 16) == [(1, 16)]
+
+
+def test_the_probe_is_the_largest_the_budget_affords_and_is_scaled_by_flops(monkeypatch):
+    model = GPT(ModelConfig(**GPT2_TINY))
+    layout = batch.BatchLayout(micro_batch=8, seq_len=32, grad_accum=1, world_size=1)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(plan, "matmul_rate", lambda *args: 1e9)  # a known rate prices the probes
+    micro = 2 * flops_per_token(model.config, 32) * 8 * 32 / 1e9  # the micro-step's two passes, in seconds
+    monkeypatch.setattr(plan, "PROBE_MAX_S", micro / 2)  # affords one sequence, not the micro-batch of 8
+    assert plan.step_time(model, layout, cpu, None, None, sharded=False).how == \
+        "a 1 x 32-token micro-batch timed, eager, and scaled by FLOPs x8"
+    # 5% of a run of 40 micro-steps is the whole micro-step's two passes: timed as it is
+    assert plan.step_time(model, layout, cpu, None, None, False, planned_micro_steps=40).how == \
+        "one micro-step timed, eager"
+    monkeypatch.setattr(plan, "PROBE_MAX_S", micro / 100)  # not even a quarter sequence: the FLOP estimate
+    assert plan.step_time(model, layout, cpu, None, None, sharded=False).how.startswith("an estimate: FLOPs at one")
+
+
+def test_a_sharded_or_out_of_memory_probe_falls_back_to_the_estimate(monkeypatch):
     model = GPT(ModelConfig(**GPT2_TINY))
     layout = batch.BatchLayout(micro_batch=2, seq_len=16, grad_accum=1, world_size=1)
     cpu = torch.device("cpu")
     assert plan.step_time(model, layout, cpu, None, None, sharded=False).how == "one micro-step timed, eager"
-    sharded = plan.step_time(model, layout, cpu, None, None, sharded=True)
-    assert sharded.how.startswith("FLOPs at the measured matmul rate") and sharded.how.endswith("a lower bound")
+    assert plan.step_time(model, layout, cpu, None, None, sharded=True).how.startswith("an estimate")
+
     def out_of_memory(*args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
 
     monkeypatch.setattr(plan, "time_micro_step", out_of_memory)  # the first step retries smaller; the plan estimates
-    assert plan.step_time(model, layout, cpu, None, None, sharded=False).how.startswith("FLOPs")
-    monkeypatch.setattr(plan, "PROBE_MAX_S", 0.0)
-    assert plan.step_time(model, layout, cpu, None, None, sharded=False).how.startswith("FLOPs")
+    assert plan.step_time(model, layout, cpu, None, None, sharded=False).how.startswith("an estimate")
 
 
 def test_a_long_step_says_which_micro_step_it_is_at(tmp_path, tiny_data, capsys, monkeypatch):
