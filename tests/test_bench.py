@@ -305,3 +305,14 @@ def test_tokenizer_speed_prints_its_table(word_tokenizer, tmp_path, capsys):
     assert f"command: python bench/tokenizer_speed.py --input {tmp_path / 'doc.txt'}" in out and "avx512_bf16" in out
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines() if line.startswith("| ")}
     assert rows["/ encode_batch"][0].strip() == "1.000 (1.000)" and len(rows["tokens/s (median)"]) == 4
+
+
+def test_plan_accuracy_plans_and_times_a_shape(tiny_data):
+    import argparse
+
+    import plan_accuracy
+
+    args = argparse.Namespace(windows=1, steps_per_window=1, warmup_steps=1)
+    planned, grad_accum, measured = plan_accuracy.measure_shape(["--data", tiny_data, *TINY_FLAGS, "--max-steps", "3"],
+                                                                args)
+    assert planned.how == "one micro-step timed, eager" and grad_accum == 1 and planned.micro_s > 0 and measured > 0
