@@ -255,6 +255,10 @@ def eval_mode(model: torch.nn.Module):
         model.train(training)
 
 
+# The val windows' permutation: fixed, so that val losses of runs with different --seed score the same tokens.
+VAL_SEED = 0
+
+
 class Evaluator:
     def __init__(self, cfg, data: str | None, info: "distributed.DistInfo", device: torch.device,
                  vocab_size: int, seed: int, tokenizer: Tokenizer | None = None):
@@ -267,6 +271,7 @@ class Evaluator:
         self.token_bytes = None  # check_val: bytes per token id, when the model's ids are the tokenizer's
         self.no_bpb_reason = None  # check_val: why there are no bytes per token, when there are none
         self.val_note = None  # check_val: the note when each eval reads other than --eval-tokens (eval_tokens_note)
+        self.val_reads = []  # check_val: (source name, windows, their tokens each, the val split's tokens) per source
         self.choices = []  # load_hellaswag: (inputs, targets, label) per example, on the CPU
 
     @property
@@ -283,9 +288,12 @@ class Evaluator:
         return bool(interval) and (done % interval == 0 or done == max_steps)
 
     def _loader(self, source: Source, micro_batch: int, seq_len: int, ranks: bool = True) -> ShardLoader:
+        """The val split's windows in a permutation seeded by VAL_SEED (not the run's seed): each eval reads the
+        first of them, windows spread over the split (a split's first tokens are its first documents only), and
+        every eval and every run on these shards reads the same ones."""
         rank, world_size = (self.info.rank, self.info.world_size) if ranks else (0, 1)
-        return ShardLoader(source.dir, split="val", batch_size=micro_batch, seq_len=seq_len, shuffle=False,
-                           rank=rank, world_size=world_size, device=str(self.device), prefetch=0,
+        return ShardLoader(source.dir, split="val", batch_size=micro_batch, seq_len=seq_len, shuffle=True,
+                           seed=VAL_SEED, rank=rank, world_size=world_size, device=str(self.device), prefetch=0,
                            vocab_size=self.vocab_size)
 
     def check(self, micro_batch: int, seq_len: int) -> None:
@@ -312,7 +320,7 @@ class Evaluator:
         one batch, or more than a split holds: eval_batches); and the bytes per token for val_bpb, when the
         model's ids can be the tokenizer's (a larger vocabulary, on shards that record no tokenizer, means
         another tokenizer than GPT-2's, whose bytes we do not know), else no_bpb_reason says why not."""
-        notes = []
+        notes, self.val_reads = [], []
         for source in self.sources:
             try:
                 loader = self._loader(source, micro_batch, seq_len, ranks=False)
@@ -324,8 +332,10 @@ class Evaluator:
                                 f"{100 * source.weight:.1f}%: prepare it with a val split (prepare.py --val-tokens "
                                 "N), or train without evaluation (train.py --eval-interval 0)") from None
             loader.close()
-            note = eval_tokens_note(self.cfg.eval_tokens, loader.num_windows,
-                                    sum(len(shard) for shard in loader.shards), micro_batch, seq_len,
+            val_tokens = sum(len(shard) for shard in loader.shards)
+            batches = eval_batches(self.cfg.eval_tokens, loader.num_windows, micro_batch, seq_len, self.info.world_size)
+            self.val_reads.append((source.name, batches * micro_batch * self.info.world_size, seq_len, val_tokens))
+            note = eval_tokens_note(self.cfg.eval_tokens, loader.num_windows, val_tokens, micro_batch, seq_len,
                                     self.info.world_size)
             if note:
                 notes.append(note.replace("note: ", f"note: source {source.name}: ", 1) if source.name else note)
@@ -388,7 +398,7 @@ class Evaluator:
         return None
 
     def val_metrics(self, forward, model: torch.nn.Module, autocast, micro_batch: int, seq_len: int) -> dict:
-        """{"val_loss": mean loss, "val_bpb": bits per byte (when known)} over the first eval_tokens of the val
+        """{"val_loss": mean loss, "val_bpb": bits per byte (when known)} over eval_tokens of the val
         split, or all of it that whole batches hold (eval_batches): the same tokens every time, split across
         ranks. forward: what the training step calls (compiled, wrapped); autocast: the step's context. A
         mixture measures each source's val split so (val_loss/NAME, val_bpb/NAME), and gives the figures of the
@@ -463,6 +473,15 @@ class Evaluator:
         right, right_sum = (distributed.mean_across_ranks(counts, self.info) * self.info.world_size).tolist()
         n = len(self.choices)
         return {"hellaswag_acc": round(right) / n, "hellaswag_acc_sum": round(right_sum) / n}
+
+    def describe_val(self) -> str:
+        """The start-up table's eval row: how often, and which tokens the val loss is taken on."""
+        if not self.cfg.eval_interval:
+            return "off (--eval-interval 0)"
+        reads = "; ".join(f"{name + ': ' if name else ''}{windows * seq:,} of the val split's {total:,} tokens"
+                          for name, windows, seq, total in self.val_reads)
+        return (f"every {plural(self.cfg.eval_interval, 'step')} and at the end: val loss and bpb on {reads} (windows "
+                f"at places a fixed seed draws across the split, the same every eval and every run)")
 
     def describe(self, metrics: dict) -> str:
         """The eval line's figures: 'val loss 4.1234, val bpb 1.2345, hellaswag 0.2500 (sum 0.2500, 8 examples)'."""

@@ -99,8 +99,7 @@ def test_val_metrics_against_full_logits(tmp_path):
     evaluator.check(micro_batch=2, seq_len=32)
     metrics = evaluator.val_metrics(model, model, nullcontext, micro_batch=2, seq_len=32)
 
-    windows = torch.tensor(tokens[:2 * 32 + 1].astype(np.int64))  # the first 2 windows of 32 targets
-    x, y = torch.stack([windows[:32], windows[32:64]]), torch.stack([windows[1:33], windows[33:65]])
+    x, y = next(evaluator._loader(evaluator.sources[0], 2, 32))  # the 2 windows of 32 targets each eval reads
     with torch.no_grad():
         losses = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), reduction="none")
     text_bytes = torch.tensor([0 if t == EOT else len(enc.decode_single_token_bytes(t))
@@ -135,7 +134,7 @@ def word_data(word_tokenizer, tmp_path_factory):
     return str(root / "data")
 
 
-def test_val_bpb_counts_the_bytes_of_the_tokenizer_that_made_the_shards(word_data):
+def test_val_bpb_counts_the_bytes_of_the_tokenizer_that_made_the_shards(word_data, word_tokenizer):
     """The shards' data.json names a WordLevel tokenizer: val_bpb is the targets' summed loss over ln 2 times
     their words' UTF-8 bytes, the separator counting none, by hand."""
     model = word_model()
@@ -144,10 +143,10 @@ def test_val_bpb_counts_the_bytes_of_the_tokenizer_that_made_the_shards(word_dat
     evaluator.check(micro_batch=2, seq_len=16)
     metrics = evaluator.val_metrics(model, model, nullcontext, micro_batch=2, seq_len=16)
 
-    words = ["<|endoftext|>", *WORD_TEXT.split()] * 2  # the first 2 * 16 + 1 tokens, as text
-    text_bytes = torch.tensor([0 if w == "<|endoftext|>" else len(w.encode()) for w in words[1:33]])
-    tokens = torch.tensor(read_shard(os.path.join(word_data, "val_000000.bin"))[:33].astype(np.int64))
-    x, y = tokens[:32].view(2, 16), tokens[1:33].view(2, 16)
+    x, y = next(evaluator._loader(evaluator.sources[0], 2, 16))  # the 2 windows of 16 targets each eval reads
+    spec = json.load(open(word_tokenizer))
+    words = {i: w for w, i in spec["model"]["vocab"].items()} | {t["id"]: t["content"] for t in spec["added_tokens"]}
+    text_bytes = torch.tensor([0 if words[t] == "<|endoftext|>" else len(words[t].encode()) for t in y.flatten().tolist()])
     with torch.no_grad():
         losses = F.cross_entropy(model(x)[0].flatten(0, 1), y.flatten(), reduction="none")
     expected = losses[text_bytes > 0].sum().item() / (math.log(2) * text_bytes.sum().item())
@@ -236,8 +235,8 @@ def test_an_eval_that_fails_leaves_the_model_training(tiny_data, phase):
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_eval_tokens_beyond_the_val_split_read_it_once_with_one_note(tmp_path, capsys, monkeypatch, world_size):
     """A val split of 2,000 consecutive ids holds 62 windows of 32. --eval-tokens 16384 (512 windows) would read
-    it 8 times over; each eval reads its first 60 windows once instead (15 batches of 4, or 5 on each of 3
-    ranks, each rank its own share), and rank 0 alone says so at start-up."""
+    it 8 times over; each eval reads 60 of its windows once instead (15 batches of 4, or 5 on each of 3 ranks,
+    each rank its own share), and rank 0 alone says so at start-up."""
     write_shard(tmp_path / "train_000000.bin", np.arange(2000), vocab_size=50257)
     write_shard(tmp_path / "val_000000.bin", np.arange(2000), vocab_size=50257)
     # Each rank's own sums: the all-reduce (a mean) is replaced by this rank's share of it.
@@ -262,7 +261,7 @@ def test_eval_tokens_beyond_the_val_split_read_it_once_with_one_note(tmp_path, c
         before = len(seen)
         evaluator.val_metrics(forward, torch.nn.Linear(1, 1), nullcontext, micro_batch=4, seq_len=32)
         assert len(seen) - before == batches * 4
-    assert sorted(seen) == [32 * w for w in range(60)]  # every window read once, none twice
+    assert len(set(seen)) == len(seen) == 60 and set(seen) <= {32 * w for w in range(62)}  # none twice
 
 
 # ----------------------------------------------------------------------------- HellaSwag: loading
@@ -433,3 +432,20 @@ def test_ranks_split_the_examples(monkeypatch):
         forwards.append(len(calls))
     assert forwards == [3, 3, 3]
     assert total == pytest.approx(expected)
+
+
+def test_every_eval_and_every_seed_reads_the_same_windows_spread_over_the_val_split(tmp_path):
+    tokens = np.arange(64 * 33 + 1, dtype=np.uint16)  # 64 windows of 33 tokens, each token its own position
+    write_shard(tmp_path / "train_000000.bin", tokens, vocab_size=50257)
+    write_shard(tmp_path / "val_000000.bin", tokens, vocab_size=50257)
+
+    def first_positions(seed):
+        evaluator = Evaluator(eval_config("--eval-tokens", "256"), str(tmp_path), distributed.DistInfo(),
+                              torch.device("cpu"), 50257, seed=seed)
+        x, _ = next(evaluator._loader(evaluator.sources[0], 8, 32))
+        return sorted(x[:, 0].tolist())
+
+    read = first_positions(0)
+    assert read == first_positions(1234)  # not the run's seed: runs compare on the same tokens
+    assert read != [32 * w for w in range(8)]  # not the split's first windows
+    assert max(read) >= 32 * 32  # from its second half too
