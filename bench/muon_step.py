@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
-import optim  # noqa: E402
+import muon  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from optim import OptimConfig, build_optimizer  # noqa: E402
@@ -212,7 +212,7 @@ def muon_traffic(model, optimizer) -> dict:
     with CollectiveCounter() as counted:
         optimizer.step()
     return {"matrix_bytes": sum(4 * p.numel() for p, _ in todo), "by_op": counted.by_op,
-            "buckets": len(optim.muon_buckets(todo, optim.MUON_BUCKET_BYTES)),
+            "buckets": len(muon.muon_buckets(todo, muon.MUON_BUCKET_BYTES)),
             "calls": counted.calls, "received": counted.received}
 
 
