@@ -5,13 +5,15 @@ matrices updated with their orthogonalised Nesterov momentum, AdamW for everythi
 
 Fused weights are orthogonalised one row block at a time (Q, K and V of qkv.weight; gate and up of fc1_weight),
 since each block is a separate linear map that happens to share a GEMM. optim.py builds the groups and chooses
-between the optimizers; this file holds the update: Newton-Schulz, the buckets, the split of the work across
-DDP ranks and FSDP2's owner-rank exchange, and the recipe options (Polar Express, NorMuon, cautious decay).
+between the optimizers; this file holds the update: Newton-Schulz, the stacks of same-shape matrices (one
+compiled function each under compile=True), the buckets, the split of the work across DDP ranks and FSDP2's
+owner-rank exchange, and the recipe options (Polar Express, NorMuon, cautious decay).
 """
 
 import functools
 import itertools
 import math
+import types
 
 import torch
 
@@ -60,7 +62,6 @@ def fused_adamw_available(device_type: str) -> bool:
     return True
 
 
-
 def scalar_dtype(device: torch.device) -> torch.dtype:
     """The dtype of a step's scalars computed on the device: float64, as Python computes them on the host, so
     that they round to what a host-computed scalar would; MPS has no float64."""
@@ -71,7 +72,6 @@ def per_step(skip: torch.Tensor, value: float, skipped: float, dtype: torch.dtyp
     """`value`, or `skipped` where skip (a bool scalar): a scalar made on skip's device. A tensor made from a
     Python number there would be copied from the host, which waits for the GPU; a fill does not."""
     return torch.full((), value, dtype=dtype, device=skip.device).masked_fill_(skip, skipped)
-
 
 
 def ns_coefficients(scheme: str, steps: int) -> tuple[list[tuple[float, float, float]], float]:
@@ -115,6 +115,70 @@ def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype, coeffs: str =
     return x[0] if single else x
 
 
+def _weight(skip: torch.Tensor, value, skipped: float, dtype: torch.dtype) -> torch.Tensor:
+    """per_step for a value that is a Python number (eager) or a float64 scalar tensor (compiled, where a number
+    that changes every step, the LR, would be compiled into the code and recompile it each time)."""
+    if torch.is_tensor(value):
+        return torch.where(skip, skipped, value).to(dtype)
+    return per_step(skip, value, skipped, dtype)
+
+
+def _add_(targets: list, updates: list, alpha) -> None:
+    """targets += alpha x updates; alpha a Python number (eager: rounded once, as torch.optim.Muon's) or a tensor."""
+    if torch.is_tensor(alpha):
+        torch._foreach_add_(targets, torch._foreach_mul(updates, alpha))
+    else:
+        torch._foreach_add_(targets, updates, alpha=alpha)
+
+
+def stack_step_(params: list, grads: list, bufs: list, row_sq: list, skip: torch.Tensor, lr, decay, momentum, *,
+                split: tuple, scales: tuple, nesterov: bool, ns, normuon_beta, cautious: bool) -> None:
+    """One Muon step for a stack of same-shape matrices (same row split, dtype and device), in place: momentum
+    (its EMA), Nesterov, the skip, Newton-Schulz on each row block of all the matrices at once (ns), NorMuon
+    where normuon_beta is set, the decay and the update, block k scaled by scales[k].
+
+    No per-matrix loop of operations (off the recipe options): torch.stack reads the gradients and momenta into
+    one tensor each and each step is one operation on the stack, which Muon's compile turns into a few kernels.
+    Where skip (a bool scalar) the parameters and momenta are left exactly as they were. lr, decay (lr x weight
+    decay) and momentum are Python numbers (eager) or float64 scalar tensors (compiled; momentum [n, 1, 1]
+    under the warm-up)."""
+    dtype = params[0].dtype
+    g = torch.stack(grads).masked_fill_(skip, 0.0)  # a NaN times a weight of 0 stays NaN
+    m = torch.stack(bufs)
+    m.lerp_(g, _weight(skip, 1 - momentum, 0.0, m.dtype))
+    torch._foreach_copy_(bufs, m.unbind(0))
+    update = g.lerp_(m, momentum.to(m.dtype) if torch.is_tensor(momentum) else momentum) if nesterov else m
+    orthos = [ns(block) for block in update.masked_fill(skip, 0.0).split(split, dim=1)]
+    if normuon_beta is not None:  # row_sq[j] is matrix j's per-row EMA, cut into the same blocks
+        avgs = [r.split(split) for r in row_sq]
+        orthos = [torch.stack([normuon_rows(o, avg[k], normuon_beta, skip) for o, avg in zip(ortho, avgs)])
+                  for k, ortho in enumerate(orthos)]
+    blocks = [p.split(split) if len(split) > 1 else (p,) for p in params]
+    if cautious:  # every row is in exactly one block, so each is decayed once
+        amount = _weight(skip, decay, 0.0, scalar_dtype(skip.device))
+        for k, ortho in enumerate(orthos):
+            for block, o in zip((b[k] for b in blocks), ortho):
+                cautious_decay_(block, o, amount)
+    else:
+        torch._foreach_mul_(params, _weight(skip, 1 - decay, 1.0, torch.promote_types(dtype, torch.float32)))
+    for k, (ortho, scale) in enumerate(zip(orthos, scales)):
+        # In the parameters' dtype, one dtype for foreach's fast path: exact, as the add would widen it anyway.
+        _add_([b[k] for b in blocks], list(ortho.to(dtype).unbind(0)), -lr * scale)
+
+
+def compiled(fn):
+    """fn (of tensors, lists of them, and its static arguments bound in) compiled whole: one graph (fullgraph: a
+    break is an error, not a silent slow path), static shapes. Dynamo keeps compiled graphs, and counts recompiles
+    against a limit of 8, per code object: each call gets a code object of its own, so that many stack shapes, or
+    many models in one process (the tests), never exhaust it and fall back to eager code."""
+    def call(*args):
+        return fn(*args)
+
+    code = call.__code__.replace()  # a copy
+    return torch.compile(types.FunctionType(code, globals(), "call", None, call.__closure__), fullgraph=True,
+                         dynamic=False)
+
+
 def muon_buckets(todo: list, max_bytes: int) -> list[list]:
     """Consecutive runs of (param, split) pairs whose full fp32 matrices add up to at most max_bytes (a
     larger matrix is a bucket of its own). Muon exchanges and orthogonalises one bucket at a time, so under
@@ -131,9 +195,9 @@ def muon_buckets(todo: list, max_bytes: int) -> list[list]:
     return [b for b in buckets if b]
 
 
-def orthogonalize_blocks(blocks: list[torch.Tensor], steps: int, dtype: torch.dtype, world_size: int = 1,
-                         rank: int = 0, coeffs: str = "quintic") -> list[torch.Tensor]:
-    """newton_schulz of every matrix in `blocks`, with same-shape ones stacked into one batched call.
+def orthogonalize_blocks(blocks: list[torch.Tensor], ns, world_size: int = 1, rank: int = 0) -> list[torch.Tensor]:
+    """ns (newton_schulz with its settings bound, compiled or not) of every matrix in `blocks`, with same-shape
+    ones stacked into one batched call.
 
     With world_size > 1 (torch.distributed initialised), rank r orthogonalises only the r-th share of each
     stack (padded with zero matrices to a multiple of world_size; NS maps zero to zero) and an all-gather
@@ -149,12 +213,12 @@ def orthogonalize_blocks(blocks: list[torch.Tensor], steps: int, dtype: torch.dt
         if world_size > 1:
             share = -(-len(indices) // world_size)
             padded = torch.cat([stack, stack.new_zeros(share * world_size - len(indices), *stack.shape[1:])])
-            mine = newton_schulz(padded[rank * share:(rank + 1) * share], steps, dtype, coeffs).contiguous()
+            mine = ns(padded[rank * share:(rank + 1) * share]).contiguous()
             gathered = [torch.empty_like(mine) for _ in range(world_size)]
             torch.distributed.all_gather(gathered, mine)
             result = torch.cat(gathered)[:len(indices)]
         else:
-            result = newton_schulz(stack, steps, dtype, coeffs)
+            result = ns(stack)
         for i, ortho in zip(indices, result):
             out[i] = ortho
     return out
@@ -276,9 +340,11 @@ def _all_to_all(send: list[list[torch.Tensor]], recv_shapes: list[list[tuple]], 
 class Muon(torch.optim.Optimizer):
     """Muon for groups of kind "muon", AdamW for groups of kind "adamw", in one optimizer.
 
-    Muon groups carry "row_blocks": for each parameter, the row sizes to orthogonalise separately. The
-    matrices go in buckets (muon_buckets), and same-shape blocks through Newton-Schulz in one batched call
-    (orthogonalize_blocks). Works on:
+    Muon groups carry "row_blocks": for each parameter, the row sizes to orthogonalise separately. In one process
+    (or where each DDP rank takes the whole step) the matrices of one shape and split are a stack, stepped by
+    stack_step_ (with compile=True, one compiled function a stack). Across ranks the matrices go in buckets
+    (muon_buckets), same-shape blocks through Newton-Schulz in one batched call (orthogonalize_blocks; compiled
+    per shape with compile=True). Works on:
     - plain tensors (one device; DDP, where every rank has the same averaged grads): under torch.distributed
       with split_across_ranks each rank computes 1/world_size of the blocks and all-gathers the rest;
     - FSDP2's Shard(0) DTensors, where each rank holds some rows of each matrix: each block has an owner rank
@@ -305,13 +371,17 @@ class Muon(torch.optim.Optimizer):
 
     def __init__(self, params, *, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype="fp32",
                  muon_scale="match_rms_adamw", betas=(0.9, 0.95), eps=1e-8, split_across_ranks=True,
-                 ns_coeffs="quintic", normuon_beta=None, momentum_warmup=0, momentum_start=0.85):
+                 ns_coeffs="quintic", normuon_beta=None, momentum_warmup=0, momentum_start=0.85, compile=False):
         defaults = dict(lr=1e-3, weight_decay=0.0, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         ns_dtype=ns_dtype, muon_scale=muon_scale, betas=betas, eps=eps, kind="adamw",
                         ns_coeffs=ns_coeffs, normuon_beta=normuon_beta, cautious_wd=False,
                         momentum_warmup=momentum_warmup, momentum_start=momentum_start)
         super().__init__(params, defaults)
         self.split_across_ranks = split_across_ranks
+        # The caller's choice (train.py's --compile): cold, a compile costs seconds per stack, which a short eager
+        # run (a CPU's, a debugging session's) would pay for nothing. Some builds have no Dynamo.
+        self.compile = compile and torch._dynamo.is_dynamo_supported()
+        self._stack_steps: dict[tuple, object] = {}  # a group's static settings and a stack's shape -> its step
         self._fused_on: dict[str, bool] = {}  # device type -> whether torch's fused AdamW runs there
         for group in self.param_groups:
             if group["kind"] != "muon":
@@ -381,18 +451,10 @@ class Muon(torch.optim.Optimizer):
 
     def _momenta(self, params, group, skip) -> list[torch.Tensor]:
         """Update each p's momentum; -> this rank's rows (all of them, off FSDP2) of each Nesterov-corrected
-        update. Where skip (a bool scalar) the momenta stay as they were and the updates are all zeros.
-
-        Multi-tensor (foreach) calls over the bucket, not a few operations per matrix: each operation is host
-        work, and on a GPU a launch, which bounds the step when its kernels are small. Each computes what the
-        per-matrix lerp_ would, bit for bit."""
+        update, all zeros where skip (a bool scalar), which leaves the momenta as they were. Multi-tensor (foreach)
+        calls over the bucket, each what the per-matrix lerp_ would compute, bit for bit."""
         grads = [_local(p.grad).masked_fill(skip, 0.0) for p in params]  # a NaN times a weight of 0 stays NaN
-        bufs = []
-        for p in params:
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
-            bufs.append(_local(state["momentum_buffer"]))
+        bufs = [_local(self._momentum_buffer(p)) for p in params]
         if group.get("momentum_warmup", 0):
             momenta = [self._momentum_now(p, group, skip) for p in params]
             torch._foreach_lerp_(bufs, grads, [(1 - m).masked_fill(skip, 0.0).to(b.dtype)
@@ -408,6 +470,12 @@ class Muon(torch.optim.Optimizer):
         torch._foreach_lerp_(grads, bufs, momentum)
         torch._foreach_mul_(grads, keep)
         return grads
+
+    def _momentum_buffer(self, p) -> torch.Tensor:
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p.grad)
+        return state["momentum_buffer"]
 
     def _momentum_now(self, p, group, skip):
         """The momentum under a warm-up: schedule.muon_momentum of p's count of steps taken, as a scalar on
@@ -428,8 +496,51 @@ class Muon(torch.optim.Optimizer):
         device = _local(todo[0][0]).device
         skip = (torch.zeros((), dtype=torch.bool, device=device) if found_inf is None
                 else found_inf.to(device).bool())
+        if _row_shards(todo[0][0]) is None and self._ranks()[0] == 1:  # nothing to exchange: no buckets either
+            self._stacked_step(todo, group, skip)
+            return
         for bucket in muon_buckets(todo, MUON_BUCKET_BYTES):
             self._muon_bucket(bucket, group, skip)
+
+    def _stacked_step(self, todo, group, skip):
+        """Muon on todo's (param, row split) pairs, one stack_step_ call a stack. A compiled step takes the step's
+        numbers as scalars filled on the device: as constants, each new LR would recompile it."""
+        stacks: dict[tuple, list] = {}
+        for p, split in todo:
+            stacks.setdefault((tuple(p.shape), tuple(split), p.dtype), []).append(p)
+        lr, decay, momentum = group["lr"], group["lr"] * group["weight_decay"], group["momentum"]
+        if self.compile:
+            lr, decay, momentum = (torch.full((), v, dtype=scalar_dtype(skip.device), device=skip.device)
+                                   for v in (lr, decay, momentum))
+        normuon = group.get("normuon_beta") is not None
+        for (shape, split, _), params in stacks.items():
+            if group.get("momentum_warmup", 0):  # each matrix's own, from its count of steps
+                momentum = torch.stack([self._momentum_now(p, group, skip) for p in params])[:, None, None]
+            row_sq = [_local(self._row_sq_avg(p)) for p in params] if normuon else []
+            self._stack_step(group, split, shape[1])(
+                [_local(p) for p in params], [_local(p.grad) for p in params],
+                [_local(self._momentum_buffer(p)) for p in params], row_sq, skip, lr, decay, momentum)
+
+    def _stack_step(self, group, split: tuple, cols: int):
+        """stack_step_ with the group's settings and a stack's row split bound, compiled if self.compile."""
+        key = (self.compile, split, cols, group["nesterov"], group["ns_steps"], group["ns_dtype"],
+               group.get("ns_coeffs"), group["muon_scale"], group.get("normuon_beta"), group.get("cautious_wd", False))
+        if key not in self._stack_steps:
+            step = functools.partial(
+                stack_step_, split=split, nesterov=group["nesterov"], ns=self._ns(group, False),
+                scales=tuple(muon_scale_factor(rows, cols, group["muon_scale"]) for rows in split),
+                normuon_beta=group.get("normuon_beta"), cautious=group.get("cautious_wd", False))
+            self._stack_steps[key] = compiled(step) if self.compile else step
+        return self._stack_steps[key]
+
+    def _ns(self, group, compile: bool):
+        """newton_schulz with the group's settings (a stack -> its orthogonalised stack), compiled if compile."""
+        key = ("ns", compile, group["ns_steps"], group["ns_dtype"], group.get("ns_coeffs"))
+        if key not in self._stack_steps:
+            ns = functools.partial(newton_schulz, steps=group["ns_steps"], dtype=NS_DTYPES[group["ns_dtype"]],
+                                   coeffs=group.get("ns_coeffs", "quintic"))
+            self._stack_steps[key] = compiled(ns) if compile else ns
+        return self._stack_steps[key]
 
     def _muon_bucket(self, todo, group, skip):
         """Momentum, Newton-Schulz and the update for a bucket of (param, row split) pairs."""
@@ -446,8 +557,7 @@ class Muon(torch.optim.Optimizer):
     def _orthogonalize_whole(self, todo, updates, blocks, group, skip) -> list[torch.Tensor]:
         """Each block's orthogonalised (NorMuon'd, if on) update, where every rank holds every row."""
         orthos = orthogonalize_blocks([_rows(updates[i], start, rows) for i, start, rows in blocks],
-                                      group["ns_steps"], NS_DTYPES[group["ns_dtype"]], *self._ranks(),
-                                      coeffs=group.get("ns_coeffs", "quintic"))
+                                      self._ns(group, self.compile), *self._ranks())
         if group.get("normuon_beta") is None:
             return orthos
         return [normuon_rows(ortho, _local(self._row_sq_avg(todo[i][0]))[start:start + rows], group["normuon_beta"],
@@ -496,8 +606,7 @@ class Muon(torch.optim.Optimizer):
                                [[shape(k, r) for k in owned[rank]] for r in range(world_size)],
                                process_group, wire, device)
         mine = [torch.cat([incoming[r][j] for r in range(world_size)]) for j in range(len(owned[rank]))]
-        results = orthogonalize_blocks([m[:, :m.shape[1] - extra] for m in mine], group["ns_steps"],
-                                       NS_DTYPES[group["ns_dtype"]], coeffs=group.get("ns_coeffs", "quintic"))
+        results = orthogonalize_blocks([m[:, :m.shape[1] - extra] for m in mine], self._ns(group, self.compile))
         if normuon:
             avgs = [m[:, -1].to(row_sq[blocks[k][0]].dtype) for k, m in zip(owned[rank], mine)]
             normed = [normuon_rows(ortho, avg, group["normuon_beta"], skip) for ortho, avg in zip(results, avgs)]

@@ -254,11 +254,13 @@ def _adamw_groups(roles: dict, lr: float, weight_decay: float, cfg: OptimConfig)
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, row_blocks: dict[str, list[int]],
-                    device_type: str) -> torch.optim.Optimizer:
+                    device_type: str, compile: bool = False) -> torch.optim.Optimizer:
     """The optimizer cfg names over model's trainable parameters.
 
     row_blocks maps a fused weight's name to its row split (model.GPT.row_blocks()); Muon
-    orthogonalises each block separately. device_type picks fused AdamW and Muon's NS dtype.
+    orthogonalises each block separately. device_type picks fused AdamW and Muon's NS dtype. compile: Muon's
+    step as a few compiled kernels per stack of same-shape matrices (muon.py), for a run that compiles its
+    model (--compile); AdamW's fused kernel is one already.
     """
     cfg.validate()
     roles = split_params(model, use_muon=cfg.name == "muon")
@@ -269,7 +271,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, row_blocks: dict[str, li
         return _build_adamw(roles, cfg, device_type)
     if cfg.name == "adamw8bit":
         return _build_adamw8bit(roles, cfg)
-    return _build_muon(roles, cfg, row_blocks, device_type)
+    return _build_muon(roles, cfg, row_blocks, device_type, compile)
 
 
 
@@ -327,7 +329,7 @@ def _build_adamw8bit(roles, cfg):
                                eps=cfg.eps, weight_decay=0.0)
 
 
-def _build_muon(roles, cfg, row_blocks, device_type):
+def _build_muon(roles, cfg, row_blocks, device_type, compile):
     blocks = {canonical_name(k): list(v) for k, v in row_blocks.items()}
     muon_names = {n for n, _ in roles["muon"]}
     unknown = sorted(set(blocks) - muon_names)
@@ -347,7 +349,7 @@ def _build_muon(roles, cfg, row_blocks, device_type):
     return Muon(groups, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_dtype=ns_dtype,
                 muon_scale=cfg.muon_scale, betas=cfg.betas, eps=cfg.eps, ns_coeffs=cfg.ns_coeffs,
                 normuon_beta=cfg.normuon_beta if cfg.normuon else None, momentum_warmup=cfg.momentum_warmup,
-                momentum_start=cfg.momentum_start)
+                momentum_start=cfg.momentum_start, compile=compile)
 
 
 
