@@ -116,8 +116,7 @@ def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype, coeffs: str =
 
 
 def _weight(skip: torch.Tensor, value, skipped: float, dtype: torch.dtype) -> torch.Tensor:
-    """per_step for a value that is a Python number (eager) or a float64 scalar tensor (compiled, where a number
-    that changes every step, the LR, would be compiled into the code and recompile it each time)."""
+    """per_step of a Python number (eager) or of a float64 scalar tensor (compiled: see Muon._stacked_step)."""
     if torch.is_tensor(value):
         return torch.where(skip, skipped, value).to(dtype)
     return per_step(skip, value, skipped, dtype)
@@ -139,16 +138,19 @@ def stack_step_(params: list, grads: list, bufs: list, row_sq: list, skip: torch
 
     No per-matrix loop of operations (off the recipe options): torch.stack reads the gradients and momenta into
     one tensor each and each step is one operation on the stack, which Muon's compile turns into a few kernels.
-    Where skip (a bool scalar) the parameters and momenta are left exactly as they were. lr, decay (lr x weight
-    decay) and momentum are Python numbers (eager) or float64 scalar tensors (compiled; momentum [n, 1, 1]
-    under the warm-up)."""
+    Where skip (a bool scalar) parameters and momenta stay exactly as they were. lr, decay (lr x weight decay)
+    and momentum are Python numbers or float64 tensors (compiled; momentum [n, 1, 1] under the warm-up)."""
     dtype = params[0].dtype
     g = torch.stack(grads).masked_fill_(skip, 0.0)  # a NaN times a weight of 0 stays NaN
     m = torch.stack(bufs)
     m.lerp_(g, _weight(skip, 1 - momentum, 0.0, m.dtype))
     torch._foreach_copy_(bufs, m.unbind(0))
     update = g.lerp_(m, momentum.to(m.dtype) if torch.is_tensor(momentum) else momentum) if nesterov else m
-    orthos = [ns(block) for block in update.masked_fill(skip, 0.0).split(split, dim=1)]
+    orthos = list(update.masked_fill(skip, 0.0).split(split, dim=1))
+    for rows in dict.fromkeys(split):  # blocks of one size (K and V; gate and up) in one batch
+        ks = [k for k, size in enumerate(split) if size == rows]
+        for k, ortho in zip(ks, ns(torch.cat([orthos[k] for k in ks])).chunk(len(ks))):
+            orthos[k] = ortho
     if normuon_beta is not None:  # row_sq[j] is matrix j's per-row EMA, cut into the same blocks
         avgs = [r.split(split) for r in row_sq]
         orthos = [torch.stack([normuon_rows(o, avg[k], normuon_beta, skip) for o, avg in zip(ortho, avgs)])
@@ -167,10 +169,9 @@ def stack_step_(params: list, grads: list, bufs: list, row_sq: list, skip: torch
 
 
 def compiled(fn):
-    """fn (of tensors, lists of them, and its static arguments bound in) compiled whole: one graph (fullgraph: a
-    break is an error, not a silent slow path), static shapes. Dynamo keeps compiled graphs, and counts recompiles
-    against a limit of 8, per code object: each call gets a code object of its own, so that many stack shapes, or
-    many models in one process (the tests), never exhaust it and fall back to eager code."""
+    """fn (its static arguments bound in) compiled whole: one graph (fullgraph: a break is an error, not a slow
+    path), static shapes. Dynamo keeps graphs, and counts recompiles against a limit of 8, per code object: each
+    gets a code object of its own, so that many stacks or models in one process never fall back to eager code."""
     def call(*args):
         return fn(*args)
 
@@ -512,11 +513,10 @@ class Muon(torch.optim.Optimizer):
         if self.compile:
             lr, decay, momentum = (torch.full((), v, dtype=scalar_dtype(skip.device), device=skip.device)
                                    for v in (lr, decay, momentum))
-        normuon = group.get("normuon_beta") is not None
         for (shape, split, _), params in stacks.items():
             if group.get("momentum_warmup", 0):  # each matrix's own, from its count of steps
                 momentum = torch.stack([self._momentum_now(p, group, skip) for p in params])[:, None, None]
-            row_sq = [_local(self._row_sq_avg(p)) for p in params] if normuon else []
+            row_sq = [_local(self._row_sq_avg(p)) for p in params] if group.get("normuon_beta") is not None else []
             self._stack_step(group, split, shape[1])(
                 [_local(p) for p in params], [_local(p.grad) for p in params],
                 [_local(self._momentum_buffer(p)) for p in params], row_sq, skip, lr, decay, momentum)

@@ -261,9 +261,9 @@ def test_eager_muon_side_is_operations_per_stack_not_per_matrix():
     assert counts[1][torch.ops.aten.stack] == 2 * 4  # gradients and momenta, of 4 stacks
 
 
-def run_muon(model, data, **cfg):
+def run_muon(model, data, compile=False, **cfg):
     opt = build_optimizer(model, OptimConfig(name="muon", lr=0.05, adam_lr=0.01, weight_decay=0.1, ns_dtype="fp64",
-                                             **cfg), model.row_blocks(), "cpu")
+                                             **cfg), model.row_blocks(), "cpu", compile=compile)
     train(model, opt, data)
     return opt
 
@@ -275,7 +275,7 @@ def distributed_worker(rank, world_size, out_file, mode):
     per_rank = 6 // world_size
     data = [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
             for x, y in batches(3, vocab=7)]
-    if mode == "fsdp":
+    if mode.startswith("fsdp"):
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
@@ -283,7 +283,7 @@ def distributed_worker(rank, world_size, out_file, mode):
         fully_shard(model)
         with pytest.raises(ValueError, match="use --optimizer adamw"):
             build_optimizer(model, OptimConfig(name="adamw8bit"), {}, "cpu")
-        run_muon(model, data)
+        run_muon(model, data, compile=mode == "fsdp, compiled")
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
     else:
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -295,7 +295,8 @@ def distributed_worker(rank, world_size, out_file, mode):
         torch.save({n: t.detach().clone() for n, t in full.items()}, out_file)
 
 
-@pytest.mark.parametrize("mode,world_size", [("fsdp", 2), ("fsdp", 3), ("ddp", 2)])
+@pytest.mark.parametrize("mode,world_size", [("fsdp", 2), ("fsdp", 3), ("ddp", 2), pytest.param(
+    "fsdp, compiled", 2, marks=pytest.mark.slow)])  # the owners' Newton-Schulz compiled (~10 s a rank)
 def test_muon_distributed_matches_single_process(mode, world_size, tmp_path):
     out_file = tmp_path / "params.pt"
     spawn_on_gloo(distributed_worker, world_size, tmp_path, str(out_file), mode)
