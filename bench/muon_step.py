@@ -314,7 +314,7 @@ def print_ddp_table(bench):
     for variant in variants(bench):
         t, (eager_ops, calls) = medians[variant], ops[variant]
         vs_redundant = f"{t / redundant:.2f}x" if variant.startswith("muon") else ""
-        timed = f"{1000 * t:,.1f} | {t / adamw:.2f}x | {vs_redundant}" if t == t else "not timed | | "  # nan: no windows
+        timed = f"{1000 * t:,.1f} | {t / adamw:.2f}x | {vs_redundant}" if t == t else "not timed | | "  # --windows 0
         print(f"| {variant} | {timed} | {eager_ops:,} | {calls} | {eager_ops + calls:,} |")
 
 
