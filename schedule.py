@@ -32,7 +32,7 @@ def lr_multiplier(step: int, max_steps: int, warmup: int, schedule: str, min_lr_
 def muon_momentum(step: int | torch.Tensor, warmup: int, start: float, end: float) -> float | torch.Tensor:
     """Muon's momentum at optimizer step `step` (0-based): linear from start at step 0 to end at step warmup,
     then end. Written as end - (end - start) * (1 - fraction), so that it is exactly end once warmed up.
-    step may be a scalar tensor, giving one in its dtype: Muon (optim.py) passes its checkpointed count of
+    step may be a scalar tensor, giving one in its dtype: Muon (muon.py) passes its checkpointed count of
     steps as it is on the device, so that the host never waits for it."""
     if not warmup:
         return end

@@ -45,7 +45,7 @@ from checkpoint import CheckpointError  # noqa: E402
 from cli import HelpFormatter, UsageError  # noqa: E402
 from data import DataError  # noqa: E402
 from model import LOSS_CHUNK_TOKENS, ModelConfig, flops_per_token, loss_chunks, param_numels  # noqa: E402
-from optim import newton_schulz_flops  # noqa: E402
+from muon import newton_schulz_flops  # noqa: E402
 
 # The starting point: everything a plain PyTorch loop does without trying.
 BASE = {"dtype": "fp32", "tf32": False, "sdpa": "math", "fused": False, "compile": "off", "fp8": "off",
@@ -429,7 +429,7 @@ def sweep_main(bench, train_argv, argv):
 
 def ns_flops(rows: int, cols: int, steps: int = 5) -> int:
     """FLOPs of Newton-Schulz on one [rows, cols] block over `steps` iterations: two per multiply-add that
-    optim.newton_schulz_flops counts (the Gram matrix, its square, the product with X)."""
+    muon.newton_schulz_flops counts (the Gram matrix, its square, the product with X)."""
     return steps * 2 * newton_schulz_flops(rows, cols)
 
 

@@ -1,12 +1,19 @@
 """Muon's optimizer step per rank: its time under data parallelism, and its traffic under FSDP2.
 
     python bench/muon_step.py [--world-size 2 --n-layer 2 --n-embd 768 --windows 5 --steps-per-window 3]
+    python bench/muon_step.py --compile --world-size 1 --n-layer 12 --n-embd 64 --n-head 4 --n-kv-head 2
     python bench/muon_step.py --fsdp --world-size 2 4 --n-layer 12 [--windows 3 --steps-per-window 1]
 
 Without --fsdp, each rank holds the whole model (as under DDP), with the same random gradients on every rank,
 and times optimizer.step() alone: every rank orthogonalising every block (redundant) against each rank
 orthogonalising its 1/world share and all-gathering the rest (split), with fused AdamW's step on the same
-model as the yardstick.
+model as the yardstick. --compile adds Muon with compile=True (muon.py: one compiled function per stack of
+same-shape matrices; with one rank there is no split, so it is the whole step in those functions).
+
+Operations dispatched are counted by OpCounter, a TorchDispatchMode, on one step after the timed ones. Dynamo
+refuses to run compiled code under such a mode, so a compiled function runs with the counter paused and counts
+as one call, reported beside the operations: what the host dispatches outside compiled code, plus the compiled
+functions it calls (each of which runs a few generated kernels and the matmuls' library calls).
 
 With --fsdp, the model is sharded by FSDP2 (fully_shard on each block, then the root) at each world size, and
 one Muon step after a warm-up step is counted: the collective calls and the bytes each rank receives (counted
@@ -19,6 +26,7 @@ are CPU processes on gloo, one thread each.
 
 import argparse
 import collections
+import math
 import os
 import shlex
 import statistics
@@ -29,16 +37,17 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
-import optim  # noqa: E402
+import muon  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from optim import OptimConfig, build_optimizer  # noqa: E402
 
 VARIANTS = ("adamw (fused)", "muon, redundant", "muon, split across ranks")
+COMPILED = "muon, compiled"
 MIB = 2**20
 
 
@@ -132,12 +141,16 @@ def parse_bench_args(argv):
     p.add_argument("--n-head", type=int, default=12, help="query heads")
     p.add_argument("--n-kv-head", type=int, default=4, help="key/value heads")
     p.add_argument("--vocab-size", type=int, default=50304, help="vocabulary (GPT-2's, padded to a multiple of 128)")
-    p.add_argument("--windows", type=int, default=5, help="timed windows; the table reports their median")
+    p.add_argument("--windows", type=int, default=5, help="timed windows; the table reports their median (0: "
+                                                           "count the operations only)")
     p.add_argument("--steps-per-window", type=int, default=3, help="optimizer steps timed together as one window")
-    p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first")
+    p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first (they compile, with --compile)")
+    p.add_argument("--compile", action="store_true", help="also Muon with compile=True (not with --fsdp)")
     bench = p.parse_args(argv)
     if not bench.fsdp and len(bench.world_size) > 1:
         p.error("several --world-size values need --fsdp")
+    if bench.fsdp and bench.compile:
+        p.error("--compile times the data-parallel step; --fsdp counts collectives, which compiling does not change")
     return bench
 
 
@@ -150,8 +163,9 @@ def model_config(bench) -> ModelConfig:
 def make_optimizer(variant, model):
     if variant.startswith("adamw"):
         return build_optimizer(model, OptimConfig(name="adamw"), model.row_blocks(), "cpu")
-    muon = build_optimizer(model, OptimConfig(name="muon", ns_dtype="fp32"), model.row_blocks(), "cpu")
-    muon.split_across_ranks = variant.endswith("split across ranks")
+    muon = build_optimizer(model, OptimConfig(name="muon", ns_dtype="fp32"), model.row_blocks(), "cpu",
+                           compile=variant == COMPILED)
+    muon.split_across_ranks = variant != "muon, redundant"
     return muon
 
 
@@ -175,17 +189,41 @@ def ddp_worker(rank, world_size, bench, out_file):
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     medians, dispatched = {}, {}
-    for variant in VARIANTS:
+    for variant in variants(bench):
         optimizer = make_optimizer(variant, model)
-        medians[variant] = statistics.median(time_steps(optimizer, bench))
-        with OpCounter() as counter:
-            optimizer.step()
-        dispatched[variant] = counter.count
+        medians[variant] = statistics.median(time_steps(optimizer, bench) or [math.nan])
+        dispatched[variant] = count_step(optimizer)
         del optimizer
     slowest = [None] * world_size
     dist.all_gather_object(slowest, medians)
     if rank == 0:
-        torch.save({"seconds": {v: max(m[v] for m in slowest) for v in VARIANTS}, "ops": dispatched}, out_file)
+        torch.save({"seconds": {v: max(m[v] for m in slowest) for v in variants(bench)}, "ops": dispatched}, out_file)
+
+
+def variants(bench) -> tuple[str, ...]:
+    return VARIANTS + (COMPILED,) * bench.compile
+
+
+def count_step(optimizer) -> tuple[int, int]:
+    """-> (operations one optimizer.step() dispatches outside compiled code, compiled functions it calls)."""
+    compiled = {key: fn for key, fn in getattr(optimizer, "_stack_steps", {}).items()
+                if hasattr(fn, "_torchdynamo_orig_callable")}
+    calls = [0]
+
+    def paused(fn):
+        def call(*args):
+            calls[0] += 1
+            with _disable_current_modes():
+                return fn(*args)
+        return call
+
+    optimizer._stack_steps = {**getattr(optimizer, "_stack_steps", {}), **{k: paused(f) for k, f in compiled.items()}}
+    try:
+        with OpCounter() as counter:
+            optimizer.step()
+    finally:
+        optimizer._stack_steps.update(compiled)
+    return counter.count, calls[0]
 
 
 class OpCounter(TorchDispatchMode):
@@ -212,7 +250,7 @@ def muon_traffic(model, optimizer) -> dict:
     with CollectiveCounter() as counted:
         optimizer.step()
     return {"matrix_bytes": sum(4 * p.numel() for p, _ in todo), "by_op": counted.by_op,
-            "buckets": len(optim.muon_buckets(todo, optim.MUON_BUCKET_BYTES)),
+            "buckets": len(muon.muon_buckets(todo, muon.MUON_BUCKET_BYTES)),
             "calls": counted.calls, "received": counted.received}
 
 
@@ -260,7 +298,8 @@ def setup_line(bench, world_size: str, before: str = "") -> str:
     n_params = sum(p.numel() for p in GPT(model_config(bench)).parameters())
     return (f"setup: {world_size} gloo ranks x 1 thread ({torch.__version__}; CPU: {hardware.cpu_name()}); "
             f"{n_params / 1e6:.1f}M params ({bench.n_layer} layers, d={bench.n_embd}, vocab {bench.vocab_size}); "
-            f"Muon NS in fp32; {before}median of {bench.windows} windows x {bench.steps_per_window} steps after "
+            f"Muon NS in fp32; {'compiled: torch.compile (inductor), cold compile in the warm-up; ' * bench.compile}"
+            f"{before}median of {bench.windows} windows x {bench.steps_per_window} steps after "
             f"{bench.warmup_steps} warm-up steps, slowest rank; not measured on a GPU\n")
 
 
@@ -270,12 +309,13 @@ def print_ddp_table(bench):
     adamw, redundant = medians[VARIANTS[0]], medians[VARIANTS[1]]
     print(setup_line(bench, str(bench.world_size[0])))
     print("| optimizer step | ms per step (slowest rank) | vs fused AdamW | vs redundant Muon | "
-          "operations dispatched (rank 0) |")
-    print("|---|---|---|---|---|")
-    for variant in VARIANTS:
-        t = medians[variant]
+          "operations dispatched outside compiled code (rank 0) | compiled-function calls | the two together |")
+    print("|---|---|---|---|---|---|---|")
+    for variant in variants(bench):
+        t, (eager_ops, calls) = medians[variant], ops[variant]
         vs_redundant = f"{t / redundant:.2f}x" if variant.startswith("muon") else ""
-        print(f"| {variant} | {1000 * t:,.1f} | {t / adamw:.2f}x | {vs_redundant} | {ops[variant]:,} |")
+        timed = f"{1000 * t:,.1f} | {t / adamw:.2f}x | {vs_redundant}" if t == t else "not timed | | "  # --windows 0
+        print(f"| {variant} | {timed} | {eager_ops:,} | {calls} | {eager_ops + calls:,} |")
 
 
 def print_fsdp_table(bench):

@@ -110,7 +110,7 @@ def parse_bench_args(argv):
     p.add_argument("--adamw8bit-lrs", type=parse_lrs,
                    help="default: the best AdamW LR of this sweep (does 8-bit state track AdamW where it is tuned?)")
     p.add_argument("--muon-lrs", type=parse_lrs, default=[3e-3, 6e-3, 1.2e-2],
-                   help="LR of the Muon matrices (optim.py's match_rms_adamw scale makes AdamW LRs carry over) "
+                   help="LR of the Muon matrices (muon.py's match_rms_adamw scale makes AdamW LRs carry over) "
                         "(default: 3e-3,6e-3,1.2e-2)")
     p.add_argument("--muon-adam-lr", type=float,
                    help="LR of the AdamW side of Muon runs (default: the best AdamW LR of this sweep)")
