@@ -165,7 +165,7 @@ class SpeedConfig:
                                 "GradScaler", choices=DTYPES)
     tf32: bool = option(True, "CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa); --no-tf32 keeps them "
                               "true fp32")
-    compile: str = option("off", "torch.compile mode for the model",
+    compile: str = option("off", "torch.compile mode for the model (Muon's step compiles too, in default mode)",
                           choices=("off", "default", "reduce-overhead", "max-autotune"))
     act_ckpt: str = option("none", "activation checkpointing: every block, every other block, or each "
                                    "block's MLP", choices=ACT_CKPT_MODES)

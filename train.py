@@ -180,7 +180,7 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
         reasons["step"] = plan.step_time(model, layout, device, autocast_dtype, fp8_recipe, info.mode == "fsdp",
                                          batch.max_steps(cfg, layout) * layout.grad_accum)
     wrapped, compiled = distributed.parallelize(model, info, device, autocast_dtype, cfg.dist, cfg.speed.compile)
-    optimizer = build_optimizer(model, cfg.optim, model.row_blocks(), device.type)
+    optimizer = build_optimizer(model, cfg.optim, model.row_blocks(), device.type, compile=cfg.speed.compile != "off")
     loader = mixture.open_loader(sources, split="train", batch_size=layout.micro_batch, seq_len=layout.seq_len,
                                  rank=info.rank, world_size=info.world_size, seed=cfg.data.seed, device=str(device),
                                  vocab_size=model_cfg.vocab_size, packing=cfg.data.packing)
