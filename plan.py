@@ -7,7 +7,7 @@ whole run will take, with a warning when either is more than a person would wait
 
 A step's time is measured on the model itself, and the plan row says how:
 - a timed micro-step (forward and backward) of the model at the run's micro-batch, eager, before any wrapper,
-  timed after one warm-up, when that costs at most the probe budget: PROBE_MAX_S, or PROBE_SHARE of the run
+  the faster of two timed after one warm-up, when that costs at most the probe budget: PROBE_MAX_S, or PROBE_SHARE of the run
   as its FLOPs plan it, whichever is more;
 - else the same at a smaller batch (one sequence; then a quarter of a sequence), timed and scaled to the
   micro-step by training FLOPs (model.flops_per_token): the model's own rate, norms, softmax and launches
@@ -31,6 +31,7 @@ from progress import duration
 
 PROBE_MAX_S = 2.0  # a probe this cheap (by the FLOP estimate) always runs
 PROBE_SHARE = 0.05  # and one costing up to this share of the planned run
+TIMED_PASSES = 2  # a probe's timed passes, after its warm-up one
 RATE_WINDOW_S = 0.05  # how long the matmul-rate measurement repeats its GEMM (at start-up: kept short)
 GEMM_FLOPS = 2 * 10**9  # at most, per GEMM of that measurement: 10 ms on a 2-core CPU, microseconds on a GPU
 LONG_RUN_S = 24 * 3600  # a plan over a day gets a warning
@@ -63,7 +64,8 @@ def matmul_rate(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int
 
 def time_micro_step(model: torch.nn.Module, micro_batch: int, seq_len: int, device: torch.device,
                     forward_context) -> float:
-    """Seconds of one forward and backward of `model` on a [micro_batch, seq_len] batch, after a warm-up.
+    """Seconds of one forward and backward of `model` on a [micro_batch, seq_len] batch: the faster of two
+    timed after a warm-up (a process's first passes still pay for first-touch allocations and kernel set-up).
     The gradients are dropped and the RNG restored: training starts as if no probe had run."""
     x = torch.zeros((micro_batch, seq_len), dtype=torch.long, device=device)
 
@@ -76,10 +78,13 @@ def time_micro_step(model: torch.nn.Module, micro_batch: int, seq_len: int, devi
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             once()
             hardware.synchronize(device)
-            start = time.perf_counter()
-            once()
-            hardware.synchronize(device)
-            return time.perf_counter() - start
+            times = []
+            for _ in range(TIMED_PASSES):
+                start = time.perf_counter()
+                once()
+                hardware.synchronize(device)
+                times.append(time.perf_counter() - start)
+            return min(times)
     finally:
         model.zero_grad(set_to_none=True)
 
@@ -94,7 +99,7 @@ def probes(micro_batch: int, seq_len: int) -> list[tuple[int, int]]:
 
 def step_time(model: torch.nn.Module, layout, device: torch.device, dtype: torch.dtype | None, fp8_recipe,
               sharded: bool, planned_micro_steps: int = 1) -> StepTime:
-    """A micro-step's time at layout's micro-batch (batch.BatchLayout): the largest probe (probes) whose two
+    """A micro-step's time at layout's micro-batch (batch.BatchLayout): the largest probe (probes) whose
     passes cost at most the budget (module docstring) by the FLOP estimate, timed under the training's
     autocast and FP8 (fp8.probing's recipe) and scaled by FLOPs to the micro-step; else the FLOP estimate.
     planned_micro_steps: the run's, for the budget."""
@@ -106,7 +111,8 @@ def step_time(model: torch.nn.Module, layout, device: torch.device, dtype: torch
     estimate = StepTime(work(micro_batch, seq_len) / rate,
                         f"an estimate: FLOPs at one GEMM's measured rate, {rate / 1e12:.3g} TFLOP/s")
     budget = max(PROBE_MAX_S, PROBE_SHARE * estimate.micro_s * planned_micro_steps)
-    affordable = [(b, s) for b, s in probes(micro_batch, seq_len) if 2 * work(b, s) / rate <= budget]
+    passes = 1 + TIMED_PASSES
+    affordable = [(b, s) for b, s in probes(micro_batch, seq_len) if passes * work(b, s) / rate <= budget]
     if sharded or not affordable:
         return estimate
     batch, seq = affordable[0]

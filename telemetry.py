@@ -427,7 +427,9 @@ class Telemetry:
         self.step_times, self.step_tokens, self.data_warned, self.last_loss = [], [], False, float("nan")
         self.done, self.compile_s, self.last_eval = start_step, None, None
         self.steps_taken = start_step  # queued on the device, read back or not (done: read back)
-        self.in_step, self.micro_done, self.last_write = False, (0, 0), time.perf_counter()
+        self.in_step, self.micro_done = False, (0, 0)
+        # timing_step restarts the first two per step; a step run without it (bench/throughput.py) counts from here
+        self.step_start = self.micro_line = self.last_write = time.perf_counter()
 
     def elapsed(self) -> float:
         """Seconds of training since the run started, across resumes (metrics.jsonl's time_s)."""

@@ -29,12 +29,10 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import config  # noqa: E402
 import hardware  # noqa: E402
 import throughput  # noqa: E402
 import train  # noqa: E402
-from cli import HelpFormatter, UsageError  # noqa: E402
-from data import DataError  # noqa: E402
+from cli import HelpFormatter  # noqa: E402
 from model import flops_per_token  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
@@ -194,11 +192,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args, train_argv = parse_profile_args(argv)
     with tempfile.TemporaryDirectory() as out_dir:
-        try:
-            run = train.setup(config.parse_args([*train_argv, "--out-dir", out_dir, "--eval-interval", "0"]))
-        except (UsageError, DataError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+        run = throughput.setup_run(train_argv, out_dir)
         try:
             warmup_s, rates = throughput.measure(run, args.windows, args.steps_per_window, args.warmup_steps)
             events, wall_us = profile_steps(run, args.steps)

@@ -74,15 +74,20 @@ def loss_share(run) -> str:
     return f"{head / 2**20:,.1f} MiB of {total / 2**20:,.1f} MiB per micro-batch ({100 * head / total:.0f}%)"
 
 
+def setup_run(train_argv: list[str], out_dir: str):
+    """train.py's run for these flags, writing into out_dir, with no evals; a user's mistake is one line, exit 2."""
+    try:
+        return train.setup(config.parse_args([*train_argv, "--out-dir", out_dir, "--eval-interval", "0"]))
+    except (UsageError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     bench_args, train_argv = parse_bench_args(argv)
     with tempfile.TemporaryDirectory() as out_dir:
-        try:
-            run = train.setup(config.parse_args([*train_argv, "--out-dir", out_dir, "--eval-interval", "0"]))
-        except (UsageError, DataError, ValueError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            sys.exit(2)
+        run = setup_run(train_argv, out_dir)
         try:
             warmup_s, rates = measure(run, bench_args.windows, bench_args.steps_per_window, bench_args.warmup_steps)
             phases = run.telemetry.timer.collect()

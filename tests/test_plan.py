@@ -71,12 +71,13 @@ def test_the_probe_is_the_largest_the_budget_affords_and_is_scaled_by_flops(monk
     layout = batch.BatchLayout(micro_batch=8, seq_len=32, grad_accum=1, world_size=1)
     cpu = torch.device("cpu")
     monkeypatch.setattr(plan, "matmul_rate", lambda *args: 1e9)  # a known rate prices the probes
-    micro = 2 * flops_per_token(model.config, 32) * 8 * 32 / 1e9  # the micro-step's two passes, in seconds
+    passes = 1 + plan.TIMED_PASSES
+    micro = passes * flops_per_token(model.config, 32) * 8 * 32 / 1e9  # the micro-step's passes, in seconds
     monkeypatch.setattr(plan, "PROBE_MAX_S", micro / 2)  # affords one sequence, not the micro-batch of 8
     assert plan.step_time(model, layout, cpu, None, None, sharded=False).how == \
         "a 1 x 32-token micro-batch timed, eager, and scaled by FLOPs x8"
-    # 5% of a run of 40 micro-steps is the whole micro-step's two passes: timed as it is
-    assert plan.step_time(model, layout, cpu, None, None, False, planned_micro_steps=40).how == \
+    # 5% of a run of 20 micro-steps a pass is the whole micro-step's passes: timed as it is
+    assert plan.step_time(model, layout, cpu, None, None, False, planned_micro_steps=20 * passes).how == \
         "one micro-step timed, eager"
     monkeypatch.setattr(plan, "PROBE_MAX_S", micro / 100)  # not even a quarter sequence: the FLOP estimate
     assert plan.step_time(model, layout, cpu, None, None, sharded=False).how.startswith("an estimate: FLOPs at one")
