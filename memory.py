@@ -309,9 +309,11 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, act_ckpt: 
     return L * (attn + w_attn + block_input) + head, mlp + w_mlp
 
 
-def describe_loss_path(model: nn.Module, tokens: int) -> str:
-    """The start-up table's row: the fused lm_head + cross-entropy's chunks for a micro-batch of `tokens`."""
-    count, chunk = loss_chunks(tokens, model.loss_chunk_tokens), model.loss_chunk_tokens
+def describe_loss_path(model: nn.Module, tokens: int, autocast_dtype: torch.dtype | None = None) -> str:
+    """The start-up table's row: the fused lm_head + cross-entropy's chunks for a micro-batch of `tokens` (under
+    fp16 their count has no cap: model._chunked_loss_and_grads)."""
+    chunk = model.loss_chunk_tokens
+    count = loss_chunks(tokens, chunk, capped=autocast_dtype != torch.float16)
     return (f"fused lm_head + cross-entropy in {count} chunk{'s' if count > 1 else ''} of about "
             f"{-(-tokens // count):,} tokens per micro-batch (--loss-chunk-tokens: {chunk:,} a chunk)")
 

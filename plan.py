@@ -6,9 +6,9 @@ whole run will take, with a warning when either is more than a person would wait
     warnings(step, grad_accum, tokens, tokens_per_step, "--max-steps")   # a run over a day, a step over a minute
 
 A step's time is measured on the model itself, and the plan row says how:
-- a timed micro-step (forward and backward) of the model at the run's micro-batch, eager, before any wrapper,
-  the faster of two timed after one warm-up, when that costs at most the probe budget: PROBE_MAX_S, or PROBE_SHARE of the run
-  as its FLOPs plan it, whichever is more;
+- a timed micro-step (forward and backward) of the model at the run's micro-batch, eager, before any
+  wrapper, the faster of two timed after one warm-up, when that costs at most the probe budget: PROBE_MAX_S,
+  or PROBE_SHARE of the run as its FLOPs plan it, whichever is more;
 - else the same at a smaller batch (one sequence; then a quarter of a sequence), timed and scaled to the
   micro-step by training FLOPs (model.flops_per_token): the model's own rate, norms, softmax and launches
   included, on less work;
@@ -91,10 +91,11 @@ def time_micro_step(model: torch.nn.Module, micro_batch: int, seq_len: int, devi
 
 def probes(micro_batch: int, seq_len: int) -> list[tuple[int, int]]:
     """The (micro-batch, seq_len) shapes a probe may time, largest first: the micro-step itself, one sequence,
-    a quarter of one (at least 16 tokens). Pure."""
-    shapes = [(micro_batch, seq_len), (1, seq_len), (1, max(16, seq_len // 4))]
+    a quarter of one (at least 16 tokens); a smaller one only with a multiple of 16 tokens, which FP8's GEMMs
+    need (the micro-step itself passed fp8.check_fp8_config). Pure."""
+    shapes = [(micro_batch, seq_len), (1, seq_len), (1, max(16, seq_len // 4 // 16 * 16))]
     return [shape for i, shape in enumerate(shapes) if shape[0] * shape[1] <= micro_batch * seq_len
-            and shape not in shapes[:i]]
+            and shape not in shapes[:i] and (i == 0 or shape[0] * shape[1] % 16 == 0)]
 
 
 def step_time(model: torch.nn.Module, layout, device: torch.device, dtype: torch.dtype | None, fp8_recipe,
@@ -126,7 +127,8 @@ def step_time(model: torch.nn.Module, layout, device: torch.device, dtype: torch
     if (batch, seq) == (micro_batch, seq_len):
         return StepTime(seconds, "one micro-step timed, eager")
     scale = work(micro_batch, seq_len) / work(batch, seq)
-    return StepTime(seconds * scale, f"a {batch} x {seq}-token micro-batch timed, eager, and scaled by FLOPs x{scale:.3g}")
+    return StepTime(seconds * scale,
+                    f"a {batch} x {seq}-token micro-batch timed, eager, and scaled by FLOPs x{scale:.3g}")
 
 
 def run_seconds(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int) -> float:

@@ -101,8 +101,10 @@ def stop_at_once(phase: str = "start-up") -> None:
         signal.signal(sig, handle)
 
 
-class StepInterrupted(Exception):
-    """A stop signal cut a step short before its update (StopSignals.interruptible): the step is dropped."""
+class StepInterrupted(BaseException):
+    """A stop signal cut a step short before its update (StopSignals.interruptible): the step is dropped. A
+    BaseException, as KeyboardInterrupt is, so that no library's `except Exception` (torch.compile's, which
+    re-raises what it catches as its own error) turns it into a crash."""
 
 
 class StopSignals:

@@ -95,7 +95,7 @@ def startup_rows(run, sources: list, reasons: dict, planned_tokens: int) -> list
         ("torch.compile", describe_compile(cfg.speed.compile, run.device.type)),
         ("FP8", fp8.describe_fp8(run.model, run.fp8_recipe)),
         ("activation ckpt", memory.describe_activation_checkpointing(run.model)),
-        ("loss path", memory.describe_loss_path(run.model, layout.micro_batch * layout.seq_len)),
+        ("loss path", memory.describe_loss_path(run.model, layout.micro_batch * layout.seq_len, run.autocast_dtype)),
         ("eval", run.evaluator.describe_val()),
         ("batch", f"{layout.micro_batch} x {layout.seq_len} tokens x {plural(layout.grad_accum, 'micro-step')} x "
                   f"{plural(layout.world_size, 'rank')} = {layout.tokens_per_step:,} tokens/step"),

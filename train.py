@@ -398,7 +398,7 @@ def save_if_due(run: Run, done: int, record: dict, regular: bool, best: bool = F
 def keep_last_step(run: Run, step: int, taken: list, signals: StopSignals) -> str:
     """After a stop signal cut step step + 1 short: log the steps taken since the last read-back and write step
     `step`'s checkpoint, unless it is on disk (the read-back at a due checkpoint wrote it) -> the stop reason."""
-    record, on_disk = None, not taken and run.checkpointer.due(step, run.max_steps)
+    record, on_disk = None, not taken and run.checkpointer.due(step, run.max_steps) and run.guard.may_checkpoint()
     for _, record in read_back(taken, run.guard, run.telemetry, run.info.world_size):
         run.telemetry.log(record)
     if step == run.start_step:

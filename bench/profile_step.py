@@ -35,7 +35,7 @@ import train  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 from model import flops_per_token  # noqa: E402
 
-PHASES = ("forward", "backward", "optimizer")
+PHASES = ("data", "forward", "backward", "optimizer")
 CATEGORIES = ("GEMM", "attention", "loss", "norm/elementwise", "optimizer", "copies", "communication")
 # First match wins, so the more specific names come first: a fused softmax-scatter kernel is the loss's, an
 # attention kernel's internal GEMM is attention's.
@@ -82,8 +82,8 @@ def phase_at(t: float, ranges: list[tuple[float, float, str]]) -> str:
     for start, end, phase in sorted(ranges):
         if start <= t <= end:
             return phase
-        if end < t:
-            before = "backward" if phase == "forward" else "other"
+        if end < t:  # the loop's own thread launches a little of the backward (the loss's scaling) in its range
+            before = "backward" if phase in ("forward", "backward") else "other"
     return before
 
 
@@ -149,8 +149,9 @@ def profile_table(by_cell: dict, busy: float, wall_us: float, steps: int) -> lis
         lines.append(f"| {category} | " + " | ".join(f"{per_step(us):.2f}" for us in cells)
                      + f" | {per_step(sum(cells)):.2f} | {100 * sum(cells) / wall_us:.1f}% |")
     idle = max(0.0, wall_us - busy)
-    lines.append(f"| idle (nothing running) | | | | | {per_step(idle):.2f} | {100 * idle / wall_us:.1f}% |")
-    lines.append(f"| step (wall, profiled) | | | | | {per_step(wall_us):.2f} | 100% |")
+    blank = " | ".join([""] * len(columns))  # no phase columns for these two rows
+    lines.append(f"| idle (nothing running) | {blank} | {per_step(idle):.2f} | {100 * idle / wall_us:.1f}% |")
+    lines.append(f"| step (wall, profiled) | {blank} | {per_step(wall_us):.2f} | 100% |")
     return lines
 
 

@@ -64,6 +64,7 @@ def test_probes_are_the_micro_step_one_sequence_and_a_quarter_of_one():
     assert plan.probes(16, 1024) == [(16, 1024), (1, 1024), (1, 256)]
     assert plan.probes(1, 32) == [(1, 32), (1, 16)]
     assert plan.probes(1, 16) == [(1, 16)]
+    assert plan.probes(4, 1000) == [(4, 1000), (1, 240)]  # FP8's multiple of 16 tokens: not (1, 1000)
 
 
 def test_the_probe_is_the_largest_the_budget_affords_and_is_scaled_by_flops(monkeypatch):

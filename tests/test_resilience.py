@@ -645,3 +645,20 @@ def test_a_signal_mid_step_drops_that_step_keeps_the_last_and_resumes_exactly(da
     monkeypatch.setattr(telemetry.Telemetry, "micro_step", micro_step)
     train.main([*args, "--out-dir", str(tmp_path / "run"), "--resume"])
     assert losses(tmp_path / "run") == losses(tmp_path / "reference")
+
+
+def test_a_step_interruption_passes_through_a_librarys_except_exception(capsys):
+    """torch.compile catches Exception and re-raises it as its own error: the interruption must not be one."""
+    from resilience import StepInterrupted, StopSignals
+
+    signals = StopSignals(interrupt=True)
+    try:
+        with pytest.raises(StepInterrupted), signals.interruptible():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)
+            except Exception:  # what Dynamo would do with it
+                pytest.fail("the interruption was caught as an Exception")
+    finally:
+        signals.restore()
+    assert signals.requested == "SIGTERM" and "dropping the step in progress" in capsys.readouterr().err
