@@ -308,7 +308,7 @@ def te_recipe(recipe: str, fp8_attn: bool):
         return Float8CurrentScaling(fp8_format=Format.HYBRID, fp8_dpa=fp8_attn)
     if recipe == "delayed":
         return DelayedScaling(fp8_format=Format.HYBRID, fp8_dpa=fp8_attn)
-    raise ValueError(f"unknown fp8 recipe {recipe!r}; choose one of {', '.join(FP8_RECIPES)}")
+    raise ValueError(f"unknown Transformer Engine recipe {recipe!r}; choose one of {', '.join(RECIPES_OF['te'])}")
 
 
 def te_autocast(fp8_recipe):

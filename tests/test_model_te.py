@@ -130,7 +130,7 @@ def test_te_matches_plain_on_the_same_weights_in_bf16():
         assert cos > 0.99, (name, cos.item())
 
 
-@pytest.mark.parametrize("recipe", fp8.FP8_RECIPES)
+@pytest.mark.parametrize("recipe", fp8.RECIPES_OF["te"])
 @needs_te
 def test_te_fp8_stays_close_to_bf16(recipe):
     plain, te_model = same_weights(TE_CFG)
