@@ -160,18 +160,16 @@ class SpeedConfig:
     """Device, precision, compilation and activation memory (hardware.py, distributed.parallelize, memory.py)."""
 
     device: str = option("auto", "auto: cuda, then mps, then cpu", choices=DEVICES)
-    dtype: str = option("auto", "autocast dtype (auto: bf16 on CUDA that supports it, and on a CPU with native "
-                                "bf16 where a probe matmul confirms it is faster; else fp32); fp16 uses a "
-                                "GradScaler", choices=DTYPES)
+    dtype: str = option("auto", "autocast dtype (auto: bf16 on CUDA that has it, or on a CPU with native bf16 "
+                                "where a probe matmul runs faster; else fp32); fp16 adds a GradScaler", choices=DTYPES)
     tf32: bool = option(True, "CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa); --no-tf32 keeps them "
                               "true fp32")
     compile: str = option("off", "torch.compile mode for the model (Muon's step compiles too, in default mode)",
                           choices=("off", "default", "reduce-overhead", "max-autotune"))
     act_ckpt: str = option("none", "activation checkpointing: every block, every other block, or each "
                                    "block's MLP", choices=ACT_CKPT_MODES)
-    loss_chunk_tokens: int = option(0, "tokens per chunk of the fused lm_head + cross-entropy (0: on CUDA as "
-                                       "many as 1/16 of the GPU's memory holds, at least 1024; 1024 on a CPU or "
-                                       "under fp16)")
+    loss_chunk_tokens: int = option(0, "tokens per chunk of the fused lm_head + loss (0: on CUDA what 1/16 of "
+                                       "the GPU's memory holds, at least 1024; 1024 on a CPU or under fp16)")
     estimate_memory: bool = option(False, "print the memory estimate for these flags (every --act-ckpt mode) "
                                           "and exit")
     target_gpu: str | None = option(None, "--estimate-memory for a GPU this machine need not have: a name "

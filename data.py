@@ -555,9 +555,8 @@ class BatchStream:
         else:
             if self._thread is None:
                 self._queue, self._stop = queue.Queue(maxsize=self.prefetch), threading.Event()
-                thread = threading.Thread(target=self._work, args=(self._next, self._queue, self._stop),
-                                          daemon=True, name=f"{type(self).__name__}-rank{self.rank}")
-                thread.start()
+                (thread := threading.Thread(target=self._work, args=(self._next, self._queue, self._stop),
+                                            daemon=True, name=f"{type(self).__name__}-rank{self.rank}")).start()
                 self._thread = thread  # only once started: close() joins it, and a stop may come in between
             item = self._queue.get()
             if isinstance(item, Exception):

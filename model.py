@@ -27,14 +27,12 @@ VOCAB_MULTIPLE = 128
 FFN_MULTIPLE = 128
 INIT_STD = 0.02
 IGNORE_INDEX = -100  # F.cross_entropy's default: targets equal to it add nothing to the loss or its count
-# Tokens per chunk of the fused lm_head + cross-entropy, where no memory budget sets it (GPT.loss_chunk_tokens;
-# training sizes it from the device: memory.loss_chunk_tokens). At GPT-2's loss shape (16 x 1024 tokens,
-# d=768, V=50,304, bf16) the unfused loss holds bf16 logits (1.5 GiB), their fp32 copy (3.1 GiB), the saved
-# fp32 log-softmax (3.1 GiB) and as much again for the gradients; a chunk of 1024 tokens holds at most its
-# bf16 logits or gradient (98 MiB) beside their fp32 copy (196 MiB), plus the bf16 weight (74 MiB), one
-# chunk's weight gradient (74 MiB) and the fp32 gradients kept for backward (147 MiB for the weight, 48 MiB
-# for the hidden states): about 0.62 GiB, under 1/8 of the unfused forward's 7.7 GiB. On a GPU with room,
-# fewer and larger chunks save each chunk's pass over the float32 [V, d] weight gradient and the launches.
+# Tokens per chunk of the fused lm_head + cross-entropy where no memory budget sets it (training's comes from the
+# device: memory.loss_chunk_tokens). At GPT-2's loss shape (16 x 1024 tokens, d=768, V=50,304, bf16) the unfused
+# loss holds bf16 logits (1.5 GiB), their fp32 copy (3.1 GiB), the saved fp32 log-softmax (3.1 GiB) and as much
+# again for the gradients; a chunk of 1024 tokens holds its bf16 logits or gradient (98 MiB) beside their fp32
+# copy (196 MiB), plus the bf16 weight (74 MiB), one chunk's weight gradient (74 MiB) and the fp32 gradients kept
+# for backward (147 + 48 MiB): about 0.62 GiB, under 1/8 of the unfused forward's 7.7 GiB.
 LOSS_CHUNK_TOKENS = 1024
 # At most this many chunks per call: a larger micro-batch gets larger chunks instead of more of them, so the
 # loss path stays within 1/MAX_LOSS_CHUNKS of the unfused one at any micro-batch, torch.compile traces at
@@ -85,9 +83,8 @@ class ModelConfig:
     of SwiGLU's (a multiple of 64): two matrices of 3F/2 rows hold exactly the parameters of SwiGLU's three
     of F (768 -> 3072).
 
-    The shape defaults are train.py's small model (13.67M parameters with its untied head, minutes on a laptop
-    CPU). Each field's metadata is its command-line help: config.py generates train.py's flags from these
-    fields.
+    The shape defaults are train.py's small model (13.67M parameters, minutes on a laptop CPU). Each field's
+    metadata is its command-line help: config.py generates train.py's flags from these fields.
     """
 
     vocab_size: int = field(default=50257, metadata={
@@ -311,8 +308,7 @@ def _chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if not with_grad:
         return loss, None
     grad = logits.sub_(lse[:, None]).exp_()
-    # Minus one-hot as a pointwise op against the column index (torch.compile fuses it into the softmax),
-    # not a scatter: the same x - 1 at each target, bit for bit.
+    # Minus one-hot, pointwise (compile fuses it into the softmax), bit for bit a scatter's x - 1 at each target.
     grad.add_(torch.arange(grad.shape[1], device=grad.device) == safe, alpha=-1)
     grad.masked_fill_(~valid[:, None], 0.0)
     if tanh is not None:
@@ -352,8 +348,7 @@ def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torc
     w = weight.to(dtype)
     count = (targets != IGNORE_INDEX).sum()
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
-    grad_x = torch.empty(x.shape, dtype=torch.float32, device=x.device) if with_grad else None
-    grad_w = None
+    grad_w, grad_x = None, torch.empty(x.shape, dtype=torch.float32, device=x.device) if with_grad else None
     for rows in _row_chunks(x.shape[0], chunk, capped=dtype != torch.float16):
         x_chunk = x[rows].to(dtype)
         chunk_loss, grad_logits = _chunk_loss_and_grad(x_chunk, w, targets[rows], with_grad, softcap)
