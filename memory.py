@@ -245,6 +245,11 @@ def loss_head_bytes(cfg: ModelConfig) -> int:
     return FP32 * cfg.padded_vocab_size * cfg.n_embd
 
 
+def act_bytes(autocast_dtype: torch.dtype | None) -> int:
+    """Bytes of an activation element: the autocast dtype's, or float32's without autocast."""
+    return torch.finfo(autocast_dtype).bits // 8 if autocast_dtype is not None else FP32
+
+
 def loss_bytes_per_token(cfg: ModelConfig, act: int) -> int:
     """One token's row of a loss chunk: its logits in the GEMM dtype and in float32 (twice in float32 under a
     logit soft-cap: the capped logits and the tanh)."""
@@ -271,7 +276,7 @@ def loss_chunk_tokens(cfg: ModelConfig, autocast_dtype: torch.dtype | None, devi
         return requested
     if device_type != "cuda" or capacity is None or autocast_dtype == torch.float16:
         return LOSS_CHUNK_TOKENS
-    act = torch.finfo(autocast_dtype).bits // 8 if autocast_dtype is not None else FP32
+    act = act_bytes(autocast_dtype)
     return max(LOSS_CHUNK_TOKENS, capacity // LOSS_CHUNK_SHARE // loss_bytes_per_token(cfg, act))
 
 
@@ -290,7 +295,7 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, act_ckpt: 
     """(bytes saved for backward by one micro-batch's forward, transient bytes of one recomputed region)."""
     if act_ckpt not in ACT_CKPT_MODES:
         raise ValueError(f"unknown activation checkpointing mode {act_ckpt!r}; choose one of {', '.join(ACT_CKPT_MODES)}")
-    act = torch.finfo(autocast_dtype).bits // 8 if autocast_dtype is not None else FP32
+    act = act_bytes(autocast_dtype)
     fused = device_type == "cuda"
     tokens, L = batch_size * seq_len, cfg.n_layer
     attn = tokens * attention_bytes_per_token(cfg, act, fused)
@@ -327,7 +332,7 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: 
     across it; activations are not). loss_chunk: the loss path's tokens per chunk (loss_chunk_tokens)."""
     n_params = param_count(cfg)
     activations, recompute = activation_bytes(cfg, batch_size, seq_len, act_ckpt, autocast_dtype, device_type)
-    act = torch.finfo(autocast_dtype).bits // 8 if autocast_dtype is not None else FP32
+    act = act_bytes(autocast_dtype)
     # Neither outlives its moment (a recomputed region in backward, a loss chunk at the forward's end).
     transient = max(recompute, loss_chunk_bytes(cfg, batch_size * seq_len, act, loss_chunk))
     e = MemoryEstimate(params=FP32 * n_params // shards, grads=FP32 * n_params // shards,

@@ -65,7 +65,7 @@ def loss_share(run) -> str:
     """The estimate (memory.py) of what one micro-batch's loss path (final norm, lm_head, cross-entropy)
     saves for backward, against all the activations it saves."""
     cfg, layout = run.model_cfg, run.layout
-    act = torch.finfo(run.autocast_dtype).bits // 8 if run.autocast_dtype is not None else memory.FP32
+    act = memory.act_bytes(run.autocast_dtype)
     fused = run.device.type == "cuda"
     head = (layout.micro_batch * layout.seq_len * memory.head_bytes_per_token(cfg, act, fused)
             + memory.loss_head_bytes(cfg))
