@@ -10,12 +10,13 @@ from cli import UsageError
 from resilience import TrainingHalted
 
 RESUME_HINT = "Resume with the same command plus --resume"
+NOT_IN_A_STREAK = "no checkpoint inside a streak of non-finite steps"
 
 
 def stop_reason(run, done: int, signals, signalled: bool, stop_early: bool, saved: bool) -> str | None:
     """Why the run stops after step `done` (saved: its checkpoint is on disk), or None when it goes on."""
     if signalled:
-        written = "checkpoint written" if saved else "no checkpoint inside a streak of non-finite steps"
+        written = "checkpoint written" if saved else NOT_IN_A_STREAK
         return f"stopped by {signals.requested or 'a signal to another rank'} at step {done}; {written}. {RESUME_HINT}"
     if stop_early:
         return (f"early stop at step {done}: val loss has not improved on {run.guard.early_stop.best:.4f} for "
@@ -27,7 +28,7 @@ def interrupted_reason(signal_name: str, step: int, saved: bool, write_s: float 
     """The stop reason after a signal cut step step + 1 short (train.keep_last_step); write_s: how long step
     `step`'s checkpoint took to write, None when it was on disk already."""
     kept = ("its checkpoint on disk already" if write_s is None else f"its checkpoint written in {write_s:.1f} s"
-            ) if saved else "no checkpoint inside a streak of non-finite steps"
+            ) if saved else NOT_IN_A_STREAK
     return f"stopped by {signal_name} during step {step + 1}, which is dropped; kept step {step}, {kept}. {RESUME_HINT}"
 
 

@@ -67,11 +67,11 @@ def announce(run, sources: list, reasons: dict, planned_tokens: int) -> None:
     print_table(startup_rows(run, sources, reasons, planned_tokens))
     cfg, layout = run.cfg, run.layout
     length_flag = "--max-tokens" if cfg.schedule.max_tokens else "--max-steps"
+    to_train = planned_tokens - run.telemetry.start_tokens  # this process's: a resume's earlier tokens are done
     warnings = [cpu_bf16_warning(cfg.speed.dtype, run.device.type, cpu_flags()),
                 *plan_warnings(cfg, layout, run.max_steps, run.loader.epoch_plan(planned_tokens)),
-                *plan.warnings(reasons["step"], layout.grad_accum, planned_tokens - run.telemetry.start_tokens,
-                               layout.tokens_per_step, length_flag,
-                               run.telemetry.flops_per_token * planned_tokens if run.device.type == "cpu" else None)]
+                *plan.warnings(reasons["step"], layout.grad_accum, to_train, layout.tokens_per_step, length_flag,
+                               run.telemetry.flops_per_token * to_train if run.device.type == "cpu" else None)]
     for warning in filter(None, warnings):
         message(warning)
 
