@@ -108,7 +108,7 @@ def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype, coeffs: str =
     # The Frobenius norm bounds the spectral norm, so the iteration starts in range.
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) * safety + NS_EPS)
     for a, b, c in schedule:
-        gram = x @ x.mT
+        gram = torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, poly, x, beta=a)
     x = x.mT if tall else x
