@@ -31,16 +31,11 @@ import optim
 import sizing
 from cli import ArgumentParser, UsageError, int_or_auto
 from fp8 import FP8Config
-from model import INIT_ONLY_FIELDS, ModelConfig
+from model import INIT_ONLY_FIELDS, ModelConfig, option
 from optim import OptimConfig
 from sizing import SizeConfig
 
 PROFILE_WAIT, PROFILE_ACTIVE = 5, 3  # torch.profiler: steps skipped, then steps traced (telemetry.py)
-
-
-def option(default, help, **metadata):
-    """A config field: its default, and what its flag needs (help text; optionally flag, choices, type)."""
-    return field(default=default, metadata={"help": help, **metadata})
 
 
 # ----------------------------------------------------------------------------- the sections

@@ -26,14 +26,14 @@ import os
 import re
 import sys
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 
 import hardware
 from cli import UsageError
-from model import GPT, Block, LayerNormMLP, ModelConfig, RMSNorm, apply_rope
+from model import GPT, Block, LayerNormMLP, ModelConfig, RMSNorm, apply_rope, option
 
 FP8_MODES = ("off", "te", "torchao")
 FP8_RECIPES = ("current", "delayed", "rowwise")
@@ -66,15 +66,12 @@ TE_RECOMPUTE_POSITION = "global_fp8_buffer_pos_fwd_recompute"
 
 @dataclass
 class FP8Config:
-    mode: str = field(default="off", metadata={
-        "flag": "--fp8", "choices": FP8_MODES,
-        "help": "FP8 block GEMMs: Transformer Engine modules, or torchao float8 linears"})
-    recipe: str = field(default="current", metadata={
-        "flag": "--fp8-recipe", "choices": FP8_RECIPES,
-        "help": "FP8 scaling: current (one scale per tensor, from its amax now; te and torchao), delayed "
-                "(te: from an amax history) or rowwise (torchao: one scale per row)"})
-    attn: bool = field(default=False, metadata={
-        "flag": "--fp8-attn", "help": "--fp8 te: FP8 attention too (needs head_dim 128)"})
+    mode: str = option("off", "FP8 block GEMMs: Transformer Engine modules, or torchao float8 linears",
+                       flag="--fp8", choices=FP8_MODES)
+    recipe: str = option("current", "FP8 scaling: current (one scale per tensor, from its amax now; te and torchao), "
+                                    "delayed (te: from an amax history) or rowwise (torchao: one scale per row)",
+                         flag="--fp8-recipe", choices=FP8_RECIPES)
+    attn: bool = option(False, "--fp8 te: FP8 attention too (needs head_dim 128)", flag="--fp8-attn")
 
 
 def check_fp8_flags(mode: str, recipe: str, fp8_attn: bool) -> None:

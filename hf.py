@@ -39,7 +39,8 @@ from checkpoint import CheckpointError
 from data import data_tokenizer
 from fp8 import te_to_plain_state_dict
 from mixture import parse_data, record_dir
-from model import GPT, QWEN3_VALUES, VOCAB_MULTIPLE, ModelConfig, block_shapes, outer_shapes, param_numels
+from model import GPT, QWEN3_VALUES, VOCAB_MULTIPLE, ModelConfig
+from sizing import block_shapes, outer_shapes, param_numels
 from tokenizer import (TOKENIZER_FILE, DataError, HFTokenizer, TiktokenTokenizer, Tokenizer, byte_to_char,
                        load_tokenizer)
 

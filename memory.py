@@ -31,7 +31,8 @@ import fp8
 import hardware
 from cli import UsageError, plural
 from config import ACT_CKPT_MODES
-from model import LOSS_CHUNK_TOKENS, ModelConfig, block_shapes, loss_chunks, outer_shapes, param_count
+from model import LOSS_CHUNK_TOKENS, ModelConfig, loss_chunks
+from sizing import block_shapes, outer_shapes, param_count
 
 FP32 = 4
 INDEX = 8  # int64 token ids and targets

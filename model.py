@@ -41,6 +41,13 @@ LOSS_CHUNK_TOKENS = 1024
 MAX_LOSS_CHUNKS = 16
 
 
+def option(default, help, **flag):
+    """A config field, the one way every section's dataclass declares one (here because model.py imports
+    nothing of the project and the other sections import it): its default, its help text and, where the flag
+    needs them, its flag name, choices or type (config.py turns the fields into flags)."""
+    return field(default=default, metadata={"help": help, **flag})
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -84,49 +91,44 @@ class ModelConfig:
     of F (768 -> 3072).
 
     The shape defaults are train.py's small model (13.67M parameters, minutes on a laptop CPU). Each field's
-    metadata is its command-line help: config.py generates train.py's flags from these fields.
+    option() gives each its help text: config.py generates train.py's flags from these fields.
     """
 
-    vocab_size: int = field(default=50257, metadata={
-        "help": "tokenizer vocabulary size (GPT-2: 50257); padded to a multiple of 128 in the model"})
-    n_layer: int = field(default=4, metadata={"help": "transformer blocks"})
-    n_head: int = field(default=4, metadata={"help": "query heads"})
-    n_kv_head: int = field(default=2, metadata={"help": "key/value heads (GQA); must divide --n-head"})
-    n_embd: int = field(default=128, metadata={"help": "model width"})
-    head_dim: int | None = field(default=None, metadata={"help": "per-head width (default: n_embd / n_head)"})
-    ffn_dim: int | None = field(default=None, metadata={
-        "help": "MLP hidden size (default: SwiGLU's 8/3 n_embd rounded up to a multiple of 128; relu2's 3/2 of "
-                "that, the same parameter count)"})
-    max_seq_len: int = field(default=128, metadata={"flag": "--seq-len", "help": "tokens per training sequence"})
-    rope_theta: float = field(default=10000.0, metadata={"help": "RoPE base frequency"})
-    norm_eps: float = field(default=1e-6, metadata={"help": "RMSNorm epsilon"})
-    tie_embeddings: bool = field(default=False, metadata={
-        "help": "one matrix for the embedding and the lm_head, as in GPT-2 (the gpt2-* presets set it); off, "
-                "the lm_head is its own matrix with its own LR, which trains faster (docs/recipe.md)"})
+    vocab_size: int = option(50257, "tokenizer vocabulary size (GPT-2: 50257); padded to a multiple of 128 in "
+                                    "the model")
+    n_layer: int = option(4, "transformer blocks")
+    n_head: int = option(4, "query heads")
+    n_kv_head: int = option(2, "key/value heads (GQA); must divide --n-head")
+    n_embd: int = option(128, "model width")
+    head_dim: int | None = option(None, "per-head width (default: n_embd / n_head)")
+    ffn_dim: int | None = option(None, "MLP hidden size (default: SwiGLU's 8/3 n_embd rounded up to a multiple of 128; "
+                                       "relu2's 3/2 of that, the same parameter count)")
+    max_seq_len: int = option(128, "tokens per training sequence", flag="--seq-len")
+    rope_theta: float = option(10000.0, "RoPE base frequency")
+    norm_eps: float = option(1e-6, "RMSNorm epsilon")
+    tie_embeddings: bool = option(False, "one matrix for the embedding and the lm_head, as in GPT-2 (the gpt2-* "
+                                         "presets set it); off, the lm_head is its own matrix with its own LR, which "
+                                         "trains faster (docs/recipe.md)")
     # Initialisation, not shape: hf.hf_config leaves it out, so Hugging Face exports stay exact.
-    zero_init_proj: bool = field(default=False, metadata={
-        "help": "initialise attn.proj and mlp.fc2, the projections into the residual stream, to zero: every block "
-                "starts as the identity (init only; not part of the exported architecture)"})
-    head_init: str = field(default="normal", metadata={
-        "choices": HEAD_INITS, "help": "init of an untied lm_head (not with --tie-embeddings): normal(0, 0.02) like "
-                                       "the embedding, or zero, so every logit starts at 0 (init only)"})
+    zero_init_proj: bool = option(False, "initialise attn.proj and mlp.fc2, the projections into the residual stream, "
+                                         "to zero: every block starts as the identity (init only; not part of the "
+                                         "exported architecture)")
+    head_init: str = option("normal", "init of an untied lm_head (not with --tie-embeddings): normal(0, 0.02) like the "
+                                      "embedding, or zero, so every logit starts at 0 (init only)", choices=HEAD_INITS)
     # Recipe toggles (QWEN3_VALUES), each on by default only once the recipe sweep showed it wins
     # (docs/recipe.md): attn_gate.
-    mlp: str = field(default="swiglu", metadata={
-        "choices": MLP_KINDS, "help": "MLP: SwiGLU (3 matrices) or ReLU^2, relu(x W1)^2 W2 (2 matrices, hidden "
-                                      "3/2 of SwiGLU's default: the same parameters)"})
-    logit_softcap: float = field(default=0.0, metadata={
-        "help": "soft-cap the logits to (-C, C) with C tanh(logits / C), in training, evaluation and sampling "
-                "(0: off)"})
-    value_embeds: int = field(default=0, metadata={
-        "help": "value-embedding tables: table i, a token embedding of the value width, is added (times a "
-                "learned per-layer scalar, init 1) to the attention values of layers i and n_layer-1-i (0: off)"})
-    unet_skips: bool = field(default=False, metadata={
-        "help": "U-net skips: the output of block i of the first half is added (times a learned scalar, init 1) "
-                "to the input of block n_layer-1-i"})
-    attn_gate: bool = field(default=True, metadata={
-        "help": "per-head output gates in attention: each head's output times sigmoid(x W_g), x the normed "
-                "attention input, W_g [n_head, n_embd] zero-initialised (every gate starts at 1/2)"})
+    mlp: str = option("swiglu", "MLP: SwiGLU (3 matrices) or ReLU^2, relu(x W1)^2 W2 (2 matrices, hidden 3/2 of "
+                                "SwiGLU's default: the same parameters)", choices=MLP_KINDS)
+    logit_softcap: float = option(0.0, "soft-cap the logits to (-C, C) with C tanh(logits / C), in training, "
+                                       "evaluation and sampling (0: off)")
+    value_embeds: int = option(0, "value-embedding tables: table i, a token embedding of the value width, is added "
+                                  "(times a learned per-layer scalar, init 1) to the attention values of layers i and "
+                                  "n_layer-1-i (0: off)")
+    unet_skips: bool = option(False, "U-net skips: the output of block i of the first half is added (times a learned "
+                                     "scalar, init 1) to the input of block n_layer-1-i")
+    attn_gate: bool = option(True, "per-head output gates in attention: each head's output times sigmoid(x W_g), x the "
+                                   "normed attention input, W_g [n_head, n_embd] zero-initialised (every gate starts "
+                                   "at 1/2)")
 
     def validate(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "max_seq_len"):
@@ -671,68 +673,3 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         """Unique parameters: a tied embedding / lm_head matrix counts once."""
         return sum(p.numel() for p in self.parameters())
-
-
-def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of each parameter of one block, by its name inside the block. Every block has the same ones,
-    so a size multiplies them by n_layer instead of walking the layers: a claimed depth costs nothing."""
-    D, hd, F = cfg.n_embd, cfg.resolved_head_dim, cfg.resolved_ffn_dim
-    H, K = cfg.n_head, cfg.n_kv_head
-    shapes = {"attn.qkv.layer_norm_weight": (D,), "attn.qkv.weight": ((H + 2 * K) * hd, D),
-              "attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,), "attn.proj.weight": (D, H * hd)}
-    if cfg.attn_gate:
-        shapes["attn.gate_weight"] = (H, D)
-    return shapes | {"mlp.layer_norm_weight": (D,), "mlp.fc1_weight": (cfg.fc1_rows, D), "mlp.fc2_weight": (D, F)}
-
-
-def outer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of each parameter outside the blocks (a tied lm_head is the embedding: not a parameter)."""
-    V, D = cfg.padded_vocab_size, cfg.n_embd
-    shapes = {"embed.weight": (V, D), "norm.weight": (D,)}
-    if not cfg.tie_embeddings:
-        shapes["lm_head.weight"] = (V, D)
-    for table in range(cfg.value_embeds):
-        shapes[f"value_embeds.{table}.weight"] = (V, cfg.n_kv_head * cfg.resolved_head_dim)
-    if cfg.value_embeds:
-        shapes["value_embed_lambdas"] = (len(value_embed_layers(cfg)),)
-    if cfg.unet_skips:
-        shapes["unet_weights"] = (cfg.n_layer // 2,)
-    return shapes
-
-
-def param_count(cfg: ModelConfig) -> int:
-    """Every parameter, the embedding included, by arithmetic on the shapes."""
-    block = sum(math.prod(shape) for shape in block_shapes(cfg).values())
-    return sum(math.prod(shape) for shape in outer_shapes(cfg).values()) + cfg.n_layer * block
-
-
-def param_numels(cfg: ModelConfig) -> dict[str, int]:
-    """Elements of every parameter, by its name in the model: one entry per layer's, so only for a model
-    about to be built; a size check takes param_count."""
-    block = {name: math.prod(shape) for name, shape in block_shapes(cfg).items()}
-    numels = {name: math.prod(shape) for name, shape in outer_shapes(cfg).items()}
-    for i in range(cfg.n_layer):
-        numels.update({f"blocks.{i}.{name}": n for name, n in block.items()})
-    return numels
-
-
-def flops_per_token(config: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), the convention of the PaLM paper and nanoGPT's MFU.
-
-    6 * N, where N counts the weights of every matrix multiply: qkv, proj, fc1, fc2 (and an attention gate) in
-    each block plus the lm_head over the padded vocabulary (the embedding and value-embedding lookups, norm
-    weights and the toggles' scalars are not matmuls; a tied matrix counts once, as the lm_head). Plus attention scores and the weighted sum, 2 matmuls * 2 FLOPs * seq_len *
-    n_head * head_dim per layer forward, times 3 for forward + backward: 12 * n_layer * n_head * head_dim *
-    seq_len. The attention term counts the full T x T square even though causal kernels skip half of it.
-    """
-    hd, ffn, dim = config.resolved_head_dim, config.resolved_ffn_dim, config.n_embd
-    per_layer = (
-        dim * (config.n_head + 2 * config.n_kv_head) * hd
-        + config.n_head * hd * dim
-        + dim * config.fc1_rows
-        + ffn * dim
-        + (config.n_head * dim if config.attn_gate else 0)
-    )
-    matmul_params = config.n_layer * per_layer + config.padded_vocab_size * dim
-    attention = 12 * config.n_layer * config.n_head * hd * seq_len
-    return float(6 * matmul_params + attention)

@@ -14,11 +14,12 @@ inside the same optimizer, so one state_dict and one LR schedule cover both; thi
 """
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from model import option
 from muon import (MUON_SCALES, NS_COEFF_SCHEMES, NS_DTYPES, Muon, _is_dtensor, _local, cautious_decay_,
                   fused_adamw_available, per_step, scalar_dtype)
 
@@ -45,55 +46,45 @@ UNTIED_LR_MULTIPLES = {"embed_lr": 10, "head_lr": 2}
 class OptimConfig:
     """The optimizer. Each field's metadata is its command-line help: config.py generates train.py's flags."""
 
-    name: str = field(default="muon", metadata={
-        "flag": "--optimizer", "choices": OPTIMIZERS,
-        "help": "Muon for the hidden matrices + AdamW for the rest, fused AdamW, or bitsandbytes 8-bit AdamW"})
-    lr: float | None = field(default=None, metadata={
-        "help": "peak learning rate; for muon, the Muon matrices' (default: the optimizer's for the small default "
-                "model, 6e-3 for muon, 3e-3 for adamw and adamw8bit)"})
-    weight_decay: float = field(default=0.1, metadata={"help": "decoupled, matrices only"})
-    beta1: float = field(default=0.9, metadata={"help": "Adam first-moment decay"})
-    beta2: float = field(default=0.95, metadata={"help": "Adam second-moment decay"})
-    eps: float = field(default=1e-8, metadata={"flag": "--adam-eps", "help": "Adam's epsilon"})
-    adam_lr: float | None = field(default=None, metadata={
-        "help": "peak LR of the AdamW side of a Muon run (embeddings, norms; default: 3e-3)"})
-    momentum: float = field(default=0.95, metadata={"flag": "--muon-momentum", "help": "Muon's momentum"})
-    momentum_warmup: int = field(default=0, metadata={
-        "flag": "--muon-momentum-warmup", "help": "Muon: ramp the momentum linearly from --muon-momentum-start to "
-                                                  "--muon-momentum over this many optimizer steps (0: off)"})
-    momentum_start: float = field(default=0.85, metadata={
-        "flag": "--muon-momentum-start", "help": "Muon's momentum at the first step of --muon-momentum-warmup"})
-    nesterov: bool = field(default=True, metadata={
-        "flag": "--muon-nesterov", "help": "Muon: Nesterov momentum (--no-muon-nesterov: plain momentum)"})
-    ns_steps: int = field(default=5, metadata={"help": "Newton-Schulz iterations in Muon"})
-    ns_dtype: str = field(default="auto", metadata={
-        "choices": ("auto", *NS_DTYPES), "help": "Newton-Schulz dtype (auto: bf16 on CUDA, fp32 elsewhere)"})
+    name: str = option("muon", "Muon for the hidden matrices + AdamW for the rest, fused AdamW, or bitsandbytes 8-bit "
+                               "AdamW", flag="--optimizer", choices=OPTIMIZERS)
+    lr: float | None = option(None, "peak learning rate; for muon, the Muon matrices' (default: the optimizer's for "
+                                    "the small default model, 6e-3 for muon, 3e-3 for adamw and adamw8bit)")
+    weight_decay: float = option(0.1, "decoupled, matrices only")
+    beta1: float = option(0.9, "Adam first-moment decay")
+    beta2: float = option(0.95, "Adam second-moment decay")
+    eps: float = option(1e-8, "Adam's epsilon", flag="--adam-eps")
+    adam_lr: float | None = option(None, "peak LR of the AdamW side of a Muon run (embeddings, norms; default: 3e-3)")
+    momentum: float = option(0.95, "Muon's momentum", flag="--muon-momentum")
+    momentum_warmup: int = option(0, "Muon: ramp the momentum linearly from --muon-momentum-start to --muon-momentum "
+                                     "over this many optimizer steps (0: off)", flag="--muon-momentum-warmup")
+    momentum_start: float = option(0.85, "Muon's momentum at the first step of --muon-momentum-warmup",
+                                   flag="--muon-momentum-start")
+    nesterov: bool = option(True, "Muon: Nesterov momentum (--no-muon-nesterov: plain momentum)",
+                            flag="--muon-nesterov")
+    ns_steps: int = option(5, "Newton-Schulz iterations in Muon")
+    ns_dtype: str = option("auto", "Newton-Schulz dtype (auto: bf16 on CUDA, fp32 elsewhere)",
+                           choices=("auto", *NS_DTYPES))
     # match_rms_adamw makes Muon's update RMS match AdamW's, so AdamW's lr and weight decay carry over.
-    muon_scale: str = field(default="match_rms_adamw", metadata={
-        "choices": MUON_SCALES, "help": "Muon update scale: sqrt(max(1,rows/cols)) or 0.2*sqrt(max(rows,cols))"})
-    fused: bool = field(default=True, metadata={
-        "flag": "--fused-adamw", "help": "AdamW: torch's fused kernel where the device has one "
-                                         "(--no-fused-adamw: the foreach path, the ladder's baseline)"})
-    ns_coeffs: str = field(default="quintic", metadata={
-        "choices": NS_COEFF_SCHEMES, "help": "Muon's Newton-Schulz polynomials: the fixed quintic, or Polar "
-                                             "Express's per-iteration ones (closer to the exact polar factor)"})
-    normuon: bool = field(default=False, metadata={
-        "help": "Muon: NorMuon's per-neuron normalisation, each orthogonalised row divided by the root of an EMA "
-                "of its mean square, then rescaled to the block's RMS"})
-    normuon_beta: float = field(default=0.95, metadata={"help": "decay of NorMuon's per-row second moment"})
-    cautious_wd: bool = field(default=False, metadata={
-        "help": "cautious weight decay: decay only the coordinates whose update has the parameter's sign "
-                "(muon and adamw)"})
-    embed_lr: float | None = field(default=None, metadata={
-        "help": "peak LR of the embedding (the tied matrix, if tied); default: 10x --adam-lr for an untied "
-                "model under muon, else the AdamW side's LR"})
-    head_lr: float | None = field(default=None, metadata={
-        "help": "peak LR of an untied lm_head (not with --tie-embeddings); default: 2x --adam-lr under muon, "
-                "else the AdamW side's LR"})
-    embed_beta1: float | None = field(default=None, metadata={
-        "help": "Adam first-moment decay of the embedding (the tied matrix, if tied); default: --beta1"})
-    embed_beta2: float | None = field(default=None, metadata={
-        "help": "Adam second-moment decay of the embedding; default: --beta2"})
+    muon_scale: str = option("match_rms_adamw", "Muon update scale: sqrt(max(1,rows/cols)) or 0.2*sqrt(max(rows,cols))",
+                             choices=MUON_SCALES)
+    fused: bool = option(True, "AdamW: torch's fused kernel where the device has one (--no-fused-adamw: the foreach "
+                               "path, the ladder's baseline)", flag="--fused-adamw")
+    ns_coeffs: str = option("quintic", "Muon's Newton-Schulz polynomials: the fixed quintic, or Polar Express's "
+                                       "per-iteration ones (closer to the exact polar factor)",
+                            choices=NS_COEFF_SCHEMES)
+    normuon: bool = option(False, "Muon: NorMuon's per-neuron normalisation, each orthogonalised row divided by the "
+                                  "root of an EMA of its mean square, then rescaled to the block's RMS")
+    normuon_beta: float = option(0.95, "decay of NorMuon's per-row second moment")
+    cautious_wd: bool = option(False, "cautious weight decay: decay only the coordinates whose update has the "
+                                      "parameter's sign (muon and adamw)")
+    embed_lr: float | None = option(None, "peak LR of the embedding (the tied matrix, if tied); default: 10x --adam-lr "
+                                          "for an untied model under muon, else the AdamW side's LR")
+    head_lr: float | None = option(None, "peak LR of an untied lm_head (not with --tie-embeddings); default: 2x "
+                                         "--adam-lr under muon, else the AdamW side's LR")
+    embed_beta1: float | None = option(None, "Adam first-moment decay of the embedding (the tied matrix, if tied); "
+                                             "default: --beta1")
+    embed_beta2: float | None = option(None, "Adam second-moment decay of the embedding; default: --beta2")
 
     def __post_init__(self):
         """Unset LRs take the optimizer's defaults, so that --optimizer adamw alone gets AdamW's LR, not Muon's."""

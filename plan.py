@@ -10,7 +10,7 @@ A step's time is measured on the model itself, and the plan row says how:
   wrapper, the faster of two timed after one warm-up, when that costs at most the probe budget: PROBE_MAX_S,
   or PROBE_SHARE of the run as its FLOPs plan it, whichever is more;
 - else the same at a smaller batch (one sequence; then a quarter of a sequence), timed and scaled to the
-  micro-step by training FLOPs (model.flops_per_token): the model's own rate, norms, softmax and launches
+  micro-step by training FLOPs (sizing.flops_per_token): the model's own rate, norms, softmax and launches
   included, on less work;
 - else, and under FSDP2 (the unwrapped model is whole on every rank and may not fit), the micro-step's FLOPs
   at the rate of one GEMM of the model's own largest shape in the run's dtype, timed here: an estimate, which
@@ -26,7 +26,7 @@ import torch
 
 import fp8
 import hardware
-from model import flops_per_token
+from sizing import flops_per_token
 from progress import duration
 
 PROBE_MAX_S = 2.0  # a probe this cheap (by the FLOP estimate) always runs

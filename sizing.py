@@ -23,14 +23,17 @@ The rules, each a constant below:
 - horizon: --tokens-per-param x params training tokens (Chinchilla's 20 by default), params counting the
   embedding.
 
+The end of the file is what a shape costs, by arithmetic on its config alone (no model is built): each
+parameter's shape, the parameter count, and the training FLOPs per token that MFU and the plan divide by.
+
 A value the user gives explicitly (a flag, a --config file, or a preset's override) always wins, and the values
 derived after it use it: `--depth 12 --n-embd 1024` derives its heads and LR from width 1024.
 """
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
-from model import ModelConfig, param_count
+from model import ModelConfig, option, value_embed_layers
 from optim import DEFAULT_LRS, OptimConfig
 
 ASPECT_RATIO = 64  # width per layer
@@ -65,14 +68,13 @@ PUBLISHED_PARAMS = {"gpt2-124m": 124e6, "gpt2-350m": 355e6, "gpt2-760m": 774e6, 
 class SizeConfig:
     """The size dial. Each field's metadata is its command-line help: config.py generates the flags."""
 
-    depth: int | None = field(default=None, metadata={
-        "help": "one dial for the model size: derives width, heads, LR, global batch and training tokens from "
-                "the number of layers (see sizing.py); explicit flags override any derived value"})
-    preset: str | None = field(default=None, metadata={
-        "choices": tuple(PRESETS), "help": "a published GPT-2 size: an alias for a --depth plus overrides"})
-    tokens_per_param: float = field(default=20.0, metadata={
-        "help": "with --depth or --preset: train for this many tokens per parameter (Chinchilla: 20), unless "
-                "--max-steps or --max-tokens is given"})
+    depth: int | None = option(None, "one dial for the model size: derives width, heads, LR, global batch and training "
+                                     "tokens from the number of layers (see sizing.py); explicit flags override any "
+                                     "derived value")
+    preset: str | None = option(None, "a published GPT-2 size: an alias for a --depth plus overrides",
+                                choices=tuple(PRESETS))
+    tokens_per_param: float = option(20.0, "with --depth or --preset: train for this many tokens per parameter "
+                                           "(Chinchilla: 20), unless --max-steps or --max-tokens is given")
 
     def validate(self) -> None:
         if self.depth is not None and self.depth < 1:
@@ -206,3 +208,71 @@ def describe(size: SizeConfig, values: dict) -> str:
         parts.append(f"{name} {f'{actual:.3g}' if isinstance(actual, float) else f'{actual:,}'} ({source})")
     name = f"preset {size.preset}, " if size.preset else ""
     return f"{name}depth {size.depth}: " + ", ".join(parts)
+
+
+# ----------------------------------------------------------------------------- what a shape costs
+
+
+def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter of one block, by its name inside the block. Every block has the same ones,
+    so a size multiplies them by n_layer instead of walking the layers: a claimed depth costs nothing."""
+    D, hd, F = cfg.n_embd, cfg.resolved_head_dim, cfg.resolved_ffn_dim
+    H, K = cfg.n_head, cfg.n_kv_head
+    shapes = {"attn.qkv.layer_norm_weight": (D,), "attn.qkv.weight": ((H + 2 * K) * hd, D),
+              "attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,), "attn.proj.weight": (D, H * hd)}
+    if cfg.attn_gate:
+        shapes["attn.gate_weight"] = (H, D)
+    return shapes | {"mlp.layer_norm_weight": (D,), "mlp.fc1_weight": (cfg.fc1_rows, D), "mlp.fc2_weight": (D, F)}
+
+
+def outer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of each parameter outside the blocks (a tied lm_head is the embedding: not a parameter)."""
+    V, D = cfg.padded_vocab_size, cfg.n_embd
+    shapes = {"embed.weight": (V, D), "norm.weight": (D,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    for table in range(cfg.value_embeds):
+        shapes[f"value_embeds.{table}.weight"] = (V, cfg.n_kv_head * cfg.resolved_head_dim)
+    if cfg.value_embeds:
+        shapes["value_embed_lambdas"] = (len(value_embed_layers(cfg)),)
+    if cfg.unet_skips:
+        shapes["unet_weights"] = (cfg.n_layer // 2,)
+    return shapes
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Every parameter, the embedding included, by arithmetic on the shapes."""
+    block = sum(math.prod(shape) for shape in block_shapes(cfg).values())
+    return sum(math.prod(shape) for shape in outer_shapes(cfg).values()) + cfg.n_layer * block
+
+
+def param_numels(cfg: ModelConfig) -> dict[str, int]:
+    """Elements of every parameter, by its name in the model: one entry per layer's, so only for a model
+    about to be built; a size check takes param_count."""
+    block = {name: math.prod(shape) for name, shape in block_shapes(cfg).items()}
+    numels = {name: math.prod(shape) for name, shape in outer_shapes(cfg).items()}
+    for i in range(cfg.n_layer):
+        numels.update({f"blocks.{i}.{name}": n for name, n in block.items()})
+    return numels
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward), the convention of the PaLM paper and nanoGPT's MFU.
+
+    6 * N, where N counts the weights of every matrix multiply: qkv, proj, fc1, fc2 (and an attention gate) in
+    each block plus the lm_head over the padded vocabulary (the embedding and value-embedding lookups, norm
+    weights and the toggles' scalars are not matmuls; a tied matrix counts once, as the lm_head). Plus attention scores and the weighted sum, 2 matmuls * 2 FLOPs * seq_len *
+    n_head * head_dim per layer forward, times 3 for forward + backward: 12 * n_layer * n_head * head_dim *
+    seq_len. The attention term counts the full T x T square even though causal kernels skip half of it.
+    """
+    hd, ffn, dim = config.resolved_head_dim, config.resolved_ffn_dim, config.n_embd
+    per_layer = (
+        dim * (config.n_head + 2 * config.n_kv_head) * hd
+        + config.n_head * hd * dim
+        + dim * config.fc1_rows
+        + ffn * dim
+        + (config.n_head * dim if config.attn_gate else 0)
+    )
+    matmul_params = config.n_layer * per_layer + config.padded_vocab_size * dim
+    attention = 12 * config.n_layer * config.n_head * hd * seq_len
+    return float(6 * matmul_params + attention)

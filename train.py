@@ -35,7 +35,8 @@ from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
 from data import DataError, ShardLoader
 from evaluate import Evaluator
 from hf import load_hf
-from model import ModelConfig, flops_per_token
+from model import ModelConfig
+from sizing import flops_per_token
 from optim import build_optimizer, step_if_finite
 from prepare import default_corpus
 from readback import Taken, log_unread, read_back

@@ -18,7 +18,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 from config import ACT_CKPT_MODES  # noqa: E402
-from model import GPT, ModelConfig, param_numels  # noqa: E402
+from model import GPT, ModelConfig  # noqa: E402
+from sizing import param_numels  # noqa: E402
 
 MODEL = ModelConfig(vocab_size=4096, n_layer=4, n_head=4, n_kv_head=2, n_embd=256, max_seq_len=256, tie_embeddings=True)
 BATCH = 4

@@ -44,7 +44,8 @@ import train  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
 from cli import HelpFormatter, UsageError  # noqa: E402
 from data import DataError  # noqa: E402
-from model import LOSS_CHUNK_TOKENS, ModelConfig, flops_per_token, loss_chunks, param_numels  # noqa: E402
+from model import LOSS_CHUNK_TOKENS, ModelConfig, loss_chunks  # noqa: E402
+from sizing import flops_per_token, param_numels  # noqa: E402
 from muon import newton_schulz_flops  # noqa: E402
 
 # The starting point: everything a plain PyTorch loop does without trying.

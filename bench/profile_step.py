@@ -33,7 +33,7 @@ import hardware  # noqa: E402
 import throughput  # noqa: E402
 import train  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
-from model import flops_per_token  # noqa: E402
+from sizing import flops_per_token  # noqa: E402
 
 PHASES = ("data", "forward", "backward", "optimizer")
 CATEGORIES = ("GEMM", "attention", "loss", "norm/elementwise", "optimizer", "copies", "communication")

@@ -26,7 +26,7 @@ import memory  # noqa: E402
 import train  # noqa: E402
 from cli import HelpFormatter, UsageError  # noqa: E402
 from data import DataError  # noqa: E402
-from model import flops_per_token  # noqa: E402
+from sizing import flops_per_token  # noqa: E402
 
 
 def parse_bench_args(argv):

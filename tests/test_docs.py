@@ -123,7 +123,8 @@ def test_every_flag_the_readme_and_docs_name_exists():
 
 
 def test_the_readme_and_model_py_give_the_default_models_size():
-    from model import ModelConfig, param_count
+    from model import ModelConfig
+    from sizing import param_count
 
     n = param_count(ModelConfig())
     assert f"The default model has {n / 1e6:.1f}M parameters" in read(README)

@@ -11,7 +11,8 @@ import torch
 import config
 import fp8
 from conftest import REPO, write_tiny_shards
-from model import ModelConfig, flops_per_token
+from model import ModelConfig
+from sizing import flops_per_token
 
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import ladder  # noqa: E402

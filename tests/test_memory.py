@@ -17,7 +17,8 @@ import model as model_module
 import train
 from cli import UsageError
 from config import ACT_CKPT_MODES, SpeedConfig
-from model import GPT, QWEN3_VALUES, ModelConfig, param_numels
+from model import GPT, QWEN3_VALUES, ModelConfig
+from sizing import param_numels
 from optim import OptimConfig, build_optimizer, canonical_name, optimizer_state_bytes
 
 CFG = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)

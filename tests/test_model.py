@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import model as model_module
-from model import GPT, ModelConfig, flops_per_token, linear_cross_entropy, param_count, param_numels
+from model import GPT, ModelConfig, linear_cross_entropy
+from sizing import flops_per_token, param_count, param_numels
 
 # GQA with 4 query heads per kv head, a head_dim that is not n_embd // n_head, a vocab that needs padding
 # and a small rope_theta so that the rotation is far from the identity over a short sequence. Qwen3's

@@ -9,7 +9,8 @@ import plan
 import telemetry
 import train
 from conftest import GPT2_TINY, TINY_FLAGS
-from model import GPT, ModelConfig, flops_per_token
+from model import GPT, ModelConfig
+from sizing import flops_per_token
 
 TIMED = plan.StepTime(0.25, "one micro-step timed, eager")
 

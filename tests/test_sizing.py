@@ -5,7 +5,8 @@ import pytest
 import config
 import sizing
 from cli import UsageError
-from model import GPT, param_count
+from model import GPT
+from sizing import param_count
 
 
 @pytest.mark.parametrize("name", list(sizing.PRESETS))
