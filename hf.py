@@ -41,8 +41,8 @@ from fp8 import te_to_plain_state_dict
 from mixture import parse_data, record_dir
 from model import GPT, QWEN3_VALUES, VOCAB_MULTIPLE, ModelConfig
 from sizing import block_shapes, outer_shapes, param_numels
-from tokenizer import (TOKENIZER_FILE, DataError, HFTokenizer, TiktokenTokenizer, Tokenizer, byte_to_char,
-                       load_tokenizer)
+from tokenizer import (TOKENIZER_FILE, DataError, HFTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer,
+                       write_gpt2_tokenizer, write_hf_tokenizer)
 
 # Per-block weights that map one to one: our name -> the Hugging Face name under model.layers.{i}.
 BLOCK_RENAMES = {
@@ -81,7 +81,6 @@ EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "m
                 "tokenizer_note.txt", "vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
 SHARD_PATTERN = "model-*.safetensors"
 STAGING_PREFIX = ".export-"  # export_hf writes here inside the target, then moves the files out
-EOT_TEXT = "<|endoftext|>"  # GPT-2's end of text, id 50256
 
 
 def our_names(config: ModelConfig) -> list[str]:
@@ -429,91 +428,6 @@ def load_hf(directory: str) -> tuple[ModelConfig, dict]:
 
 
 # ----------------------------------------------------------------------------- tokenizer files
-
-
-def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
-    """The merge list, in priority order, that reproduces tiktoken's byte-pair ranks.
-
-    tiktoken keeps only the ranks; a token of rank r is the merge of the two parts that BPE, restricted to
-    tokens ranked below r, leaves of its bytes.
-    """
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        parts = [bytes([b]) for b in token]
-        while len(parts) > 2:
-            candidates = [(ranks.get(a + b, rank), i) for i, (a, b) in enumerate(zip(parts, parts[1:]))]
-            best, i = min(candidates)
-            if best >= rank:
-                raise ValueError(f"token rank {rank} cannot be built from lower-ranked tokens")
-            parts[i:i + 2] = [parts[i] + parts[i + 1]]
-        if len(parts) == 2:
-            merges.append((parts[0], parts[1]))
-    return merges
-
-
-def gpt2_vocab_and_merges(enc) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """GPT-2's vocab (token text -> id, <|endoftext|> included) and merge list, in the byte-to-character
-    alphabet of vocab.json and merges.txt, rebuilt from the tiktoken encoding's ranks."""
-    ranks = {enc.decode_single_token_bytes(i): i for i in range(enc.eot_token)}
-    chars = byte_to_char()  # the alphabet of vocab.json and merges.txt
-
-    def text(b: bytes) -> str:
-        return "".join(chars[x] for x in b)
-
-    vocab = {text(token): rank for token, rank in ranks.items()}
-    vocab[EOT_TEXT] = enc.eot_token
-    return vocab, [(text(a), text(b)) for a, b in bpe_merges(ranks)]
-
-
-def fast_tokenizer(vocab: dict[str, int], merges: list[tuple[str, str]]):
-    """GPT-2 as a Hugging Face `tokenizers.Tokenizer` (what tokenizer.json holds), or None without the
-    tokenizers package. As GPT-2's own: byte-level BPE after GPT-2's split regex (ByteLevel with use_regex),
-    no prefix space, and <|endoftext|> a special token matched before the split, so that it encodes to
-    its one id as tiktoken's allowed_special does."""
-    try:
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    except ImportError:
-        return None
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_special_tokens([AddedToken(EOT_TEXT, special=True, normalized=False)])
-    return tok
-
-
-def write_gpt2_tokenizer(enc, out_dir: str, max_len: int) -> bool:
-    """vocab.json, merges.txt and tokenizer_config.json for transformers' GPT2Tokenizer, and tokenizer.json for
-    its fast one, from the encoding. tokenizer.json is what AutoTokenizer reads first (no conversion from
-    vocab.json and merges.txt at load) and what other readers (vLLM, TGI) need. -> whether tokenizer.json was
-    written: it needs the tokenizers package (a transformers dependency)."""
-    vocab, merges = gpt2_vocab_and_merges(enc)
-    with open(os.path.join(out_dir, "vocab.json"), "w", encoding="utf-8") as f:
-        json.dump(vocab, f, ensure_ascii=False)
-    with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
-        f.write("#version: 0.2\n")
-        f.writelines(f"{a} {b}\n" for a, b in merges)
-    # clean_up_tokenization_spaces off: transformers 4 would otherwise decode " ," as "," and "a 's" as "a's".
-    tokenizer_config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT_TEXT, "eos_token": EOT_TEXT,
-                        "unk_token": EOT_TEXT, "add_prefix_space": False, "model_max_length": max_len,
-                        "clean_up_tokenization_spaces": False}
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(tokenizer_config, f, indent=2)
-    fast = fast_tokenizer(vocab, merges)
-    if fast is not None:
-        fast.save(os.path.join(out_dir, "tokenizer.json"))
-    return fast is not None
-
-
-def write_hf_tokenizer(enc: HFTokenizer, out_dir: str, max_len: int) -> None:
-    """The tokenizer.json the shards were made with, as it was, and a tokenizer_config.json that has transformers
-    load it as a fast tokenizer with the document separator as its bos and eos token."""
-    with open(os.path.join(out_dir, TOKENIZER_FILE), "w", encoding="utf-8") as f:
-        f.write(enc.text)
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": enc.separator,
-                        "eos_token": enc.separator, "model_max_length": max_len, "clean_up_tokenization_spaces": False}
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(tokenizer_config, f, indent=2, ensure_ascii=False)
 
 
 def tokenizer_note(enc: Tokenizer, wrote_files: bool, wrote_fast: bool = True) -> str:

@@ -13,7 +13,6 @@ import glob
 import json
 import os
 import platform
-import random
 import shutil
 import signal
 import sys
@@ -28,9 +27,10 @@ from cli import ArgumentParser, UsageError, int_or_auto, plural, report_error
 from data import (CORPUS_MARKER, DATA_RECORD, TOKEN_DTYPES, read_shard, shard_version, write_data_record,
                   write_shard)
 from progress import Progress
+import sources
 from sources import TEXT_FIELD, file_pieces, source_pieces
 from tokenizer import (CACHE_ENV, TOKENIZER_FILE, TRAINED_SEPARATOR, TRAINED_TOKEN_BYTES, DataError, Tokenizer,
-                       atomic_write, cache_root, load_tokenizer, train_bpe)
+                       TrainingText, atomic_write, cache_root, load_tokenizer, train_bpe)
 
 ENCODE_CHARS_PER_THREAD = 4 << 20  # characters read but not yet taken back encoded, per tokenizer thread
 ENCODE_BATCH_CHARS = 1 << 16  # characters a tokenizer thread encodes as one task: small, so threads end together
@@ -321,35 +321,11 @@ def _val_bytes_bound(pieces, val_tokens: int | None, max_tokens: int | None) -> 
     return val_tokens * TRAINED_TOKEN_BYTES
 
 
-class _TrainingText:
-    """The text the tokenizer trains on, an iterable of strings: that of pieces after its first `skip` bytes
-    (UTF-8), at most max_chars characters of it. chars: how many it gave; capped: whether max_chars cut it."""
-
-    def __init__(self, pieces, skip: int, max_chars: int):
-        self.pieces, self.skip, self.max_chars = pieces, skip, max_chars
-        self.chars, self.capped = 0, False
-
-    def __iter__(self):
-        skip = self.skip
-        for text, _ in self.pieces:
-            if skip > 0:  # a character cut in two is dropped
-                raw = text.encode("utf-8", "surrogatepass")
-                text, skip = raw[skip:].decode("utf-8", "ignore"), skip - len(raw)
-            room = self.max_chars - self.chars
-            if len(text) >= room:
-                text, self.capped = text[:room], True
-            if text:
-                self.chars += len(text)
-                yield text
-            if self.capped:
-                return
-
-
 def _trained_tokenizer(pieces, vocab: int, held_out: int, separator: str, desc: str) -> Tokenizer:
     """tokenizer.train_bpe of vocab ids on the text of pieces after its first held_out bytes (the val split's
     place), at most TOKENIZER_TRAIN_CHARS characters of it. DataError when no text is left to train on."""
     print(f"tokenizer: training a byte-level BPE of {vocab:,} ids on {desc}", file=sys.stderr)
-    text = _TrainingText(pieces, held_out, TOKENIZER_TRAIN_CHARS)
+    text = TrainingText(pieces, held_out, TOKENIZER_TRAIN_CHARS)
     enc = train_bpe(text, vocab, f"trained:{vocab}", separator)
     if text.chars == 0:
         raise DataError(f"{desc} has no text after its first {held_out:,} bytes, which --train-tokenizer holds out "
@@ -557,22 +533,9 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
 # ----------------------------------------------------------------------------------------------------------
 # The embedded default corpus: the Python standard library's own sources
 
-STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "__pycache__"}
 CORPUS_VERSION = 1  # bump when the corpus recipe changes, so old caches are not reused
 CORPUS_VAL_TOKENS = 131_072
 CORPUS_SHARD_TOKENS = 1_000_000
-
-
-def stdlib_sources() -> list[str]:
-    """The standard library's .py files (no tests, no idlelib, no site-packages) in a fixed shuffled order,
-    so that the val split and each train shard sample the whole library rather than an alphabetical slice."""
-    files = []
-    for root, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
-        dirs[:] = [d for d in dirs if d not in STDLIB_SKIP_DIRS]
-        files += [os.path.join(root, n) for n in names if n.endswith(".py")]
-    files.sort()
-    random.Random(0).shuffle(files)
-    return files
 
 
 def default_corpus_dir(cache_dir=None, tokenizer: str = "gpt2") -> str:
@@ -589,7 +552,7 @@ def default_corpus(cache_dir=None, tokenizer: str = "gpt2") -> str:
     marker = os.path.join(out, CORPUS_MARKER)
     if os.path.exists(marker):
         return out
-    files = stdlib_sources()
+    files = sources.stdlib_sources()
     if not files:
         raise DataError(f"no Python sources under {sysconfig.get_paths()['stdlib']} for the default corpus")
     enc = load_tokenizer(tokenizer)

@@ -10,8 +10,10 @@ import codecs
 import glob
 import json
 import os
+import random
 import re
 import sys
+import sysconfig
 
 from cli import UsageError, first_line
 from tokenizer import DataError
@@ -276,3 +278,19 @@ def source_pieces(source, hf_config: str | None = None, hf_split: str | None = N
         return _hf_pieces(source, hf_config, hf_split or "train", text_field)
     raise DataError(f"input {source} not found: expected a file, a directory, a glob, "
                     f"or a Hugging Face dataset as owner/name or {HF_PREFIX}NAME")
+
+
+# The default corpus (prepare.default_corpus): the Python standard library's own sources.
+STDLIB_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "idlelib", "__pycache__"}
+
+
+def stdlib_sources() -> list[str]:
+    """The standard library's .py files (no tests, no idlelib, no site-packages) in a fixed shuffled order,
+    so that the val split and each train shard sample the whole library rather than an alphabetical slice."""
+    files = []
+    for root, dirs, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        dirs[:] = [d for d in dirs if d not in STDLIB_SKIP_DIRS]
+        files += [os.path.join(root, n) for n in names if n.endswith(".py")]
+    files.sort()
+    random.Random(0).shuffle(files)
+    return files

@@ -5,7 +5,7 @@
 raw: enc.encode_ordinary_batch over the texts prepare.py would encode (already in memory, the same number of
 threads prepare.py uses): the ceiling for data preparation. prepare: prepare.prepare from reading the files to
 fsync'ed shards on disk. SRC is anything `python prepare.py --input` accepts; the default is the text of the
-default corpus (prepare.stdlib_sources(), copied in their order into a temporary directory).
+default corpus (sources.stdlib_sources(), copied in their order into a temporary directory).
 
 The two are measured in turn (raw, prepare, raw, prepare, ...) after untimed warm-up runs of each, so that
 other work on the machine slows both alike; the ratio is reported both of the medians and as the median of
@@ -51,7 +51,7 @@ def parse_args(argv):
 
 def copy_default_corpus(directory: str) -> str:
     """The default corpus's source files, copied into directory as 0000.py, 0001.py, ... (their order)."""
-    for i, path in enumerate(prepare.stdlib_sources()):
+    for i, path in enumerate(sources.stdlib_sources()):
         shutil.copyfile(path, os.path.join(directory, f"{i:04d}.py"))
     return directory
 

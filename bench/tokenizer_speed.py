@@ -11,7 +11,7 @@ batches in its tokenizer threads, a separator before each document, the tokens a
 the shard dtype. prepare.prepare: the whole preparation, from reading the files to fsync'ed shards on disk
 (train shards only).
 SRC is anything `python prepare.py --input` accepts; the default is the text of the default corpus
-(prepare.stdlib_sources(), copied in their order into a temporary directory). PATH defaults to GPT-2's
+(sources.stdlib_sources(), copied in their order into a temporary directory). PATH defaults to GPT-2's
 byte-level BPE written as a tokenizer.json from tiktoken's ranks (hf.py's export does the same).
 
 The four are measured in turn after untimed warm-up runs of each, so that other work on the machine slows
@@ -33,7 +33,6 @@ import time
 import tokenizers
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import hf  # noqa: E402
 import prepare  # noqa: E402
 import sources  # noqa: E402
 import tokenizer  # noqa: E402
@@ -54,8 +53,8 @@ def parse_args(argv):
 
 
 def write_gpt2_tokenizer_json(path: str) -> str:
-    vocab, merges = hf.gpt2_vocab_and_merges(tokenizer.get_tokenizer("gpt2"))
-    hf.fast_tokenizer(vocab, merges).save(path)
+    vocab, merges = tokenizer.gpt2_vocab_and_merges(tokenizer.get_tokenizer("gpt2"))
+    tokenizer.fast_tokenizer(vocab, merges).save(path)
     return path
 
 

@@ -134,7 +134,7 @@ def test_the_readme_and_model_py_give_the_default_models_size():
 def test_the_readme_gives_the_default_corpus_document_count_on_this_python():
     import platform
 
-    from prepare import stdlib_sources
+    from sources import stdlib_sources
 
     documents = sum(os.path.getsize(path) > 0 for path in stdlib_sources())  # prepare drops empty documents
     said = re.search(r"on Python ([\d.]+): ([\d,]+) files", read(README))

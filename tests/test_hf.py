@@ -16,7 +16,7 @@ from conftest import WORD_TEXT
 from hf import config_from_hf, export_hf, from_hf, hf_config, load_hf, our_names, read_checkpoint, to_hf
 from model import GPT, QWEN3_VALUES, ModelConfig
 from sample import generate
-from tokenizer import get_tokenizer, load_tokenizer
+from tokenizer import bpe_merges, get_tokenizer, load_tokenizer
 
 # The GPT-2 vocabulary (export checks it against the tokenizer), otherwise tiny: GQA, head_dim not
 # n_embd // n_head, a small rope_theta so the rotation matters; Qwen3's architecture (QWEN3_VALUES), the only
@@ -199,7 +199,7 @@ def test_export_files_get_the_mode_open_gives(tmp_path):
 def test_bpe_merges_rebuild_the_ranks():
     # A toy BPE: "ab" (rank 3) then "abc" (rank 4, built from "ab" + "c"), "bc" ranked after it.
     ranks = {b"a": 0, b"b": 1, b"c": 2, b"ab": 3, b"abc": 4, b"bc": 5}
-    assert hf.bpe_merges(ranks) == [(b"a", b"b"), (b"ab", b"c"), (b"b", b"c")]
+    assert bpe_merges(ranks) == [(b"a", b"b"), (b"ab", b"c"), (b"b", b"c")]
 
 
 def write_checkpoint(path, model, train_config=None):

@@ -27,6 +27,7 @@ import sources
 from cli import UsageError
 from conftest import WORD_TEXT, write_word_tokenizer
 from data import DataError, ShardLoader, read_shard, write_shard
+from tokenizer import TrainingText
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EOT = 50256
@@ -563,8 +564,8 @@ def test_arrow_files_in_a_text_directory_are_skipped(gpt2, tmp_path, saved):
 
 
 def test_stdlib_sources_are_the_library_without_tests():
-    files = prepare.stdlib_sources()
-    assert files == prepare.stdlib_sources() and 300 < len(files) < 3000
+    files = sources.stdlib_sources()
+    assert files == sources.stdlib_sources() and 300 < len(files) < 3000
     assert all(f.endswith(".py") for f in files)
     parts = {p for f in files for p in f.split(os.sep)}
     assert not parts & {"test", "tests", "idlelib", "site-packages"}
@@ -572,8 +573,8 @@ def test_stdlib_sources_are_the_library_without_tests():
 
 
 def test_default_corpus_is_built_once_and_rebuilt_when_incomplete(gpt2, tmp_path, monkeypatch, capsys):
-    small = [f for f in prepare.stdlib_sources() if 2000 < os.path.getsize(f) < 6000][:6]
-    monkeypatch.setattr(prepare, "stdlib_sources", lambda: small)
+    small = [f for f in sources.stdlib_sources() if 2000 < os.path.getsize(f) < 6000][:6]
+    monkeypatch.setattr(sources, "stdlib_sources", lambda: small)
     monkeypatch.setattr(prepare, "CORPUS_VAL_TOKENS", 200)
     monkeypatch.setattr(prepare, "CORPUS_SHARD_TOKENS", 1000)
     path = prepare.default_corpus(tmp_path)
@@ -758,9 +759,9 @@ def test_train_tokenizer_holds_the_val_splits_text_out(tmp_path, monkeypatch):
     assert "".join(trained_on).encode() == "".join(docs).encode()[held_out:]  # cut between characters here
 
     pieces = [("héllo", True), ("wörld", False), ("abc", True)]
-    text = prepare._TrainingText(pieces, skip=2, max_chars=5)  # a character cut in two is dropped
+    text = TrainingText(pieces, skip=2, max_chars=5)  # a character cut in two is dropped
     assert list(text) == ["llo", "wö"] and (text.chars, text.capped) == (5, True)
-    text = prepare._TrainingText(pieces, skip=0, max_chars=100)
+    text = TrainingText(pieces, skip=0, max_chars=100)
     assert list(text) == ["héllo", "wörld", "abc"] and (text.chars, text.capped) == (13, False)
 
 
