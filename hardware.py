@@ -206,3 +206,14 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so that a host clock measures it."""
     if device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def fused_adamw_available(device_type: str) -> bool:
+    """Whether torch has a fused AdamW kernel for this device, found by stepping a one-element probe."""
+    probe = torch.zeros(1, device=device_type, requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    try:
+        torch.optim.AdamW([probe], fused=True).step()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True

@@ -17,6 +17,7 @@ import types
 
 import torch
 
+from hardware import fused_adamw_available
 from schedule import muon_momentum
 
 try:
@@ -49,17 +50,6 @@ NORMUON_EPS = 1e-8
 # fp32 bytes of the matrices Muon orthogonalises together: big enough to batch a few layers' blocks (and, under
 # FSDP2, for few collectives: two a bucket), small enough that a rank's full blocks stay a bounded part of memory.
 MUON_BUCKET_BYTES = 256 * 2**20
-
-
-def fused_adamw_available(device_type: str) -> bool:
-    """Whether torch has a fused AdamW kernel for this device, found by stepping a one-element probe."""
-    probe = torch.zeros(1, device=device_type, requires_grad=True)
-    probe.grad = torch.zeros_like(probe)
-    try:
-        torch.optim.AdamW([probe], fused=True).step()
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
 
 
 def scalar_dtype(device: torch.device) -> torch.dtype:
@@ -281,6 +271,14 @@ def shard_rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
 
 
+def held_rows(start: int, rows: int, matrix_rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """[lo, hi) of the rows [start, start + rows) of a block that `rank` holds of its matrix, sharded as
+    shard_rows says; lo == hi where it holds none of them."""
+    first, end = shard_rows(matrix_rows, world_size, rank)
+    lo = max(start, first)
+    return lo, max(lo, min(start + rows, end))
+
+
 def _row_shards(p: torch.Tensor) -> tuple | None:
     """(process group, its size, this rank's index in it) of the mesh dimension that splits p's rows; None where
     this rank holds every row (a plain tensor, a replicated DTensor, a shard on a one-rank mesh dimension)."""
@@ -359,8 +357,7 @@ class Muon(torch.optim.Optimizer):
     that it saves and resumes at any world size; it travels to the owner and back with the rows); a group's
     "cautious_wd" (cautious_decay_); momentum_warmup (not 0: the momentum ramps from momentum_start,
     schedule.muon_momentum of each matrix's count of steps taken, state "step" like AdamW's, which every
-    checkpoint carries, so a resumed run continues the ramp exactly). Groups restored from a checkpoint older
-    than these keys lack them: read with .get, they are off.
+    checkpoint carries, so a resumed run continues the ramp exactly).
 
     A step handed found_inf (step_if_finite) is skipped on the device: where it is nonzero the gradients are
     zeroed and every weight of the step (the momentum's and second moments' EMAs, the decay, the AdamW update
@@ -574,11 +571,8 @@ class Muon(torch.optim.Optimizer):
         owners = assign_owners([newton_schulz_flops(rows, params[i].shape[1]) for i, _, rows in blocks], world_size)
         owned = [[k for k, owner in enumerate(owners) if owner == r] for r in range(world_size)]
 
-        def held(k, r):  # the rows [lo, hi) of block k's matrix that rank r holds; lo <= hi
-            i, start, rows = blocks[k]
-            first, end = shard_rows(params[i].shape[0], world_size, r)
-            lo = max(start, first)
-            return lo, max(lo, min(start + rows, end))
+        def held(k, r):  # the rows [lo, hi) of block k's matrix that rank r holds
+            return held_rows(blocks[k][1], blocks[k][2], params[blocks[k][0]].shape[0], world_size, r)
 
         def in_shard(k):  # this rank's rows of block k, as a slice of its shard of the matrix
             lo, hi = held(k, rank)
@@ -618,10 +612,8 @@ class Muon(torch.optim.Optimizer):
                             for r in range(world_size)],
                            [[shape(k, rank) for k in owned[r]] for r in range(world_size)],
                            process_group, wire, device)
-        orthos = [None] * len(blocks)
-        for r in range(world_size):
-            for k, piece in zip(owned[r], back[r]):
-                orthos[k] = piece
+        received = dict(zip(itertools.chain(*owned), itertools.chain(*back)))  # block index -> its rows here
+        orthos = [received[k] for k in range(len(blocks))]
         if normuon:
             for k, piece in enumerate(orthos):
                 row_sq[blocks[k][0]][in_shard(k)] = piece[:, -1]

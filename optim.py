@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hardware import fused_adamw_available
 from model import option
 from muon import (MUON_SCALES, NS_COEFF_SCHEMES, NS_DTYPES, Muon, _is_dtensor, _local, cautious_decay_,
-                  fused_adamw_available, per_step, scalar_dtype)
+                  per_step, scalar_dtype)
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 
