@@ -160,7 +160,7 @@ def parallelize(model: torch.nn.Module, info: DistInfo, device: torch.device, au
                 cfg, compile_mode: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """Wrap the model for training -> (wrapped, compiled). The order is fixed here, torchtitan's:
 
-        1. FP8 (fp8.build_model)             swaps modules, so every later wrapper sees the FP8 GEMMs
+        1. FP8 (train.build_model)           swaps modules, so every later wrapper sees the FP8 GEMMs
         2. activation checkpointing (memory)  wraps blocks; --batch-size auto probes after this, before 3
         3. DDP or FSDP2 (here)                DDP wraps the root; FSDP2 shards each block, then the root
         4. torch.compile (here)               compiles the wrapped module, so it traces the collectives too

@@ -31,7 +31,6 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn as nn
 
-import hardware
 from cli import UsageError
 from model import GPT, Block, LayerNormMLP, ModelConfig, RMSNorm, apply_rope, option
 
@@ -322,13 +321,6 @@ def fp8_context(fp8_recipe):
     return nullcontext() if fp8_recipe is None else te_autocast(fp8_recipe)
 
 
-@contextmanager
-def forward_context(device: torch.device, autocast_dtype: torch.dtype | None, fp8_recipe):
-    """For a forward pass only, never the backward: torch's autocast, and TE's FP8 one under --fp8 te."""
-    with hardware.autocast(device, autocast_dtype), fp8_context(fp8_recipe):
-        yield
-
-
 # ----------------------------------------------------------------------------- --batch-size auto's probes
 
 
@@ -495,13 +487,19 @@ def prepare(cfg: FP8Config, model_cfg: ModelConfig, micro_batch: int | None, dev
     return te_recipe(cfg.recipe, cfg.attn)
 
 
-def build_model(model_cfg: ModelConfig, cfg: FP8Config, device: torch.device, init_state: dict | None = None) -> GPT:
-    """The GPT these FP8 settings ask for, on `device`: TE blocks under --fp8 te, plain ones otherwise, with
-    torchao's float8 GEMMs swapped in under --fp8 torchao. init_state (a plain state dict) is loaded before
-    the conversion, while the parameters are still plain tensors."""
-    model = GPT(model_cfg, block=TEBlock if cfg.mode == "te" else Block).to(device)
-    if init_state is not None:
-        model.load_state_dict(plain_to_te_state_dict(init_state) if cfg.mode == "te" else init_state)
+def block_class(mode: str) -> type[Block]:
+    """The block a model is built of under --fp8 `mode`: Transformer Engine's modules under te, the plain one
+    otherwise (torchao swaps its GEMMs into a plain model afterwards: convert)."""
+    return TEBlock if mode == "te" else Block
+
+
+def block_state_dict(state: dict, mode: str) -> dict:
+    """A plain state dict (a checkpoint's, --from-hf's) under the names of block_class(mode)'s model."""
+    return plain_to_te_state_dict(state) if mode == "te" else state
+
+
+def convert(model: GPT, cfg: FP8Config) -> None:
+    """Under --fp8 torchao, torchao's float8 GEMMs swapped into model's blocks, after any weights are loaded
+    (while the parameters are plain tensors); otherwise nothing."""
     if cfg.mode == "torchao":
         convert_to_torchao_float8(model, cfg.recipe)
-    return model

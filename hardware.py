@@ -10,7 +10,7 @@ import os
 import platform
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -157,6 +157,14 @@ def resolve_dtype(requested: str, device: torch.device) -> tuple[torch.dtype | N
 def autocast(device: torch.device, dtype: torch.dtype | None):
     """torch's autocast to `dtype` for a forward pass, or a no-op for plain fp32 (dtype None)."""
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+@contextmanager
+def forward_context(device: torch.device, dtype: torch.dtype | None, fp8_context=None):
+    """For a forward pass only, never the backward: autocast(device, dtype) and, inside it, fp8_context where
+    one is given (fp8.fp8_context: Transformer Engine's FP8 autocast under --fp8 te)."""
+    with autocast(device, dtype), fp8_context or nullcontext():
+        yield
 
 
 def tf32_decision(device: torch.device, requested: bool) -> tuple[str | None, str]:

@@ -1,7 +1,7 @@
 """Steps the host has queued on the device and not yet read: each one's loss, grad norm and finite flag stay
 tensors until a read-back fetches a window of them in one transfer (one wait for the GPU), so that the host
-can queue the next step's kernels while the device still runs this one. train.py decides when to read
-(read_due); here a window becomes the guard's observations and telemetry's records, in step order."""
+can queue the next step's kernels while the device still runs this one. read_due decides when to read (the
+rule in one place); here a window becomes the guard's observations and telemetry's records, in step order."""
 
 from dataclasses import dataclass
 
@@ -52,3 +52,15 @@ def log_unread(window: list[Taken], guard: Guard, telemetry: Telemetry, world_si
             telemetry.log(record)
     except RuntimeError:  # the device failed (a CUDA error): what it held is lost
         pass
+
+
+def read_due(run, done: int, signals) -> bool:
+    """Read the steps taken back from the device after step `done`? After this process's first step (its line
+    comes whatever --log-interval is), every --log-interval steps, at the end, and where something acts on
+    them: a checkpoint (never one inside a streak of non-finite steps) or an eval; in a single process also
+    once a stop signal has come. Under torch.distributed every rank must read at the same steps, so a signal
+    waits for the next of those (stop_requested asks all ranks then)."""
+    return (done % run.cfg.log.log_interval == 0 or done == run.start_step + 1
+            or run.checkpointer.due(done, run.max_steps)
+            or run.evaluator.due(done, run.max_steps)
+            or (run.info.mode == "none" and signals.requested is not None))

@@ -24,8 +24,12 @@ import errno
 import os
 import sys
 
+import config
+import distributed
 from checkpoint import DIGEST_SUFFIX, best_path, list_checkpoints, remove
 from cli import UsageError
+from data import DataError
+from prepare import default_corpus
 
 LOCK_FILE = ".lock"
 METRICS_FILE = "metrics.jsonl"
@@ -180,3 +184,24 @@ def claim(ckpt_cfg, sharded: bool = False, config_file: str | None = None) -> tu
         print(f"note: the earlier run in --out-dir {out_dir} left no checkpoint; starting fresh, its {names} "
               f"{'is' if len(outputs) == 1 else 'are'} replaced", file=sys.stderr)
     return lock, False, outputs
+
+
+def prepare_outputs(cfg, info, command_line: dict) -> tuple[str, bool, RunLock | None, list, str | None]:
+    """Claim --out-dir on rank 0 (rundir.claim: the lock, fresh or resume) and write its new config.toml under a
+    temporary name (config.stage_config) -> (the data directory, whether to resume, the lock, what --overwrite
+    will replace, that file or None). Rank 0 tokenizes the default corpus once; the other ranks find it cached.
+    Every rank gets rank 0's answers or its error, so none waits on a rank that failed."""
+    answer, lock, replaced, staged, failure = None, None, [], None, None
+    if info.is_main:
+        try:
+            lock, resume, replaced = claim(cfg.ckpt, info.mode == "fsdp", config.repeated_config(command_line))
+            answer = (cfg.data.data or default_corpus(), resume)
+            staged = config.stage_config(cfg, os.path.join(cfg.ckpt.out_dir, CONFIG_FILE), resume, command_line)
+        except Exception as e:  # a bug keeps its traceback on rank 0; the other ranks get one line
+            failure, answer = e, e if isinstance(e, (UsageError, DataError)) else UsageError(f"rank 0: {e!r}")
+            if lock is not None:
+                lock.release()
+    answer = distributed.broadcast_object(answer, info)
+    if isinstance(answer, Exception):
+        raise failure or answer
+    return (*answer, lock, replaced, staged)

@@ -33,17 +33,16 @@ from checkpoint import CheckpointError, Checkpointer, tokens_trained
 from cli import UsageError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
 from data import DataError, ShardLoader
-from evaluate import Evaluator
+from evaluate import Evaluator, evaluate_if_due, recount_restored_eval
 from hf import load_hf
-from model import ModelConfig
-from sizing import flops_per_token
+from model import GPT, ModelConfig
 from optim import build_optimizer, step_if_finite
-from prepare import default_corpus
-from readback import Taken, log_unread, read_back
+from readback import Taken, log_unread, read_back, read_due
 from recovery import interrupted_reason, rewind_step, rollback, shrink_micro_batch, stop_reason
 from resilience import Guard, StepInterrupted, StopSignals, TrainingHalted, stop_at_once
-from rundir import CONFIG_FILE, NothingToDo, RunLock, claim, replace_outputs
+from rundir import NothingToDo, RunLock, prepare_outputs, replace_outputs
 from schedule import lr_multiplier, set_lr
+from sizing import flops_per_token
 from telemetry import Telemetry, announce, logger_problems, message, start_wandb
 
 
@@ -74,7 +73,7 @@ class Run:
     step_layout: batch.BatchLayout | None = None  # the step in progress under the batch warm-up (run_loop sets it)
 
     def autocast(self):
-        return fp8.forward_context(self.device, self.autocast_dtype, self.fp8_recipe)
+        return hardware.forward_context(self.device, self.autocast_dtype, fp8.fp8_context(self.fp8_recipe))
 
     def close(self):
         self.loader.close()
@@ -96,7 +95,10 @@ def build_model(cfg: Config, device: torch.device, autocast_dtype: torch.dtype |
         hf_cfg, init_state = load_hf(cfg.ckpt.from_hf)
         model_cfg = replace(hf_cfg, max_seq_len=cfg.model.max_seq_len)
         init_reason = f"weights of {cfg.ckpt.from_hf}"
-    model = fp8.build_model(model_cfg, cfg.fp8, device, init_state)
+    model = GPT(model_cfg, block=fp8.block_class(cfg.fp8.mode)).to(device)
+    if init_state is not None:  # loaded while the parameters are plain tensors, before any FP8 conversion
+        model.load_state_dict(fp8.block_state_dict(init_state, cfg.fp8.mode))
+    fp8.convert(model, cfg.fp8)
     memory.configure(model, cfg.speed, device, autocast_dtype)
     return model, model_cfg, init_reason
 
@@ -111,30 +113,10 @@ def build_layout(cfg: Config, model, info, device, autocast_dtype, fp8_recipe) -
         reserve = memory.probe_reserve_bytes(model.config, cfg.optim.name, info.mode)
         with fp8.probing(model, fp8_recipe) as probe_recipe:
             micro = memory.auto_batch_size(model, batch.per_rank_sequences(cfg, info.world_size), multiple,
-                                           reserve, lambda: fp8.forward_context(device, autocast_dtype, probe_recipe),
+                                           reserve, lambda: hardware.forward_context(device, autocast_dtype,
+                                                                                   fp8.fp8_context(probe_recipe)),
                                            device, info)
     return batch.batch_layout(cfg, info.world_size, micro)
-
-
-def prepare_outputs(cfg: Config, info, command_line: dict) -> tuple[str, bool, RunLock | None, list, str | None]:
-    """Claim --out-dir on rank 0 (rundir.claim: the lock, fresh or resume) and write its new config.toml under a
-    temporary name (config.stage_config) -> (the data directory, whether to resume, the lock, what --overwrite
-    will replace, that file or None). Rank 0 tokenizes the default corpus once; the other ranks find it cached.
-    Every rank gets rank 0's answers or its error, so none waits on a rank that failed."""
-    answer, lock, replaced, staged, failure = None, None, [], None, None
-    if info.is_main:
-        try:
-            lock, resume, replaced = claim(cfg.ckpt, info.mode == "fsdp", config.repeated_config(command_line))
-            answer = (cfg.data.data or default_corpus(), resume)
-            staged = config.stage_config(cfg, os.path.join(cfg.ckpt.out_dir, CONFIG_FILE), resume, command_line)
-        except Exception as e:  # a bug keeps its traceback on rank 0; the other ranks get one line
-            failure, answer = e, e if isinstance(e, (UsageError, DataError)) else UsageError(f"rank 0: {e!r}")
-            if lock is not None:
-                lock.release()
-    answer = distributed.broadcast_object(answer, info)
-    if isinstance(answer, Exception):
-        raise failure or answer
-    return (*answer, lock, replaced, staged)
 
 
 def setup(cfg: Config, command_line: dict | None = None) -> Run:
@@ -322,60 +304,6 @@ def run_loop(run: Run) -> str | None:
         raise
     finally:
         signals.restore()
-
-
-def read_due(run: Run, done: int, signals: StopSignals) -> bool:
-    """Read the steps taken back from the device after step `done`? After this process's first step (its line
-    comes whatever --log-interval is), every --log-interval steps, at the end, and where something acts on
-    them: a checkpoint (never one inside a streak of non-finite steps) or an eval; in a single process also
-    once a stop signal has come. Under torch.distributed every rank must read at the same steps, so a signal
-    waits for the next of those (stop_requested asks all ranks then)."""
-    return (done % run.cfg.log.log_interval == 0 or done == run.start_step + 1
-            or run.checkpointer.due(done, run.max_steps)
-            or run.evaluator.due(done, run.max_steps)
-            or (run.info.mode == "none" and signals.requested is not None))
-
-
-def evaluate_if_due(run: Run, record: dict, done: int) -> tuple[bool, bool]:
-    """Validation loss and bits per byte, HellaSwag accuracy (all into the record) and a sample, when the
-    Evaluator says so -> (improved, stop early). An eval that runs out of memory is skipped (the record's
-    "eval_skipped" says so) and training goes on; any other failure ends the run, after the step's checkpoint."""
-    if not run.evaluator.due(done, run.max_steps):
-        return False, False
-    result = measure(run, done)
-    if result is None:
-        record["eval_skipped"] = "out of memory"
-        return False, False
-    metrics, text = result
-    record.update(metrics)
-    improved, stop_early = run.guard.early_stop.update(record["val_loss"], done)
-    write = run.telemetry.write
-    write(f"step {done}: train loss {run.telemetry.last_loss:.4f}, {run.evaluator.describe(record)}"
-          + (" (best so far)" if improved else ""))
-    if text is not None:
-        record["sample"] = text  # for report.py's last samples
-        write(f"sample at step {done}: {text!r}")
-    return improved, stop_early
-
-
-def measure(run: Run, done: int, full: bool = True):
-    return run.evaluator.measure(run.compiled, run.model, run.autocast, run.autocast_dtype, run.layout.micro_batch,
-                                 run.layout.seq_len, run.telemetry.write, done, full)
-
-
-def recount_restored_eval(run: Run, done: int) -> None:
-    """A regular checkpoint is written before its step's eval (run_loop): once one is restored (a resume, a
-    rollback) whose early stopping has not counted that eval, measure its val loss again and count it, as the
-    run that wrote it did, and give it to the step's record if the log lost it. best stays as it is (it may
-    hold a later step)."""
-    if not run.evaluator.due(done, run.max_steps) or run.guard.early_stop.has_counted(done):
-        return
-    if (result := measure(run, done, full=False)) is not None:
-        metrics = result[0]
-        run.guard.early_stop.update(metrics["val_loss"], done)
-        run.telemetry.amend_eval(done, metrics)
-        run.telemetry.write(f"step {done}: val loss {metrics['val_loss']:.4f}, measured again for early stopping "
-                            "(the checkpoint precedes its eval)")
 
 
 def stop_requested(run: Run, signals: StopSignals) -> bool:

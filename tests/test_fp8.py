@@ -376,7 +376,7 @@ def test_after_the_probes_a_delayed_scaling_model_is_as_new(monkeypatch, tiny_da
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), te_module)
     model.config = CFG
     probed = []
-    monkeypatch.setattr(fp8, "forward_context", lambda device, dtype, fp8_recipe: probed.append(fp8_recipe))
+    monkeypatch.setattr(fp8, "fp8_context", lambda fp8_recipe: probed.append(fp8_recipe))
 
     def auto_batch_size(model, per_rank, multiple, reserve, forward_context, device, info):
         forward_context()
@@ -399,7 +399,7 @@ def test_after_the_probes_a_delayed_scaling_model_is_as_new(monkeypatch, tiny_da
 @pytest.mark.skipif(not (torch.cuda.is_available() and fp8.te_installed()), reason="needs CUDA and TE")
 def test_te_probes_leave_no_amax_history_and_training_reduces_amaxes_again():
     recipe = fp8.te_recipe("delayed", False)
-    model = fp8.build_model(HD128, fp8.FP8Config(mode="te", recipe="delayed"), torch.device("cuda"))
+    model = GPT(HD128, block=fp8.block_class("te")).cuda()
     x = torch.zeros((16, HD128.max_seq_len), dtype=torch.long, device="cuda")
     with fp8.probing(model, recipe) as probe:
         assert recipe.reduce_amax and not probe.reduce_amax

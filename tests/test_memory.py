@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-import fp8
 import memory
 import model as model_module
 import train
@@ -186,7 +185,7 @@ def test_estimate_memory_flag_prints_every_mode_and_builds_nothing(monkeypatch, 
         raise AssertionError("--estimate-memory must not build the run")
 
     monkeypatch.setattr(train, "setup", no_setup)
-    monkeypatch.setattr(fp8, "GPT", no_setup)  # fp8.build_model builds every training model
+    monkeypatch.setattr(train, "GPT", no_setup)  # train.build_model builds every training model
     train.main(["--estimate-memory", "--act-ckpt", "full", "--optimizer", "muon", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "optimizer muon" in out

@@ -1,5 +1,5 @@
 """The host never waits for the device inside a training step that does not log: non-finite updates are skipped
-on the device (optim.step_if_finite) and losses are read back only where something is decided (train.read_due)."""
+on the device (optim.step_if_finite) and losses are read back only where something is decided (readback.read_due)."""
 
 import json
 import types
@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import config
 import optim
+import readback
 import train
 from conftest import TINY_FLAGS
 from model import GPT, ModelConfig
@@ -131,12 +132,12 @@ def test_reads_are_due_after_the_first_step_on_the_interval_before_checkpoints_a
                                 evaluator=types.SimpleNamespace(due=lambda done, max_steps: done == 7),
                                 info=types.SimpleNamespace(mode="none"))
     quiet, signalled = types.SimpleNamespace(requested=None), types.SimpleNamespace(requested="SIGTERM")
-    assert [d for d in range(1, 31) if train.read_due(run, d, quiet)] == [1, 7, 10, 20, 25, 30]
+    assert [d for d in range(1, 31) if readback.read_due(run, d, quiet)] == [1, 7, 10, 20, 25, 30]
     run.start_step = 20  # a resumed process: its own first step
-    assert [d for d in range(21, 31) if train.read_due(run, d, quiet)] == [21, 25, 30]
-    assert train.read_due(run, 3, signalled)
+    assert [d for d in range(21, 31) if readback.read_due(run, d, quiet)] == [21, 25, 30]
+    assert readback.read_due(run, 3, signalled)
     run.info.mode = "ddp"  # the ranks must agree on when: the signal waits for the next read
-    assert not train.read_due(run, 3, signalled)
+    assert not readback.read_due(run, 3, signalled)
 
 
 def test_a_streak_seen_after_its_step_rolls_back_there_and_drops_the_later_steps(tiny_data, tmp_path, capsys,
