@@ -1,6 +1,5 @@
 """Where the batch is decided: how a step's tokens are cut into micro-batches across ranks, how many steps a
-run takes and how many passes over the data they make, and what a resume keeps of both (its global batch, the
-LR of its next step).
+run takes and how many passes over the data they make, and what a resume keeps of its global batch.
 
     layout = batch_layout(cfg, world_size)             # micro-batch, seq-len, grad accumulation, world size
     steps = max_steps(cfg, layout)                     # --max-steps, or the steps --max-tokens takes
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 
 from cli import UsageError
 from config import Config, flat_dict, flat_values
-from schedule import batch_warmup_warning, lr_multiplier, schedule_warning
+from schedule import BATCH_KEYS, schedule_warning
 
 
 @dataclass(frozen=True)
@@ -148,15 +147,11 @@ def plan_warnings(cfg: Config, layout: BatchLayout, max_steps: int, epoch_plan: 
     return [warning for warning in warnings if warning]
 
 
-# The settings that decide the global batch: a resume that changes one of them changes it on purpose.
-BATCH_KEYS = ("data.batch_size", "data.grad_accum", "data.total_batch_tokens", "model.max_seq_len")
-
-
 def resume_layout(cfg: Config, layout: BatchLayout, meta: dict, warn) -> BatchLayout:
     """The layout of a resumed run. The global batch in tokens is part of a run's identity: resumed at another
     world size with the same batch settings, the run keeps the checkpoint's global batch by deriving grad
     accumulation, or is refused when whole micro-batches cannot make it. Settings changed on purpose
-    (BATCH_KEYS) are the user's new batch. Checkpoints from before batch_tokens was recorded are taken as they are."""
+    (BATCH_KEYS) are the user's new batch. A checkpoint that records no batch_tokens is taken as it is."""
     saved, saved_world = meta.get("batch_tokens"), meta.get("world_size")
     if saved is None or saved_world == layout.world_size or saved == layout.tokens_per_step:
         return layout
@@ -175,37 +170,11 @@ def resume_layout(cfg: Config, layout: BatchLayout, meta: dict, warn) -> BatchLa
     return resumed
 
 
-# The settings the LR of a step depends on: the peak, the schedule, and the run's length in steps.
-LR_KEYS = ("optim.lr", "schedule.max_steps", "schedule.max_tokens", "schedule.warmup", "schedule.schedule",
-           "schedule.min_lr_ratio", "schedule.decay_frac", "schedule.batch_warmup_steps",
-           "schedule.batch_warmup_start", *BATCH_KEYS)
-# A resumed LR at most this factor above the checkpoint's is no re-warm: a rounding, or a negligible change.
-REWARM_TOLERANCE = 1.01
-
-
-def resume_lr(cfg: Config, meta: dict, max_steps: int) -> str | None:
-    """What a resume with a changed LR setting (LR_KEYS) does to the LR: a note "the LR goes from X at the
-    checkpoint (step N) to Y at the next step", or None when none changed or the checkpoint predates its
-    recorded "lr_multiplier". UsageError for a re-warm (is_rewarm) unless --allow-lr-rewarm. The LRs are those
-    --lr is the peak of, with the fault-tolerance LR scale the resumed run keeps (meta "lr_scale")."""
-    saved, now = flat_dict(meta.get("train_config", {})), flat_values(cfg)
-    multiplier = meta.get("lr_multiplier")
-    if multiplier is None or not any(key in saved and saved[key] != now[key] for key in LR_KEYS):
+def batch_warmup_warning(warmup_steps: int, start: float, max_steps: int, layout) -> str | None:
+    """schedule_warning's counterpart for the batch warm-up: a ramp whose last step, the run's, is still short
+    of the whole global batch, or None. layout: the run's batch.BatchLayout, whose at_step gives a step's."""
+    last = layout.at_step(max_steps - 1, warmup_steps, start).grad_accum
+    if last == layout.grad_accum:
         return None
-    s, step, scale = cfg.schedule, meta["step"], meta["lr_scale"]
-    old = saved["optim.lr"] * multiplier
-    new = cfg.optim.lr * scale * lr_multiplier(step, max_steps, s.warmup, s.schedule, s.min_lr_ratio, s.decay_frac)
-    effect = f"the LR goes from {old:.3g} at the checkpoint (step {step}) to {new:.3g} at the next step"
-    if not s.allow_lr_rewarm and is_rewarm(step, saved["schedule.warmup"], multiplier / scale, old, new):
-        raise UsageError(f"--resume: {effect}, up again after its decay had begun; resume from a checkpoint from "
-                         "before the decay, or pass --allow-lr-rewarm to re-warm it")
-    return f"note: {effect}"
-
-
-def is_rewarm(step: int, warmup: int, schedule_multiplier: float, old_lr: float, new_lr: float) -> bool:
-    """Whether a resume at `step` re-warms the LR: the checkpoint was past its warm-up (`warmup` steps) and
-    decaying (its schedule's multiplier at its last step below 1), and the LR of the next step is more than
-    REWARM_TOLERANCE times the checkpoint's. In the warm-up the LR rises anyway; in a WSD run's stable phase it
-    has not decayed, so a higher --lr there is a new peak, not a re-warm."""
-    decaying = step > warmup and schedule_multiplier < 1 and not math.isclose(schedule_multiplier, 1)
-    return decaying and new_lr > REWARM_TOLERANCE * old_lr
+    return (f"warning: --batch-warmup-steps {warmup_steps} is not shorter than the run ({max_steps} steps): the "
+            f"global batch reaches only {last} of its {layout.grad_accum} micro-steps; lower --batch-warmup-steps")

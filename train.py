@@ -41,7 +41,7 @@ from readback import Taken, log_unread, read_back, read_due
 from recovery import interrupted_reason, rewind_step, rollback, shrink_micro_batch, stop_reason
 from resilience import Guard, StepInterrupted, StopSignals, TrainingHalted, stop_at_once
 from rundir import NothingToDo, RunLock, prepare_outputs, replace_outputs
-from schedule import lr_multiplier, set_lr
+from schedule import lr_multiplier, resume_lr, set_lr
 from sizing import flops_per_token
 from telemetry import Telemetry, announce, logger_problems, message, start_wandb
 
@@ -183,7 +183,8 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
     max_steps = batch.max_steps(cfg, layout)
     if start_step >= max_steps:  # before the LR check: a finished run has no next step to re-warm
         raise NothingToDo(f"nothing to do: already at step {start_step} of {max_steps}")
-    if resume and (note := batch.resume_lr(cfg, meta, max_steps)):
+    if resume and (note := resume_lr(cfg, config.flat_dict(meta.get("train_config", {})), config.flat_values(cfg),
+                                     meta, max_steps)):
         warn(note)
     if cfg.log.profile and max_steps - start_step < PROFILE_WAIT + PROFILE_ACTIVE:
         raise UsageError(f"--profile needs at least {PROFILE_WAIT + PROFILE_ACTIVE} steps to run")

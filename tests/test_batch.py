@@ -2,7 +2,6 @@
 keeps of both."""
 
 import math
-import re
 
 import pytest
 
@@ -10,7 +9,6 @@ import batch
 import config
 import data
 from cli import UsageError
-from schedule import lr_multiplier
 
 
 # ----------------------------------------------------------------------------- the layout of a step
@@ -127,39 +125,3 @@ def test_resume_at_another_world_size_derives_grad_accum_or_refuses():
     assert len(notes) == 1
 
 
-def lr_on_resume(saved_flags, flags, step, lr_scale=1.0, **meta):
-    """batch.resume_lr for the checkpoint at `step` of a run with saved_flags (its last LR multiplier as the
-    Checkpointer records it), resumed with flags."""
-    saved = config.parse_args(saved_flags)
-    s = saved.schedule
-    multiplier = lr_scale * lr_multiplier(step - 1, s.max_steps, s.warmup, s.schedule, s.min_lr_ratio, s.decay_frac)
-    meta = {"step": step, "lr_multiplier": multiplier, "lr_scale": lr_scale, "train_config": config.to_dict(saved),
-            **meta}
-    cfg = config.parse_args(flags)
-    return batch.resume_lr(cfg, meta, cfg.schedule.max_steps)
-
-
-def test_a_resume_that_changes_the_lr_schedule_says_what_it_does_and_refuses_a_rewarm():
-    extended = "the LR goes from 0.0006 at the checkpoint (step 20) to 0.00384 at the next step"
-    with pytest.raises(UsageError, match=f"^--resume: {re.escape(extended)}, up again after its decay had begun"):
-        lr_on_resume(["--max-steps", "20"], ["--max-steps", "24"], 20)  # a finished WSD run, 10% of its peak
-    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "24", "--allow-lr-rewarm"], 20) == f"note: {extended}"
-    with pytest.raises(UsageError, match="after its decay had begun"):  # cosine, halfway down, made longer
-        lr_on_resume(["--schedule", "cosine", "--max-steps", "100"], ["--schedule", "cosine", "--max-steps", "150"], 60)
-    with pytest.raises(UsageError, match="after its decay had begun"):  # a higher peak, mid-decay
-        lr_on_resume(["--max-steps", "20"], ["--max-steps", "20", "--lr", "2e-2"], 18)
-    # Told, not refused: in the warm-up, in the stable phase (a new peak there is no re-warm), after a rollback
-    # halved the LR, a lower LR mid-decay, and a rise within rounding.
-    warm = ["--warmup", "15"]  # both steps well inside it
-    assert lr_on_resume([*warm, "--max-steps", "2"], [*warm, "--max-steps", "3"], 2) == (
-        "note: the LR goes from 0.0008 at the checkpoint (step 2) to 0.0012 at the next step")
-    assert lr_on_resume(["--max-steps", "100"], ["--max-steps", "200", "--lr", "1e-2"], 50) == (
-        "note: the LR goes from 0.006 at the checkpoint (step 50) to 0.01 at the next step")
-    assert lr_on_resume(["--max-steps", "100"], ["--lr", "1e-2"], 50, lr_scale=0.5).endswith(
-        "from 0.003 at the checkpoint (step 50) to 0.005 at the next step")
-    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "24", "--lr", "5e-4"], 20).endswith(
-        "to 0.00032 at the next step")
-    assert not batch.is_rewarm(20, 15, 0.1, 6e-4, 1.005 * 6e-4) and batch.is_rewarm(20, 15, 0.1, 6e-4, 6.1e-4)
-    # Nothing the LR depends on changed, or a checkpoint from before the multiplier was recorded: nothing to say.
-    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "20", "--eval-interval", "5"], 20) is None
-    assert lr_on_resume(["--max-steps", "20"], ["--max-steps", "24"], 20, lr_multiplier=None) is None

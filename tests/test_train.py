@@ -32,7 +32,7 @@ def run_cli(*args, cwd=REPO):
 
 
 def test_a_batch_warmup_longer_than_the_run_is_warned_about(tmp_path, tiny_data, capsys):
-    from schedule import batch_warmup_warning
+    from batch import batch_warmup_warning
 
     layout = batch.BatchLayout(micro_batch=1, seq_len=32, grad_accum=4, world_size=1)
     assert batch_warmup_warning(4, 0.25, 3, layout) == (  # 1, 2, 3 micro-steps of 4
