@@ -429,14 +429,14 @@ def state_dict_options(full: bool):
 
 def for_backend(model_sd: dict, backend: str) -> dict:
     """A model state dict from a checkpoint, for a model of `backend`: TE modules load an empty _extra_state
-    ("no FP8 metadata yet"); the plain backend has none. Older files may still carry TE's; it is dropped."""
+    ("no FP8 metadata yet"); the plain backend has none. A file that carries TE's has it dropped."""
     plain = te_to_plain_state_dict(model_sd)
     return plain_to_te_state_dict(plain) if backend == "te" else plain
 
 
 def tokens_trained(meta: dict, tokens_per_step: int) -> int:
     """Tokens trained up to a checkpoint. Counted by the run, since the batch may change across a resume;
-    checkpoints from before that count recorded none, and their batch had never changed."""
+    a checkpoint that records no count is taken to have kept one batch throughout."""
     return meta.get("tokens", meta["step"] * tokens_per_step)
 
 

@@ -218,7 +218,7 @@ def fingerprint(paths: list[str], block: int = 1 << 16) -> list[list]:
 
 def data_change(saved: list | None, current: list) -> str | None:
     """How the shards a checkpoint trained on differ from these, in a few words; None when they do not (or
-    the checkpoint predates fingerprints)."""
+    the checkpoint records none)."""
     if saved is None:
         return None
     before, now = ({name: rest for name, *rest in shards} for shards in (saved, current))  # by name, not order

@@ -57,7 +57,7 @@ INIT_ONLY_FIELDS = ("zero_init_proj", "head_init")
 HEAD_INITS = ("normal", "zero")
 MLP_KINDS = ("swiglu", "relu2")
 # The ModelConfig fields that leave the Qwen3 architecture, at Qwen3's values: away from these, hf.py cannot
-# export the model; a record that lacks one (a checkpoint older than the toggle) had Qwen3's value.
+# export the model; a record that lacks one was trained at Qwen3's value.
 QWEN3_VALUES = {"mlp": "swiglu", "logit_softcap": 0.0, "value_embeds": 0, "unet_skips": False, "attn_gate": False}
 ARCHITECTURE_TOGGLES = tuple(QWEN3_VALUES)
 # Those of them the Transformer Engine blocks (fp8.TEBlock) do not implement.
@@ -65,8 +65,8 @@ PLAIN_BACKEND_TOGGLES = ("mlp", "value_embeds", "attn_gate")
 
 
 def with_qwen3_toggles(record: dict) -> dict:
-    """A recorded ModelConfig (dataclasses.asdict's), with Qwen3's value for each toggle it lacks: a checkpoint
-    older than a toggle was trained without it, whatever today's default."""
+    """A recorded ModelConfig (dataclasses.asdict's), with Qwen3's value for each toggle it lacks: a
+    record without a toggle was trained at Qwen3's value, whatever today's default."""
     return {**QWEN3_VALUES, **record}
 
 
