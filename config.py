@@ -87,7 +87,7 @@ class ScheduleConfig:
 
 @dataclass
 class EvalConfig:
-    """Validation and samples; evaluate.Evaluator decides when."""
+    """Validation and samples; train_eval.Evaluator decides when."""
 
     eval_interval: int = option(50, "steps between val-loss evals (0: off)")
     eval_tokens: int = option(16384, "val tokens per eval")

@@ -6,7 +6,7 @@
 
 --ckpt takes a train.py checkpoint (a file or a sharded directory) or a Hugging Face directory written by
 hf.py (recognised by its config.json). The figures come from the code training logs them with
-(evaluate.Evaluator), so on the same weights, tokens and precision this script prints what metrics.jsonl
+(train_eval.Evaluator), so on the same weights, tokens and precision this script prints what metrics.jsonl
 holds: hellaswag_acc and hellaswag_acc_sum, or val_loss and val_bpb over the first --n val tokens, taken
 --batch-size sequences of the model's seq_len at a time as a training run with that micro-batch takes them.
 bpb reads the val split of the data the checkpoint trained on unless --data names other shards, and then
@@ -25,7 +25,7 @@ from cli import ArgumentParser, HelpFormatter, UsageError, closed_stdout, plural
 from config import DEVICES, EvalConfig
 from data import DataError
 from distributed import DistInfo
-from evaluate import Evaluator
+from train_eval import Evaluator
 from hf import model_tokenizer, trained_config
 from hardware import autocast, resolve_device
 from mixture import check_sources, is_mixture, label, parse_data, vocab_problem

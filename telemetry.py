@@ -167,7 +167,7 @@ class MetricsLog:
                 for line in f:
                     try:
                         record = json.loads(line)
-                        # Records without time_s predate 1-based steps: their step N is step N+1 now.
+                        # A record without time_s counts its steps from 0 (tested): its step N is step N+1 here.
                         if record["step"] + ("time_s" not in record) <= done:
                             kept.append(line)
                             last = record

@@ -6,7 +6,7 @@
 
 This file only wires the pieces, and reads top to bottom: config.py turns the flags into a checked Config;
 setup() builds the model (fp8.py, memory.py), wraps it (distributed.py), and builds the optimizer (optim.py),
-the data (data.py) and the components that decide their own cadence: Evaluator (evaluate.py), Checkpointer
+the data (data.py) and the components that decide their own cadence: Evaluator (train_eval.py), Checkpointer
 (checkpoint.py), Guard (resilience.py) and Telemetry (telemetry.py). run_loop() then steps and asks each of
 them whether it is due.
 """
@@ -33,7 +33,7 @@ from checkpoint import CheckpointError, Checkpointer, tokens_trained
 from cli import UsageError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
 from data import DataError, ShardLoader
-from evaluate import Evaluator, evaluate_if_due, recount_restored_eval
+from train_eval import Evaluator, evaluate_if_due, recount_restored_eval
 from hf import load_hf
 from model import GPT, ModelConfig
 from optim import build_optimizer, step_if_finite

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import ShardLoader, data_record  # noqa: E402
-from evaluate import eval_batches  # noqa: E402
+from train_eval import eval_batches  # noqa: E402
 
 
 def gpt2_model(vocab_size: int, n_layer: int, n_embd: int, n_head: int, seq_len: int, seed: int):

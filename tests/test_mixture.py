@@ -320,7 +320,7 @@ def test_bad_mixtures_are_one_line_at_start_up(tmp_path, capsys):
 def test_a_mixtures_val_figures_are_the_training_distributions(sources, monkeypatch):
     from config import EvalConfig
     from distributed import DistInfo
-    from evaluate import Evaluator
+    from train_eval import Evaluator
 
     evaluator = Evaluator(EvalConfig(), f"code={sources[0].dir}:0.2,web={sources[1].dir}:0.8", DistInfo(),
                           torch.device("cpu"), VOCAB, 0)

@@ -394,7 +394,7 @@ def test_samples_run_under_the_training_autocast(tiny_data):
     autocast the sample's first matmul would mix dtypes."""
     import torch
 
-    from evaluate import Evaluator
+    from train_eval import Evaluator
     from model import GPT, ModelConfig
 
     cfg = config.parse_args(["--sample-tokens", "3", "--sample-prompt", "x"]).eval
