@@ -52,7 +52,7 @@ import distributed
 from cli import ArgumentParser, UsageError, report_error
 from config import changed_keys
 from data import data_change
-from fp8 import plain_to_te_state_dict, te_to_plain_state_dict
+from fp8 import block_state_dict, te_to_plain_state_dict
 from model import INIT_ONLY_FIELDS, with_qwen3_toggles
 from optim import apply_group_settings, group_settings
 from schedule import current_multiplier
@@ -430,8 +430,7 @@ def state_dict_options(full: bool):
 def for_backend(model_sd: dict, backend: str) -> dict:
     """A model state dict from a checkpoint, for a model of `backend`: TE modules load an empty _extra_state
     ("no FP8 metadata yet"); the plain backend has none. A file that carries TE's has it dropped."""
-    plain = te_to_plain_state_dict(model_sd)
-    return plain_to_te_state_dict(plain) if backend == "te" else plain
+    return block_state_dict(te_to_plain_state_dict(model_sd), backend)
 
 
 def tokens_trained(meta: dict, tokens_per_step: int) -> int:

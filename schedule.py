@@ -119,4 +119,3 @@ def is_rewarm(step: int, warmup: int, schedule_multiplier: float, old_lr: float,
     has not decayed, so a higher --lr there is a new peak, not a re-warm."""
     decaying = step > warmup and schedule_multiplier < 1 and not math.isclose(schedule_multiplier, 1)
     return decaying and new_lr > REWARM_TOLERANCE * old_lr
-

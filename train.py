@@ -33,7 +33,6 @@ from checkpoint import CheckpointError, Checkpointer, tokens_trained
 from cli import UsageError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
 from data import DataError, ShardLoader
-from train_eval import Evaluator, evaluate_if_due, recount_restored_eval
 from hf import load_hf
 from model import GPT, ModelConfig
 from optim import build_optimizer, step_if_finite
@@ -44,6 +43,7 @@ from rundir import NothingToDo, RunLock, prepare_outputs, replace_outputs
 from schedule import lr_multiplier, resume_lr, set_lr
 from sizing import flops_per_token
 from telemetry import Telemetry, announce, logger_problems, message, start_wandb
+from train_eval import Evaluator, evaluate_if_due, recount_restored_eval
 
 
 @dataclass
