@@ -28,6 +28,7 @@ from data import (CORPUS_MARKER, DATA_RECORD, TOKEN_DTYPES, read_shard, shard_ve
                   write_shard)
 from progress import Progress
 import sources
+import split
 from sources import TEXT_FIELD, file_pieces, source_pieces
 from tokenizer import (CACHE_ENV, TOKENIZER_FILE, TRAINED_SEPARATOR, TRAINED_TOKEN_BYTES, DataError, Tokenizer,
                        TrainingText, atomic_write, cache_root, load_tokenizer, train_bpe)
@@ -96,59 +97,31 @@ def _encode(pieces, enc: Tokenizer):
         pool.shutdown(cancel_futures=True)
 
 
-# --val-tokens auto: the val split is the first 0.5% of the corpus, within these bounds.
-VAL_PER_MILLE = 5
-MAX_VAL_TOKENS = 1_000_000  # plenty for a steady val loss, and what a default eval can use; 200M tokens reach it
-# The least auto val split: one micro-batch at train.py's defaults (--batch-size 16 of --seq-len 1,024) plus one
-# token, as a window's targets are its tokens shifted by one. Any less and a default run's evaluation cannot
-# read one whole batch without reading some windows twice.
-MIN_VAL_TOKENS = 16 * 1024 + 1
-
-
-def default_val_tokens(total: int) -> int:
-    """The val split of --val-tokens auto for a corpus of `total` tokens: 0.5% of it, at least MIN_VAL_TOKENS
-    (one eval batch), at most MAX_VAL_TOKENS. Pure, so the rule is tested without a large corpus."""
-    return min(MAX_VAL_TOKENS, max(MIN_VAL_TOKENS, total * VAL_PER_MILLE // 1000))
-
-
 class _ShardWriter:
-    """The shards of one preparation. Tokens encoded but not yet written wait in `pending`; write() hands the
-    first n of them to a writer thread, which writes (and fsyncs) that shard while the next is being encoded,
-    one shard at a time, so memory stays bounded."""
+    """The train shards of one preparation. Train tokens wait in `pending` until they fill a shard; write()
+    hands it to a writer thread, which writes (and fsyncs) it while the next is being encoded, one shard at a
+    time, so memory stays bounded."""
 
-    def __init__(self, out_dir: str, n_vocab: int):
-        self.out_dir, self.n_vocab = out_dir, n_vocab
+    def __init__(self, out_dir: str, n_vocab: int, shard_tokens: int):
+        self.out_dir, self.n_vocab, self.shard_tokens = out_dir, n_vocab, shard_tokens
         self.pending, self.n_pending = [], 0
-        self.counts = {"val": [], "train": []}  # tokens per shard written
+        self.counts = []  # tokens per train shard written
         self.pool, self.writing = ThreadPoolExecutor(1, thread_name_prefix="shard-writer"), None
 
-    @property
-    def total(self) -> int:
-        """Tokens taken so far, written or pending."""
-        return sum(self.counts["val"]) + sum(self.counts["train"]) + self.n_pending
-
     def add(self, tokens: np.ndarray) -> None:
+        """Take train tokens, in order; write each shard they complete."""
         self.pending.append(tokens)
         self.n_pending += len(tokens)
+        while self.n_pending >= self.shard_tokens:
+            self.write(self.shard_tokens)
 
-    def _path(self, split: str, index: int) -> str:
-        return os.path.join(self.out_dir, f"{split}_{index:06d}.bin")
-
-    def write(self, split: str, n: int, skip: int = 0) -> None:
-        """Write pending tokens [skip, skip + n) as the split's next shard; the others stay pending, in order."""
+    def write(self, n: int) -> None:
+        """Write the first n pending tokens as the next train shard."""
         self.wait()  # the previous shard is on disk (or its error is raised here), its memory free
         buf = np.concatenate(self.pending)
-        path = self._path(split, len(self.counts[split]))
-        self.writing = self.pool.submit(write_shard, path, buf[skip:skip + n], self.n_vocab)
-        self.counts[split].append(n)
-        self.pending, self.n_pending = [buf[:skip], buf[skip + n:]], len(buf) - n
-
-    def prepend(self, split: str, n: int) -> None:
-        """Put the first n pending tokens in front of the split's first shard, which is written anew."""
-        self.wait()
-        buf, path = np.concatenate(self.pending), self._path(split, 0)
-        write_shard(path, np.concatenate([buf[:n], read_shard(path)]), self.n_vocab)
-        self.counts[split][0] += n
+        path = os.path.join(self.out_dir, f"train_{len(self.counts):06d}.bin")
+        self.writing = self.pool.submit(write_shard, path, buf[:n], self.n_vocab)
+        self.counts.append(n)
         self.pending, self.n_pending = [buf[n:]], len(buf) - n
 
     def wait(self) -> None:
@@ -159,61 +132,19 @@ class _ShardWriter:
         self.pool.shutdown()
 
 
-def _flush(shards: _ShardWriter, shard_tokens: int, val_tokens: int | None) -> None:
-    """Write the shards that the pending tokens complete. An explicit val_tokens: the first val_tokens tokens
-    go to val, then train shards follow. Auto (None): the val split is the corpus's first tokens, and how many
-    is known only at the end, so the first MAX_VAL_TOKENS stay pending and train shards are written from there
-    on; _finish puts what val leaves of them in front of the first train shard."""
-    if val_tokens is None:
-        while shards.n_pending >= MAX_VAL_TOKENS + shard_tokens:
-            shards.write("train", shard_tokens, skip=MAX_VAL_TOKENS)
-        return
-    while True:
-        split, size = ("val", val_tokens) if val_tokens and not shards.counts["val"] else ("train", shard_tokens)
-        if shards.n_pending < size:
-            return
-        shards.write(split, size)
-
-
-def _finish(shards: _ShardWriter, shard_tokens: int, val_tokens: int | None, desc: str) -> None:
-    """Write what is still pending. Auto (None): val is the first default_val_tokens(total) tokens; if train
-    shards were written past the held MAX_VAL_TOKENS, the held tokens after val go in front of the first of
-    them, so train starts right after val either way. Then the last train shard. DataError when no train
-    token is left."""
-    total = shards.total
-    if val_tokens is None:
-        val = default_val_tokens(total)
-        if total <= val:
-            raise DataError(f"{desc} has only {total:,} tokens: --val-tokens auto keeps at least "
-                            f"{MIN_VAL_TOKENS:,} for val (one eval batch of 16 x 1,024, plus 1) and leaves none "
-                            f"for train; give a smaller --val-tokens N")
-        if shards.counts["train"]:
-            shards.write("val", val)
-            if val < MAX_VAL_TOKENS:
-                shards.prepend("train", MAX_VAL_TOKENS - val)
-        else:  # all still pending: the shards of --val-tokens val
-            _flush(shards, shard_tokens, val)
-        val_tokens = val
-    if (val_tokens and not shards.counts["val"]) or (shards.n_pending == 0 and not shards.counts["train"]):
-        raise DataError(f"{desc} has only {total:,} tokens, not more than --val-tokens {val_tokens:,}; "
-                        f"lower --val-tokens")
-    if shards.n_pending:
-        shards.write("train", shards.n_pending)
-
-
-def _val_summary(val_tokens: int | None, val: int, total: int, val_rule: str | None = None) -> str:
+def _val_summary(val_tokens: int | None, stats: dict, val_rule: str | None = None) -> str:
     """What the val split is and which rule chose it, for the summary line. val_rule: what set val_tokens when
     no --val-tokens did (the default corpus's fixed size)."""
+    val, total = stats["val_tokens"], stats["tokens"]
     if val_tokens is not None:
-        rule = val_rule or f"--val-tokens {val_tokens}"
-        return f"val: first {plural(val, 'token')} ({rule})" if val else f"val: none ({rule})"
-    if val == total * VAL_PER_MILLE // 1000:
-        why = f"{VAL_PER_MILLE / 10:g}% of the corpus"
-    elif val == MIN_VAL_TOKENS:
-        why = f"the least: one eval batch of 16 x 1,024, plus 1; {val / total:.1%} of the corpus"
+        why = val_rule or f"--val-tokens {val_tokens}"
+    elif val == total * split.VAL_PER_MILLE // 1000:
+        why = f"{split.VAL_PER_MILLE / 10:g}% of the corpus, --val-tokens auto"
+    elif val == split.MIN_VAL_TOKENS:
+        why = f"the least: one eval batch of 16 x 1,024, plus 1; {val / total:.1%} of the corpus, --val-tokens auto"
     else:
-        why = f"the cap; {val / total:.2%} of the corpus"
-    return f"val: first {plural(val, 'token')} ({why}, --val-tokens auto)"
+        why = f"the cap; {val / total:.2%} of the corpus, --val-tokens auto"
+    return f"val: {plural(val, 'token')} in {split.describe(stats)} ({why})" if val else f"val: none ({why})"
 
 
 def _summary(stats: dict, val_tokens: int | None, max_tokens: int | None, val_rule: str | None = None) -> str:
@@ -224,44 +155,48 @@ def _summary(stats: dict, val_tokens: int | None, max_tokens: int | None, val_ru
     if max_tokens is not None:
         line += (f", cut at --max-tokens {max_tokens:,}" if stats["tokens"] == max_tokens
                  else f", all of it (fewer than --max-tokens {max_tokens:,})")
-    return f"{line}; {_val_summary(val_tokens, stats['val_tokens'], stats['tokens'], val_rule)}"
+    return f"{line}; {_val_summary(val_tokens, stats, val_rule)}"
 
 
 def _build(pieces, out_dir: str, enc: Tokenizer, shard_tokens: int, val_tokens: int | None, desc: str,
            max_tokens: int | None = None, val_rule: str | None = None) -> dict:
-    """Tokenize pieces into out_dir: val_000000.bin (the first val_tokens tokens; None: the first
-    default_val_tokens(total)) and train_*.bin of shard_tokens each (under auto the first one may hold up to
-    MAX_VAL_TOKENS more: _finish), at most max_tokens in all; then a copy of a Hugging Face tokenizer's
-    tokenizer.json, and the record (data.json), last, so that it describes only shards that are all on disk.
-    -> the record."""
+    """Tokenize pieces into out_dir: val_000000.bin (the documents split.ValSplit draws, val_tokens tokens of
+    them; None: split.default_val_tokens(total)) and train_*.bin of shard_tokens each, at most max_tokens in all;
+    then a copy of a Hugging Face tokenizer's tokenizer.json, and the record (data.json), last, so that it
+    describes only shards that are all on disk. -> the record."""
     t0 = time.time()
-    shards, documents = _ShardWriter(out_dir, enc.n_vocab), 0
+    shards, documents = _ShardWriter(out_dir, enc.n_vocab, shard_tokens), 0
+    sorter = split.ValSplit(enc.eot, val_tokens)
     progress = Progress(max_tokens, desc, unit="tok", unit_scale=True)
     encoded = _encode(pieces, enc)
     try:
         for tokens, docs in encoded:
-            if max_tokens is not None and shards.total + len(tokens) >= max_tokens:
-                tokens = tokens[:max_tokens - shards.total]
+            if max_tokens is not None and sorter.total + len(tokens) >= max_tokens:
+                tokens = tokens[:max_tokens - sorter.total]
                 docs = int(np.count_nonzero(tokens == enc.eot))  # a special token: the text never encodes to it
             documents += docs
-            shards.add(tokens)
             progress.update(len(tokens))
-            _flush(shards, shard_tokens, val_tokens)
-            if shards.total == max_tokens:
+            if (train := sorter.add(tokens)) is not None:
+                shards.add(train)
+            if sorter.total == max_tokens:
                 break
         if documents == 0:
             raise DataError(f"no documents found in {desc}")
-        _finish(shards, shard_tokens, val_tokens, desc)
+        val, rest, val_documents = sorter.finish(desc)
+        shards.add(rest)
+        if shards.n_pending:
+            shards.write(shards.n_pending)
+        if len(val):
+            write_shard(os.path.join(out_dir, "val_000000.bin"), val, enc.n_vocab)
         shards.wait()
     finally:  # no thread is left encoding or writing, even after an error (callers may delete out_dir)
         progress.close()  # also before an error's line, which must not land on the progress bar's
         encoded.close()
         shards.close()
-    counts = shards.counts
-    stats = {"documents": documents, "tokens": sum(counts["val"]) + sum(counts["train"]),
-             "val_tokens": sum(counts["val"]), "train_tokens": sum(counts["train"]),
-             "train_shards": len(counts["train"]), "val_from": "start",
-             "max_tokens": max_tokens, "seconds": round(time.time() - t0, 3)}
+    stats = {"documents": documents, "tokens": sorter.total, "val_tokens": len(val),
+             "train_tokens": sum(shards.counts), "train_shards": len(shards.counts), "val_from": "draws",
+             "val_draws": split.VAL_DRAWS, "val_documents": val_documents, "max_tokens": max_tokens,
+             "seconds": round(time.time() - t0, 3)}
     print(_summary(stats, val_tokens, max_tokens, val_rule))
     record = {**enc.record(), "uint32": shard_version(enc.n_vocab) == 2, **stats}
     if "tokenizer_file" in record:  # sample.py, score.py and hf.py read the tokenizer from here
@@ -272,13 +207,11 @@ def _build(pieces, out_dir: str, enc: Tokenizer, shard_tokens: int, val_tokens: 
 
 def _check_sizes(shard_tokens: int, val_tokens: int | None, max_tokens: int | None) -> None:
     """ValueError for sizes no preparation can meet, before anything is read."""
-    # Under auto the first train shard also takes what val leaves of the MAX_VAL_TOKENS held back (_finish).
-    limit, under = (2**31 - MAX_VAL_TOKENS, " under --val-tokens auto") if val_tokens is None else (2**31, "")
-    if not 0 < shard_tokens < limit:
-        raise ValueError(f"--shard-tokens must be in [1, {limit:,}){under}, got {shard_tokens:,}")
+    if not 0 < shard_tokens < 2**31:
+        raise ValueError(f"--shard-tokens must be in [1, {2**31:,}), got {shard_tokens:,}")
     if val_tokens is not None and not 0 <= val_tokens < 2**31:
         raise ValueError(f"--val-tokens must be auto or in [0, 2**31), got {val_tokens:,}")
-    least = MIN_VAL_TOKENS if val_tokens is None else val_tokens
+    least = split.MIN_VAL_TOKENS if val_tokens is None else val_tokens
     if max_tokens is not None and max_tokens <= least:
         raise ValueError(f"--max-tokens {max_tokens:,} leaves no train tokens after the val split ({least:,} "
                          f"tokens{', the least of --val-tokens auto' if val_tokens is None else ''})")
@@ -299,42 +232,20 @@ def _check_trained_vocab(vocab: int) -> None:
                          f"the merges and the separator), got {vocab:,}")
 
 
-def _utf8_length(text: str) -> int:
-    return len(text.encode("utf-8", "surrogatepass"))  # a lone surrogate is a U+FFFD of 3 bytes when encoded
-
-
-def _val_bytes_bound(pieces, val_tokens: int | None, max_tokens: int | None) -> int:
-    """The most bytes of text (UTF-8) that the val split can hold, whatever tokenizer --train-tokenizer trains:
-    TRAINED_TOKEN_BYTES per val token (a separator holds none). Under --val-tokens auto (None) the val split
-    grows with the total, of which every token but a separator holds at least one byte: the total is at most
-    the text's bytes plus its documents (and max_tokens), counted from pieces until the val split would be at
-    its MAX_VAL_TOKENS cap."""
-    if val_tokens is None:
-        most = MAX_VAL_TOKENS * 1000 // VAL_PER_MILLE
-        most = most if max_tokens is None else min(most, max_tokens)
-        total = 0
-        for text, starts in pieces:
-            if total >= most:
-                break
-            total += _utf8_length(text) + starts
-        val_tokens = default_val_tokens(min(total, most))
-    return val_tokens * TRAINED_TOKEN_BYTES
-
-
-def _trained_tokenizer(pieces, vocab: int, held_out: int, separator: str, desc: str) -> Tokenizer:
-    """tokenizer.train_bpe of vocab ids on the text of pieces after its first held_out bytes (the val split's
-    place), at most TOKENIZER_TRAIN_CHARS characters of it. DataError when no text is left to train on."""
+def _trained_tokenizer(pieces, vocab: int, held: tuple[int, int], separator: str, desc: str) -> Tokenizer:
+    """tokenizer.train_bpe of vocab ids on the text of pieces that the val split cannot take (held:
+    split.val_held_out's), at most TOKENIZER_TRAIN_CHARS characters of it. DataError when none is left."""
     print(f"tokenizer: training a byte-level BPE of {vocab:,} ids on {desc}", file=sys.stderr)
-    text = TrainingText(pieces, held_out, TOKENIZER_TRAIN_CHARS)
+    text = TrainingText(split.texts_outside(pieces, held), TOKENIZER_TRAIN_CHARS)
     enc = train_bpe(text, vocab, f"trained:{vocab}", separator)
     if text.chars == 0:
-        raise DataError(f"{desc} has no text after its first {held_out:,} bytes, which --train-tokenizer holds out "
-                        f"for the val split (its tokens x {TRAINED_TOKEN_BYTES} bytes, the longest token); give a "
+        raise DataError(f"{desc} has no text outside the documents that the val split can take (up to "
+                        f"{TRAINED_TOKEN_BYTES} bytes a token, the longest), held out for the val split; give a "
                         f"smaller --val-tokens N")
     fewer = f" (not {vocab:,}: the text has no more pairs to merge)" if enc.n_vocab < vocab else ""
-    which = f"its first {text.chars:,} characters" if text.capped else f"all {text.chars:,} characters"
-    print(f"tokenizer: trained {enc.n_vocab:,} ids{fewer} on {which} after the first {held_out:,} bytes of {desc}, "
-          f"held out for the val split")
+    which = f"{text.chars:,} characters" + (" (the cap)" if text.capped else "")
+    print(f"tokenizer: trained {enc.n_vocab:,} ids{fewer} on {which} of {desc}, the documents that the val split "
+          f"can take held out")
     return enc
 
 
@@ -486,20 +397,19 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
     directory, a cached hub name); doc_separator names the token before each document when the tokenizer has
     no end-of-text or BOS token of its own. A Hugging Face tokenizer's tokenizer.json is copied into out_dir.
     train_tokenizer: in place of tokenizer, a byte-level BPE of that many ids (tokenizer.train_bpe, named
-    trained:VOCAB, its separator doc_separator or <|endoftext|>) trained on the source's text after the val
-    split's (_val_bytes_bound: its tokens of at most TRAINED_TOKEN_BYTES bytes), at most TOKENIZER_TRAIN_CHARS
-    characters of it, whatever max_tokens; the source is read once more for it (twice under val_tokens None).
+    trained:VOCAB, its separator doc_separator or <|endoftext|>) trained on the source's documents that the
+    val split cannot take (split.val_held_out), at most TOKENIZER_TRAIN_CHARS characters of them, whatever
+    max_tokens; the source is read twice more for it.
 
-    val_tokens None (--val-tokens auto): the val split is the corpus's first default_val_tokens(total)
-    tokens, 0.5% of it within [MIN_VAL_TOKENS, MAX_VAL_TOKENS], so that any corpus gets one that fits it, and
-    a larger --max-tokens only lengthens it (up to the same MAX_VAL_TOKENS tokens from 200M tokens on). The
-    total is known only at the end: the first MAX_VAL_TOKENS tokens stay in memory until then. A number: the
-    first val_tokens tokens (the default corpus passes one). max_tokens: stop after that many tokens in all,
+    The val split is documents drawn by a hash of their position (split.py): val_tokens of their tokens, or
+    under None (--val-tokens auto) default_val_tokens(total), 0.5% of the corpus within [MIN_VAL_TOKENS,
+    MAX_VAL_TOKENS], so that any corpus gets one that fits it, and a larger --max-tokens only lengthens it (up
+    to the same MAX_VAL_TOKENS tokens from 200M tokens on). max_tokens: stop after that many tokens in all,
     val and train, cut exactly there. hf_config, hf_split (default train): for a Hugging Face dataset;
     hf_split also picks a save_to_disk DatasetDict's split.
     Returns the record: the tokenizer's (Tokenizer.record: tokenizer, tokenizer_sha256, n_vocab, eot,
     doc_separator, tokenizer_file for a Hugging Face one), uint32, documents, tokens, val_tokens,
-    train_tokens, train_shards, val_from, max_tokens, seconds."""
+    train_tokens, train_shards, val_from, val_draws, val_documents, max_tokens, seconds."""
     _check_sizes(shard_tokens, val_tokens, max_tokens)
     if train_tokenizer is not None:
         _check_trained_vocab(train_tokenizer)
@@ -509,8 +419,8 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
     if train_tokenizer is None:
         enc = load_tokenizer(tokenizer, doc_separator)
     else:
-        held_out = _val_bytes_bound(read(), val_tokens, max_tokens)
-        enc = _trained_tokenizer(read(), train_tokenizer, held_out, doc_separator or TRAINED_SEPARATOR, source)
+        held = split.val_held_out(read(), val_tokens, max_tokens, TRAINED_TOKEN_BYTES)
+        enc = _trained_tokenizer(read(), train_tokenizer, held, doc_separator or TRAINED_SEPARATOR, source)
     pieces = read()
     partial, lock = _partial_dir(out_dir)
     try:
@@ -533,7 +443,7 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
 # ----------------------------------------------------------------------------------------------------------
 # The embedded default corpus: the Python standard library's own sources
 
-CORPUS_VERSION = 1  # bump when the corpus recipe changes, so old caches are not reused
+CORPUS_VERSION = 2  # bump when the corpus recipe changes, so old caches are not reused
 CORPUS_VAL_TOKENS = 131_072
 CORPUS_SHARD_TOKENS = 1_000_000
 
@@ -630,10 +540,11 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--shard-tokens", type=int, default=100_000_000, metavar="N",
                         help="tokens per train shard (default: %(default)s)")
     parser.add_argument("--val-tokens", type=int_or_auto, default="auto", metavar="N|auto",
-                        help=f"tokens for the validation shard, always the first ones. auto: "
-                             f"{VAL_PER_MILLE / 10:g}%% of the corpus, at least {MIN_VAL_TOKENS:,} (one eval "
-                             f"batch of 16 x 1,024, plus 1) and at most {MAX_VAL_TOKENS:,}, so a smaller "
-                             f"--max-tokens gives a prefix of a larger one's val split; N: the first N tokens "
+                        help=f"tokens for the validation shard, taken from documents drawn by a hash of their "
+                             f"position (1 in {split.VAL_DRAWS}, more draws in a small corpus). auto: "
+                             f"{split.VAL_PER_MILLE / 10:g}%% of the corpus, at least {split.MIN_VAL_TOKENS:,} (one "
+                             f"eval batch of 16 x 1,024, plus 1) and at most {split.MAX_VAL_TOKENS:,}, so a smaller "
+                             f"--max-tokens gives a prefix of a larger one's val split; N: N tokens "
                              f"(default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=None, metavar="N",
                         help="stop after N tokens in all, val and train (a sample of a large dataset); the "

@@ -495,19 +495,15 @@ def train_bpe(texts, n_vocab: int, name: str, separator: str = TRAINED_SEPARATOR
 
 
 class TrainingText:
-    """The text the tokenizer trains on, an iterable of strings: that of pieces after its first `skip` bytes
-    (UTF-8), at most max_chars characters of it. chars: how many it gave; capped: whether max_chars cut it."""
+    """The text the tokenizer trains on, an iterable of strings: that of texts, at most max_chars characters of
+    it. chars: how many it gave; capped: whether max_chars cut it."""
 
-    def __init__(self, pieces, skip: int, max_chars: int):
-        self.pieces, self.skip, self.max_chars = pieces, skip, max_chars
+    def __init__(self, texts, max_chars: int):
+        self.texts, self.max_chars = texts, max_chars
         self.chars, self.capped = 0, False
 
     def __iter__(self):
-        skip = self.skip
-        for text, _ in self.pieces:
-            if skip > 0:  # a character cut in two is dropped
-                raw = text.encode("utf-8", "surrogatepass")
-                text, skip = raw[skip:].decode("utf-8", "ignore"), skip - len(raw)
+        for text in self.texts:
             room = self.max_chars - self.chars
             if len(text) >= room:
                 text, self.capped = text[:room], True

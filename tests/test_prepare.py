@@ -24,6 +24,7 @@ import tokenizers
 import data
 import prepare
 import sources
+import split
 from cli import UsageError
 from conftest import WORD_TEXT, write_word_tokenizer
 from data import DataError, ShardLoader, read_shard, write_shard
@@ -45,9 +46,10 @@ DOCS = [
 
 
 def _all_tokens(out_dir):
+    """The val split's tokens, then the train shards', in order."""
     shards = [n for n in os.listdir(out_dir) if n.endswith(".bin")]
     names = sorted(shards, key=lambda n: (not n.startswith("val_"), n))  # val first
-    assert names[0] == "val_000000.bin" and all(n.startswith("train_") for n in names[1:])
+    assert all(n.startswith("train_") for n in names[1:])
     return np.concatenate([read_shard(out_dir / n) for n in names]).tolist()
 
 
@@ -55,10 +57,23 @@ def _expected(enc, docs):
     return [t for doc in docs for t in [EOT] + enc.encode_ordinary(doc)]
 
 
+def _reference_split(stream, val_tokens, eot=EOT):
+    """split.py's rule, written out one document at a time: val takes documents in order of (draw, position), the
+    last one cut at val_tokens; train is every other token in stream order. -> val + train."""
+    starts = [i for i, t in enumerate(stream) if t == eot] or [0]
+    starts[0] = 0
+    docs = [list(stream[a:b]) for a, b in zip(starts, starts[1:] + [len(stream)])]
+    val, taken = [], {}
+    for position in sorted(range(len(docs)), key=lambda p: (split.draw_of(p), p)):
+        taken[position] = min(len(docs[position]), val_tokens - len(val))
+        val += docs[position][:taken[position]]
+    return val + [t for p, doc in enumerate(docs) for t in doc[taken.get(p, 0):]]
+
+
 def _check(enc, out_dir, docs):
-    tokens = _all_tokens(out_dir)
-    assert tokens == _expected(enc, docs)
-    assert enc.decode(tokens) == "".join("<|endoftext|>" + d for d in docs)
+    record = json.loads((out_dir / "data.json").read_text())
+    assert record["val_from"] == "draws"
+    assert _all_tokens(out_dir) == _reference_split(_expected(enc, docs), record["val_tokens"])
 
 
 def test_prepare_text_file_in_pieces_equals_whole_file_encoding(gpt2, tmp_path, monkeypatch):
@@ -175,8 +190,10 @@ def test_invalid_utf8_is_replaced_with_one_warning_per_file(gpt2, tmp_path, monk
 
 def _reference_shards(enc, docs, shard_tokens, val_tokens):
     """The shard files prepare must write, made the plain way: encode_ordinary per document, the EOT token
-    before each non-empty one, the first val_tokens tokens to val, the rest in train shards of shard_tokens."""
-    tokens = np.array([t for doc in docs if doc for t in [EOT] + enc.encode_ordinary(doc)], dtype="<u2")
+    before each non-empty one, val_tokens tokens of the documents split.py draws to val, the rest in train shards
+    of shard_tokens."""
+    stream = [t for doc in docs if doc for t in [EOT] + enc.encode_ordinary(doc)]
+    tokens = np.array(_reference_split(stream, val_tokens), dtype="<u2")
     splits = {"val_000000.bin": tokens[:val_tokens]}
     for i, start in enumerate(range(val_tokens, len(tokens), shard_tokens)):
         splits[f"train_{i:06d}.bin"] = tokens[start:start + shard_tokens]
@@ -212,6 +229,7 @@ def test_prepare_error_midway_leaves_no_thread_running(gpt2, tmp_path, monkeypat
     (tmp_path / "doc.jsonl").write_text("\n".join(lines) + "\n")
     monkeypatch.setattr(prepare, "ENCODE_BATCH_CHARS", 100)
     monkeypatch.setattr(prepare, "ENCODE_CHARS_PER_THREAD", 200)
+    monkeypatch.setattr(split, "HOLD_TOKENS", 50)  # train shards written as the stream goes
     written, real_write_shard = [], prepare.write_shard
 
     def write_shard(path, tokens, vocab_size):
@@ -330,9 +348,8 @@ def test_a_finished_preparation_that_cannot_be_moved_into_place_is_kept(tmp_path
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--shard-tokens", "0"], "--shard-tokens must be in [1, 2,146,483,648) under --val-tokens auto, got 0"),
-    (["--shard-tokens", "2147000000"], "--shard-tokens must be in [1, 2,146,483,648) under --val-tokens auto"),
-    (["--shard-tokens", "0", "--val-tokens", "5"], "--shard-tokens must be in [1, 2,147,483,648), got 0"),
+    (["--shard-tokens", "0"], "--shard-tokens must be in [1, 2,147,483,648), got 0"),
+    (["--shard-tokens", "2147483648"], "--shard-tokens must be in [1, 2,147,483,648)"),
     (["--val-tokens", "-1"], "--val-tokens must be auto or in [0, 2**31), got -1")])
 def test_cli_size_errors_name_the_flag(tmp_path, capsys, flags, message):
     assert prepare.main(["--input", "missing", "--out", str(tmp_path / "out"), *flags]) == 2
@@ -353,65 +370,64 @@ def _corpus(tmp_path, n_docs, seed=0) -> list[str]:
     return docs
 
 
-def test_default_val_tokens_rule():
-    assert prepare.MIN_VAL_TOKENS == 16 * 1024 + 1 and prepare.MAX_VAL_TOKENS == 1_000_000
-    assert prepare.default_val_tokens(50_000) == prepare.MIN_VAL_TOKENS  # 0.5% is 250: one eval batch instead
-    assert prepare.default_val_tokens(3_277_000) == 16_385  # where 0.5% takes over
-    assert prepare.default_val_tokens(10_000_000) == 50_000  # 0.5%
-    assert prepare.default_val_tokens(200_000_000) == 1_000_000
-    assert prepare.default_val_tokens(2_500_000_000) == prepare.default_val_tokens(10**12) == 1_000_000  # the cap
-
-
-def test_prepare_with_default_args_keeps_the_first_tokens_of_a_small_corpus_for_val(gpt2, tmp_path, capsys):
+def test_prepare_with_default_args_draws_the_val_documents_of_a_small_corpus(gpt2, tmp_path, capsys):
     docs = _corpus(tmp_path, 220)
     stats = prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "out")  # under 1M tokens: refused before auto
     expected = _expected(gpt2[0], docs)
     assert 40_000 < len(expected) < 60_000
-    assert stats["val_tokens"] == prepare.default_val_tokens(len(expected)) == prepare.MIN_VAL_TOKENS
-    assert read_shard(tmp_path / "out" / "val_000000.bin").tolist() == expected[:prepare.MIN_VAL_TOKENS]
-    assert _all_tokens(tmp_path / "out") == expected
+    assert stats["val_tokens"] == split.default_val_tokens(len(expected)) == split.MIN_VAL_TOKENS
+    assert _all_tokens(tmp_path / "out") == _reference_split(expected, split.MIN_VAL_TOKENS)
+    val = read_shard(tmp_path / "out" / "val_000000.bin")
+    assert val[0] == EOT and 60 < stats["val_documents"] == np.count_nonzero(val == EOT) < 110  # not the first ones
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert line.startswith("data: 220 documents") and line.endswith(
-        "val: first 16,385 tokens (the least: one eval batch of 16 x 1,024, plus 1; "
-        f"{16_385 / len(expected):.1%} of the corpus, --val-tokens auto)")
+        f"val: 16,385 tokens in {stats['val_documents']} documents chosen by a hash of their position (the least: "
+        f"one eval batch of 16 x 1,024, plus 1; {16_385 / len(expected):.1%} of the corpus, --val-tokens auto)")
     record = json.loads((tmp_path / "out" / data.DATA_RECORD).read_text())
     assert {k: record[k] for k in ("tokenizer", "n_vocab", "eot", "documents", "tokens", "val_tokens",
-                                   "train_tokens", "val_from")} == {
+                                   "train_tokens", "val_from", "val_draws")} == {
         "tokenizer": "gpt2", "n_vocab": 50257, "eot": EOT, "documents": 220, "tokens": len(expected),
-        "val_tokens": 16_385, "train_tokens": len(expected) - 16_385, "val_from": "start"}
+        "val_tokens": 16_385, "train_tokens": len(expected) - 16_385, "val_from": "draws", "val_draws": 64}
 
 
-def test_auto_val_writes_train_shards_as_it_goes_and_takes_val_from_the_start(gpt2, tmp_path, monkeypatch, capsys):
-    """Bounds made small so that a small corpus meets each rule: 0.5%, then the cap. Train shards are written
-    while streaming, from the held first MAX_VAL_TOKENS on; val is the first tokens, and what it leaves of the
-    held ones opens the first train shard."""
-    docs = _corpus(tmp_path, 60)
-    expected = _expected(gpt2[0], docs)
-    monkeypatch.setattr(prepare, "MIN_VAL_TOKENS", 10)
-    for cap, out in [(150, "share"), (40, "cap")]:
-        monkeypatch.setattr(prepare, "MAX_VAL_TOKENS", cap)
+def test_past_the_hold_val_takes_draw_0_and_train_shards_are_written_as_the_stream_goes(gpt2, tmp_path, monkeypatch,
+                                                                                        capsys):
+    """Bounds made small so that a small corpus meets each rule: 0.5%, then the cap. Past the hold only draw 0's
+    documents wait in memory (at most the cap); what val leaves of them ends the last train shard."""
+    docs = _corpus(tmp_path, 400)
+    stream = np.array(_expected(gpt2[0], docs))
+    draw_0 = np.flatnonzero(split.draws(np.cumsum(stream == EOT) - 1) == 0)
+    monkeypatch.setattr(split, "HOLD_TOKENS", 500)
+    monkeypatch.setattr(split, "MIN_VAL_TOKENS", 10)
+    for cap, out in [(1000, "share"), (300, "cap")]:
+        monkeypatch.setattr(split, "MAX_VAL_TOKENS", cap)
         stats = prepare.prepare(tmp_path / "docs.jsonl", tmp_path / out, shard_tokens=997)
-        val = min(cap, len(expected) * 5 // 1000)
-        assert stats["val_tokens"] == val and (val == 40) == (out == "cap")
-        assert read_shard(tmp_path / out / "val_000000.bin").tolist() == expected[:val]
-        assert _all_tokens(tmp_path / out) == expected
+        val = min(cap, len(stream) * 5 // 1000)
+        assert stats["val_tokens"] == val and (val == 300) == (out == "cap")
+        taken = draw_0[:cap]
+        train = np.concatenate([np.delete(stream, taken), stream[taken[val:]]])
+        assert _all_tokens(tmp_path / out) == stream[taken[:val]].tolist() + train.tolist()
         sizes = [len(read_shard(p)) for p in sorted((tmp_path / out).glob("train_*"))]
-        assert len(sizes) > 5 and sizes[0] == 997 + cap - val and set(sizes[1:-1]) == {997} and 0 < sizes[-1] <= 997
-        reason = "0.5% of the corpus" if out == "share" else f"the cap; {40 / len(expected):.2%} of the corpus"
-        assert capsys.readouterr().out.strip().endswith(f"val: first {val:,} tokens ({reason}, --val-tokens auto)")
-    prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "explicit", shard_tokens=997, val_tokens=300)
-    assert read_shard(tmp_path / "explicit" / "val_000000.bin").tolist() == expected[:300]  # the first N
-    assert capsys.readouterr().out.strip().endswith("; val: first 300 tokens (--val-tokens 300)")
+        assert len(sizes) > 5 and set(sizes[:-1]) == {997} and 0 < sizes[-1] <= 997
+        reason = "0.5% of the corpus" if out == "share" else f"the cap; {300 / len(stream):.2%} of the corpus"
+        assert capsys.readouterr().out.strip().endswith(f"({reason}, --val-tokens auto)")
+    with pytest.raises(DataError, match=r"past its first 500 tokens the val split takes 1 in 64 documents, chosen by "
+                                        r"a hash of their position, and those hold only [\d,]+ tokens; give "
+                                        r"--val-tokens [\d,]+ or less"):
+        prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "explicit", val_tokens=len(draw_0) + 1)
+    assert not (tmp_path / "explicit").exists()
 
 
 def test_the_summary_line_counts_in_the_singular_and_plural():
     stats = {"documents": 1, "tokens": 1200, "train_tokens": 1000, "train_shards": 1, "val_tokens": 200,
-             "seconds": 0.5}
-    assert prepare._summary(stats, 200, None) == ("data: 1 document, 1,200 tokens (1,000 train in 1 shard) in 0.5s "
-                                                  "(0.00M tok/s); val: first 200 tokens (--val-tokens 200)")
+             "seconds": 0.5, "val_from": "draws", "val_documents": 1}
+    assert prepare._summary(stats, 200, None) == (
+        "data: 1 document, 1,200 tokens (1,000 train in 1 shard) in 0.5s (0.00M tok/s); val: 200 tokens in 1 "
+        "document chosen by a hash of their position (--val-tokens 200)")
     line = prepare._summary({**stats, "documents": 2, "train_shards": 3, "val_tokens": 1}, 1, None)
     assert "data: 2 documents," in line and "in 3 shards)" in line
-    assert line.endswith("val: first 1 token (--val-tokens 1)")
+    assert "val: 1 token in 1 document" in line
+    assert prepare._summary({**stats, "val_tokens": 0}, 0, None).endswith("val: none (--val-tokens 0)")
 
 
 def test_auto_val_refuses_a_corpus_too_small_to_leave_train_tokens(gpt2, tmp_path):
@@ -426,38 +442,38 @@ def test_max_tokens_cuts_at_the_exact_count(gpt2, tmp_path, monkeypatch, capsys)
     docs = _corpus(tmp_path, 60)
     expected = _expected(gpt2[0], docs)[:5000]
     stats = prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "explicit", shard_tokens=997, val_tokens=100,
-                         max_tokens=5000)
-    assert _all_tokens(tmp_path / "explicit") == expected
+                            max_tokens=5000)
+    assert _all_tokens(tmp_path / "explicit") == _reference_split(expected, 100)
     assert stats["tokens"] == 5000 and stats["val_tokens"] == 100 and stats["documents"] == expected.count(EOT)
     captured = capsys.readouterr()
     assert "5,000/5,000 tok" in captured.err  # the progress knows the total: a count out of it, and an ETA
-    assert ", cut at --max-tokens 5,000; val: first 100 tokens" in captured.out
-    monkeypatch.setattr(prepare, "MIN_VAL_TOKENS", 10)
+    assert ", cut at --max-tokens 5,000; val: 100 tokens" in captured.out
+    monkeypatch.setattr(split, "MIN_VAL_TOKENS", 10)
     stats = prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "auto", shard_tokens=997, max_tokens=5000)
-    assert _all_tokens(tmp_path / "auto") == expected and stats["val_tokens"] == 25  # 0.5% of 5,000
+    assert _all_tokens(tmp_path / "auto") == _reference_split(expected, 25) and stats["val_tokens"] == 25  # 0.5%
     prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "all", val_tokens=100, max_tokens=10**9)
     assert "all of it (fewer than --max-tokens 1,000,000,000)" in capsys.readouterr().out
 
 
-def test_auto_val_is_the_same_prefix_under_any_max_tokens(gpt2, tmp_path, monkeypatch):
-    """The rule scaled down (at least 10, at most 40: saturated from 8,000 tokens on): a smaller cap's val split
-    is a prefix of a larger cap's, every cap from saturation on gives the identical val shard, and train
-    starts right after val whether train shards were written while streaming (shards of 997) or not."""
+def test_auto_val_is_the_same_documents_under_any_max_tokens(gpt2, tmp_path, monkeypatch):
+    """The rule scaled down (at least 10, at most 40: saturated from 8,000 tokens on). Document 6 is the first of
+    draw 0, in the first 3,000 tokens: a smaller cap's val split is a prefix of a larger cap's, and every cap from
+    saturation on gives the identical val shard, whether it is chosen in memory or while streaming."""
     expected = _expected(gpt2[0], _corpus(tmp_path, 60))
-    assert len(expected) > 12_000
-    monkeypatch.setattr(prepare, "MIN_VAL_TOKENS", 10)
-    monkeypatch.setattr(prepare, "MAX_VAL_TOKENS", 40)
+    assert len(expected) > 12_000 and split.draw_of(6) == 0 and min(split.draws(np.arange(6))) > 0
+    monkeypatch.setattr(split, "MIN_VAL_TOKENS", 10)
+    monkeypatch.setattr(split, "MAX_VAL_TOKENS", 40)
     vals = {}
-    for cap, shard_tokens in [(3000, 997), (9000, 997), (12_000, 997), (None, 997), (9000, 10**6)]:
-        out = tmp_path / f"{cap}-{shard_tokens}"
-        prepare.prepare(tmp_path / "docs.jsonl", out, shard_tokens=shard_tokens, max_tokens=cap)
-        vals[cap, shard_tokens] = (out / "val_000000.bin").read_bytes()
-        assert _all_tokens(out) == expected[:cap]
-    assert read_shard(tmp_path / "3000-997" / "val_000000.bin").tolist() == expected[:15]  # 0.5% of 3,000
+    for cap, hold in [(3000, None), (9000, None), (12_000, None), (None, None), (None, 500), (9000, 2000)]:
+        if hold:
+            monkeypatch.setattr(split, "HOLD_TOKENS", hold)
+        out = tmp_path / f"{cap}-{hold}"
+        prepare.prepare(tmp_path / "docs.jsonl", out, shard_tokens=997, max_tokens=cap)
+        vals[cap, hold] = (out / "val_000000.bin").read_bytes()
+    sixth = expected.index(EOT, [i for i, t in enumerate(expected) if t == EOT][6])
+    assert read_shard(tmp_path / "3000-None" / "val_000000.bin").tolist() == expected[sixth:sixth + 15]  # 0.5%
     assert len({vals[key] for key in vals if key[0] != 3000}) == 1  # at or past saturation: 40 tokens
-    prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "explicit", shard_tokens=10**6, val_tokens=40, max_tokens=9000)
-    assert {p.name: p.read_bytes() for p in (tmp_path / "explicit").glob("*.bin")} == {
-        p.name: p.read_bytes() for p in (tmp_path / "9000-1000000").glob("*.bin")}
+    assert read_shard(tmp_path / "None-None" / "val_000000.bin").tolist() == expected[sixth:sixth + 40]
 
 
 def test_max_tokens_that_leave_no_train_tokens_are_refused(gpt2, tmp_path, capsys):
@@ -579,10 +595,10 @@ def test_default_corpus_is_built_once_and_rebuilt_when_incomplete(gpt2, tmp_path
     monkeypatch.setattr(prepare, "CORPUS_SHARD_TOKENS", 1000)
     path = prepare.default_corpus(tmp_path)
     # No --val-tokens was given: the line names the rule that chose the size.
-    assert capsys.readouterr().out.strip().endswith("; val: first 200 tokens (the default corpus's fixed val size)")
+    assert capsys.readouterr().out.strip().endswith("by a hash of their position (the default corpus's fixed val size)")
     assert os.path.dirname(path) == str(tmp_path) and "gpt2" in os.path.basename(path)
     texts = [open(f, encoding="utf-8").read() for f in small]
-    assert _all_tokens(tmp_path / os.path.basename(path)) == _expected(gpt2[0], texts)
+    assert _all_tokens(tmp_path / os.path.basename(path)) == _reference_split(_expected(gpt2[0], texts), 200)
 
     def no_rebuild(*args, **kwargs):
         raise AssertionError("rebuilt a complete cache")
@@ -593,7 +609,7 @@ def test_default_corpus_is_built_once_and_rebuilt_when_incomplete(gpt2, tmp_path
     os.remove(os.path.join(path, data.CORPUS_MARKER))  # as if a build had stopped half way
     open(os.path.join(path, "train_000000.bin"), "wb").close()
     assert prepare.default_corpus(tmp_path) == path
-    assert _all_tokens(tmp_path / os.path.basename(path)) == _expected(gpt2[0], texts)
+    assert _all_tokens(tmp_path / os.path.basename(path)) == _reference_split(_expected(gpt2[0], texts), 200)
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]  # no temporary directory left
     assert data.data_record(path)["n_vocab"] == 50257 and data.check_vocab(151_936, path) is not None
 
@@ -615,7 +631,7 @@ def test_default_corpus_real_build(stdlib_corpus):
 
 # The sha256 of the default corpus's shards (each name, then its bytes, in name order) per Python version, as
 # the corpus is that version's standard library.
-STDLIB_CORPUS_SHA256 = {"3.11.7": "152cbdd14fe86653f1cfdaa32918371565208c0b43b6eab5d7742a62f949d4d0"}
+STDLIB_CORPUS_SHA256 = {"3.11.7": "fc29cb09cf62038e4b3a8b3e85412917edd368ddf79cb7dd1abdc466489efb85"}
 
 
 def test_default_corpus_shards_are_pinned(stdlib_corpus):
@@ -662,8 +678,9 @@ def test_cli_writes_shards(gpt2, tmp_path):
 # ----------------------------------------------------------------------------------------------------------
 # Tokenizers beyond tiktoken; --text-field and --overwrite
 
-# The digest of the shards below as the tiktoken-only preparation wrote them (commit 6872e05).
-GPT2_SHARDS_SHA256 = "74190b3312c3631709de6fac8ad1323c2db2c00e19b0c3f0c5d42a77265bb821"
+# The digest of the shards below: the tokens as the tiktoken-only preparation wrote them (commit 6872e05), in
+# the val split that split.py draws.
+GPT2_SHARDS_SHA256 = "ab36bd1fdf1bef77e9b91f46c7b6cab5742d05f0977eb72d643639be1692d38d"
 
 
 def test_gpt2_shards_are_byte_identical_to_before(gpt2, tmp_path):
@@ -683,7 +700,7 @@ def test_prepare_with_a_tokenizer_json_of_over_65535_ids(word_tokenizer, tmp_pat
     record = prepare.prepare(tmp_path / "docs.jsonl", out, word_tokenizer, val_tokens=5)
     own = tokenizers.Tokenizer.from_file(word_tokenizer)
     own.encode_special_tokens = True  # a document's "<|endoftext|>" is its text
-    assert _all_tokens(out) == [t for doc in docs for t in [70_000, *own.encode(doc).ids]]
+    assert _all_tokens(out) == _reference_split([t for doc in docs for t in [70_000, *own.encode(doc).ids]], 5, 70_000)
     assert all(read_shard(p).dtype == np.uint32 for p in out.glob("*.bin"))
     assert {k: record[k] for k in ("tokenizer", "n_vocab", "eot", "doc_separator", "uint32", "tokenizer_file")} == {
         "tokenizer": word_tokenizer, "n_vocab": 70_001, "eot": 70_000, "doc_separator": "<|endoftext|>",
@@ -722,7 +739,7 @@ def test_train_tokenizer_prepares_shards_with_its_own_ids(tmp_path):
     record = prepare.prepare(tmp_path / "docs.jsonl", out, val_tokens=20, train_tokenizer=300)
     own = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
     own.encode_special_tokens = True
-    assert _all_tokens(out) == [t for doc in docs for t in [299, *own.encode(doc).ids]]
+    assert _all_tokens(out) == _reference_split([t for doc in docs for t in [299, *own.encode(doc).ids]], 20, 299)
     assert {k: record[k] for k in ("tokenizer", "n_vocab", "eot", "doc_separator", "uint32", "tokenizer_file")} == {
         "tokenizer": "trained:300", "n_vocab": 300, "eot": 299, "doc_separator": "<|endoftext|>", "uint32": False,
         "tokenizer_file": "tokenizer.json"}
@@ -738,10 +755,10 @@ def test_train_tokenizer_prepares_shards_with_its_own_ids(tmp_path):
         **record, "seconds": data.data_record(str(out))["seconds"]}
 
 
-def test_train_tokenizer_holds_the_val_splits_text_out(tmp_path, monkeypatch):
-    """The val split's text, of at most TRAINED_TOKEN_BYTES per val token, is not trained on."""
+def test_train_tokenizer_holds_the_val_splits_documents_out(tmp_path, monkeypatch):
+    """The documents the val split can take (of at most TRAINED_TOKEN_BYTES per val token) are not trained on."""
     val_tokens = 30
-    docs = _word_docs(6, 150, seed=1)
+    docs = _word_docs(40, 30, seed=1)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     trained_on = []
     train_bpe = prepare.train_bpe
@@ -752,34 +769,25 @@ def test_train_tokenizer_holds_the_val_splits_text_out(tmp_path, monkeypatch):
 
     monkeypatch.setattr(prepare, "train_bpe", spy)
     prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "out", val_tokens=val_tokens, train_tokenizer=300)
-    val = read_shard(tmp_path / "out" / "val_000000.bin")
+    draws, last = split.val_held_out([(d, True) for d in docs], val_tokens, None, prepare.TRAINED_TOKEN_BYTES)
+    size = [len(d.encode()) for d in docs]  # ASCII and whole characters: cut here at a character's boundary
+    whole = sum(size[p] for p in range(len(docs)) if split.draw_of(p) < draws - 1)
+    assert whole + last == val_tokens * 16 < whole + sum(size[p] for p in range(len(docs)) if split.draw_of(p) == draws - 1)
+    expected, left = [], last  # draw draws - 1's documents, in order, lose their first `last` bytes between them
+    for p, d in enumerate(docs):
+        if split.draw_of(p) == draws - 1 and left > 0:
+            d, left = d.encode()[left:].decode(), left - size[p]
+        if split.draw_of(p) >= draws - 1 and d:
+            expected.append(d)
+    assert trained_on == expected and len(expected) < len(docs)
     enc = data.data_tokenizer(str(tmp_path / "out"))
-    held_out = val_tokens * prepare.TRAINED_TOKEN_BYTES
-    assert enc.byte_lengths[val].sum() <= held_out  # the val split lies in the bytes held out
-    assert "".join(trained_on).encode() == "".join(docs).encode()[held_out:]  # cut between characters here
+    val = enc.decode(read_shard(tmp_path / "out" / "val_000000.bin").tolist())
+    assert val.startswith("<|endoftext|>" + docs[min(range(len(docs)), key=split.draw_of)][:10])  # the least draw
 
-    pieces = [("héllo", True), ("wörld", False), ("abc", True)]
-    text = TrainingText(pieces, skip=2, max_chars=5)  # a character cut in two is dropped
-    assert list(text) == ["llo", "wö"] and (text.chars, text.capped) == (5, True)
-    text = TrainingText(pieces, skip=0, max_chars=100)
+    text = TrainingText(iter(["héllo", "", "wörld", "abc"]), max_chars=7)
+    assert list(text) == ["héllo", "wö"] and (text.chars, text.capped) == (7, True)
+    text = TrainingText(["héllo", "wörld", "abc"], max_chars=100)
     assert list(text) == ["héllo", "wörld", "abc"] and (text.chars, text.capped) == (13, False)
-
-
-def test_val_bytes_bound_under_val_tokens_auto():
-    """Under auto the val split's size is bounded through the total: at most a token per byte and document."""
-    bound = prepare._val_bytes_bound
-    assert bound(iter(()), 100, None) == 100 * prepare.TRAINED_TOKEN_BYTES
-    small = [("é" * 10_000, True)] * 3  # 60,003 tokens at most: the least val split
-    assert bound(small, None, None) == prepare.MIN_VAL_TOKENS * prepare.TRAINED_TOKEN_BYTES
-    large = [("x" * 10_000_000, True)] * 30  # 300M: 1.5M tokens' worth of val, but no more than the cap
-    assert bound(large, None, None) == prepare.MAX_VAL_TOKENS * prepare.TRAINED_TOKEN_BYTES
-    assert bound(large, None, 8_000_000) == 40_000 * prepare.TRAINED_TOKEN_BYTES  # 0.5% of --max-tokens
-
-    def endless():
-        while True:
-            yield "x" * 10_000_000, True
-
-    assert bound(endless(), None, None) == prepare.MAX_VAL_TOKENS * prepare.TRAINED_TOKEN_BYTES  # read no further
 
 
 def test_train_tokenizer_mistakes_are_one_line_and_leave_out_alone(tmp_path, capsys):
@@ -790,7 +798,7 @@ def test_train_tokenizer_mistakes_are_one_line_and_leave_out_alone(tmp_path, cap
                          (["--train-tokenizer", "300", "--tokenizer", "gpt2"], "not allowed with argument"),
                          (["--train-tokenizer", "300", "--doc-separator", "EOS"], "'EOS' could be a token of text"),
                          (["--val-tokens", "1000000", "--train-tokenizer", "300", "--overwrite"],
-                          "which --train-tokenizer holds out for the val split")]:
+                          "held out for the val split")]:
         if flags[-1] == "--overwrite":  # fails after the earlier preparation was checked: it stays whole
             assert prepare.main([*args, "--val-tokens", "5", "--train-tokenizer", "257"]) == 0
             capsys.readouterr()
