@@ -292,9 +292,11 @@ def render(out_dir: str, records: list[dict], summary: dict | None, settings: di
               "steps the train loss and tokens/s are smoothed over about 1% of the steps, the raw steps faint "
               "behind them; the loss axis leaves out the first steps' far higher losses (`bench/plot.py` draws "
               "them with other choices).", "", f"![curves]({CURVES_FILE})"] if curves else ["No steps to draw."]
-    lines += ["", "## Evals", "", "Val loss and bpb are taken on `--eval-tokens` of the val split (`prepare.py` puts "
-              "a corpus's first documents there), in windows at places a fixed seed draws across the split: the "
-              "same tokens every eval and every run on the same shards.", "", *eval_table(records)]
+    plan = summary and summary["facts"].get("eval_plan")
+    lines += ["", "## Evals", "", f"Evals ran {plan}." if plan else "Val loss and bpb are taken on `--eval-tokens` "
+              "of the val split, in windows at places a fixed seed draws across the split: the same tokens every "
+              "eval and every run on the same shards (the start-up table's eval row says which split and how "
+              "prepare.py chose its documents).", "", *eval_table(records)]
     lines += ["", "## Last samples", "", *sample_lines(records)]
     return "\n".join(lines) + "\n"
 

@@ -64,6 +64,7 @@ def announce(run, sources: list, reasons: dict, planned_tokens: int) -> None:
     minute (plan.warnings)."""
     if not run.info.is_main:
         return
+    run.telemetry.eval_plan = run.evaluator.describe_val()  # the summary keeps it for report.py
     print_table(startup_rows(run, sources, reasons, planned_tokens))
     cfg, layout = run.cfg, run.layout
     length_flag = "--max-tokens" if cfg.schedule.max_tokens else "--max-steps"
@@ -96,7 +97,7 @@ def startup_rows(run, sources: list, reasons: dict, planned_tokens: int) -> list
         ("FP8", fp8.describe_fp8(run.model, run.fp8_recipe)),
         ("activation ckpt", memory.describe_activation_checkpointing(run.model)),
         ("loss path", memory.describe_loss_path(run.model, layout.micro_batch * layout.seq_len, run.autocast_dtype)),
-        ("eval", run.evaluator.describe_val()),
+        ("eval", run.telemetry.eval_plan),
         ("batch", f"{layout.micro_batch} x {layout.seq_len} tokens x {plural(layout.grad_accum, 'micro-step')} x "
                   f"{plural(layout.world_size, 'rank')} = {layout.tokens_per_step:,} tokens/step"),
         ("schedule", f"{cfg.schedule.schedule}, peak lr {cfg.optim.lr:g}, warmup {cfg.schedule.warmup}, "
@@ -426,6 +427,7 @@ class Telemetry:
         self.loop_start = None
         self.step_times, self.step_tokens, self.data_warned, self.last_loss = [], [], False, float("nan")
         self.done, self.compile_s, self.last_eval = start_step, None, None
+        self.eval_plan = None  # the start-up table's eval row: when val is taken, on which tokens
         self.steps_taken = start_step  # queued on the device, read back or not (done: read back)
         self.in_step, self.micro_done = False, (0, 0)
         # timing_step restarts the first two per step; a step run without it (bench/throughput.py) counts from here
@@ -608,7 +610,7 @@ class Telemetry:
             "out_dir": self.cfg.ckpt.out_dir, "final_ckpt": newest_checkpoint(self.cfg.ckpt.out_dir),
             "best_ckpt": existing_best(self.cfg.ckpt.out_dir), "epoch_tokens": self.epoch_tokens,
             "bos": self.cfg.data.packing == "bos", "source_epochs": self.source_epochs,
-            "sample_prompt": self.cfg.eval.sample_prompt,
+            "sample_prompt": self.cfg.eval.sample_prompt, "eval_plan": self.eval_plan,
             # what keeps the model from transformers' Qwen3 (hf.py's export): --from-hf's directory is Qwen3
             "qwen3_flags": "" if self.cfg.ckpt.from_hf else self.cfg.model.qwen3_flags(),
         }

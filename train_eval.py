@@ -31,8 +31,9 @@ import torch
 
 import distributed
 import hardware
+import split
 from cli import UsageError, first_line, plural
-from data import DataError, ShardLoader, data_tokenizer, padded_vocab
+from data import DataError, ShardLoader, data_record, data_tokenizer, padded_vocab
 from mixture import Source, is_mixture, label, parse_data, record_dir
 from model import IGNORE_INDEX
 from progress import Progress
@@ -271,7 +272,8 @@ class Evaluator:
         self.token_bytes = None  # check_val: bytes per token id, when the model's ids are the tokenizer's
         self.no_bpb_reason = None  # check_val: why there are no bytes per token, when there are none
         self.val_note = None  # check_val: the note when each eval reads other than --eval-tokens (eval_tokens_note)
-        self.val_reads = []  # check_val: (source name, windows, their tokens each, the val split's tokens) per source
+        self.val_reads = []  # check_val, per source: (name, windows, their tokens each, the val split's tokens, how
+        # prepare.py chose it)
         self.choices = []  # load_hellaswag: (inputs, targets, label) per example, on the CPU
 
     @property
@@ -334,7 +336,8 @@ class Evaluator:
             loader.close()
             val_tokens = sum(len(shard) for shard in loader.shards)
             batches = eval_batches(self.cfg.eval_tokens, loader.num_windows, micro_batch, seq_len, self.info.world_size)
-            self.val_reads.append((source.name, batches * micro_batch * self.info.world_size, seq_len, val_tokens))
+            self.val_reads.append((source.name, batches * micro_batch * self.info.world_size, seq_len, val_tokens,
+                                   split.describe(data_record(source.dir) or {})))
             note = eval_tokens_note(self.cfg.eval_tokens, loader.num_windows, val_tokens, micro_batch, seq_len,
                                     self.info.world_size)
             if note:
@@ -478,10 +481,10 @@ class Evaluator:
         """The start-up table's eval row: how often, and which tokens the val loss is taken on."""
         if not self.cfg.eval_interval:
             return "off (--eval-interval 0)"
-        reads = "; ".join(f"{name + ': ' if name else ''}{windows * seq:,} of the val split's {total:,} tokens"
-                          for name, windows, seq, total in self.val_reads)
-        return (f"every {plural(self.cfg.eval_interval, 'step')} and at the end: val loss and bpb on {reads} (windows "
-                f"at places a fixed seed draws across the split, the same every eval and every run)")
+        reads = "; ".join(f"{name + ': ' if name else ''}{windows * seq:,} of the val split's {total:,} tokens "
+                          f"({chosen})" for name, windows, seq, total, chosen in self.val_reads)
+        return (f"every {plural(self.cfg.eval_interval, 'step')} and at the end: val loss and bpb on {reads}, in "
+                f"windows at places a fixed seed draws across the split, the same every eval and every run")
 
     def describe(self, metrics: dict) -> str:
         """The eval line's figures: 'val loss 4.1234, val bpb 1.2345, hellaswag 0.2500 (sum 0.2500, 8 examples)'."""
