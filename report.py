@@ -26,7 +26,8 @@ import config
 import hardware
 from cli import ArgumentParser, UsageError, first_line, report_error
 from progress import duration
-from rundir import CONFIG_FILE, CURVES_FILE, METRICS_FILE, REPORT_FILE, SUMMARY_FILE
+from rundir import CONFIG_FILE, CURVES_FILE, REPORT_FILE, SUMMARY_FILE
+from runlog import METRICS_FILE, MetricsError, is_count, read_metrics
 from telemetry import PHASES, summary_rows
 
 MAX_EVAL_ROWS = 40  # a longer eval table keeps evenly spaced rows and the last (thin)
@@ -123,38 +124,22 @@ def read_summary(out_dir: str) -> dict | None:
     return summary
 
 
-def is_count(value) -> bool:
-    """An integer as JSON gives one (a JSON true is a bool, which Python counts as an int)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def is_pairs(rows) -> bool:
     """Whether rows are a table's [name, value] rows, as summary.json holds the summary's and the machine's."""
     return isinstance(rows, list) and all(isinstance(row, list) and len(row) == 2 for row in rows)
 
 
 def read_records(out_dir: str) -> list[dict]:
-    """metrics.jsonl's records (bench/plot.py's reader), or none for an empty or missing file: a run that ended
-    before its first step's record. UsageError, naming the line, for a record without the counts the report
-    prints of every record it shows (step and tokens)."""
-    path = os.path.join(out_dir, METRICS_FILE)
-    if not os.path.isfile(path) or os.path.getsize(path) == 0:
-        return []
-    plot = bench_plot()
+    """metrics.jsonl's records (runlog.read_metrics: a torn last line skipped, with its note on stderr), or none
+    for an empty or missing file: a run that ended before its first step's record. UsageError, naming the line,
+    for a damaged one."""
     try:
-        records = plot.read_metrics(out_dir)
-    except plot.MetricsError as e:
+        records, note = read_metrics(os.path.join(out_dir, METRICS_FILE))
+    except MetricsError as e:
         raise UsageError(str(e)) from None
-    for index, record in enumerate(records):
-        if missing := [key for key in ("step", "tokens") if not is_count(record.get(key))]:
-            raise UsageError(f"{path}:{record_line(path, index)}: a record without an integer '{missing[0]}'")
+    if note:
+        print(note, file=sys.stderr)
     return records
-
-
-def record_line(path: str, index: int) -> int:
-    """The line number of the index-th record of a metrics.jsonl, whose blank lines hold none (plot.read_metrics)."""
-    with open(path) as f:
-        return [number for number, line in enumerate(f, 1) if line.strip()][index]
 
 
 # ----------------------------------------------------------------------------- the sections, pure

@@ -30,9 +30,9 @@ from checkpoint import DIGEST_SUFFIX, best_path, list_checkpoints, remove
 from cli import UsageError
 from data import DataError
 from prepare import default_corpus
+from runlog import METRICS_FILE
 
 LOCK_FILE = ".lock"
-METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.toml"
 TRACE_FILE = "trace.json"  # --profile (telemetry.py)
 TENSORBOARD_DIR = "tensorboard"  # --tensorboard's event files (telemetry.MetricsLog)

@@ -16,10 +16,10 @@ class MetricsError(Exception):
     """A metrics file that cannot be read as records; its message names the file and line."""
 
 
-def read_metrics(path: str) -> tuple[list[dict], str | None]:
+def read_metrics(path: str, required: tuple[str, ...] = ("step", "tokens")) -> tuple[list[dict], str | None]:
     """-> (the records of the metrics.jsonl at path, in file order; a note when a torn last line was
     skipped). No file: no records. MetricsError for a line, other than a torn last one, that is not a JSON
-    object with integer 'step' and 'tokens' (blank lines hold nothing and are passed over)."""
+    object with an integer under each key of `required` (blank lines hold nothing and are passed over)."""
     if not os.path.isfile(path):
         return [], None
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -36,7 +36,7 @@ def read_metrics(path: str) -> tuple[list[dict], str | None]:
             raise MetricsError(f"{path}:{lineno}: not a JSON line") from None
         if not isinstance(record, dict):
             raise MetricsError(f"{path}:{lineno}: not a JSON object")
-        if missing := [key for key in ("step", "tokens") if not is_count(record.get(key))]:
+        if missing := [key for key in required if not is_count(record.get(key))]:
             raise MetricsError(f"{path}:{lineno}: a record without an integer '{missing[0]}'")
         records.append(record)
     return records, None

@@ -37,12 +37,13 @@ import plan
 import sizing
 from batch import describe_epochs, plan_warnings
 from checkpoint import best_path, list_checkpoints
-from cli import first_line, plural
+from cli import UsageError, first_line, plural
 from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values
 from hardware import cpu_bf16_warning, cpu_flags, peak_memory_gib
 from optim import describe_param_groups, optimizer_state_bytes
 from progress import Heartbeat, Progress, duration
 from rundir import TENSORBOARD_DIR
+from runlog import METRICS_FILE, MetricsError, read_metrics
 from schedule import current_lr
 
 DATA_WAIT_WARN = 0.05  # warn when waiting for batches takes more than this fraction of a step
@@ -149,7 +150,7 @@ class MetricsLog:
 
     def __init__(self, out_dir: str, start_step: int, wandb_run, enabled: bool = True, restored: dict | None = None,
                  tensorboard: bool = False):
-        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.path = os.path.join(out_dir, METRICS_FILE)
         self.enabled, self.wandb_run = enabled, wandb_run
         self.tensorboard_dir = os.path.join(out_dir, TENSORBOARD_DIR) if enabled and tensorboard else None
         self.tensorboard = self.purge_step = None  # the writer, opened at the first point (_scalars)
@@ -163,17 +164,17 @@ class MetricsLog:
             return None
         self._purge_tensorboard_after(done)
         kept, last = [], None
-        if done > 0 and os.path.exists(self.path):
-            with open(self.path) as f:
-                for line in f:
-                    try:
-                        record = json.loads(line)
-                        # A record without time_s counts its steps from 0 (tested): its step N is step N+1 here.
-                        if record["step"] + ("time_s" not in record) <= done:
-                            kept.append(line)
-                            last = record
-                    except (ValueError, KeyError, TypeError):
-                        pass
+        if done > 0:
+            try:
+                records, note = read_metrics(self.path, required=("step",))
+            except MetricsError as e:
+                raise UsageError(f"{e}: the run's log is damaged there; mend or delete that line, then resume (the "
+                                 f"resume rewrites the log from its records)") from None
+            if note:
+                message(note)
+            # A record without time_s counts its steps from 0 (tested): its step N is step N+1 here.
+            records = [r for r in records if r["step"] + ("time_s" not in r) <= done]
+            kept, last = [json.dumps(r) + "\n" for r in records], (records[-1] if records else None)
         if restored is not None and restored["step"] == done and (last is None or last["step"] < done):
             kept.append(json.dumps(restored) + "\n")
             last = restored

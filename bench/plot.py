@@ -12,7 +12,6 @@ Other benchmarks import read_metrics() and plot_runs() to draw their own figures
 """
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -22,6 +21,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display is needed, or present on CI and servers
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import EngFormatter, LogFormatter  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
+from runlog import METRICS_FILE, MetricsError, read_metrics as read_log  # noqa: E402
 
 # Panel name -> (y-axis label, metrics keys drawn on it). "loss" shows train and val together.
 PANELS = {
@@ -45,27 +47,15 @@ AUTO_SMOOTH_SPAN = 0.01
 LOSS_QUANTILE, LOSS_HEADROOM = 0.9, 0.5
 
 
-class MetricsError(Exception):
-    """A metrics file that is missing or unreadable, or a bad command line; reported in one line."""
-
-
 def read_metrics(out_dir: str) -> list[dict]:
-    """The records of out_dir/metrics.jsonl, in file order."""
-    path = os.path.join(out_dir, "metrics.jsonl")
+    """The records of out_dir/metrics.jsonl, in file order (runlog.read_metrics: a torn last line is skipped
+    with a note on stderr). MetricsError for a missing or empty file, or a damaged line."""
+    path = os.path.join(out_dir, METRICS_FILE)
     if not os.path.isfile(path):
         raise MetricsError(f"{path}: no such file (is {out_dir} a train.py --out-dir?)")
-    records = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise MetricsError(f"{path}:{lineno}: not a JSON line") from None
-            if not isinstance(record, dict) or "tokens" not in record:
-                raise MetricsError(f"{path}:{lineno}: a record without a 'tokens' field")
-            records.append(record)
+    records, note = read_log(path)
+    if note:
+        print(note, file=sys.stderr)
     if not records:
         raise MetricsError(f"{path} has no records")
     return records

@@ -326,3 +326,18 @@ def test_the_heartbeat_says_where_the_step_is_and_that_a_first_step_compiles():
     t.steps_taken, t.in_step = 5, False
     assert telemetry.Telemetry.still_running(t, 20.0) == ("still running: 0m20s since the last line (an eval, a "
                                                           "checkpoint or a read-back)")
+
+
+def test_a_resume_drops_a_torn_last_line_with_a_note_and_refuses_damage_elsewhere(tmp_path, capsys):
+    import json
+
+    lines = [json.dumps({"step": s, "tokens": s, "time_s": 0.1 * s}) + "\n" for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 4, "tok')  # killed mid-write
+    log = telemetry.MetricsLog(str(tmp_path), start_step=3, wandb_run=None)
+    assert open(log.path).read() == "".join(lines) and log.last_kept["step"] == 3
+    assert "metrics.jsonl:4: the last line was torn (a process stopped mid-write), skipped" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text(lines[0] + "garbage\n" + lines[2])
+    with pytest.raises(UsageError, match=r"metrics.jsonl:2: not a JSON line: the run's log is damaged there; mend or "
+                                         r"delete that line, then resume"):
+        telemetry.MetricsLog(str(tmp_path), start_step=3, wandb_run=None)
+    assert open(log.path).read() == lines[0] + "garbage\n" + lines[2]  # nothing dropped unasked
