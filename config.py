@@ -461,12 +461,12 @@ def settings_digest(text: str) -> str:
 
 
 def hand_edited(text: str) -> bool:
-    """Whether a file that to_toml wrote was changed since: its lines other than the digest's no longer have
-    that digest. A file without one (written by hand, say) is not."""
+    """Whether a file may have been changed since to_toml wrote it: its lines other than the digest's no
+    longer have that digest, or the digest line is gone (deleted with the edits, say)."""
     lines = text.splitlines(keepends=True)
     found = [i for i, line in enumerate(lines) if line.startswith(DIGEST_LINE)]
     if not found:
-        return False
+        return True
     digest = lines[found[0]][len(DIGEST_LINE):].split(" ", 1)[0].strip()
     return digest != settings_digest("".join(lines[:found[0]] + lines[found[0] + 1:]))
 

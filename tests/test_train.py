@@ -268,17 +268,22 @@ def test_a_hand_edited_config_toml_is_applied_with_its_own_config_flag_and_other
     tiny_run(tiny_data, tmp_path, "--max-steps", "2")
     path = tmp_path / "config.toml"
     text = path.read_text()
-    assert not config.hand_edited(text) and not config.hand_edited(text.replace(config.DIGEST_LINE, "# "))
+    assert not config.hand_edited(text) and config.hand_edited(text.replace(config.DIGEST_LINE, "# "))
     edited = text.replace("\nlr = ", "\nlr = 0.001\n# lr was ", 1)
     assert config.hand_edited(edited)
+    path.write_text(text.replace(config.DIGEST_LINE, "# "))  # no digest, no edit: nothing to refuse
+    tiny_run(tiny_data, tmp_path, "--max-steps", "2", "--resume")
+    without_digest = "".join(line for line in edited.splitlines(keepends=True) if config.DIGEST_LINE not in line)
+    for changed in (edited, without_digest):  # the digest line deleted with the edit: refused all the same
+        path.write_text(changed)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as refused:
+            tiny_run(tiny_data, tmp_path, "--max-steps", "3", "--resume")
+        assert refused.value.code == 2 and path.read_text() == changed
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: {path} was edited by hand and this run does not apply optim.lr = 0.001; pass --config {path} "
+            "--resume to apply the edits, or undo them"]
     path.write_text(edited)
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as refused:
-        tiny_run(tiny_data, tmp_path, "--max-steps", "3", "--resume")
-    assert refused.value.code == 2 and path.read_text() == edited
-    assert capsys.readouterr().err.strip().splitlines() == [
-        f"error: {path} was edited by hand and this run does not apply optim.lr = 0.001; pass --config {path} "
-        "--resume to apply the edits, or undo them"]
     records = tiny_run(tiny_data, tmp_path, "--config", str(path), "--max-steps", "3", "--resume")
     assert records[-1]["step"] == 3 and "optim.lr 0.006 -> 0.001" in capsys.readouterr().err
     assert config.read_config_file(str(path))["optim.lr"] == 0.001 and not config.hand_edited(path.read_text())
