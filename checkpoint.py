@@ -49,7 +49,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
 import distributed
-from cli import ArgumentParser, UsageError, report_error
+from cli import ArgumentParser, UsageError, WriteError, report_error, write_error
 from config import changed_keys
 from data import data_change
 from fp8 import block_state_dict, te_to_plain_state_dict
@@ -112,14 +112,19 @@ def _write_synced(path: str, write):
 
 
 class _HashingWriter:
-    """A write-only file that hashes what passes through, so a checkpoint need not be read back to be hashed."""
+    """A write-only file that hashes what passes through, so a checkpoint need not be read back to be hashed.
+    error: the OSError a write raised, which torch's zip writer reports as a RuntimeError of its own."""
 
     def __init__(self, f):
-        self.f, self.sha256 = f, hashlib.sha256()
+        self.f, self.sha256, self.error = f, hashlib.sha256(), None
 
     def write(self, data) -> int:
         self.sha256.update(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -130,7 +135,12 @@ def _save_hashed(state: dict):
 
     def write(f) -> str:
         writer = _HashingWriter(f)
-        torch.save(state, writer)
+        try:
+            torch.save(state, writer)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None  # the disk's error, not the zip writer's account of it
         return writer.sha256.hexdigest()
 
     return write
@@ -144,8 +154,27 @@ def _digest(path: str) -> str:
     return h.hexdigest()
 
 
-def _disk_error(path: str, e: OSError) -> CheckpointError:
-    return CheckpointError(f"cannot write checkpoint {path}: {e.strerror or e}; the previous checkpoints are intact")
+def _disk_error(path: str, e: BaseException) -> WriteError:
+    """The one-line error of a checkpoint write that failed, its partial files already removed."""
+    return write_error("checkpoint", path, e, "; the previous checkpoints are intact")
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a DCP save's failure: dcp.save reports each rank's exception inside a
+    CheckpointException (a BaseException) rather than raising it."""
+    for error, _ in getattr(e, "failures", {}).values():
+        if isinstance(error, OSError):
+            return error
+    return e if isinstance(e, OSError) else None
+
+
+def free_space(path: str) -> str:
+    """'12.0 MiB free on its filesystem', for a message about a write to path that failed."""
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    except OSError:
+        return "free space unknown"
+    return f"{free / 2**20:,.1f} MiB free on its filesystem"
 
 
 def save_file(state: dict, path: str) -> None:
@@ -178,18 +207,29 @@ def save_sharded(tensors: dict, meta: dict, path: str, is_main: bool, barrier) -
     try:
         dcp.save(tensors, checkpoint_id=tmp)
         if is_main:
-            _write_synced(os.path.join(tmp, META_FILE), lambda f: torch.save(meta, f))
+            _write_synced(os.path.join(tmp, META_FILE), _save_hashed(meta))
             digests = {name: _digest(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
             _write_synced(os.path.join(tmp, CHECKSUMS_FILE), lambda f: f.write(json.dumps(digests).encode()))
-            if os.path.exists(path):  # a "best" checkpoint being replaced
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-            _fsync_dir(os.path.dirname(path) or ".")
-    except OSError as e:
+            _replace_dir(tmp, path)
+    except (OSError, CheckpointException) as e:
+        if _os_error(e) is None:
+            raise  # not the disk: a bug, with its traceback
         if is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _disk_error(path, e) from None
+        raise _disk_error(path, _os_error(e)) from None
     barrier()
+
+
+def _replace_dir(tmp: str, path: str) -> None:
+    """tmp, whole, becomes path; a "best" checkpoint there is moved aside first and removed only once the new
+    one is in place, so a kill at any moment leaves one of the two under a name a resume reads."""
+    old = f"{path}.old"
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def verify(path: str) -> None:

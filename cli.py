@@ -6,6 +6,7 @@ each option's default (HelpFormatter), and counts written out with their nouns (
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import time
@@ -16,6 +17,27 @@ STARTUP_ERROR_GRACE_S = 1.0
 
 class UsageError(Exception):
     """A mistake the user can fix from the command line."""
+
+
+class WriteError(Exception):
+    """A file that could not be written (a full disk, a failing device), its partial file removed; the message
+    (write_error's) is one line naming the file and the space left."""
+
+
+def write_error(what: str, path: str, error: BaseException, after: str = "") -> WriteError:
+    """WriteError 'cannot write WHAT PATH: WHY (N MiB free on its filesystem)' and `after`; called once the
+    partial file is gone, so that the space it says is what a retry would find."""
+    why = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
+    return WriteError(f"cannot write {what} {path}: {why} ({free_space(path)}){after}")
+
+
+def free_space(path: str) -> str:
+    """'12.0 MiB free on its filesystem', for a message about a write to path that failed."""
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    except OSError:
+        return "free space unknown"
+    return f"{free / 2**20:,.1f} MiB free on its filesystem"
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from cli import ArgumentParser, UsageError, int_or_auto, plural, report_error
-from data import (CORPUS_MARKER, DATA_RECORD, TOKEN_DTYPES, read_shard, shard_version, write_data_record,
+from cli import ArgumentParser, UsageError, WriteError, int_or_auto, plural, report_error
+from data import (CORPUS_MARKER, DATA_RECORD, TOKEN_DTYPES, shard_version, write_data_record,
                   write_shard)
 from progress import Progress
 import sources
@@ -580,6 +580,9 @@ def main(argv=None) -> int:
                 max_tokens=args.max_tokens, hf_config=args.hf_config, hf_split=args.hf_split,
                 doc_separator=args.doc_separator, text_field=args.text_field, overwrite=args.overwrite,
                 train_tokenizer=args.train_tokenizer)
+    except WriteError as e:  # the partial preparation is gone: what the disk has left is what a rerun finds
+        print(f"error: {e}; nothing written to {args.out}", file=sys.stderr)
+        return 1
     except (UsageError, DataError, ValueError, OSError) as e:
         return report_error(e)
     except KeyboardInterrupt as e:

@@ -24,7 +24,7 @@ import shlex
 import sys
 import time
 import urllib.parse
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from statistics import median
 
@@ -37,7 +37,7 @@ import plan
 import sizing
 from batch import describe_epochs, plan_warnings
 from checkpoint import best_path, list_checkpoints
-from cli import UsageError, first_line, plural
+from cli import UsageError, first_line, plural, write_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values
 from hardware import cpu_bf16_warning, cpu_flags, peak_memory_gib
 from optim import describe_param_groups, optimizer_state_bytes
@@ -198,17 +198,31 @@ class MetricsLog:
         """The log becomes `lines`: written to a new file that then replaces the old one, so a crash at any
         moment leaves one or the other whole."""
         tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            f.writelines(lines)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                f.writelines(lines)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            with suppress(FileNotFoundError):
+                os.remove(tmp)
+            raise write_error("the run's log", self.path, e, f"; {self.path} is as it was") from None
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        line = (json.dumps(record) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            size, written = os.fstat(fd).st_size, 0
+            while written < len(line):  # unbuffered: nothing is left to fail at close
+                written += os.write(fd, line[written:])
+        except OSError as e:  # a line cut short would read as a torn one: the log goes back to its last line
+            os.ftruncate(fd, size)
+            raise write_error("the run's log", self.path, e, "; its earlier records are whole") from None
+        finally:
+            os.close(fd)
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=record["step"])
         self._scalars(record)

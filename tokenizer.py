@@ -24,7 +24,7 @@ import tempfile
 import numpy as np
 import tiktoken
 
-from cli import first_line
+from cli import first_line, write_error
 
 
 class DataError(Exception):
@@ -52,9 +52,11 @@ def atomic_write(path: str, *chunks) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError):  # a full disk, say: one line naming the file and the space left
+            raise write_error("file", path, e) from None
         raise
 
 

@@ -30,7 +30,7 @@ import mixture
 import plan
 import report
 from checkpoint import CheckpointError, Checkpointer, tokens_trained
-from cli import UsageError, report_error, report_startup_error
+from cli import UsageError, WriteError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
 from data import DataError, ShardLoader
 from hf import load_hf
@@ -354,18 +354,18 @@ def main(argv=None):
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         return
-    except (UsageError, DataError, CheckpointError, ValueError) as e:
+    except (UsageError, DataError, CheckpointError, ValueError, WriteError) as e:
         # Only setup is guarded: ValueError there is config validation in model.py / optim.py, while an
         # exception inside the loop is a bug and keeps its traceback. Every rank fails alike; rank 0 says why.
         sys.exit(report_startup_error(e))
     outcome = None  # stays None for a bug, whose traceback is the report
     try:
         outcome = run_loop(run) or "finished"
-    except (CheckpointError, DataError, TrainingHalted) as e:  # a full disk, bad tokens, a run that cannot go on
+    except (CheckpointError, DataError, TrainingHalted, WriteError) as e:  # bad tokens, a full disk, a run that cannot go on
         outcome = f"halted: {e}"
         if run.info.is_main:
             report_error(e)
-        sys.exit(1 if isinstance(e, TrainingHalted) else 2)
+        sys.exit(1 if isinstance(e, (TrainingHalted, WriteError)) else 2)
     finally:
         if outcome is not None:
             report.after_run(run.telemetry.summary(outcome, time.perf_counter() - started, run.guard.early_stop.best,

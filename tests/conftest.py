@@ -153,6 +153,29 @@ def inject_nan(monkeypatch):
     return poison
 
 
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """mount(kib) -> a new directory holding a tmpfs of that size, to fill for real (root only: skipped, with
+    the reason, where the machine does not allow a mount); unmounted after the test."""
+    mounted = []
+
+    def mount(kib: int):
+        if os.geteuid() != 0:
+            pytest.skip("a small filesystem needs a tmpfs mount, which needs root")
+        where = tmp_path / f"small{len(mounted)}"
+        where.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(where)], capture_output=True,
+                           text=True)
+        if r.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
 def write_doc_shards(root, doc_lengths, shard_tokens, bos=50256, vocab_size=50257) -> list[int]:
     """Documents of the given lengths (each counting its leading bos token) laid end to end and cut into train
     shards of shard_tokens tokens under root, as prepare.prepare cuts them (a document may span two shards).

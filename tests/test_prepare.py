@@ -898,3 +898,15 @@ def test_a_stop_between_the_overwrite_renames_is_held_until_the_new_preparation_
         f"data: {stop} arrived while the finished preparation was moved into place; {out} holds it, complete")
     _check(gpt2[0], out, DOCS[1:])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new.jsonl", "old.jsonl", "out"]
+
+
+def test_a_filesystem_that_fills_during_a_preparation_leaves_nothing(gpt2, tmp_path, small_filesystem, capsys):
+    docs = _corpus(tmp_path, 400)  # about 90K tokens, 180 KB of shards: more than the 128 KiB there is room for
+    out = small_filesystem(128) / "data"
+    assert prepare.main(["--input", str(tmp_path / "docs.jsonl"), "--out", str(out), "--shard-tokens", "10000",
+                         "--val-tokens", "100"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(rf"error: cannot write file {re.escape(str(out))}\.partial-\d+/\w+\.bin: No space left on "
+                        rf"device \([\d.,]+ MiB free on its filesystem\); nothing written to {re.escape(str(out))}",
+                        err[-1]), err
+    assert os.listdir(out.parent) == [] and len(docs) == 400

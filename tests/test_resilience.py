@@ -4,6 +4,7 @@ import errno
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import checkpoint
+import cli
 import model
 import plan
 import telemetry
@@ -180,7 +182,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypat
     monkeypatch.setattr(checkpoint, "_write_synced", write_until_the_disk_fills)
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "6", "--ckpt-interval", "2"])
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert "No space left on device" in err[-1] and "previous checkpoints are intact" in err[-1]
     good = checkpoint.list_checkpoints(str(tmp_path))
@@ -662,3 +664,98 @@ def test_a_step_interruption_passes_through_a_librarys_except_exception(capsys):
     finally:
         signals.restore()
     assert signals.requested == "SIGTERM" and "dropping the step in progress" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- writes that fail
+
+
+def test_a_filesystem_that_fills_during_a_checkpoint_ends_the_run_in_one_line(data_dir, tmp_path, small_filesystem,
+                                                                              capsys):
+    """A real full disk: torch's zip writer turns the OSError into a RuntimeError of its own, which is still the
+    disk's error. The partial file goes, the summary is written, exit 1; the previous checkpoint verifies."""
+    args = ["--data", data_dir, *MODEL, "--ckpt-interval", "1", "--keep-ckpts", "1"]
+    train.main([*args, "--out-dir", str(tmp_path / "probe"), "--max-steps", "1"])
+    size = os.path.getsize(tmp_path / "probe" / "ckpt_00000001.pt")
+    out = small_filesystem(int(size * 1.5) // 1024) / "run"  # room for one checkpoint, not for a second beside it
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        train.main([*args, "--out-dir", str(out), "--max-steps", "4"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(rf"error: cannot write checkpoint {re.escape(str(out))}/ckpt_00000002.pt: No space left on "
+                        r"device \([\d.,]+ MiB free on its filesystem\); the previous checkpoints are intact", err[-1])
+    assert [checkpoint.checkpoint_step(p) for p in checkpoint.list_checkpoints(str(out))] == [1]
+    checkpoint.verify(checkpoint.list_checkpoints(str(out))[0])
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")] and (out / "summary.json").exists()
+
+
+def test_a_write_that_fails_inside_torch_save_is_the_disks_error(tmp_path, monkeypatch):
+    """torch.save raises RuntimeError('unexpected pos ...') when its file's write fails: save_file reports the
+    OSError beneath it and removes the partial file."""
+    real_open = open
+
+    class FillingFile:
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            if self.written + len(data) > 4096:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.written += len(data)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    def filling_open(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        return FillingFile(f) if str(path).endswith(".pt.tmp") else f
+
+    monkeypatch.setattr("builtins.open", filling_open)
+    with pytest.raises(cli.WriteError, match=r"^cannot write checkpoint .*ckpt\.pt: No space left on device \("):
+        checkpoint.save_file({"w": torch.zeros(10_000)}, str(tmp_path / "ckpt.pt"))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_dcp_save_that_fails_keeps_the_previous_directory(tmp_path, monkeypatch):
+    """dcp.save reports a rank's OSError inside a CheckpointException: the same one line, the temporary
+    directory removed, the previous checkpoint at that name whole."""
+    path = str(tmp_path / "best")
+    checkpoint.save_sharded({"w": torch.ones(8)}, {"step": 1}, path, True, lambda: None)
+    before = sorted(os.listdir(path))
+
+    def full(state, checkpoint_id):
+        os.makedirs(checkpoint_id, exist_ok=True)
+        error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        raise torch.distributed.checkpoint.CheckpointException("save failed", {0: (error, None)})
+
+    monkeypatch.setattr(checkpoint.dcp, "save", full)
+    with pytest.raises(cli.WriteError, match=r"^cannot write checkpoint .*best: No space left on device \("):
+        checkpoint.save_sharded({"w": torch.zeros(8)}, {"step": 2}, path, True, lambda: None)
+    assert sorted(os.listdir(tmp_path)) == ["best"] and sorted(os.listdir(path)) == before
+    checkpoint.verify(path)
+
+
+def test_a_log_line_that_cannot_be_written_leaves_the_log_whole(tmp_path, monkeypatch):
+    log = telemetry.MetricsLog(str(tmp_path), start_step=0, wandb_run=None)
+    log.log({"step": 1, "tokens": 10})
+    real_write, calls = os.write, []
+
+    def half_written(fd, data):
+        calls.append(len(data))
+        if len(calls) > 1:  # the disk fills after the line's first 5 bytes
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data[:5])
+
+    monkeypatch.setattr(telemetry.os, "write", half_written)
+    with pytest.raises(cli.WriteError, match=r"^cannot write the run's log .*metrics.jsonl: No space left on device "
+                                             r"\(.*\); its earlier records are whole$"):
+        log.log({"step": 2, "tokens": 20})
+    monkeypatch.undo()
+    assert open(log.path).read() == '{"step": 1, "tokens": 10}\n'
