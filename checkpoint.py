@@ -624,9 +624,20 @@ class Checkpointer:
             raise UsageError(f"--resume: the checkpoint of step {meta['step']} in {self.out_dir} has no optimizer "
                              "state; to start from its weights, export them (hf.py) and use --from-hf")
         change = data_change(meta.get("data"), self.data_id)
+        kinds = [data_kind(ids) for ids in (meta.get("data") or self.data_id, self.data_id)]
+        if change and kinds[0] != kinds[1]:  # no flag can carry a position across: the loaders differ
+            saved_data = meta.get("train_config", {}).get("data", {}).get("data")
+            raise UsageError(f"--resume: the checkpoint trained on {kinds[0]} and this run's --data is {kinds[1]}; "
+                             f"resume with the checkpoint's --data ({saved_data or 'none: the default corpus'}), or "
+                             "start a new run from its weights (hf.py, then --from-hf)")
         if change and not self.allow_data_change:
             raise UsageError(f"--resume: the training shards differ from the checkpoint's: {change}; pass "
                              "--allow-data-change to resume on them anyway")
+
+
+def data_kind(ids: list) -> str:
+    """What a shards' fingerprint (data.fingerprint, or a mixture's NAME/file one) was taken of, in words."""
+    return "a mixture of sources" if any("/" in name for name, *_ in ids) else "one directory"
 
 
 # ----------------------------------------------------------------------------- command line

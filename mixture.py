@@ -231,20 +231,22 @@ class MixtureLoader(BatchStream):
 
     def load_state_dict(self, state: dict) -> None:
         """A mixture's position; the weights may differ from the saved ones (the draw goes on with the new ones
-        from the saved row), the sources may not."""
+        from the saved row), and so may the sources, which a resume allows only with --allow-data-change
+        (checkpoint.check_resumable): a source added starts at its beginning, one removed is no longer read."""
         names = [s.name for s in self.sources]
         if "mixture" not in state:
             raise DataError(f"the loader state is of one --data directory; this run reads a mixture of "
                             f"{', '.join(names)}: resume with the same --data")
         saved = state["mixture"]
-        if sorted(saved) != sorted(names):
-            raise DataError(f"the loader state holds the sources {', '.join(saved)}; this run's --data names "
-                            f"{', '.join(names)}: resume with the same sources")
         for name, part in zip(names, self.parts):
-            check_state(part.order, saved[name], name)
+            if name in saved:
+                check_state(part.order, saved[name], name)
         self.close()
-        self._next = MixPosition(int(state["rows"]), tuple(int(saved[n]["rows_read"]) for n in names),
-                                 tuple(part.order.position(saved[n]) for n, part in zip(names, self.parts)))
+        start = MixPosition(0, (0,) * len(names), (Position(0, 0, 0),) * len(names))
+        self._next = MixPosition(
+            int(state["rows"]), tuple(int(saved[n]["rows_read"]) if n in saved else 0 for n in names),
+            tuple(part.order.position(saved[n]) if n in saved else start.at[i]
+                  for i, (n, part) in enumerate(zip(names, self.parts))))
 
 
 def open_loader(sources: list[Source], **kwargs) -> ShardLoader | MixtureLoader:

@@ -8,6 +8,7 @@ standard library's own sources, which train.py uses when it is given no --data.
 
 import collections
 import contextlib
+import errno
 import functools
 import glob
 import json
@@ -24,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from cli import ArgumentParser, UsageError, WriteError, int_or_auto, plural, report_error
-from data import (CORPUS_MARKER, DATA_RECORD, TOKEN_DTYPES, shard_version, write_data_record,
+from data import (CORPUS_MARKER, DATA_RECORD, TOKEN_DTYPES, data_record, shard_version, write_data_record,
                   write_shard)
 from progress import Progress
 import sources
@@ -370,6 +371,9 @@ def _move_into_place(partial: str, out_dir: str, overwrite: bool) -> None:
     except OSError as e:  # the finished work is kept: the user moves it
         if earlier is not None:
             os.rename(earlier, target)
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and (theirs := data_record(target)) is not None:
+            _lost_the_race(partial, out_dir, theirs)
+            return
         raise DataError(f"cannot move the finished shards to --out {out_dir} ({e.strerror}); they are complete "
                         f"in {partial}: move that directory there yourself") from None
     if earlier is None:
@@ -380,6 +384,21 @@ def _move_into_place(partial: str, out_dir: str, overwrite: bool) -> None:
               file=sys.stderr)
     else:
         shutil.rmtree(earlier, ignore_errors=True)
+
+
+def _lost_the_race(partial: str, out_dir: str, theirs: dict) -> None:
+    """Another preparation finished out_dir while this one ran (their record: theirs). The same shards: this
+    copy goes, with a note. Others: DataError saying where this one is whole and how to use it."""
+    ours = data_record(partial)
+    differ = sorted(key for key in {*ours, *theirs} - {"seconds"} if ours.get(key) != theirs.get(key))
+    if not differ:
+        shutil.rmtree(partial, ignore_errors=True)
+        print(f"data: another preparation finished --out {out_dir} first, with the same shards (data.json agrees); "
+              f"kept it and removed this one's copy", file=sys.stderr)
+        return
+    raise DataError(f"another preparation finished --out {out_dir} while this one ran, with other shards (data.json "
+                    f"differs in {', '.join(differ[:3])}); this one is complete in {partial}: `mv {partial} NEW_DIR`, "
+                    f"then train with --data NEW_DIR")
 
 
 def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_000_000,

@@ -293,6 +293,42 @@ def test_a_mixture_run_reports_each_source_and_resumes_bit_identically(sources, 
         assert a.get("val_loss/code") == b.get("val_loss/code")
 
 
+def test_the_advice_of_a_resume_on_other_sources_works_when_followed(sources, tmp_path, capsys):
+    """Each refusal's advice, followed, resumes: a source added or removed needs --allow-data-change (the new
+    source starts at its beginning); one directory against a mixture needs the checkpoint's own --data."""
+    code, web = sources
+    extra = write_source(tmp_path / "extra", [401], CODE)
+    mix, more = f"web={web.dir}:0.7,code={code.dir}:0.3", f"web={web.dir}:0.6,code={code.dir}:0.2,extra={extra}:0.2"
+    flags = ["--max-steps", "2", "--eval-interval", "0", "--ckpt-interval", "2", "--seq-len", str(T),
+             "--allow-lr-rewarm"]  # each resume lengthens a run that had begun its decay
+    run(tmp_path / "mix", mix, *flags)
+    capsys.readouterr()
+
+    def refused(out, data, *extra_flags):
+        with pytest.raises(SystemExit) as exit_:
+            run(out, data, *flags, *extra_flags)
+        err = capsys.readouterr().err.strip().splitlines()  # notes of the settings changed, then the refusal
+        assert exit_.value.code == 2 and err[-1].startswith("error: ") and "Traceback" not in "".join(err), err
+        return err[-1]
+
+    for data, steps in [(more, "4"), (f"web={web.dir}:1,extra={extra}:1", "6")]:  # a source added, then removed
+        assert refused(tmp_path / "mix", data, "--max-steps", steps, "--resume").endswith(
+            "pass --allow-data-change to resume on them anyway")
+        run(tmp_path / "mix", data, *flags, "--max-steps", steps, "--resume", "--allow-data-change")
+    records = metrics(tmp_path / "mix")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert "epoch/extra" not in records[1] and records[3]["epoch/extra"] > 0 and "epoch/code" not in records[5]
+
+    run(tmp_path / "one", web.dir, *flags)
+    capsys.readouterr()
+    advice = refused(tmp_path / "one", mix, "--max-steps", "3", "--resume", "--allow-data-change")
+    assert advice == (f"error: --resume: the checkpoint trained on one directory and this run's --data is a mixture "
+                      f"of sources; resume with the checkpoint's --data ({web.dir}), or start a new run from its "
+                      f"weights (hf.py, then --from-hf)")
+    run(tmp_path / "one", web.dir, *flags, "--max-steps", "3", "--resume")
+    assert metrics(tmp_path / "one")[-1]["step"] == 3
+
+
 def test_bad_mixtures_are_one_line_at_start_up(tmp_path, capsys):
     web, code = write_source(tmp_path / "web", [801], WEB), write_source(tmp_path / "code", [81], CODE)
     no_val = write_source(tmp_path / "noval", [81], CODE)

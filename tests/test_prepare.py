@@ -910,3 +910,36 @@ def test_a_filesystem_that_fills_during_a_preparation_leaves_nothing(gpt2, tmp_p
                         rf"device \([\d.,]+ MiB free on its filesystem\); nothing written to {re.escape(str(out))}",
                         err[-1]), err
     assert os.listdir(out.parent) == [] and len(docs) == 400
+
+
+def test_a_preparation_that_another_finishes_first_says_what_works(gpt2, tmp_path, monkeypatch, capsys):
+    """Two prepare.py into one --out: the second to finish keeps the first's shards when they are the same, and
+    otherwise says where its own are whole; following that advice gives a usable preparation."""
+    (tmp_path / "a.txt").write_text(DOCS[0] * 30)
+    out = tmp_path / "out"
+    real_move = prepare._move_into_place
+    env = dict(os.environ, TIKTOKEN_CACHE_DIR=str(gpt2[1]))
+
+    def the_other_finishes_first(val_tokens):
+        def move(partial, out_dir, overwrite):
+            r = _cli("--input", str(tmp_path / "a.txt"), "--out", out_dir, "--val-tokens", val_tokens, cwd=tmp_path,
+                     env=env)
+            assert r.returncode == 0, r.stderr
+            real_move(partial, out_dir, overwrite)
+        return move
+
+    monkeypatch.setattr(prepare, "_move_into_place", the_other_finishes_first("7"))
+    record = prepare.prepare(str(tmp_path / "a.txt"), str(out), val_tokens=7)
+    assert "another preparation finished --out" in capsys.readouterr().err and record["val_tokens"] == 7
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "out"] and data.data_record(str(out))["val_tokens"] == 7
+
+    shutil.rmtree(out)
+    monkeypatch.setattr(prepare, "_move_into_place", the_other_finishes_first("9"))
+    with pytest.raises(DataError, match=r"with other shards \(data.json differs in train_tokens, val_tokens\); this "
+                                        r"one is complete in .*: `mv (\S+) NEW_DIR`, then train with --data NEW_DIR") as e:
+        prepare.prepare(str(tmp_path / "a.txt"), str(out), val_tokens=7)
+    advice = re.search(r"`(mv \S+) NEW_DIR`", str(e.value)).group(1)
+    subprocess.run(f"{advice} {tmp_path / 'mine'}", shell=True, check=True)  # the advice, as given
+    assert data.data_record(str(tmp_path / "mine"))["val_tokens"] == 7 and data.check_split(str(tmp_path / "mine"),
+                                                                                            "train", 8)
+    assert data.data_record(str(out))["val_tokens"] == 9  # theirs, untouched
