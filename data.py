@@ -1,13 +1,10 @@
-"""Data: the token shards, their data.json record, and the resumable loader that streams training rows.
+"""Data: the shards' data.json record, and the resumable loader that streams training rows.
 
-Shards use the llm.c / modded-nanogpt format, so they interoperate with those projects:
-a header of 256 little-endian int32 ([0] magic 20240520, [1] version, [2] token count, the rest 0),
-then the tokens. Version 1 stores uint16 tokens (vocabularies up to 65,535 ids, e.g. GPT-2);
-version 2 is this project's extension for larger vocabularies and stores uint32 tokens.
+The shards themselves (llm.c's format, read and written, and watched while a run reads them) are shards.py's.
 Each document is preceded by the end-of-text token, as in llm.c and modded-nanogpt (another tokenizer's
 separator: its end-of-text or BOS token). Next to the shards, data.json records the tokenizer (name, sha256,
-n_vocab, separator id, whether its ids need uint32) and the counts, and a Hugging Face tokenizer's
-tokenizer.json lies beside it; check_vocab, vocab_from_data and data_tokenizer read them.
+n_vocab, separator id, whether its ids need uint32), the counts and each shard's sha256, and a Hugging Face
+tokenizer's tokenizer.json lies beside it; check_vocab, vocab_from_data and data_tokenizer read them.
 prepare.py makes shards: `python prepare.py --input corpus.txt --out data/mine`.
 
 The loader reads rows of seq_len + 1 tokens in an order (a RowOrder) chosen by --packing: windows at any
@@ -28,66 +25,8 @@ import numpy as np
 import torch
 
 from cli import first_line
+from shards import TOKEN_DTYPES, ShardWatch, read_shard
 from tokenizer import DataError, Tokenizer, atomic_write, get_tokenizer, recorded_tokenizer
-
-# ----------------------------------------------------------------------------------------------------------
-# Shards
-
-SHARD_MAGIC = 20240520
-HEADER_INTS = 256
-HEADER_BYTES = HEADER_INTS * 4
-TOKEN_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # shard version -> token dtype
-
-
-def shard_version(vocab_size: int) -> int:
-    return 1 if vocab_size <= 65535 else 2
-
-
-def write_shard(path, tokens: np.ndarray, vocab_size: int) -> None:
-    """Write tokens (ids below vocab_size) as one shard, atomically (temporary file, fsync, rename)."""
-    path = os.fspath(path)
-    tokens = np.asarray(tokens)
-    if tokens.ndim != 1 or len(tokens) >= 2**31:
-        raise ValueError(f"{path}: a shard holds a 1-D array of fewer than 2**31 tokens, got shape {tokens.shape}")
-    if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
-        raise DataError(f"{path}: token ids must lie in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
-    version = shard_version(vocab_size)
-    header = np.zeros(HEADER_INTS, dtype="<i4")
-    header[:3] = SHARD_MAGIC, version, len(tokens)
-    body = np.ascontiguousarray(tokens, dtype=TOKEN_DTYPES[version])
-    atomic_write(path, header.tobytes(), memoryview(body).cast("B"))
-
-
-def read_shard(path) -> np.ndarray:
-    """The tokens of a shard as a read-only memory map, after checking the header against the file size."""
-    path = os.fspath(path)
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(HEADER_BYTES)
-    except OSError as e:
-        raise DataError(f"{path}: cannot read shard ({e.strerror})") from None
-    if len(head) < HEADER_BYTES:
-        raise DataError(f"{path}: truncated shard: {size} bytes, less than the {HEADER_BYTES}-byte header")
-    magic, version, count = (int(v) for v in np.frombuffer(head, dtype="<i4")[:3])
-    if magic != SHARD_MAGIC:
-        raise DataError(f"{path}: not a token shard (magic number {magic}, expected {SHARD_MAGIC})")
-    if version not in TOKEN_DTYPES:
-        raise DataError(f"{path}: unknown shard version {version} (1 = uint16 tokens, 2 = uint32 tokens)")
-    dtype = TOKEN_DTYPES[version]
-    expected = HEADER_BYTES + count * dtype.itemsize
-    if count < 0 or size < expected:
-        raise DataError(f"{path}: truncated shard: the header says {count} tokens ({expected} bytes) "
-                        f"but the file has {size} bytes")
-    if size > expected:
-        raise DataError(f"{path}: token count mismatch: the header says {count} tokens but the file has "
-                        f"{size - expected} bytes more")
-    if count == 0:  # mmap cannot map zero bytes
-        empty = np.zeros(0, dtype=dtype)
-        empty.flags.writeable = False
-        return empty
-    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Which tokenizer made the shards: data.json
@@ -357,6 +296,13 @@ class RowOrder:
         self.lengths = np.array([len(s) for s in shards], dtype=np.int64)
         self.unread = np.full(len(shards), -1)  # tokens per shard that no row holds; negative: not known yet
         self._orders = {}
+        self.watch = None  # a ShardWatch, asked before each read of a shard's tokens
+
+    def tokens(self, shard: int) -> np.ndarray:
+        """The shard's tokens, to read now (self.shards[shard] for their count alone)."""
+        if self.watch is not None:
+            self.watch.check(shard)
+        return self.shards[shard]
 
     def shard_order(self, epoch: int) -> np.ndarray:
         orders = self._orders  # read once: state() may run in the caller's thread while a prefetch thread steps
@@ -419,7 +365,7 @@ class WindowRows(RowOrder):
         shard, T = int(self.shard_order(pos.epoch)[pos.k]), self.seq_len
         perm = self._window_perm(pos.epoch, shard)
         w = int(perm[pos.row]) if perm is not None else pos.row
-        out[:] = self.shards[shard][w * T: w * T + T + 1]
+        out[:] = self.tokens(shard)[w * T: w * T + T + 1]
         return shard
 
     def state(self, pos):
@@ -459,7 +405,7 @@ class BosRows(RowOrder):
             self._packs.move_to_end(key)
             return self._packs[key]
         if shard not in self._documents:  # found once per shard and kept, as int32 (a shard has < 2**31 tokens)
-            self._documents[shard] = find_documents(self.shards[shard], self.bos_token).astype(np.int32)
+            self._documents[shard] = find_documents(self.tokens(shard), self.bos_token).astype(np.int32)
         starts, T = self._documents[shard], self.seq_len
         lengths = np.diff(starts, append=len(self.shards[shard]))
         docs = np.random.default_rng([self.seed, epoch, 1, shard]).permutation(len(starts)) if self.shuffle \
@@ -481,7 +427,7 @@ class BosRows(RowOrder):
         shard, order, row_ptr, starts, takes = self._pack(pos.epoch, pos.k)
         r, filled = int(order[pos.row]), 0
         for start, take in zip(starts[row_ptr[r]:row_ptr[r + 1]], takes[row_ptr[r]:row_ptr[r + 1]]):
-            out[filled:filled + take] = self.shards[shard][start:start + take]
+            out[filled:filled + take] = self.tokens(shard)[start:start + take]
             filled += take
         return shard
 
@@ -635,6 +581,7 @@ class ShardLoader(BatchStream):
             self.order = BosRows(self.shards, seq_len, seed, shuffle, bos_token, pack_buffer, data_dir, split)
         else:
             self.order = WindowRows(self.shards, seq_len, seed, shuffle)
+        self.order.watch = ShardWatch(self.paths, (data_record(data_dir) or {}).get("sha256"))
         self.num_windows = self.order.num_windows
         self._next = Position(0, 0, 0)  # after what the caller consumed (not merely prefetched)
 

@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from cli import ArgumentParser, UsageError, WriteError, int_or_auto, plural, report_error
-from data import (CORPUS_MARKER, DATA_RECORD, TOKEN_DTYPES, data_record, shard_version, write_data_record,
-                  write_shard)
+from data import CORPUS_MARKER, DATA_RECORD, data_record, write_data_record
 from progress import Progress
+from shards import TOKEN_DTYPES, shard_version, write_shard
 import sources
 import split
 from sources import TEXT_FIELD, file_pieces, source_pieces
@@ -107,6 +107,7 @@ class _ShardWriter:
         self.out_dir, self.n_vocab, self.shard_tokens = out_dir, n_vocab, shard_tokens
         self.pending, self.n_pending = [], 0
         self.counts = []  # tokens per train shard written
+        self.sha256 = {}  # shard name -> the sha256 of its file, for data.json
         self.pool, self.writing = ThreadPoolExecutor(1, thread_name_prefix="shard-writer"), None
 
     def add(self, tokens: np.ndarray) -> None:
@@ -120,14 +121,16 @@ class _ShardWriter:
         """Write the first n pending tokens as the next train shard."""
         self.wait()  # the previous shard is on disk (or its error is raised here), its memory free
         buf = np.concatenate(self.pending)
-        path = os.path.join(self.out_dir, f"train_{len(self.counts):06d}.bin")
-        self.writing = self.pool.submit(write_shard, path, buf[:n], self.n_vocab)
+        name = f"train_{len(self.counts):06d}.bin"
+        self.writing = name, self.pool.submit(write_shard, os.path.join(self.out_dir, name), buf[:n], self.n_vocab)
         self.counts.append(n)
         self.pending, self.n_pending = [buf[n:]], len(buf) - n
 
     def wait(self) -> None:
         if self.writing is not None:
-            self.writing.result()
+            name, future = self.writing
+            self.sha256[name] = future.result()
+            self.writing = None
 
     def close(self) -> None:
         self.pool.shutdown()
@@ -188,7 +191,7 @@ def _build(pieces, out_dir: str, enc: Tokenizer, shard_tokens: int, val_tokens: 
         if shards.n_pending:
             shards.write(shards.n_pending)
         if len(val):
-            write_shard(os.path.join(out_dir, "val_000000.bin"), val, enc.n_vocab)
+            shards.sha256["val_000000.bin"] = write_shard(os.path.join(out_dir, "val_000000.bin"), val, enc.n_vocab)
         shards.wait()
     finally:  # no thread is left encoding or writing, even after an error (callers may delete out_dir)
         progress.close()  # also before an error's line, which must not land on the progress bar's
@@ -197,7 +200,7 @@ def _build(pieces, out_dir: str, enc: Tokenizer, shard_tokens: int, val_tokens: 
     stats = {"documents": documents, "tokens": sorter.total, "val_tokens": len(val),
              "train_tokens": sum(shards.counts), "train_shards": len(shards.counts), "val_from": "draws",
              "val_draws": split.VAL_DRAWS, "val_documents": val_documents, "max_tokens": max_tokens,
-             "seconds": round(time.time() - t0, 3)}
+             "seconds": round(time.time() - t0, 3), "sha256": dict(sorted(shards.sha256.items()))}
     print(_summary(stats, val_tokens, max_tokens, val_rule))
     record = {**enc.record(), "uint32": shard_version(enc.n_vocab) == 2, **stats}
     if "tokenizer_file" in record:  # sample.py, score.py and hf.py read the tokenizer from here

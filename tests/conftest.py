@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 import distributed
 import tokenizer
-from data import write_shard
+from shards import write_shard
 from model import GPT, ModelConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ import pytest
 import config
 import telemetry
 import train
-from data import write_shard
+from shards import write_shard
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 import hashlib
 import json
 import os
+import re
 import struct
 
 import numpy as np
@@ -12,7 +13,8 @@ import hf
 import model
 import prepare
 from conftest import TINY_FLAGS, WORD_TEXT, write_doc_shards
-from data import DataError, ShardLoader, read_shard, write_shard
+from data import DataError, ShardLoader
+from shards import read_shard, write_shard
 from test_prepare import DOCS
 
 EOT = 50256
@@ -538,3 +540,52 @@ def test_bos_packing_starts_rows_at_the_separator_data_json_records(word_tokeniz
     loader = ShardLoader(tmp_path / "out", batch_size=2, seq_len=8, packing="bos", prefetch=0)
     x, _ = next(loader)
     assert record["eot"] == 70_000 and (x[:, 0] == 70_000).all()
+
+
+# ----------------------------------------------------------------------------- shards that change under a run
+
+
+def _watched(tmp_path, record_digests=True):
+    tokens = (np.arange(4000) * 7 % 250).astype(np.uint16)
+    digests = {name: write_shard(tmp_path / name, tokens[i * 1000:(i + 1) * 1000], 256)
+               for i, name in enumerate(["train_000000.bin", "train_000001.bin", "val_000000.bin"])}
+    if record_digests:
+        data.write_data_record(str(tmp_path), {"tokenizer": "t.json", "n_vocab": 256, "eot": 0, "sha256": digests})
+    return tokens
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("damage", ["truncate", "overwrite", "remove"])
+def test_a_shard_that_changes_while_the_loader_reads_stops_it_in_one_line(tmp_path, prefetch, damage):
+    _watched(tmp_path, record_digests=False)  # the stat alone catches these
+    loader = ShardLoader(tmp_path, batch_size=4, seq_len=16, prefetch=prefetch, shuffle=False)
+    next(loader)
+    path = tmp_path / "train_000000.bin"
+    if damage == "truncate":  # reading the memory map past the new end would be a bus error
+        os.truncate(path, 600)
+    elif damage == "overwrite":  # same size, other tokens
+        with open(path, "r+b") as f:
+            f.seek(2000)
+            f.write(b"\xff\x00" * 10)
+            os.utime(path, ns=(1, 1))  # a clock that did not move would hide nothing from the size check alone
+    else:
+        os.remove(path)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(path))}: the shard (changed on disk while the run read it|"
+                                        r"cannot be read any more)"):
+        for _ in range(10):
+            next(loader)
+    loader.close()
+
+
+def test_a_shard_whose_sha256_is_not_data_jsons_is_refused_when_first_read(tmp_path):
+    _watched(tmp_path)
+    with open(tmp_path / "train_000001.bin", "r+b") as f:  # damaged before the run: the stat cannot tell
+        f.seek(1500)
+        f.write(b"\x01\x00")
+    loader = ShardLoader(tmp_path, batch_size=4, seq_len=16, prefetch=0, shuffle=False)
+    for _ in range(15):  # shard 0's 62 windows read, then the damaged one's first
+        next(loader)
+    with pytest.raises(DataError, match=r"train_000001.bin: the shard's sha256 is not the one data.json records"):
+        for _ in range(2):
+            next(loader)
+    assert ShardLoader(tmp_path, "val", batch_size=4, seq_len=16, prefetch=0).num_windows == 62  # val is whole

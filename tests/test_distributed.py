@@ -13,7 +13,7 @@ import torch
 import checkpoint
 import distributed
 from conftest import REPO, spawn_on_gloo
-from data import write_shard
+from shards import write_shard
 from model import GPT, ModelConfig
 
 # B=4, T=32: 128 tokens per micro-batch. 256 tokens per step is 2 micro-steps on 1 rank, 1 on 2 ranks.

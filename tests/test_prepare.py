@@ -27,7 +27,8 @@ import sources
 import split
 from cli import UsageError
 from conftest import WORD_TEXT, write_word_tokenizer
-from data import DataError, ShardLoader, read_shard, write_shard
+from data import DataError, ShardLoader
+from shards import read_shard, write_shard
 from tokenizer import TrainingText
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -935,7 +936,7 @@ def test_a_preparation_that_another_finishes_first_says_what_works(gpt2, tmp_pat
 
     shutil.rmtree(out)
     monkeypatch.setattr(prepare, "_move_into_place", the_other_finishes_first("9"))
-    with pytest.raises(DataError, match=r"with other shards \(data.json differs in train_tokens, val_tokens\); this "
+    with pytest.raises(DataError, match=r"with other shards \(data.json differs in sha256, train_tokens, val_tokens\); this "
                                         r"one is complete in .*: `mv (\S+) NEW_DIR`, then train with --data NEW_DIR") as e:
         prepare.prepare(str(tmp_path / "a.txt"), str(out), val_tokens=7)
     advice = re.search(r"`(mv \S+) NEW_DIR`", str(e.value)).group(1)

@@ -20,7 +20,7 @@ import model
 import plan
 import telemetry
 import train
-from data import write_shard
+from shards import write_shard
 from memory import fits_by_trying, largest_fitting_batch, micro_batch_for
 from schedule import lr_multiplier
 from resilience import EarlyStopping, Guard, LossHealth
@@ -759,3 +759,34 @@ def test_a_log_line_that_cannot_be_written_leaves_the_log_whole(tmp_path, monkey
         log.log({"step": 2, "tokens": 20})
     monkeypatch.undo()
     assert open(log.path).read() == '{"step": 1, "tokens": 10}\n'
+
+
+def test_a_shard_damaged_mid_run_stops_it_after_its_last_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    import data
+
+    shards = tmp_path / "data"
+    shutil.copytree(data_dir, shards)
+    real_step, steps = data.ShardLoader._step, []
+
+    def step(self, pos):  # the train loader's fifth batch is made after both shards were cut short
+        if self.order.shuffle:
+            steps.append(pos)
+            if len(steps) == 5:
+                for name in ("train_000000.bin", "train_000001.bin"):
+                    os.truncate(shards / name, 4000)
+        return real_step(self, pos)
+
+    monkeypatch.setattr(data.ShardLoader, "_step", step)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--data", str(shards), "--out-dir", str(out), *MODEL, "--max-steps", "8", "--ckpt-interval", "2"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert re.fullmatch(rf"error: {re.escape(str(shards))}/train_00000[01]\.bin: the shard changed on disk while the "
+                        r"run read it \(truncated, overwritten or replaced\); the run stops rather than train on it: "
+                        r"restore it \(or prepare the data again\), then resume", err[-1]), err[-1]
+    saved = [checkpoint.checkpoint_step(p) for p in checkpoint.list_checkpoints(str(out))]
+    assert saved and max(saved) <= 4 and (out / "summary.json").exists()  # no step trained on the damaged shards
+    checkpoint.verify(checkpoint.list_checkpoints(str(out))[-1])

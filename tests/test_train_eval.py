@@ -20,7 +20,8 @@ import prepare
 import train
 from cli import UsageError
 from conftest import REPO, TINY_FLAGS, WORD_TEXT, gpt2_model
-from data import DataError, write_shard
+from data import DataError
+from shards import write_shard
 from train_eval import (Evaluator, Example, bits_per_byte, bpb_sums, choice_batch, ending_scores, load_hellaswag,
                       token_byte_lengths)
 from model import GPT, IGNORE_INDEX, ModelConfig, linear_cross_entropy
