@@ -82,6 +82,9 @@ class EarlyStopping:
         self.step = state.get("step")  # None: a checkpoint that records none was written after its eval
 
 
+# What stops a run: SIGTERM (preemption, torchrun passing one on, a scheduler's kill), SIGINT (Ctrl-C) and SIGUSR1,
+# the warning SLURM sends ahead of a time limit (--signal=USR1@SECONDS), which would otherwise kill the process.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # What a signal outside the step loop stops, by phase: before the loop nothing is trained yet; after it every
 # checkpoint on disk is whole (writes are atomic) and only the records and the process's exit are left.
 STOPPED_AT_ONCE = {"start-up": "during start-up: stopping before the first step (nothing to save)",
@@ -89,7 +92,7 @@ STOPPED_AT_ONCE = {"start-up": "during start-up: stopping before the first step 
 
 
 def stop_at_once(phase: str = "start-up") -> None:
-    """SIGTERM or SIGINT outside the step loop (which installs StopSignals): one line saying what the stop
+    """A stop signal outside the step loop (which installs StopSignals): one line saying what the stop
     means in this phase (STOPPED_AT_ONCE), then exit 128 + the signal's number, as a shell expects."""
 
     def handle(signum, frame):
@@ -97,7 +100,7 @@ def stop_at_once(phase: str = "start-up") -> None:
         sys.exit(128 + signum)
 
     handle.phase = phase
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, handle)
 
 
@@ -108,8 +111,9 @@ class StepInterrupted(BaseException):
 
 
 class StopSignals:
-    """SIGTERM (preemption) and SIGINT (Ctrl-C) stop the run; a second SIGINT exits at once, even while a
-    checkpoint is being written (writes are atomic: a temporary name is never taken for a checkpoint).
+    """SIGTERM (preemption), SIGINT (Ctrl-C) and SIGUSR1 (a time limit near) stop the run; a second SIGINT exits
+    at once, even while a checkpoint is being written (writes are atomic: a temporary name is never taken for a
+    checkpoint).
 
     In a single process (`interrupt`) a signal during a step's micro-steps ends that step at once: the handler
     raises StepInterrupted there, train.py drops the step (its gradients and data are rewound) and keeps the
@@ -129,7 +133,7 @@ class StopSignals:
         for end in (self.wakeup, self.wakeup_writer):
             end.setblocking(False)
         self.previous_wakeup = signal.set_wakeup_fd(self.wakeup_writer.fileno(), warn_on_full_buffer=False)
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in STOP_SIGNALS}
 
     def _delivered(self) -> bytes:
         """The signal numbers delivered since the last call, one byte each."""

@@ -4,7 +4,9 @@ import json
 import os
 import shutil
 import subprocess
+import signal
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -13,8 +15,8 @@ import torch
 import checkpoint
 import distributed
 from conftest import REPO, spawn_on_gloo
-from shards import write_shard
 from model import GPT, ModelConfig
+from shards import write_shard
 
 # B=4, T=32: 128 tokens per micro-batch. 256 tokens per step is 2 micro-steps on 1 rank, 1 on 2 ranks.
 COMMON = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
@@ -257,3 +259,42 @@ def test_unsupported_combinations_fail_at_startup(args, message, tmp_path):
 def test_plain_launch_of_many_processes_is_refused(data_dir, tmp_path):
     result = launch(2, "--data", data_dir, "--out-dir", str(tmp_path), *COMMON)
     assert result.returncode != 0 and "pass --dist ddp or --dist fsdp" in result.stderr
+
+
+def test_the_slurm_script_checkpoints_and_requeues_when_the_time_limit_nears(data_dir, tmp_path):
+    """docs/slurm.sbatch as it is, under a stand-in for SLURM: its USR1 stops two torchrun ranks at a checkpoint
+    well inside torchrun's 30 s, the job requeues itself, and the requeued script resumes from that checkpoint."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in [("scontrol", 'echo "$@" >> "$SCONTROL_LOG"'),
+                       ("torchrun", f'exec {sys.executable} -m torch.distributed.run "$@"')]:
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    out = tmp_path / "run"
+
+    def job(max_steps):
+        args = ["--dist", "ddp", "--data", data_dir, "--out-dir", str(out), *COMMON, "--max-steps", str(max_steps),
+                "--log-interval", "1"]
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", "NPROC": "2",
+               "SLURM_JOB_ID": "4242", "SCONTROL_LOG": str(tmp_path / "scontrol.log"), "TRAIN_ARGS": " ".join(args)}
+        env.pop("WANDB_API_KEY", None)
+        return subprocess.Popen(["bash", os.path.join("docs", "slurm.sbatch")], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = job(10_000)
+    deadline = time.monotonic() + 120
+    while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 3:
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+        time.sleep(0.2)
+    signalled = time.monotonic()
+    first.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@180 sends the batch script
+    stdout, stderr = first.communicate(timeout=60)
+    assert first.returncode == 0 and time.monotonic() - signalled < 30, stderr[-3000:]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    done = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    assert [checkpoint.checkpoint_step(p) for p in checkpoint.list_checkpoints(str(out))][-1] == done
+    again = job(done + 2)  # the requeued job runs the same script: --resume auto goes on from that checkpoint
+    stdout, stderr = again.communicate(timeout=180)
+    assert again.returncode == 0, stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, done + 3))

@@ -103,16 +103,17 @@ def test_sigkill_at_random_points_then_resume_is_bit_identical(data_dir, referen
     assert losses(tmp_path) == reference
 
 
-def test_sigterm_checkpoints_and_exits_0_then_resumes_exactly(data_dir, reference, tmp_path):
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGUSR1"])  # SIGUSR1: SLURM's warning of a time limit
+def test_a_stop_signal_checkpoints_and_exits_0_then_resumes_exactly(data_dir, reference, tmp_path, stop):
     proc = start(data_dir, tmp_path, "--max-steps", str(STEPS), "--ckpt-interval", "100")
     metrics = tmp_path / "metrics.jsonl"
     while proc.poll() is None and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(getattr(signal, stop))
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     outcome = next(line for line in out.splitlines() if line.strip().startswith("outcome"))
-    assert "stopped by SIGTERM" in outcome and "--resume" in outcome  # the end-of-run summary says how to go on
+    assert f"stopped by {stop}" in outcome and "--resume" in outcome  # the end-of-run summary says how to go on
     stopped_at = checkpoint.checkpoint_step(checkpoint.list_checkpoints(str(tmp_path))[-1])
     assert 3 <= stopped_at < STEPS
     resumed = start(data_dir, tmp_path, "--max-steps", str(STEPS), "--ckpt-interval", "100", "--resume")
