@@ -143,6 +143,9 @@ class DistConfig:
     ddp_bucket_mb: float = option(25.0, "DDP gradient bucket size in MiB")
     reshard_after_forward: bool = option(True, "FSDP2: free gathered parameters after forward (less memory, "
                                                "one more all-gather)")
+    collective_timeout: float = option(600.0, "seconds a rank waits in a collective for the others before it "
+                                              "gives up with one line (a rank that died or hung; "
+                                              "docs/fault-tolerance.md)")
 
 
 DEVICES = ("auto", "cuda", "mps", "cpu")

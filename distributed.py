@@ -7,11 +7,15 @@ home-made communication layer. A run without torchrun is world size 1 and touche
 import gc
 import logging
 import os
+import re
 from contextlib import nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from cli import first_line
 
 
 @dataclass
@@ -40,16 +44,38 @@ def check_launch(mode: str) -> str | None:
     return None
 
 
-def init(mode: str, device_type: str) -> DistInfo:
-    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU); world size 1 without it."""
+def init(mode: str, device_type: str, timeout_s: float = 600.0) -> DistInfo:
+    """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU); world size 1 without it. A
+    collective that waits timeout_s for another rank fails (lost_rank tells such an error), so that a rank that
+    hung is not waited for forever (gloo's own default is 30 minutes)."""
     if mode == "none":
         return DistInfo()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, mode=mode)
+
+
+def lost_rank(error: BaseException, info: DistInfo) -> str | None:
+    """The one line for an error that a collective raised because another rank is gone (killed, crashed) or
+    hung past --collective-timeout, else None. gloo and NCCL report these as RuntimeErrors of their own
+    wording (torch's DistError where it wraps them)."""
+    if info.mode == "none" or not isinstance(error, RuntimeError):
+        return None
+    text = str(error)
+    if not isinstance(error, dist.DistError) and not any(word in text for word in LOST_RANK_WORDS):
+        return None
+    why = re.sub(r"^\[[^\]]*\] ", "", first_line(error)).split(". ")[0][:160]  # gloo's source location, then why
+    return (f"rank {info.rank} lost the other ranks in a collective ({why}): another rank died or "
+            f"hung (torchrun's summary names it); every checkpoint on disk is whole: resume with --resume, or run "
+            f"under torchrun --max-restarts N with --resume auto to restart by itself")
+
+
+# What gloo's and NCCL's errors say when a peer is gone or silent.
+LOST_RANK_WORDS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out",
+                   "timed out", "Timeout", "NCCL communicator was aborted", "ProcessGroupNCCL")
 
 
 def shutdown(info: DistInfo) -> None:

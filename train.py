@@ -128,7 +128,7 @@ def setup(cfg: Config, command_line: dict | None = None) -> Run:
     autocast_dtype, dtype_reason = hardware.resolve_dtype(cfg.speed.dtype, device)
     auto_batch = cfg.data.batch_size == "auto"  # memory.auto_batch_problems made sure it runs on CUDA
     fp8_recipe = fp8.prepare(cfg.fp8, cfg.model, None if auto_batch else cfg.data.batch_size, device, autocast_dtype)
-    info = distributed.init(cfg.dist.dist, device.type)
+    info = distributed.init(cfg.dist.dist, device.type, cfg.dist.collective_timeout)
     # A CPU's auto dtype comes from a timing probe, which ranks sharing a host could answer differently.
     autocast_dtype, dtype_reason = distributed.broadcast_object((autocast_dtype, dtype_reason), info)
     if device.type == "cuda":
@@ -366,6 +366,12 @@ def main(argv=None):
         if run.info.is_main:
             report_error(e)
         sys.exit(1 if isinstance(e, (TrainingHalted, WriteError)) else 2)
+    except RuntimeError as e:  # another rank gone: this one says so in a line; anything else is a bug
+        if (lost := distributed.lost_rank(e, run.info)) is None:
+            raise
+        outcome = f"halted: {lost}"
+        report_error(lost)
+        sys.exit(1)
     finally:
         if outcome is not None:
             report.after_run(run.telemetry.summary(outcome, time.perf_counter() - started, run.guard.early_stop.best,

@@ -298,3 +298,83 @@ def test_the_slurm_script_checkpoints_and_requeues_when_the_time_limit_nears(dat
     assert again.returncode == 0, stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, done + 3))
+
+
+def _workers(torchrun_pid: int) -> dict[int, int]:
+    """LOCAL_RANK -> pid of the train.py processes a torchrun started."""
+    found = {}
+    for pid in subprocess.run(["pgrep", "-P", str(torchrun_pid)], capture_output=True, text=True).stdout.split():
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        ranks = [e.split(b"=", 1)[1] for e in env if e.startswith(b"LOCAL_RANK=")]
+        if ranks:
+            found[int(ranks[0])] = int(pid)
+    return found
+
+
+def test_a_rank_killed_mid_run_is_one_line_and_max_restarts_resumes_it_exactly(data_dir, tmp_path):
+    """SIGKILL to rank 1: rank 0 leaves its collective at once with one line naming what happened, torchrun
+    restarts both (--max-restarts), --resume auto goes on from the newest checkpoint, and the losses equal an
+    uninterrupted run's bit for bit."""
+    args = ["--dist", "ddp", "--data", data_dir, *COMMON, "--eval-interval", "0", "--max-steps", "300",
+            "--ckpt-interval", "40", "--log-interval", "1", "--resume", "auto"]
+    reference, _ = train_losses(2, tmp_path / "reference", *args)
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WANDB_API_KEY", None)
+    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                            "--max-restarts", "2", "train.py", "--out-dir", str(out), *args], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 60):
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        time.sleep(0.05)
+    os.kill(_workers(run.pid)[1], signal.SIGKILL)
+    stdout, err = run.communicate(timeout=240)
+    assert run.returncode == 0, err[-3000:]
+    lost = [line for line in err.splitlines() if line.startswith("error: rank 0 lost the other ranks")]
+    assert len(lost) == 1 and "another rank died or hung" in lost[0] and "--max-restarts" in lost[0], err[-3000:]
+    assert any(line.split() and line.split()[:3] == ["resume", "from", "step"] for line in stdout.splitlines())
+    with open(metrics) as f:
+        assert [json.loads(line)["train_loss"] for line in f] == reference
+
+
+KILL_IN_DCP_SAVE = """
+import os
+import signal
+
+if os.environ.get("RANK") == "1":  # rank 1 dies as its second DCP save begins, rank 0 already inside its own
+    import torch.distributed.checkpoint as dcp
+
+    real_save, calls = dcp.save, []
+
+    def save(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(*args, **kwargs)
+
+    dcp.save = save
+"""
+
+
+def test_a_rank_killed_during_a_dcp_save_leaves_the_previous_checkpoint_to_resume_from(data_dir, tmp_path):
+    args = ["--dist", "fsdp", "--data", data_dir, *COMMON, "--eval-interval", "0", "--max-steps", "9",
+            "--ckpt-interval", "3", "--log-interval", "1"]
+    reference, _ = train_losses(2, tmp_path / "reference", *args)
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(KILL_IN_DCP_SAVE)  # a test's fault, not a product flag
+    out = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{shim}:{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("WANDB_API_KEY", None)
+    killed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "train.py", "--out-dir", str(out), *args], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert killed.returncode != 0 and "error: rank 0 lost the other ranks" in killed.stderr, killed.stderr[-3000:]
+    saved = checkpoint.list_checkpoints(str(out))
+    assert [checkpoint.checkpoint_step(p) for p in saved] == [3]  # step 6's directory, half made, is not one
+    checkpoint.verify(saved[0])
+    assert train_losses(2, out, *args, "--resume")[0] == reference
