@@ -56,6 +56,7 @@ from fp8 import block_state_dict, te_to_plain_state_dict
 from model import INIT_ONLY_FIELDS, with_qwen3_toggles
 from optim import apply_group_settings, group_settings
 from schedule import current_multiplier
+from shards import file_sha256
 
 CHECKPOINT_VERSION = 1
 META_FILE = "meta.pt"
@@ -146,14 +147,6 @@ def _save_hashed(state: dict):
     return write
 
 
-def _digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _disk_error(path: str, e: BaseException) -> WriteError:
     """The one-line error of a checkpoint write that failed, its partial files already removed."""
     return write_error("checkpoint", path, e, "; the previous checkpoints are intact")
@@ -166,15 +159,6 @@ def _os_error(e: BaseException) -> OSError | None:
         if isinstance(error, OSError):
             return error
     return e if isinstance(e, OSError) else None
-
-
-def free_space(path: str) -> str:
-    """'12.0 MiB free on its filesystem', for a message about a write to path that failed."""
-    try:
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-    except OSError:
-        return "free space unknown"
-    return f"{free / 2**20:,.1f} MiB free on its filesystem"
 
 
 def save_file(state: dict, path: str) -> None:
@@ -208,7 +192,7 @@ def save_sharded(tensors: dict, meta: dict, path: str, is_main: bool, barrier) -
         dcp.save(tensors, checkpoint_id=tmp)
         if is_main:
             _write_synced(os.path.join(tmp, META_FILE), _save_hashed(meta))
-            digests = {name: _digest(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
+            digests = {name: file_sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
             _write_synced(os.path.join(tmp, CHECKSUMS_FILE), lambda f: f.write(json.dumps(digests).encode()))
             _replace_dir(tmp, path)
     except (OSError, CheckpointException) as e:
@@ -250,7 +234,7 @@ def verify(path: str) -> None:
         except OSError:
             raise CheckpointError(f"{path} has no {DIGEST_SUFFIX} checksum beside it: incomplete or not ours") from None
     for file, digest in files.items():
-        if not os.path.isfile(file) or _digest(file) != digest:
+        if not os.path.isfile(file) or file_sha256(file) != digest:
             raise CheckpointError(f"{file} is damaged: its sha256 does not match the one recorded when it was written")
 
 

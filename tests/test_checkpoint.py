@@ -27,6 +27,7 @@ from fp8 import TE_MODULES
 from model import GPT, ModelConfig
 from optim import OptimConfig, build_optimizer
 from resilience import Guard, LossHealth
+from shards import file_sha256
 from telemetry import Telemetry
 
 CFG = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
@@ -175,7 +176,7 @@ def saved_file(tmp_path):
 
 def rewrite_checksums(directory):
     """What an attacker who can write the directory does after planting a file: fresh, valid checksums."""
-    digests = {name: checkpoint._digest(os.path.join(directory, name)) for name in sorted(os.listdir(directory))
+    digests = {name: file_sha256(os.path.join(directory, name)) for name in sorted(os.listdir(directory))
                if name != checkpoint.CHECKSUMS_FILE}
     with open(os.path.join(directory, checkpoint.CHECKSUMS_FILE), "w") as f:
         json.dump(digests, f)
@@ -225,7 +226,7 @@ def test_every_reader_verifies_the_checksum_first(damage, tmp_path, capsys):
             f.truncate(0)
     if damage == "empty":  # a 0-byte file with a matching checksum: not damaged, just not a checkpoint
         with open(path + checkpoint.DIGEST_SUFFIX, "w") as f:
-            f.write(checkpoint._digest(path))
+            f.write(file_sha256(path))
     expected = "is damaged" if damage == "flip" else "cannot load checkpoint"
     with pytest.raises(checkpoint.CheckpointError, match=expected):
         checkpoint.load(path)

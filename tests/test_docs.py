@@ -101,7 +101,8 @@ def test_relative_links_resolve():
 
 # Flags of other tools that the pages quote: pip's, TensorBoard's and torchrun's.
 OTHER_TOOLS_FLAGS = {"--index-url", "--no-build-isolation", "--logdir", "--nnodes", "--node_rank", "--nproc_per_node",
-                     "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone"}
+                     "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id", "--standalone", "--max-restarts",
+                     "--signal", "--requeue", "--export"}  # torchrun's, then sbatch's (docs/slurm.sbatch)
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9_-]*")
 
 
