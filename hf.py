@@ -577,7 +577,8 @@ def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: Tokeniz
     enc = tokenizer or load_tokenizer("gpt2")
     if config.vocab_size != enc.n_vocab:
         raise ValueError(f"model vocab_size {config.vocab_size} does not match the {enc.name} tokenizer "
-                         f"({enc.n_vocab} tokens); pass --tokenizer")
+                         f"({enc.n_vocab} tokens); pass --tokenizer with the tokenizer the model was trained with "
+                         f"(a tokenizer.json or tiktoken name of {config.vocab_size:,} ids)")
     check_target(out_dir, overwrite)
     # Fresh float32 copies: safetensors refuses tensors that share storage, as the views of a fused weight do.
     weights = {k: v.detach().to("cpu", torch.float32).clone() for k, v in to_hf(config, state).items()}

@@ -286,7 +286,9 @@ def main(argv=None) -> int:
         enc = load_tokenizer(a.tokenizer) if a.tokenizer else model_tokenizer(a.ckpt or a.hf) or load_tokenizer()
         if model.config.vocab_size != enc.n_vocab:
             raise ValueError(f"model vocab_size {model.config.vocab_size} does not match the {enc.name} "
-                             f"tokenizer ({enc.n_vocab} tokens); pass --tokenizer")
+                             f"tokenizer ({enc.n_vocab} tokens); pass --tokenizer with the tokenizer the model "
+                             f"was trained with (a tokenizer.json or tiktoken name of {model.config.vocab_size:,} "
+                             "ids)")
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
     seed = a.seed

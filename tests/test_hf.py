@@ -12,7 +12,7 @@ import torch
 import checkpoint
 import hf
 import prepare
-from conftest import WORD_TEXT
+from conftest import WORD_TEXT, write_word_tokenizer
 from hf import config_from_hf, export_hf, from_hf, hf_config, load_hf, our_names, read_checkpoint, to_hf
 from model import GPT, QWEN3_VALUES, ModelConfig
 from sample import generate
@@ -208,6 +208,17 @@ def write_checkpoint(path, model, train_config=None):
     checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": state, "optimizer": {},
                           "loader": {}, "rng": {}, "model_config": dataclasses.asdict(model.config),
                           "train_config": train_config or {}}, str(path))
+
+
+def test_a_tokenizer_that_does_not_fit_is_refused_with_advice_that_works(tmp_path, capsys):
+    model = GPT(ModelConfig(**{**TINY, "vocab_size": 300, "n_embd": 32, "head_dim": 8}))
+    write_checkpoint(tmp_path / "ckpt.pt", model)  # no --data recorded: GPT-2's tokenizer is assumed
+    args = ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "hf")]
+    assert hf.main(args) == 2
+    assert capsys.readouterr().err.strip().endswith("pass --tokenizer with the tokenizer the model was trained with "
+                                                    "(a tokenizer.json or tiktoken name of 300 ids)")
+    own = write_word_tokenizer(tmp_path / "tok.json", ["the", "cat"], size=299)  # and its separator: 300
+    assert hf.main([*args, "--tokenizer", own]) == 0 and (tmp_path / "hf" / "tokenizer.json").exists()
 
 
 def test_export_writes_the_recorded_tokenizer_for_auto_tokenizer(word_tokenizer, tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ import torch
 
 import checkpoint
 import sample
+from conftest import write_word_tokenizer
 from model import GPT, QWEN3_VALUES, KVCache, ModelConfig
 from sample import decode_stream, generate, next_token, sample_text, top_k_filter, top_p_filter
 from tokenizer import get_tokenizer, load_tokenizer, train_bpe
@@ -223,6 +224,20 @@ def test_cli_prints_text(tmp_path, capsys, source):
         assert sample.main(["--ckpt", str(path), "--device", "cpu"]) == 2
         assert capsys.readouterr().err == f"error: --ckpt {path} is a Hugging Face directory (it has a " \
                                           "config.json); pass it as --hf\n"
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_is_refused_with_advice_that_works(tmp_path, capsys):
+    """A model of 300 ids from shards that record no tokenizer: GPT-2's does not fit; the advice, followed with
+    the tokenizer it was trained with, samples."""
+    model = tiny_model(vocab_size=300)
+    write_checkpoint(tmp_path / "ckpt.pt", model)
+    args = ["--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", "the cat", "--max-new-tokens", "4", "--greedy"]
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2 and err.strip().endswith("pass --tokenizer with the tokenizer the model was trained with (a "
+                                              "tokenizer.json or tiktoken name of 300 ids)")
+    own = write_word_tokenizer(tmp_path / "tok.json", ["the", "cat"], size=299)  # and its separator: 300
+    code, out, err = run_cli(capsys, *args, "--tokenizer", own)
+    assert (code, err) == (0, "") and out.startswith("the cat")
 
 
 def test_cli_samples_a_checkpoint_with_every_recipe_toggle(tmp_path, capsys):
