@@ -314,30 +314,31 @@ def _workers(torchrun_pid: int) -> dict[int, int]:
     return found
 
 
-def test_a_rank_killed_mid_run_is_one_line_and_max_restarts_resumes_it_exactly(data_dir, tmp_path):
-    """SIGKILL to rank 1: rank 0 leaves its collective at once with one line naming what happened, torchrun
-    restarts both (--max-restarts), --resume auto goes on from the newest checkpoint, and the steps redone
-    after it have the losses the killed run logged for them, bit for bit."""
+def test_a_rank_killed_mid_run_is_one_line_and_the_relaunch_resumes_it_exactly(data_dir, tmp_path):
+    """SIGKILL to rank 1: rank 0 leaves its collective at once with one line naming what happened; launched
+    again as a restart launches it (--resume auto), the run goes on from the newest checkpoint, and the steps
+    redone after it have the losses the killed run logged for them, bit for bit."""
     args = ["--dist", "ddp", "--data", data_dir, *COMMON, "--eval-interval", "0", "--max-steps", "60",
             "--ckpt-interval", "20", "--log-interval", "1", "--resume", "auto"]
     out = tmp_path / "killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WANDB_API_KEY", None)
-    # Three restarts: on a busy 2-core machine a restarted gloo rank now and then fails to connect to its peer.
     run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            "--max-restarts", "3", "train.py", "--out-dir", str(out), *args], cwd=REPO, env=env,
+                            "train.py", "--out-dir", str(out), *args], cwd=REPO, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 30):
         assert run.poll() is None, run.communicate()[1][-3000:]
         time.sleep(0.02)
     os.kill(_workers(run.pid)[1], signal.SIGKILL)
-    before = [json.loads(line) for line in metrics.read_text().splitlines()]  # before the restart rewrites it
-    stdout, err = run.communicate(timeout=240)
-    assert run.returncode == 0, err[-3000:]
+    _, err = run.communicate(timeout=120)
+    assert run.returncode != 0, err[-3000:]
     lost = [line for line in err.splitlines() if line.startswith("error: rank 0 lost the other ranks")]
-    assert lost and "another rank died or hung" in lost[0] and "--max-restarts" in lost[0], err[-3000:]
-    assert any(line.split()[:3] == ["resume", "from", "step"] for line in stdout.splitlines())  # restarted
+    assert len(lost) == 1 and "another rank died or hung" in lost[0] and "--resume auto" in lost[0], err[-3000:]
+    before = [json.loads(line) for line in metrics.read_text().splitlines()]
+    again = launch(2, "--out-dir", str(out), *args)
+    assert again.returncode == 0 and any(line.split()[:3] == ["resume", "from", "step"]
+                                         for line in again.stdout.splitlines()), again.stderr[-3000:]
     after = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in after] == list(range(1, 61)) and len(before) > 20
     assert [r["train_loss"] for r in after[:len(before)]] == [r["train_loss"] for r in before]  # 21.. redone
