@@ -54,8 +54,25 @@ def init(mode: str, device_type: str, timeout_s: float = 600.0) -> DistInfo:
     world_size = int(os.environ["WORLD_SIZE"])
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    backend, timeout = "nccl" if device_type == "cuda" else "gloo", timedelta(seconds=timeout_s)
+    store = attempt_store(world_size, timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, mode=mode)
+
+
+def attempt_store(world_size: int, timeout: timedelta):
+    """The store the ranks meet in, its keys apart for each attempt torchrun starts (--max-restarts), or None
+    outside torchrun's own store. Workers share the agent's store across restarts, and the process group's
+    keys (each rank's address) do not name the attempt: a restarted rank could read a dead rank's address and
+    fail to connect (seen on gloo)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def lost_rank(error: BaseException, info: DistInfo) -> str | None:
