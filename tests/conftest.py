@@ -15,9 +15,10 @@ import torch
 import torch.multiprocessing as mp
 
 import distributed
+import split
 import tokenizer
-from shards import write_shard
 from model import GPT, ModelConfig
+from shards import write_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A model and batch small enough for a CPU test to train a few steps in about a second.
@@ -151,6 +152,20 @@ def inject_nan(monkeypatch):
         monkeypatch.setattr(train, "train_step", step)
 
     return poison
+
+
+def split_by_hand(stream, val_tokens: int, eot: int = 50256) -> list:
+    """split.py's rule, written out one document at a time (tests/test_split.py, tests/test_prepare.py): val
+    takes documents in order of (draw, position), the last one cut at val_tokens; train is every other token
+    in stream order. -> val + train, as a preparation's val shard and train shards hold them."""
+    starts = [i for i, t in enumerate(stream) if t == eot] or [0]
+    starts[0] = 0
+    docs = [list(stream[a:b]) for a, b in zip(starts, starts[1:] + [len(stream)])]
+    val, taken = [], {}
+    for position in sorted(range(len(docs)), key=lambda p: (split.draw_of(p), p)):
+        taken[position] = min(len(docs[position]), val_tokens - len(val))
+        val += docs[position][:taken[position]]
+    return val + [t for p, doc in enumerate(docs) for t in doc[taken.get(p, 0):]]
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import prepare
 import sources
 import split
 from cli import UsageError
-from conftest import WORD_TEXT, write_word_tokenizer
+from conftest import WORD_TEXT, split_by_hand, write_word_tokenizer
 from data import DataError, ShardLoader
 from shards import read_shard, write_shard
 from tokenizer import TrainingText
@@ -58,23 +58,10 @@ def _expected(enc, docs):
     return [t for doc in docs for t in [EOT] + enc.encode_ordinary(doc)]
 
 
-def _reference_split(stream, val_tokens, eot=EOT):
-    """split.py's rule, written out one document at a time: val takes documents in order of (draw, position), the
-    last one cut at val_tokens; train is every other token in stream order. -> val + train."""
-    starts = [i for i, t in enumerate(stream) if t == eot] or [0]
-    starts[0] = 0
-    docs = [list(stream[a:b]) for a, b in zip(starts, starts[1:] + [len(stream)])]
-    val, taken = [], {}
-    for position in sorted(range(len(docs)), key=lambda p: (split.draw_of(p), p)):
-        taken[position] = min(len(docs[position]), val_tokens - len(val))
-        val += docs[position][:taken[position]]
-    return val + [t for p, doc in enumerate(docs) for t in doc[taken.get(p, 0):]]
-
-
 def _check(enc, out_dir, docs):
     record = json.loads((out_dir / "data.json").read_text())
     assert record["val_from"] == "draws"
-    assert _all_tokens(out_dir) == _reference_split(_expected(enc, docs), record["val_tokens"])
+    assert _all_tokens(out_dir) == split_by_hand(_expected(enc, docs), record["val_tokens"])
 
 
 def test_prepare_text_file_in_pieces_equals_whole_file_encoding(gpt2, tmp_path, monkeypatch):
@@ -194,7 +181,7 @@ def _reference_shards(enc, docs, shard_tokens, val_tokens):
     before each non-empty one, val_tokens tokens of the documents split.py draws to val, the rest in train shards
     of shard_tokens."""
     stream = [t for doc in docs if doc for t in [EOT] + enc.encode_ordinary(doc)]
-    tokens = np.array(_reference_split(stream, val_tokens), dtype="<u2")
+    tokens = np.array(split_by_hand(stream, val_tokens), dtype="<u2")
     splits = {"val_000000.bin": tokens[:val_tokens]}
     for i, start in enumerate(range(val_tokens, len(tokens), shard_tokens)):
         splits[f"train_{i:06d}.bin"] = tokens[start:start + shard_tokens]
@@ -377,7 +364,7 @@ def test_prepare_with_default_args_draws_the_val_documents_of_a_small_corpus(gpt
     expected = _expected(gpt2[0], docs)
     assert 40_000 < len(expected) < 60_000
     assert stats["val_tokens"] == split.default_val_tokens(len(expected)) == split.MIN_VAL_TOKENS
-    assert _all_tokens(tmp_path / "out") == _reference_split(expected, split.MIN_VAL_TOKENS)
+    assert _all_tokens(tmp_path / "out") == split_by_hand(expected, split.MIN_VAL_TOKENS)
     val = read_shard(tmp_path / "out" / "val_000000.bin")
     assert val[0] == EOT and 60 < stats["val_documents"] == np.count_nonzero(val == EOT) < 110  # not the first ones
     line = capsys.readouterr().out.strip().splitlines()[-1]
@@ -444,14 +431,14 @@ def test_max_tokens_cuts_at_the_exact_count(gpt2, tmp_path, monkeypatch, capsys)
     expected = _expected(gpt2[0], docs)[:5000]
     stats = prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "explicit", shard_tokens=997, val_tokens=100,
                             max_tokens=5000)
-    assert _all_tokens(tmp_path / "explicit") == _reference_split(expected, 100)
+    assert _all_tokens(tmp_path / "explicit") == split_by_hand(expected, 100)
     assert stats["tokens"] == 5000 and stats["val_tokens"] == 100 and stats["documents"] == expected.count(EOT)
     captured = capsys.readouterr()
     assert "5,000/5,000 tok" in captured.err  # the progress knows the total: a count out of it, and an ETA
     assert ", cut at --max-tokens 5,000; val: 100 tokens" in captured.out
     monkeypatch.setattr(split, "MIN_VAL_TOKENS", 10)
     stats = prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "auto", shard_tokens=997, max_tokens=5000)
-    assert _all_tokens(tmp_path / "auto") == _reference_split(expected, 25) and stats["val_tokens"] == 25  # 0.5%
+    assert _all_tokens(tmp_path / "auto") == split_by_hand(expected, 25) and stats["val_tokens"] == 25  # 0.5%
     prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "all", val_tokens=100, max_tokens=10**9)
     assert "all of it (fewer than --max-tokens 1,000,000,000)" in capsys.readouterr().out
 
@@ -599,7 +586,7 @@ def test_default_corpus_is_built_once_and_rebuilt_when_incomplete(gpt2, tmp_path
     assert capsys.readouterr().out.strip().endswith("by a hash of their position (the default corpus's fixed val size)")
     assert os.path.dirname(path) == str(tmp_path) and "gpt2" in os.path.basename(path)
     texts = [open(f, encoding="utf-8").read() for f in small]
-    assert _all_tokens(tmp_path / os.path.basename(path)) == _reference_split(_expected(gpt2[0], texts), 200)
+    assert _all_tokens(tmp_path / os.path.basename(path)) == split_by_hand(_expected(gpt2[0], texts), 200)
 
     def no_rebuild(*args, **kwargs):
         raise AssertionError("rebuilt a complete cache")
@@ -610,7 +597,7 @@ def test_default_corpus_is_built_once_and_rebuilt_when_incomplete(gpt2, tmp_path
     os.remove(os.path.join(path, data.CORPUS_MARKER))  # as if a build had stopped half way
     open(os.path.join(path, "train_000000.bin"), "wb").close()
     assert prepare.default_corpus(tmp_path) == path
-    assert _all_tokens(tmp_path / os.path.basename(path)) == _reference_split(_expected(gpt2[0], texts), 200)
+    assert _all_tokens(tmp_path / os.path.basename(path)) == split_by_hand(_expected(gpt2[0], texts), 200)
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]  # no temporary directory left
     assert data.data_record(path)["n_vocab"] == 50257 and data.check_vocab(151_936, path) is not None
 
@@ -701,7 +688,7 @@ def test_prepare_with_a_tokenizer_json_of_over_65535_ids(word_tokenizer, tmp_pat
     record = prepare.prepare(tmp_path / "docs.jsonl", out, word_tokenizer, val_tokens=5)
     own = tokenizers.Tokenizer.from_file(word_tokenizer)
     own.encode_special_tokens = True  # a document's "<|endoftext|>" is its text
-    assert _all_tokens(out) == _reference_split([t for doc in docs for t in [70_000, *own.encode(doc).ids]], 5, 70_000)
+    assert _all_tokens(out) == split_by_hand([t for doc in docs for t in [70_000, *own.encode(doc).ids]], 5, 70_000)
     assert all(read_shard(p).dtype == np.uint32 for p in out.glob("*.bin"))
     assert {k: record[k] for k in ("tokenizer", "n_vocab", "eot", "doc_separator", "uint32", "tokenizer_file")} == {
         "tokenizer": word_tokenizer, "n_vocab": 70_001, "eot": 70_000, "doc_separator": "<|endoftext|>",
@@ -740,7 +727,7 @@ def test_train_tokenizer_prepares_shards_with_its_own_ids(tmp_path):
     record = prepare.prepare(tmp_path / "docs.jsonl", out, val_tokens=20, train_tokenizer=300)
     own = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
     own.encode_special_tokens = True
-    assert _all_tokens(out) == _reference_split([t for doc in docs for t in [299, *own.encode(doc).ids]], 20, 299)
+    assert _all_tokens(out) == split_by_hand([t for doc in docs for t in [299, *own.encode(doc).ids]], 20, 299)
     assert {k: record[k] for k in ("tokenizer", "n_vocab", "eot", "doc_separator", "uint32", "tokenizer_file")} == {
         "tokenizer": "trained:300", "n_vocab": 300, "eot": 299, "doc_separator": "<|endoftext|>", "uint32": False,
         "tokenizer_file": "tokenizer.json"}

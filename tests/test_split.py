@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 import split
+from conftest import split_by_hand
 from tokenizer import DataError
 
 EOT = 9
@@ -36,17 +37,6 @@ def _stream(sizes, seed=0):
     return np.concatenate([np.concatenate([[EOT], rng.integers(0, 9, size - 1)]) for size in sizes]).astype(np.uint16)
 
 
-def _by_hand(stream, val_tokens):
-    """The rule, a document at a time: documents in (draw, position) order, the last cut at val_tokens."""
-    starts = np.flatnonzero(stream == EOT).tolist() + [len(stream)]
-    docs = [stream[a:b].tolist() for a, b in zip(starts, starts[1:])]
-    val, taken = [], {}
-    for p in sorted(range(len(docs)), key=lambda p: (split.draw_of(p), p)):
-        taken[p] = min(len(docs[p]), val_tokens - len(val))
-        val += docs[p][:taken[p]]
-    return val, [t for p, d in enumerate(docs) for t in d[taken.get(p, 0):]]
-
-
 def _run(sorter, stream, pieces):
     train = []
     for part in np.array_split(stream, pieces):  # documents cut across add() calls
@@ -60,7 +50,7 @@ def test_held_stream_takes_documents_draw_by_draw():
     stream = _stream([5 + p % 7 for p in range(100)])
     for val_tokens in (0, 1, 30, 200, len(stream) - 1):
         val, train, documents = _run(split.ValSplit(EOT, val_tokens), stream, pieces=7)
-        assert (val, train) == _by_hand(stream, val_tokens)
+        assert val + train == split_by_hand(stream, val_tokens, EOT) and len(val) == val_tokens
         assert documents == np.count_nonzero(np.array(val) == EOT)
 
 
