@@ -87,7 +87,7 @@ def lost_rank(error: BaseException, info: DistInfo) -> str | None:
     why = re.sub(r"^\[[^\]]*\] ", "", first_line(error)).split(". ")[0][:160]  # gloo's source location, then why
     return (f"rank {info.rank} lost the other ranks in a collective ({why}): another rank died or "
             f"hung (torchrun's summary names it); every checkpoint on disk is whole: launch again with --resume "
-            f"(a restart script or scheduler: --resume auto)")
+            f"(a restart script, a scheduler or torchrun --max-restarts: --resume auto)")
 
 
 # What gloo's and NCCL's errors say when a peer is gone or silent.

@@ -314,34 +314,56 @@ def _workers(torchrun_pid: int) -> dict[int, int]:
     return found
 
 
-def test_a_rank_killed_mid_run_is_one_line_and_the_relaunch_resumes_it_exactly(data_dir, tmp_path):
-    """SIGKILL to rank 1: rank 0 leaves its collective at once with one line naming what happened; launched
-    again as a restart launches it (--resume auto), the run goes on from the newest checkpoint, and the steps
-    redone after it have the losses the killed run logged for them, bit for bit."""
-    args = ["--dist", "ddp", "--data", data_dir, *COMMON, "--eval-interval", "0", "--max-steps", "60",
-            "--ckpt-interval", "20", "--log-interval", "1", "--resume", "auto"]
-    out = tmp_path / "killed"
+def _torchrun(out, args, *torchrun_flags) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("WANDB_API_KEY", None)
-    run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                            "train.py", "--out-dir", str(out), *args], cwd=REPO, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 30):
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             *torchrun_flags, "train.py", "--out-dir", str(out), *args], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _kill_rank_1_after(run: subprocess.Popen, metrics, steps: int) -> list[dict]:
+    """SIGKILL to local rank 1 once `steps` steps are logged; -> those steps' records, as logged before it."""
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps + 1):  # line `steps` whole
         assert run.poll() is None, run.communicate()[1][-3000:]
         time.sleep(0.02)
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()[:steps]]
     os.kill(_workers(run.pid)[1], signal.SIGKILL)
+    return logged
+
+
+KILLED_RUN = ["--dist", "ddp", *COMMON, "--eval-interval", "0", "--max-steps", "60", "--ckpt-interval", "20",
+              "--log-interval", "1", "--resume", "auto"]
+
+
+def test_a_rank_killed_mid_run_is_one_line_for_the_others_and_its_checkpoints_stay_whole(data_dir, tmp_path):
+    """SIGKILL to rank 1: rank 0 leaves its collective at once with one line naming what happened and how to go
+    on; the checkpoints written before the kill verify."""
+    out = tmp_path / "killed"
+    run = _torchrun(out, ["--data", data_dir, *KILLED_RUN])
+    _kill_rank_1_after(run, out / "metrics.jsonl", 30)
     _, err = run.communicate(timeout=120)
     assert run.returncode != 0, err[-3000:]
     lost = [line for line in err.splitlines() if line.startswith("error: rank 0 lost the other ranks")]
     assert len(lost) == 1 and "another rank died or hung" in lost[0] and "--resume auto" in lost[0], err[-3000:]
-    before = [json.loads(line) for line in metrics.read_text().splitlines()]
-    again = launch(2, "--out-dir", str(out), *args)
-    assert again.returncode == 0 and any(line.split()[:3] == ["resume", "from", "step"]
-                                         for line in again.stdout.splitlines()), again.stderr[-3000:]
-    after = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in after] == list(range(1, 61)) and len(before) > 20
-    assert [r["train_loss"] for r in after[:len(before)]] == [r["train_loss"] for r in before]  # 21.. redone
+    saved = checkpoint.list_checkpoints(str(out))
+    assert [checkpoint.checkpoint_step(p) for p in saved] == [20]
+    for path in saved:
+        checkpoint.verify(path)
+
+
+def test_torchrun_max_restarts_after_a_killed_rank_resumes_the_run_exactly(data_dir, tmp_path):
+    """torchrun --max-restarts 2 restarts both ranks after rank 1's SIGKILL; with --resume auto they go on from
+    the step-20 checkpoint, and the steps redone (21..30) have the losses the first attempt logged, bit for bit."""
+    out = tmp_path / "restarted"
+    run = _torchrun(out, ["--data", data_dir, *KILLED_RUN], "--max-restarts", "2")
+    first = _kill_rank_1_after(run, out / "metrics.jsonl", 30)
+    stdout, err = run.communicate(timeout=180)
+    assert run.returncode == 0, err[-3000:]
+    assert any(line.split()[:4] == ["resume", "from", "step", "20"] for line in stdout.splitlines()), stdout[-3000:]
+    after = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in after] == list(range(1, 61))
+    assert [r["train_loss"] for r in after[:30]] == [r["train_loss"] for r in first]
 
 
 KILL_IN_DCP_SAVE = """
