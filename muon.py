@@ -5,9 +5,10 @@ matrices updated with their orthogonalised Nesterov momentum, AdamW for everythi
 
 Fused weights are orthogonalised one row block at a time (Q, K and V of qkv.weight; gate and up of fc1_weight),
 since each block is a separate linear map that happens to share a GEMM. optim.py builds the groups and chooses
-between the optimizers; this file holds the update: Newton-Schulz, the stacks of same-shape matrices (one
-compiled function each under compile=True), the buckets, the split of the work across DDP ranks and FSDP2's
-owner-rank exchange, and the recipe options (Polar Express, NorMuon, cautious decay).
+between the optimizers; muon_math.py holds the arithmetic (Newton-Schulz, NorMuon, cautious decay). This file
+holds the optimizer: its state, a group's step in one process as operations on stacks of same-shape matrices
+(one compiled function under compile=True), the buckets, and the split of the work across DDP ranks and
+FSDP2's owner-rank exchange.
 """
 
 import functools
@@ -18,6 +19,8 @@ import types
 import torch
 
 from hardware import fused_adamw_available
+from muon_math import (NS_DTYPES, cautious_decay_, muon_scale_factor, newton_schulz, newton_schulz_flops,
+                       normuon_rows, per_step, scalar_dtype, wide, wide_batches)
 from schedule import muon_momentum
 
 try:
@@ -25,84 +28,9 @@ try:
 except ImportError:  # torch built without distributed support: no parameter can be a DTensor
     DTensor = None
 
-MUON_SCALES = ("original", "match_rms_adamw")
-NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_EPS = 1e-7
-NS_COEFF_SCHEMES = ("quintic", "polar-express")
-# Polar Express (Amsel, Persson, Musco, Gower 2025, Algorithm 1): per iteration, the odd quintic a x + b x^3 +
-# c x^5 that is the minimax (equioscillating) approximation of 1 on the interval the previous ones leave, from
-# [1e-3, 1], cushioned at 0.0240733 x the upper end and recentred on 1; the 8th repeats from then on.
-# tests/test_muon.py re-derives them. Each but the last is applied as p(x / 1.01) against round-off growth.
-POLAR_EXPRESS_COEFFICIENTS = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
-)
-POLAR_EXPRESS_SAFETY = 1.01
-# NorMuon: added to the root of a row's second moment; orthogonalised rows have mean squares near 1/cols.
-NORMUON_EPS = 1e-8
 # fp32 bytes of the matrices Muon orthogonalises together: big enough to batch a few layers' blocks (and, under
 # FSDP2, for few collectives: two a bucket), small enough that a rank's full blocks stay a bounded part of memory.
 MUON_BUCKET_BYTES = 256 * 2**20
-
-
-def scalar_dtype(device: torch.device) -> torch.dtype:
-    """The dtype of a step's scalars computed on the device: float64, as Python computes them on the host, so
-    that they round to what a host-computed scalar would; MPS has no float64."""
-    return torch.float32 if device.type == "mps" else torch.float64
-
-
-def per_step(skip: torch.Tensor, value: float, skipped: float, dtype: torch.dtype) -> torch.Tensor:
-    """`value`, or `skipped` where skip (a bool scalar): a scalar made on skip's device. A tensor made from a
-    Python number there would be copied from the host, which waits for the GPU; a fill does not."""
-    return torch.full((), value, dtype=dtype, device=skip.device).masked_fill_(skip, skipped)
-
-
-def ns_coefficients(scheme: str, steps: int) -> tuple[list[tuple[float, float, float]], float]:
-    """-> ((a, b, c) of each of `steps` iterations, the factor the input's norm is scaled by first).
-
-    "quintic": the same polynomial every time (3.4445, -4.7750, 2.0315); it trades convergence for speed,
-    leaving singular values roughly in [0.7, 1.2] rather than at 1. "polar-express": Polar Express's
-    per-iteration polynomials with their safety factor: p(x / 1.01) instead of p(x), for all but the last of
-    the table (the Newton-Schulz fixed point, repeated beyond it), and the input divided by 1.01 x its norm, so
-    that round-off cannot push a singular value past the interval the next polynomial is built for.
-    """
-    if scheme == "quintic":
-        return [NS_COEFFICIENTS] * steps, 1.0
-    s = POLAR_EXPRESS_SAFETY
-    table = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:-1]]
-    table.append(POLAR_EXPRESS_COEFFICIENTS[-1])
-    return table[:steps] + [table[-1]] * (steps - len(table)), s
-
-
-def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype, coeffs: str = "quintic") -> torch.Tensor:
-    """Approximately orthogonalise g (push its singular values towards 1) with `steps` odd quintic iterations
-    X <- a X + b (X X^T) X + c (X X^T)^2 X, their coefficients from ns_coefficients(coeffs); g is one matrix
-    [rows, cols] or a stack of same-shape ones [n, rows, cols], each orthogonalised on its own. Wide
-    orientation keeps X X^T small.
-    """
-    schedule, safety = ns_coefficients(coeffs, steps)
-    x = g.to(dtype)
-    single = x.ndim == 2
-    if single:
-        x = x[None]
-    tall = x.shape[-2] > x.shape[-1]
-    if tall:
-        x = x.mT
-    # The Frobenius norm bounds the spectral norm, so the iteration starts in range.
-    x = x / (torch.linalg.matrix_norm(x, keepdim=True) * safety + NS_EPS)
-    for a, b, c in schedule:
-        gram = torch.bmm(x, x.mT)
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, poly, x, beta=a)
-    x = x.mT if tall else x
-    return x[0] if single else x
 
 
 def _weight(skip: torch.Tensor, value, skipped: float, dtype: torch.dtype) -> torch.Tensor:
@@ -120,42 +48,95 @@ def _add_(targets: list, updates: list, alpha) -> None:
         torch._foreach_add_(targets, updates, alpha=alpha)
 
 
-def stack_step_(params: list, grads: list, bufs: list, row_sq: list, skip: torch.Tensor, lr, decay, momentum, *,
-                split: tuple, scales: tuple, nesterov: bool, ns, normuon_beta, cautious: bool) -> None:
-    """One Muon step for a stack of same-shape matrices (same row split, dtype and device), in place: momentum
-    (its EMA), Nesterov, the skip, Newton-Schulz on each row block of all the matrices at once (ns), NorMuon
-    where normuon_beta is set, the decay and the update, block k scaled by scales[k].
+def group_step_(params: list, grads: list, bufs: list, row_sq: list, skip: torch.Tensor, lr, decay, momentum, *,
+                splits: tuple, scales: tuple, nesterov: bool, ns, normuon_beta, cautious: bool) -> None:
+    """One Muon step for all of a group's matrices in one process, in place: operations on stacks of matrices,
+    never one per matrix (off the recipe options), which Muon's compile turns into one function.
 
-    No per-matrix loop of operations (off the recipe options): torch.stack reads the gradients and momenta into
-    one tensor each and each step is one operation on the stack, which Muon's compile turns into a few kernels.
-    Where skip (a bool scalar) parameters and momenta stay exactly as they were. lr, decay (lr x weight decay)
-    and momentum are Python numbers or float64 tensors (compiled; momentum [n, 1, 1] under the warm-up)."""
-    dtype = params[0].dtype
-    g = torch.stack(grads).masked_fill_(skip, 0.0)  # a NaN times a weight of 0 stays NaN
-    m = torch.stack(bufs)
-    m.lerp_(g, _weight(skip, 1 - momentum, 0.0, m.dtype))
-    torch._foreach_copy_(bufs, m.unbind(0))
-    update = g.lerp_(m, momentum.to(m.dtype) if torch.is_tensor(momentum) else momentum) if nesterov else m
-    orthos = list(update.masked_fill(skip, 0.0).split(split, dim=1))
-    for rows in dict.fromkeys(split):  # blocks of one size (K and V; gate and up) in one batch
-        ks = [k for k, size in enumerate(split) if size == rows]
-        for k, ortho in zip(ks, ns(torch.cat([orthos[k] for k in ks])).chunk(len(ks))):
-            orthos[k] = ortho
-    if normuon_beta is not None:  # row_sq[j] is matrix j's per-row EMA, cut into the same blocks
-        avgs = [r.split(split) for r in row_sq]
-        orthos = [torch.stack([normuon_rows(o, avg[k], normuon_beta, skip) for o, avg in zip(ortho, avgs)])
-                  for k, ortho in enumerate(orthos)]
-    blocks = [p.split(split) if len(split) > 1 else (p,) for p in params]
-    if cautious:  # every row is in exactly one block, so each is decayed once
-        amount = _weight(skip, decay, 0.0, scalar_dtype(skip.device))
-        for k, ortho in enumerate(orthos):
-            for block, o in zip((b[k] for b in blocks), ortho):
-                cautious_decay_(block, o, amount)
-    else:
-        torch._foreach_mul_(params, _weight(skip, 1 - decay, 1.0, torch.promote_types(dtype, torch.float32)))
-    for k, (ortho, scale) in enumerate(zip(orthos, scales)):
-        # In the parameters' dtype, one dtype for foreach's fast path: exact, as the add would widen it anyway.
-        _add_([b[k] for b in blocks], list(ortho.to(dtype).unbind(0)), -lr * scale)
+    Stack s: params[s] and grads[s], matrices of one shape, row split splits[s] and dtype; bufs[s] their momenta as
+    one tensor [n, rows, cols] (Muon._momentum_stack); row_sq[s] their NorMuon row EMAs (empty without NorMuon);
+    scales[s][k] block k's update scale. Momentum and Nesterov on each stack (_momentum_updates); Newton-Schulz on
+    each of wide_batches' calls (ns: a stack -> its orthogonalised stack); NorMuon where normuon_beta is set; the
+    decay; the update, one foreach add per scale. Where skip (a bool scalar) parameters and momenta stay exactly as
+    they were. lr, decay (lr x weight decay) and momentum are Python numbers or float64 scalars (compiled); under
+    the momentum warm-up momentum is a list, stack s's momenta [n, 1, 1]."""
+    momenta = momentum if isinstance(momentum, list) else [momentum] * len(bufs)
+    updates = _momentum_updates(grads, bufs, momenta, skip, nesterov)
+    blocks = [u.split(split, dim=1) if len(split) > 1 else (u,) for u, split in zip(updates, splits)]
+    orthos = [[None] * len(split) for split in splits]  # orthos[s][k]: stack s's block k, orthogonalised
+    for batch in wide_batches([tuple(ps[0].shape) for ps in params], splits):
+        members = [wide(blocks[s][k]) for s, k in batch]
+        x = torch.cat(members) if len(members) > 1 else members[0]
+        result = ns(x.masked_fill(skip, 0.0))  # a skipped step's update is zeros, which Newton-Schulz keeps
+        for (s, k), ortho in zip(batch, result.split([len(m) for m in members])):
+            orthos[s][k] = ortho.mT if splits[s][k] > params[s][0].shape[1] else ortho  # tall again
+    if normuon_beta is not None:  # row_sq[s][j] is matrix j's per-row EMA, cut into the same blocks
+        for stack, rows, split in zip(orthos, row_sq, splits):
+            cuts = [r.split(split) for r in rows]
+            stack[:] = [torch.stack([normuon_rows(o, cut[k], normuon_beta, skip) for o, cut in zip(block, cuts)])
+                        for k, block in enumerate(stack)]
+    _decay_(params, orthos, splits, skip, decay, cautious)
+    steps: dict = {}  # scale -> (targets, updates): the stacks whose blocks share one scale take one add
+    for ps, ortho, split, scale in zip(params, orthos, splits, scales):
+        dtype = ps[0].dtype  # the update in the parameters' dtype, foreach's fast path: exact, as the add would widen
+        if len(set(scale)) == 1:
+            targets, to_add = steps.setdefault(scale[0], ([], []))
+            targets += ps
+            to_add += (torch.cat(ortho, dim=1) if len(ortho) > 1 else ortho[0]).to(dtype).unbind(0)
+            continue
+        cuts = [p.split(split) for p in ps]
+        for k, (o, block_scale) in enumerate(zip(ortho, scale)):
+            targets, to_add = steps.setdefault(block_scale, ([], []))
+            targets += [cut[k] for cut in cuts]
+            to_add += o.to(dtype).unbind(0)
+    for scale, (targets, to_add) in steps.items():
+        _add_(targets, to_add, -lr * scale)
+
+
+def _momentum_updates(grads: list, bufs: list, momenta: list, skip: torch.Tensor, nesterov: bool) -> list:
+    """Each stack's momentum EMA, in place on bufs[s], and its update (Nesterov's, or the momentum itself).
+
+    Where skip, the gradient is replaced by the momentum, which averaged with itself stays exactly as it was,
+    whatever the weight: so the weights are plain numbers, one foreach call for all stacks (a scalar the skip
+    decided would be a tensor, one call a stack), and a non-finite gradient never reaches the arithmetic."""
+    gs = [torch.where(skip, buf, torch.stack(grad)) for grad, buf in zip(grads, bufs)]
+    _lerp_(bufs, gs, [1 - m for m in momenta])
+    if not nesterov:
+        return bufs
+    _lerp_(gs, bufs, momenta)
+    return gs
+
+
+def _lerp_(targets: list, ends: list, weights: list) -> None:
+    """targets[i].lerp_(ends[i], weights[i]): one foreach call where the weights are one Python number, else
+    one call each (a tensor weight: the warm-up's [n, 1, 1] momenta, a compiled step's scalars)."""
+    if not any(torch.is_tensor(w) for w in weights) and len(set(weights)) == 1:
+        torch._foreach_lerp_(targets, ends, weights[0])
+        return
+    for target, end, w in zip(targets, ends, weights):
+        target.lerp_(end, w.to(target.dtype) if torch.is_tensor(w) else w)
+
+
+def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
+    """torch.promote_types(dtype, torch.float32) for a floating dtype: the float32 a decay factor is rounded to, as
+    a float32 parameter's mul_ would round it, or float64 for a float64 parameter."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _decay_(params: list, orthos: list, splits: tuple, skip: torch.Tensor, decay, cautious: bool) -> None:
+    """group_step_'s decoupled weight decay (none where skip): one foreach multiply, or cautious_decay_ on each
+    block of each matrix (every row is in exactly one block, so each is decayed once)."""
+    if not cautious:
+        everything = [p for ps in params for p in ps]
+        factor = _weight(skip, 1 - decay, 1.0, _at_least_float32(everything[0].dtype))
+        torch._foreach_mul_(everything, factor)
+        return
+    amount = _weight(skip, decay, 0.0, scalar_dtype(skip.device))
+    for ps, ortho, split in zip(params, orthos, splits):
+        cuts = [p.split(split) if len(split) > 1 else (p,) for p in ps]
+        for k, stack in enumerate(ortho):
+            for cut, o in zip(cuts, stack):
+                cautious_decay_(cut[k], o, amount)
 
 
 def compiled(fn):
@@ -215,39 +196,6 @@ def orthogonalize_blocks(blocks: list[torch.Tensor], ns, world_size: int = 1, ra
     return out
 
 
-def normuon_rows(ortho: torch.Tensor, row_sq_avg: torch.Tensor, beta: float,
-                 skip: torch.Tensor | None = None) -> torch.Tensor:
-    """NorMuon (Li et al. 2025): one orthogonalised block [rows, cols] -> the block (in float32, or in row_sq_avg's
-    dtype if wider) with each row divided by the root of row_sq_avg, the EMA of the row's mean square (updated
-    in place, [rows]), then scaled back to the block's Frobenius norm.
-
-    Orthogonalisation evens out the singular values but not the rows: some output neurons still get much larger
-    updates than others, which the per-row second moment evens out; the rescale keeps the update's RMS, so
-    muon_scale_factor and the LR mean what they meant. No bias correction: the rescale cancels any factor
-    common to all rows. A zero block (no gradient yet, a skipped step) stays zero; where skip (a bool scalar),
-    row_sq_avg stays as it was."""
-    o = ortho.to(torch.promote_types(row_sq_avg.dtype, torch.float32))
-    weight = 1 - beta if skip is None else per_step(skip, 1 - beta, 0.0, row_sq_avg.dtype)
-    row_sq_avg.lerp_(o.square().mean(dim=1).to(row_sq_avg.dtype), weight)
-    normed = o / (row_sq_avg.to(o.dtype).sqrt() + NORMUON_EPS)[:, None]
-    return normed.mul_(torch.linalg.vector_norm(o) / torch.linalg.vector_norm(normed).clamp_min(1e-30))
-
-
-def cautious_decay_(param: torch.Tensor, update: torch.Tensor, amount: float) -> None:
-    """Cautious weight decay (Chen et al. 2025), in place: param *= 1 - amount where the update (the step
-    subtracts lr x update) and param have the same sign or either is zero, so that the decay never pulls a
-    coordinate against the direction its update moves it. Where every sign agrees this is plain decoupled
-    decay, param *= 1 - amount."""
-    param.mul_(((update * param) >= 0).to(param.dtype).mul_(-amount).add_(1))
-
-
-def muon_scale_factor(rows: int, cols: int, mode: str) -> float:
-    """LR multiplier for one orthogonalised block of shape [rows, cols]."""
-    if mode == "original":
-        return math.sqrt(max(1.0, rows / cols))
-    return 0.2 * math.sqrt(max(rows, cols))
-
-
 def _is_dtensor(t: torch.Tensor) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
@@ -304,13 +252,6 @@ def _layout(p: torch.Tensor) -> tuple | None:
     return (p.device_mesh, tuple(p.placements)) if _is_dtensor(p) else None
 
 
-def newton_schulz_flops(rows: int, cols: int) -> int:
-    """Multiply-adds of one Newton-Schulz iteration on a [rows, cols] block, in the wide orientation: the Gram
-    matrix, its square, and the product with X."""
-    short, long = min(rows, cols), max(rows, cols)
-    return 2 * short * short * long + short**3
-
-
 def assign_owners(costs: list[int], world_size: int) -> list[int]:
     """The rank that orthogonalises each block, by the blocks' costs: the costliest first, each to the rank with
     the least work so far (the lowest such rank on ties). Every rank computes the same owners from the same
@@ -340,8 +281,8 @@ class Muon(torch.optim.Optimizer):
     """Muon for groups of kind "muon", AdamW for groups of kind "adamw", in one optimizer.
 
     Muon groups carry "row_blocks": for each parameter, the row sizes to orthogonalise separately. In one process
-    (or where each DDP rank takes the whole step) the matrices of one shape and split are a stack, stepped by
-    stack_step_ (with compile=True, one compiled function a stack). Across ranks the matrices go in buckets
+    (or where each DDP rank takes the whole step) the matrices of one shape and split are a stack, their momenta
+    one tensor, and group_step_ steps them all (with compile=True, one compiled function a group). Across ranks the matrices go in buckets
     (muon_buckets), same-shape blocks through Newton-Schulz in one batched call (orthogonalize_blocks; compiled
     per shape with compile=True). Works on:
     - plain tensors (one device; DDP, where every rank has the same averaged grads): under torch.distributed
@@ -379,7 +320,8 @@ class Muon(torch.optim.Optimizer):
         # The caller's choice (train.py's --compile): cold, a compile costs seconds per stack, which a short eager
         # run (a CPU's, a debugging session's) would pay for nothing. Some builds have no Dynamo.
         self.compile = compile and torch._dynamo.is_dynamo_supported()
-        self._stack_steps: dict[tuple, object] = {}  # a group's static settings and a stack's shape -> its step
+        self._steps: dict[tuple, object] = {}  # a group's static settings and its stacks' shapes -> its step
+        self._momentum_stacks: dict[tuple, tuple] = {}  # (group's id, a stack's key) -> (momenta, their views)
         self._fused_on: dict[str, bool] = {}  # device type -> whether torch's fused AdamW runs there
         for group in self.param_groups:
             if group["kind"] != "muon":
@@ -501,8 +443,9 @@ class Muon(torch.optim.Optimizer):
             self._muon_bucket(bucket, group, skip)
 
     def _stacked_step(self, todo, group, skip):
-        """Muon on todo's (param, row split) pairs, one stack_step_ call a stack. A compiled step takes the step's
-        numbers as scalars filled on the device: as constants, each new LR would recompile it."""
+        """Muon on todo's (param, row split) pairs in one group_step_ call, the matrices in stacks of one shape,
+        split and dtype. A compiled step takes the step's numbers as scalars filled on the device: as constants,
+        each new LR would recompile it."""
         stacks: dict[tuple, list] = {}
         for p, split in todo:
             stacks.setdefault((tuple(p.shape), tuple(split), p.dtype), []).append(p)
@@ -510,34 +453,55 @@ class Muon(torch.optim.Optimizer):
         if self.compile:
             lr, decay, momentum = (torch.full((), v, dtype=scalar_dtype(skip.device), device=skip.device)
                                    for v in (lr, decay, momentum))
-        for (shape, split, _), params in stacks.items():
-            if group.get("momentum_warmup", 0):  # each matrix's own, from its count of steps
-                momentum = torch.stack([self._momentum_now(p, group, skip) for p in params])[:, None, None]
-            row_sq = [_local(self._row_sq_avg(p)) for p in params] if group.get("normuon_beta") is not None else []
-            self._stack_step(group, split, shape[1])(
-                [_local(p) for p in params], [_local(p.grad) for p in params],
-                [_local(self._momentum_buffer(p)) for p in params], row_sq, skip, lr, decay, momentum)
+        if group.get("momentum_warmup", 0):  # each matrix's own, from its count of steps
+            momentum = [torch.stack([self._momentum_now(p, group, skip) for p in ps])[:, None, None]
+                        for ps in stacks.values()]
+        row_sq = ([[_local(self._row_sq_avg(p)) for p in ps] for ps in stacks.values()]
+                  if group.get("normuon_beta") is not None else [])
+        self._group_step(group, tuple(stacks))(
+            [[_local(p) for p in ps] for ps in stacks.values()], [[_local(p.grad) for p in ps] for ps in stacks.values()],
+            [self._momentum_stack((id(group), *key), ps) for key, ps in stacks.items()], row_sq, skip, lr, decay,
+            momentum)
 
-    def _stack_step(self, group, split: tuple, cols: int):
-        """stack_step_ with the group's settings and a stack's row split bound, compiled if self.compile."""
-        key = (self.compile, split, cols, group["nesterov"], group["ns_steps"], group["ns_dtype"],
-               group.get("ns_coeffs"), group["muon_scale"], group.get("normuon_beta"), group.get("cautious_wd", False))
-        if key not in self._stack_steps:
+    def _group_step(self, group, stacks: tuple):
+        """group_step_ with the group's settings and its stacks' (shape, split, dtype) bound, compiled if
+        self.compile: one compiled function for all of the group's matrices."""
+        key = (self.compile, stacks, group["nesterov"], group["ns_steps"], group["ns_dtype"], group.get("ns_coeffs"),
+               group["muon_scale"], group.get("normuon_beta"), group.get("cautious_wd", False))
+        if key not in self._steps:
             step = functools.partial(
-                stack_step_, split=split, nesterov=group["nesterov"], ns=self._ns(group, False),
-                scales=tuple(muon_scale_factor(rows, cols, group["muon_scale"]) for rows in split),
-                normuon_beta=group.get("normuon_beta"), cautious=group.get("cautious_wd", False))
-            self._stack_steps[key] = compiled(step) if self.compile else step
-        return self._stack_steps[key]
+                group_step_, splits=tuple(split for _, split, _ in stacks), nesterov=group["nesterov"],
+                scales=tuple(tuple(muon_scale_factor(rows, shape[1], group["muon_scale"]) for rows in split)
+                             for shape, split, _ in stacks),
+                ns=self._ns(group, False), normuon_beta=group.get("normuon_beta"),
+                cautious=group.get("cautious_wd", False))
+            self._steps[key] = compiled(step) if self.compile else step
+        return self._steps[key]
+
+    def _momentum_stack(self, key: tuple, params: list) -> torch.Tensor:
+        """The momenta of a stack of same-shape matrices as one tensor [n, rows, cols], each matrix's
+        state["momentum_buffer"] a view of its slice (a DTensor like the matrix, where it is one), so that one
+        lerp_ a step updates them all with no copy in or out. Momenta that are not those views (a checkpoint's,
+        loaded) are stacked into a new tensor, once."""
+        stack, views = self._momentum_stacks.get(key, (None, []))
+        if len(views) != len(params) or any(self.state[p].get("momentum_buffer") is not v
+                                            for p, v in zip(params, views)):
+            stack = torch.stack([_local(self._momentum_buffer(p)) for p in params])
+            views = [DTensor.from_local(row, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+                     if _is_dtensor(p) else row for p, row in zip(params, stack.unbind(0))]
+            for p, view in zip(params, views):
+                self.state[p]["momentum_buffer"] = view
+            self._momentum_stacks[key] = stack, views
+        return stack
 
     def _ns(self, group, compile: bool):
         """newton_schulz with the group's settings (a stack -> its orthogonalised stack), compiled if compile."""
         key = ("ns", compile, group["ns_steps"], group["ns_dtype"], group.get("ns_coeffs"))
-        if key not in self._stack_steps:
+        if key not in self._steps:
             ns = functools.partial(newton_schulz, steps=group["ns_steps"], dtype=NS_DTYPES[group["ns_dtype"]],
                                    coeffs=group.get("ns_coeffs", "quintic"))
-            self._stack_steps[key] = compiled(ns) if compile else ns
-        return self._stack_steps[key]
+            self._steps[key] = compiled(ns) if compile else ns
+        return self._steps[key]
 
     def _muon_bucket(self, todo, group, skip):
         """Momentum, Newton-Schulz and the update for a bucket of (param, row split) pairs."""

@@ -21,8 +21,8 @@ from torch import nn
 
 from hardware import fused_adamw_available
 from model import option
-from muon import (MUON_SCALES, NS_COEFF_SCHEMES, NS_DTYPES, Muon, _is_dtensor, _local, cautious_decay_,
-                  per_step, scalar_dtype)
+from muon import Muon, _is_dtensor, _local
+from muon_math import MUON_SCALES, NS_COEFF_SCHEMES, NS_DTYPES, cautious_decay_, per_step, scalar_dtype
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 
@@ -251,7 +251,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, row_blocks: dict[str, li
 
     row_blocks maps a fused weight's name to its row split (model.GPT.row_blocks()); Muon
     orthogonalises each block separately. device_type picks fused AdamW and Muon's NS dtype. compile: Muon's
-    step as a few compiled kernels per stack of same-shape matrices (muon.py), for a run that compiles its
+    step as one compiled function over its stacks of same-shape matrices (muon.py), for a run that compiles its
     model (--compile); AdamW's fused kernel is one already.
     """
     cfg.validate()

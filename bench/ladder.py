@@ -46,7 +46,7 @@ from cli import HelpFormatter, UsageError  # noqa: E402
 from data import DataError  # noqa: E402
 from model import LOSS_CHUNK_TOKENS, ModelConfig, loss_chunks  # noqa: E402
 from sizing import flops_per_token, param_numels  # noqa: E402
-from muon import newton_schulz_flops  # noqa: E402
+from muon_math import newton_schulz_flops  # noqa: E402
 
 # The starting point: everything a plain PyTorch loop does without trying.
 BASE = {"dtype": "fp32", "tf32": False, "sdpa": "math", "fused": False, "compile": "off", "fp8": "off",

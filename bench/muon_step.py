@@ -7,8 +7,8 @@
 Without --fsdp, each rank holds the whole model (as under DDP), with the same random gradients on every rank,
 and times optimizer.step() alone: every rank orthogonalising every block (redundant) against each rank
 orthogonalising its 1/world share and all-gathering the rest (split), with fused AdamW's step on the same
-model as the yardstick. --compile adds Muon with compile=True (muon.py: one compiled function per stack of
-same-shape matrices; with one rank there is no split, so it is the whole step in those functions).
+model as the yardstick. --compile adds Muon with compile=True (muon.py: one compiled function for the group's
+matrices; with one rank there is no split, so it is the whole step in those functions).
 
 Operations dispatched are counted by OpCounter, a TorchDispatchMode, on one step after the timed ones. Dynamo
 refuses to run compiled code under such a mode, so a compiled function runs with the counter paused and counts
@@ -206,7 +206,7 @@ def variants(bench) -> tuple[str, ...]:
 
 def count_step(optimizer) -> tuple[int, int]:
     """-> (operations one optimizer.step() dispatches outside compiled code, compiled functions it calls)."""
-    compiled = {key: fn for key, fn in getattr(optimizer, "_stack_steps", {}).items()
+    compiled = {key: fn for key, fn in getattr(optimizer, "_steps", {}).items()
                 if hasattr(fn, "_torchdynamo_orig_callable")}
     calls = [0]
 
@@ -217,12 +217,12 @@ def count_step(optimizer) -> tuple[int, int]:
                 return fn(*args)
         return call
 
-    optimizer._stack_steps = {**getattr(optimizer, "_stack_steps", {}), **{k: paused(f) for k, f in compiled.items()}}
+    optimizer._steps = {**getattr(optimizer, "_steps", {}), **{k: paused(f) for k, f in compiled.items()}}
     try:
         with OpCounter() as counter:
             optimizer.step()
     finally:
-        optimizer._stack_steps.update(compiled)
+        optimizer._steps.update(compiled)
     return counter.count, calls[0]
 
 

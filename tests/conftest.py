@@ -231,3 +231,11 @@ def pytest_runtest_logreport(report):
     if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):
         with open(path, "a") as f:
             f.write(f"\n### {report.nodeid} ({report.when})\n\n```\n{report.longreprtext[-4000:]}\n```\n")
+
+
+def with_spectrum(rows, cols, largest, smallest):
+    """A random rows x cols matrix whose singular values run evenly from largest to smallest."""
+    n = min(rows, cols)
+    u, _ = torch.linalg.qr(torch.randn(rows, n))
+    v, _ = torch.linalg.qr(torch.randn(cols, n))
+    return u @ torch.diag(torch.linspace(largest, smallest, n)) @ v.T
