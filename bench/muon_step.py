@@ -26,6 +26,7 @@ are CPU processes on gloo, one thread each.
 
 import argparse
 import collections
+import functools
 import math
 import os
 import shlex
@@ -42,12 +43,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import muon  # noqa: E402
+import muon_math  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from optim import OptimConfig, build_optimizer  # noqa: E402
 
 VARIANTS = ("adamw (fused)", "muon, redundant", "muon, split across ranks")
 COMPILED = "muon, compiled"
+NS_ALONE = "Newton-Schulz alone (the same batched calls, fp32)"
 MIB = 2**20
 
 
@@ -183,6 +186,36 @@ def time_steps(optimizer, bench) -> list[float]:
     return per_step
 
 
+def newton_schulz_alone(optimizer, bench) -> list[float]:
+    """-> seconds per step of each timed window of Newton-Schulz alone on the blocks one eager step orthogonalises,
+    in its batched calls (muon_math.wide_batches): the arithmetic that bounds the step once the matrices are not
+    tiny. What the step takes beyond it is its AdamW side, its elementwise passes and its host work."""
+    group = next(g for g in optimizer.param_groups if g["kind"] == "muon")
+    shapes = [tuple(p.shape) for p in group["params"]]
+    splits = [tuple(split) for split in group["row_blocks"]]
+    stacks = []
+    for batch in muon_math.wide_batches(shapes, splits):
+        s, k = batch[0]
+        rows, cols = splits[s][k], shapes[s][1]
+        stacks.append(torch.randn(len(batch), min(rows, cols), max(rows, cols)))
+    ns = functools.partial(muon_math.newton_schulz, steps=group["ns_steps"],
+                           dtype=muon_math.NS_DTYPES[group["ns_dtype"]])
+
+    def step():
+        for stack in stacks:
+            ns(stack)
+
+    for _ in range(bench.warmup_steps):
+        step()
+    per_step = []
+    for _ in range(bench.windows):
+        t0 = time.perf_counter()
+        for _ in range(bench.steps_per_window):
+            step()
+        per_step.append((time.perf_counter() - t0) / bench.steps_per_window)
+    return per_step
+
+
 def ddp_worker(rank, world_size, bench, out_file):
     torch.manual_seed(0)
     model = GPT(model_config(bench))
@@ -193,11 +226,14 @@ def ddp_worker(rank, world_size, bench, out_file):
         optimizer = make_optimizer(variant, model)
         medians[variant] = statistics.median(time_steps(optimizer, bench) or [math.nan])
         dispatched[variant] = count_step(optimizer)
+        if variant == VARIANTS[1]:
+            medians[NS_ALONE] = statistics.median(newton_schulz_alone(optimizer, bench) or [math.nan])
         del optimizer
     slowest = [None] * world_size
     dist.all_gather_object(slowest, medians)
     if rank == 0:
-        torch.save({"seconds": {v: max(m[v] for m in slowest) for v in variants(bench)}, "ops": dispatched}, out_file)
+        torch.save({"seconds": {v: max(m[v] for m in slowest) for v in (*variants(bench), NS_ALONE)},
+                    "ops": dispatched}, out_file)
 
 
 def variants(bench) -> tuple[str, ...]:
@@ -316,6 +352,10 @@ def print_ddp_table(bench):
         vs_redundant = f"{t / redundant:.2f}x" if variant.startswith("muon") else ""
         timed = f"{1000 * t:,.1f} | {t / adamw:.2f}x | {vs_redundant}" if t == t else "not timed | | "  # --windows 0
         print(f"| {variant} | {timed} | {eager_ops:,} | {calls} | {eager_ops + calls:,} |")
+    ns, rest = medians[NS_ALONE], redundant - medians[NS_ALONE]
+    if ns == ns:
+        print(f"\n{NS_ALONE}: {1000 * ns:,.1f} ms a step; the redundant Muon step less it (its AdamW side, "
+              f"elementwise passes and host work): {1000 * rest:,.1f} ms = {rest / adamw:.2f}x fused AdamW's step")
 
 
 def print_fsdp_table(bench):
