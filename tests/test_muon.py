@@ -269,7 +269,11 @@ def distributed_worker(rank, world_size, out_file, mode):
         fully_shard(model)
         with pytest.raises(ValueError, match="use --optimizer adamw"):
             build_optimizer(model, OptimConfig(name="adamw8bit"), {}, "cpu")
-        run_muon(model, data, compile=mode == "fsdp, compiled")
+        opt = run_muon(model, data, compile=mode == "fsdp, compiled")
+        if world_size == 1:  # nothing to exchange: the one-process step, its momenta DTensor views of its stacks
+            bufs = [state["momentum_buffer"] for state in opt.state.values() if "momentum_buffer" in state]
+            assert bufs and all(muon._is_dtensor(b) for b in bufs)
+            assert len({b.to_local().untyped_storage().data_ptr() for b in bufs}) == 4  # qkv, proj, fc1, fc2
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
     else:
         ddp = nn.parallel.DistributedDataParallel(model)
@@ -281,7 +285,7 @@ def distributed_worker(rank, world_size, out_file, mode):
         torch.save({n: t.detach().clone() for n, t in full.items()}, out_file)
 
 
-@pytest.mark.parametrize("mode,world_size", [("fsdp", 2), ("fsdp", 3), ("ddp", 2), pytest.param(
+@pytest.mark.parametrize("mode,world_size", [("fsdp", 1), ("fsdp", 2), ("fsdp", 3), ("ddp", 2), pytest.param(
     "fsdp, compiled", 2, marks=pytest.mark.slow)])  # the owners' Newton-Schulz compiled (~10 s a rank)
 def test_muon_distributed_matches_single_process(mode, world_size, tmp_path):
     out_file = tmp_path / "params.pt"
