@@ -282,9 +282,9 @@ class Muon(torch.optim.Optimizer):
 
     Muon groups carry "row_blocks": for each parameter, the row sizes to orthogonalise separately. In one process
     (or where each DDP rank takes the whole step) the matrices of one shape and split are a stack, their momenta
-    one tensor, and group_step_ steps them all (with compile=True, one compiled function a group). Across ranks the matrices go in buckets
-    (muon_buckets), same-shape blocks through Newton-Schulz in one batched call (orthogonalize_blocks; compiled
-    per shape with compile=True). Works on:
+    one tensor, and group_step_ steps them all (with compile=True, one compiled function a group). Across ranks
+    the matrices go in buckets (muon_buckets), same-shape blocks through Newton-Schulz in one batched call
+    (orthogonalize_blocks; compiled per shape with compile=True). Works on:
     - plain tensors (one device; DDP, where every rank has the same averaged grads): under torch.distributed
       with split_across_ranks each rank computes 1/world_size of the blocks and all-gathers the rest;
     - FSDP2's Shard(0) DTensors, where each rank holds some rows of each matrix: each block has an owner rank
@@ -458,10 +458,10 @@ class Muon(torch.optim.Optimizer):
                         for ps in stacks.values()]
         row_sq = ([[_local(self._row_sq_avg(p)) for p in ps] for ps in stacks.values()]
                   if group.get("normuon_beta") is not None else [])
-        self._group_step(group, tuple(stacks))(
-            [[_local(p) for p in ps] for ps in stacks.values()], [[_local(p.grad) for p in ps] for ps in stacks.values()],
-            [self._momentum_stack((id(group), *key), ps) for key, ps in stacks.items()], row_sq, skip, lr, decay,
-            momentum)
+        params = [[_local(p) for p in ps] for ps in stacks.values()]
+        grads = [[_local(p.grad) for p in ps] for ps in stacks.values()]
+        momenta = [self._momentum_stack((id(group), *key), ps) for key, ps in stacks.items()]
+        self._group_step(group, tuple(stacks))(params, grads, momenta, row_sq, skip, lr, decay, momentum)
 
     def _group_step(self, group, stacks: tuple):
         """group_step_ with the group's settings and its stacks' (shape, split, dtype) bound, compiled if

@@ -361,7 +361,8 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time():
     g = torch.Generator().manual_seed(0)
     blocks = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in
               [(8, 4), (4, 8), (8, 4), (6, 6), (8, 4), (4, 8)]]
-    batched = muon.orthogonalize_blocks(blocks, functools.partial(muon_math.newton_schulz, steps=5, dtype=torch.float64))
+    ns = functools.partial(muon_math.newton_schulz, steps=5, dtype=torch.float64)
+    batched = muon.orthogonalize_blocks(blocks, ns)
     for block, ortho in zip(blocks, batched):
         torch.testing.assert_close(ortho, muon_math.newton_schulz(block, 5, torch.float64), rtol=0, atol=1e-12)
 

@@ -103,6 +103,7 @@ def test_cautious_decay_only_where_update_and_parameter_agree():
 
 
 def test_wide_batches_put_blocks_of_one_shape_once_turned_wide_in_one_call():
-    shapes, splits = [(1280, 768), (768, 768), (6144, 768), (768, 3072)], [(768, 256, 256), (768,), (3072, 3072), (768,)]
+    shapes = [(1280, 768), (768, 768), (6144, 768), (768, 3072)]  # GPT-2 small's qkv, proj, fc1, fc2
+    splits = [(768, 256, 256), (768,), (3072, 3072), (768,)]
     assert muon_math.wide_batches(shapes, splits) == [[(0, 0), (1, 0)], [(0, 1), (0, 2)], [(2, 0), (2, 1), (3, 0)]]
     assert muon_math.wide_batches([(4, 8), (16, 4)], [(4,), (8, 8)]) == [[(0, 0), (1, 0), (1, 1)]]
