@@ -41,8 +41,8 @@ from fp8 import te_to_plain_state_dict
 from mixture import parse_data, record_dir
 from model import GPT, QWEN3_VALUES, VOCAB_MULTIPLE, ModelConfig
 from sizing import block_shapes, outer_shapes, param_numels
-from tokenizer import (TOKENIZER_FILE, DataError, HFTokenizer, TiktokenTokenizer, Tokenizer, load_tokenizer,
-                       write_gpt2_tokenizer, write_hf_tokenizer)
+from tokenizer import (TOKENIZER_FILE, DataError, HFTokenizer, TiktokenTokenizer, Tokenizer, check_model_vocab,
+                       load_tokenizer, write_gpt2_tokenizer, write_hf_tokenizer)
 
 # Per-block weights that map one to one: our name -> the Hugging Face name under model.layers.{i}.
 BLOCK_RENAMES = {
@@ -575,10 +575,7 @@ def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: Tokeniz
         raise ValueError(f"{', '.join(toggles)}: Qwen3ForCausalLM has no such part, so this model cannot be exported "
                          f"(a model trained with {config.qwen3_flags()} can)")
     enc = tokenizer or load_tokenizer("gpt2")
-    if config.vocab_size != enc.n_vocab:
-        raise ValueError(f"model vocab_size {config.vocab_size} does not match the {enc.name} tokenizer "
-                         f"({enc.n_vocab} tokens); pass --tokenizer with the tokenizer the model was trained with "
-                         f"(a tokenizer.json or tiktoken name of {config.vocab_size:,} ids)")
+    check_model_vocab(config.vocab_size, enc)
     check_target(out_dir, overwrite)
     # Fresh float32 copies: safetensors refuses tensors that share storage, as the views of a fused weight do.
     weights = {k: v.detach().to("cpu", torch.float32).clone() for k, v in to_hf(config, state).items()}

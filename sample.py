@@ -27,7 +27,7 @@ from config import DEVICES
 from hf import check_names, is_run_directory, load_hf, model_tokenizer, read_ckpt
 from hardware import resolve_device
 from model import GPT, KVCache
-from tokenizer import DataError, Tokenizer, load_tokenizer
+from tokenizer import DataError, Tokenizer, check_model_vocab, load_tokenizer
 
 
 # Below this, sampling is greedy anyway (at 1e-4 a logit gap of 0.01 already means odds of e^100), and far
@@ -284,11 +284,7 @@ def main(argv=None) -> int:
         device, _ = resolve_device(a.device)
         model = load_model(a.ckpt, a.hf, device)
         enc = load_tokenizer(a.tokenizer) if a.tokenizer else model_tokenizer(a.ckpt or a.hf) or load_tokenizer()
-        if model.config.vocab_size != enc.n_vocab:
-            raise ValueError(f"model vocab_size {model.config.vocab_size} does not match the {enc.name} "
-                             f"tokenizer ({enc.n_vocab} tokens); pass --tokenizer with the tokenizer the model "
-                             f"was trained with (a tokenizer.json or tiktoken name of {model.config.vocab_size:,} "
-                             "ids)")
+        check_model_vocab(model.config.vocab_size, enc)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
     seed = a.seed

@@ -447,6 +447,15 @@ def load_tokenizer(spec: str = "gpt2", doc_separator: str | None = None) -> Toke
                     f"({', '.join(tiktoken.list_encoding_names())}) or a hub name owner/name")
 
 
+def check_model_vocab(vocab_size: int, enc: Tokenizer) -> None:
+    """Raise ValueError (one line, with the --tokenizer that would work) where a model's vocabulary is not the
+    tokenizer's: its ids would mean other text."""
+    if vocab_size != enc.n_vocab:
+        raise ValueError(f"model vocab_size {vocab_size} does not match the {enc.name} tokenizer ({enc.n_vocab} "
+                         f"tokens); pass --tokenizer with the tokenizer the model was trained with (a tokenizer.json "
+                         f"or tiktoken name of {vocab_size:,} ids)")
+
+
 def recorded_tokenizer(record: dict, data_dir: str) -> Tokenizer:
     """The tokenizer a data.json record names: a tiktoken encoding, or the tokenizer.json that prepare.py copied
     next to the shards (record["tokenizer_file"]), with the recorded separator. DataError when it is not the
