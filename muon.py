@@ -592,8 +592,7 @@ class Muon(torch.optim.Optimizer):
         decay, dtype = lr * group["weight_decay"], scalar_dtype(skip.device)
         if not cautious:  # the factor in float32, as a float32 parameter's mul_ would round it
             params = [_local(p) for p, _ in todo]
-            torch._foreach_mul_(params, per_step(skip, 1 - decay, 1.0, torch.promote_types(params[0].dtype,
-                                                                                           torch.float32)))
+            torch._foreach_mul_(params, per_step(skip, 1 - decay, 1.0, _at_least_float32(params[0].dtype)))
         steps: dict[float, tuple[list, list]] = {}  # alpha -> (targets, updates)
         for (i, start, rows), update in zip(blocks, orthos):
             p = todo[i][0]
