@@ -172,16 +172,17 @@ def make_optimizer(variant, model):
     return muon
 
 
-def time_steps(optimizer, bench) -> list[float]:
-    """-> seconds per step of each timed window (ranks start each window together)."""
+def time_steps(step, bench) -> list[float]:
+    """-> seconds per call of step() in each timed window, after the warm-up calls (ranks start each window
+    together)."""
     for _ in range(bench.warmup_steps):
-        optimizer.step()
+        step()
     per_step = []
     for _ in range(bench.windows):
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(bench.steps_per_window):
-            optimizer.step()
+            step()
         per_step.append((time.perf_counter() - t0) / bench.steps_per_window)
     return per_step
 
@@ -205,15 +206,7 @@ def newton_schulz_alone(optimizer, bench) -> list[float]:
         for stack in stacks:
             ns(stack)
 
-    for _ in range(bench.warmup_steps):
-        step()
-    per_step = []
-    for _ in range(bench.windows):
-        t0 = time.perf_counter()
-        for _ in range(bench.steps_per_window):
-            step()
-        per_step.append((time.perf_counter() - t0) / bench.steps_per_window)
-    return per_step
+    return time_steps(step, bench)
 
 
 def ddp_worker(rank, world_size, bench, out_file):
@@ -224,7 +217,7 @@ def ddp_worker(rank, world_size, bench, out_file):
     medians, dispatched = {}, {}
     for variant in variants(bench):
         optimizer = make_optimizer(variant, model)
-        medians[variant] = statistics.median(time_steps(optimizer, bench) or [math.nan])
+        medians[variant] = statistics.median(time_steps(optimizer.step, bench) or [math.nan])
         dispatched[variant] = count_step(optimizer)
         if variant == VARIANTS[1]:
             medians[NS_ALONE] = statistics.median(newton_schulz_alone(optimizer, bench) or [math.nan])
@@ -305,7 +298,7 @@ def fsdp_worker(rank, world_size, bench, out_file):
     optimizer = make_optimizer("muon, split across ranks", model)
     optimizer.step()  # allocates the state
     traffic = muon_traffic(model, optimizer)
-    traffic["seconds"] = statistics.median(time_steps(optimizer, bench))
+    traffic["seconds"] = statistics.median(time_steps(optimizer.step, bench))
     every_rank = [None] * world_size
     dist.all_gather_object(every_rank, traffic)
     if rank == 0:
