@@ -35,10 +35,15 @@ def data_dir(tmp_path_factory):
     return str(root)
 
 
+def child_env(**extra: str) -> dict:
+    """The environment of a launched run: one thread a process, no wandb key, and `extra`."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_API_KEY"}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
 def launch(nproc, *args):
     """train.py in `nproc` processes under torchrun (or plainly when nproc is None); returns the result."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WANDB_API_KEY", None)
+    env = child_env()
     prefix = [sys.executable]
     if nproc is not None:
         prefix += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -275,9 +280,8 @@ def test_the_slurm_script_checkpoints_and_requeues_when_the_time_limit_nears(dat
     def job(max_steps):
         args = ["--dist", "ddp", "--data", data_dir, "--out-dir", str(out), *COMMON, "--max-steps", str(max_steps),
                 "--log-interval", "1"]
-        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "OMP_NUM_THREADS": "1", "NPROC": "2",
-               "SLURM_JOB_ID": "4242", "SCONTROL_LOG": str(tmp_path / "scontrol.log"), "TRAIN_ARGS": " ".join(args)}
-        env.pop("WANDB_API_KEY", None)
+        env = child_env(PATH=f"{bin_dir}:{os.environ['PATH']}", NPROC="2", SLURM_JOB_ID="4242",
+                        SCONTROL_LOG=str(tmp_path / "scontrol.log"), TRAIN_ARGS=" ".join(args))
         return subprocess.Popen(["bash", os.path.join("docs", "slurm.sbatch")], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -315,10 +319,8 @@ def _workers(torchrun_pid: int) -> dict[int, int]:
 
 
 def _torchrun(out, args, *torchrun_flags) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("WANDB_API_KEY", None)
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             *torchrun_flags, "train.py", "--out-dir", str(out), *args], cwd=REPO, env=env,
+                             *torchrun_flags, "train.py", "--out-dir", str(out), *args], cwd=REPO, env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -392,8 +394,7 @@ def test_a_rank_killed_during_a_dcp_save_leaves_the_previous_checkpoint_to_resum
     shim.mkdir()
     (shim / "sitecustomize.py").write_text(KILL_IN_DCP_SAVE)  # a test's fault, not a product flag
     out = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{shim}:{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("WANDB_API_KEY", None)
+    env = child_env(PYTHONPATH=f"{shim}:{os.environ.get('PYTHONPATH', '')}")
     killed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              "train.py", "--out-dir", str(out), *args], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=300)
