@@ -173,8 +173,9 @@ class MemoryEstimate:
         return self.tensors + self.runtime + self.allocator
 
 
-def _state_bytes(name: str, numel: int, optimizer: str) -> int:
-    """Optimizer state of one parameter (named as in the model, or inside a block)."""
+def _state_bytes(name: str, numel: int, optimizer: str, one_process: bool) -> int:
+    """Optimizer state of one parameter (named as in the model, or inside a block); one_process: Muon's step in
+    one process, which keeps an update buffer beside each matrix's momentum (muon_group.GroupViews)."""
     if optimizer == "adamw":
         return 2 * FP32 * numel
     if optimizer == "adamw8bit":
@@ -183,14 +184,15 @@ def _state_bytes(name: str, numel: int, optimizer: str) -> int:
     if optimizer == "muon":
         from optim import MUON_MATRICES
 
-        return FP32 * numel if name.endswith(MUON_MATRICES) else 2 * FP32 * numel
+        return (1 + one_process) * FP32 * numel if name.endswith(MUON_MATRICES) else 2 * FP32 * numel
     raise ValueError(f"unknown optimizer {optimizer!r}")
 
 
-def optimizer_state_bytes_estimate(cfg: ModelConfig, optimizer: str) -> int:
-    """Optimizer state of the whole model, as optim.optimizer_state_bytes measures it (step counters aside)."""
+def optimizer_state_bytes_estimate(cfg: ModelConfig, optimizer: str, one_process: bool = True) -> int:
+    """Optimizer state of the whole model, as optim.optimizer_state_bytes measures it (step counters aside).
+    one_process: a single process's step (not DDP's or FSDP2's split of Muon's work across ranks)."""
     def total(shapes):
-        return sum(_state_bytes(name, math.prod(shape), optimizer) for name, shape in shapes.items())
+        return sum(_state_bytes(name, math.prod(shape), optimizer, one_process) for name, shape in shapes.items())
 
     qmaps = BNB_QMAPS if optimizer == "adamw8bit" else 0
     return qmaps + total(outer_shapes(cfg)) + cfg.n_layer * total(block_shapes(cfg))
@@ -337,7 +339,7 @@ def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: 
     # Neither outlives its moment (a recomputed region in backward, a loss chunk at the forward's end).
     transient = max(recompute, loss_chunk_bytes(cfg, batch_size * seq_len, act, loss_chunk))
     e = MemoryEstimate(params=FP32 * n_params // shards, grads=FP32 * n_params // shards,
-                       optimizer=optimizer_state_bytes_estimate(cfg, optimizer) // shards,
+                       optimizer=optimizer_state_bytes_estimate(cfg, optimizer, shards == 1) // shards,
                        activations=activations, transient=transient)
     if device_type == "cpu":
         e.runtime, e.allocator = runtime, int(CPU_ALLOCATOR_SHARE * e.tensors)
@@ -592,7 +594,7 @@ def probe_reserve_bytes(cfg: ModelConfig, optimizer: str, dist_mode: str) -> int
     (gradient_as_bucket_view is off) that the probe of the bare model does not allocate. This is the safety
     margin: with more than one rank there is no out-of-memory retry, so a tight fit must be right."""
     buckets = FP32 * param_count(cfg) if dist_mode == "ddp" else 0
-    return optimizer_state_bytes_estimate(cfg, optimizer) + buckets
+    return optimizer_state_bytes_estimate(cfg, optimizer, dist_mode == "none") + buckets
 
 
 def auto_batch_problems(cfg):

@@ -5,10 +5,10 @@ matrices updated with their orthogonalised Nesterov momentum, AdamW for everythi
 
 Fused weights are orthogonalised one row block at a time (Q, K and V of qkv.weight; gate and up of fc1_weight),
 since each block is a separate linear map that happens to share a GEMM. optim.py builds the groups and chooses
-between the optimizers; muon_math.py holds the arithmetic (Newton-Schulz, NorMuon, cautious decay). This file
-holds the optimizer: its state, a group's step in one process as operations on stacks of same-shape matrices
-(one compiled function under compile=True), the buckets, and the split of the work across DDP ranks and
-FSDP2's owner-rank exchange.
+between the optimizers; muon_math.py holds the arithmetic (Newton-Schulz, NorMuon, cautious decay), muon_group.py
+a group's step in one process (its matrices as stacks in flat buffers; one compiled function under compile=True).
+This file holds the optimizer: its state and buffers, the AdamW side, the buckets, and the split of the work
+across DDP ranks and FSDP2's owner-rank exchange.
 """
 
 import functools
@@ -19,8 +19,9 @@ import types
 import torch
 
 from hardware import fused_adamw_available
+from muon_group import GroupViews, at_least_float32, group_layout, group_step_, group_step_on_flats_, group_views
 from muon_math import (NS_DTYPES, cautious_decay_, muon_scale_factor, newton_schulz, newton_schulz_flops,
-                       normuon_rows, per_step, scalar_dtype, wide, wide_batches)
+                       normuon_rows, per_step, scalar_dtype)
 from schedule import muon_momentum
 
 try:
@@ -31,112 +32,6 @@ except ImportError:  # torch built without distributed support: no parameter can
 # fp32 bytes of the matrices Muon orthogonalises together: big enough to batch a few layers' blocks (and, under
 # FSDP2, for few collectives: two a bucket), small enough that a rank's full blocks stay a bounded part of memory.
 MUON_BUCKET_BYTES = 256 * 2**20
-
-
-def _weight(skip: torch.Tensor, value, skipped: float, dtype: torch.dtype) -> torch.Tensor:
-    """per_step of a Python number (eager) or of a float64 scalar tensor (compiled: see Muon._stacked_step)."""
-    if torch.is_tensor(value):
-        return torch.where(skip, skipped, value).to(dtype)
-    return per_step(skip, value, skipped, dtype)
-
-
-def _add_(targets: list, updates: list, alpha) -> None:
-    """targets += alpha x updates; alpha a Python number (eager: rounded once, as torch.optim.Muon's) or a tensor."""
-    if torch.is_tensor(alpha):
-        torch._foreach_add_(targets, torch._foreach_mul(updates, alpha))
-    else:
-        torch._foreach_add_(targets, updates, alpha=alpha)
-
-
-def group_step_(params: list, grads: list, bufs: list, row_sq: list, skip: torch.Tensor, lr, decay, momentum, *,
-                splits: tuple, scales: tuple, nesterov: bool, ns, normuon_beta, cautious: bool) -> None:
-    """One Muon step for all of a group's matrices in one process, in place: operations on stacks of matrices,
-    never one per matrix (off the recipe options), which Muon's compile turns into one function.
-
-    Stack s: params[s] and grads[s], matrices of one shape, row split splits[s] and dtype; bufs[s] their momenta as
-    one tensor [n, rows, cols] (Muon._momentum_stack); row_sq[s] their NorMuon row EMAs (empty without NorMuon);
-    scales[s][k] block k's update scale. Momentum and Nesterov on each stack (_momentum_updates); Newton-Schulz on
-    each of wide_batches' calls (ns: a stack -> its orthogonalised stack); NorMuon where normuon_beta is set; the
-    decay; the update, one foreach add per scale. Where skip (a bool scalar) parameters and momenta stay exactly as
-    they were. lr, decay (lr x weight decay) and momentum are Python numbers or float64 scalars (compiled); under
-    the momentum warm-up momentum is a list, stack s's momenta [n, 1, 1]."""
-    momenta = momentum if isinstance(momentum, list) else [momentum] * len(bufs)
-    updates = _momentum_updates(grads, bufs, momenta, skip, nesterov)
-    blocks = [u.split(split, dim=1) if len(split) > 1 else (u,) for u, split in zip(updates, splits)]
-    orthos = [[None] * len(split) for split in splits]  # orthos[s][k]: stack s's block k, orthogonalised
-    for batch in wide_batches([tuple(ps[0].shape) for ps in params], splits):
-        members = [wide(blocks[s][k]) for s, k in batch]
-        x = torch.cat(members) if len(members) > 1 else members[0]
-        result = ns(x.masked_fill(skip, 0.0))  # a skipped step's update is zeros, which Newton-Schulz keeps
-        for (s, k), ortho in zip(batch, result.split([len(m) for m in members])):
-            orthos[s][k] = ortho.mT if splits[s][k] > params[s][0].shape[1] else ortho  # tall again
-    if normuon_beta is not None:  # row_sq[s][j] is matrix j's per-row EMA, cut into the same blocks
-        for stack, rows, split in zip(orthos, row_sq, splits):
-            cuts = [r.split(split) for r in rows]
-            stack[:] = [torch.stack([normuon_rows(o, cut[k], normuon_beta, skip) for o, cut in zip(block, cuts)])
-                        for k, block in enumerate(stack)]
-    _decay_(params, orthos, splits, skip, decay, cautious)
-    steps: dict = {}  # scale -> (targets, updates): the stacks whose blocks share one scale take one add
-    for ps, ortho, split, scale in zip(params, orthos, splits, scales):
-        dtype = ps[0].dtype  # the update in the parameters' dtype, foreach's fast path: exact, as the add would widen
-        if len(set(scale)) == 1:
-            targets, to_add = steps.setdefault(scale[0], ([], []))
-            targets += ps
-            to_add += (torch.cat(ortho, dim=1) if len(ortho) > 1 else ortho[0]).to(dtype).unbind(0)
-            continue
-        cuts = [p.split(split) for p in ps]
-        for k, (o, block_scale) in enumerate(zip(ortho, scale)):
-            targets, to_add = steps.setdefault(block_scale, ([], []))
-            targets += [cut[k] for cut in cuts]
-            to_add += o.to(dtype).unbind(0)
-    for scale, (targets, to_add) in steps.items():
-        _add_(targets, to_add, -lr * scale)
-
-
-def _momentum_updates(grads: list, bufs: list, momenta: list, skip: torch.Tensor, nesterov: bool) -> list:
-    """Each stack's momentum EMA, in place on bufs[s], and its update (Nesterov's, or the momentum itself).
-
-    Where skip, the gradient is replaced by the momentum, which averaged with itself stays exactly as it was,
-    whatever the weight: so the weights are plain numbers, one foreach call for all stacks (a scalar the skip
-    decided would be a tensor, one call a stack), and a non-finite gradient never reaches the arithmetic."""
-    gs = [torch.where(skip, buf, torch.stack(grad)) for grad, buf in zip(grads, bufs)]
-    _lerp_(bufs, gs, [1 - m for m in momenta])
-    if not nesterov:
-        return bufs
-    _lerp_(gs, bufs, momenta)
-    return gs
-
-
-def _lerp_(targets: list, ends: list, weights: list) -> None:
-    """targets[i].lerp_(ends[i], weights[i]): one foreach call where the weights are one Python number, else
-    one call each (a tensor weight: the warm-up's [n, 1, 1] momenta, a compiled step's scalars)."""
-    if not any(torch.is_tensor(w) for w in weights) and len(set(weights)) == 1:
-        torch._foreach_lerp_(targets, ends, weights[0])
-        return
-    for target, end, w in zip(targets, ends, weights):
-        target.lerp_(end, w.to(target.dtype) if torch.is_tensor(w) else w)
-
-
-def _at_least_float32(dtype: torch.dtype) -> torch.dtype:
-    """torch.promote_types(dtype, torch.float32) for a floating dtype: the float32 a decay factor is rounded to, as
-    a float32 parameter's mul_ would round it, or float64 for a float64 parameter."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _decay_(params: list, orthos: list, splits: tuple, skip: torch.Tensor, decay, cautious: bool) -> None:
-    """group_step_'s decoupled weight decay (none where skip): one foreach multiply, or cautious_decay_ on each
-    block of each matrix (every row is in exactly one block, so each is decayed once)."""
-    if not cautious:
-        everything = [p for ps in params for p in ps]
-        factor = _weight(skip, 1 - decay, 1.0, _at_least_float32(everything[0].dtype))
-        torch._foreach_mul_(everything, factor)
-        return
-    amount = _weight(skip, decay, 0.0, scalar_dtype(skip.device))
-    for ps, ortho, split in zip(params, orthos, splits):
-        cuts = [p.split(split) if len(split) > 1 else (p,) for p in ps]
-        for k, stack in enumerate(ortho):
-            for cut, o in zip(cuts, stack):
-                cautious_decay_(cut[k], o, amount)
 
 
 def compiled(fn):
@@ -281,8 +176,9 @@ class Muon(torch.optim.Optimizer):
     """Muon for groups of kind "muon", AdamW for groups of kind "adamw", in one optimizer.
 
     Muon groups carry "row_blocks": for each parameter, the row sizes to orthogonalise separately. In one process
-    (or where each DDP rank takes the whole step) the matrices of one shape and split are a stack, their momenta
-    one tensor, and group_step_ steps them all (with compile=True, one compiled function a group). Across ranks
+    (or where each DDP rank takes the whole step) the matrices of one shape and split are a stack, a view of the
+    group's flat momentum and update buffers, and muon_group.group_step_ steps them all (with compile=True, one
+    compiled function a group); the update buffer, as large as the momenta, is kept between steps. Across ranks
     the matrices go in buckets (muon_buckets), same-shape blocks through Newton-Schulz in one batched call
     (orthogonalize_blocks; compiled per shape with compile=True). Works on:
     - plain tensors (one device; DDP, where every rank has the same averaged grads): under torch.distributed
@@ -321,7 +217,7 @@ class Muon(torch.optim.Optimizer):
         # run (a CPU's, a debugging session's) would pay for nothing. Some builds have no Dynamo.
         self.compile = compile and torch._dynamo.is_dynamo_supported()
         self._steps: dict[tuple, object] = {}  # a group's static settings and its stacks' shapes -> its step
-        self._momentum_stacks: dict[tuple, tuple] = {}  # (group's id, a stack's key) -> (momenta, their views)
+        self._group_buffers: dict[int, tuple] = {}  # a group's id -> (its GroupLayout, GroupViews, momenta)
         self._fused_on: dict[str, bool] = {}  # device type -> whether torch's fused AdamW runs there
         for group in self.param_groups:
             if group["kind"] != "muon":
@@ -343,16 +239,26 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         found_inf = getattr(self, "found_inf", None)  # step_if_finite's
+        fused = [group for group in self.param_groups if group["kind"] != "muon"
+                 and not group.get("cautious_wd", False) and self._fused_adamw(group)]
+        counts = self._count_fused_steps(fused)
         for group in self.param_groups:
             if group["kind"] == "muon":
                 self._muon_step(group, found_inf)
-            elif not group.get("cautious_wd", False) and self._fused_adamw(group):
+            elif any(group is g for g in fused):
                 self._adamw_fused(group, found_inf)
             else:
                 for p in group["params"]:
                     if p.grad is not None:
                         self._adamw_update(p, group, found_inf)
+        if counts and found_inf is not None:  # the fused kernel skipped: its count taken back
+            torch._foreach_sub_(counts, [found_inf.to(counts[0].device)] * len(counts))
         return loss
+
+    def working_buffers(self) -> list[torch.Tensor]:
+        """The buffers Muon keeps between steps beside its state: each group's update buffers (one process's step,
+        muon_group.GroupViews), which a checkpoint does not carry."""
+        return [flat for _, views, _ in self._group_buffers.values() for flat in views.updates]
 
     def _fused_adamw(self, group) -> bool:
         """Whether torch has a fused AdamW kernel on the group's device (probed once per device type)."""
@@ -363,25 +269,30 @@ class Muon(torch.optim.Optimizer):
             self._fused_on[device_type] = fused_adamw_available(device_type)
         return self._fused_on[device_type]
 
+    def _count_fused_steps(self, groups: list) -> list[torch.Tensor]:
+        """Advance the step count of every parameter with a gradient in `groups` (those torch's fused kernel
+        steps), in one call for all of them; -> the counts."""
+        counts = [self._adamw_state(p)["step"] for group in groups for p in group["params"] if p.grad is not None]
+        if counts:
+            torch._foreach_add_(counts, 1)
+        return counts
+
     def _adamw_fused(self, group, found_inf):
         """AdamW on the whole group in torch's fused kernel: a few launches for all its parameters, where
         _adamw_update takes about twenty per parameter, a cost the host pays on a GPU (about 1,000 launches a step
         at GPT-2 small's 50 embedding and norm tensors). The same state as _adamw_update's, so a checkpoint of
-        either path resumes on the other. found_inf is the kernel's own skip, as GradScaler hands it: p and its
-        moments unchanged, and the count taken back."""
+        either path resumes on the other; the step counts are advanced before (_count_fused_steps). found_inf is
+        the kernel's own skip, as GradScaler hands it: p and its moments unchanged."""
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             return
         states = [self._adamw_state(p) for p in params]
-        steps = [state["step"] for state in states]
-        torch._foreach_add_(steps, 1)
         (beta1, beta2) = group["betas"]
         torch._fused_adamw_([_local(p) for p in params], [_local(p.grad) for p in params],
                             [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states], [],
-                            steps, lr=group["lr"], beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"],
-                            eps=group["eps"], amsgrad=False, maximize=False, grad_scale=None, found_inf=found_inf)
-        if found_inf is not None:
-            torch._foreach_sub_(steps, [found_inf.to(steps[0].device)] * len(steps))
+                            [s["step"] for s in states], lr=group["lr"], beta1=beta1, beta2=beta2,
+                            weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=False,
+                            grad_scale=None, found_inf=found_inf)
 
     def _ranks(self) -> tuple[int, int]:
         dist = torch.distributed
@@ -444,8 +355,9 @@ class Muon(torch.optim.Optimizer):
 
     def _stacked_step(self, todo, group, skip):
         """Muon on todo's (param, row split) pairs in one group_step_ call, the matrices in stacks of one shape,
-        split and dtype. A compiled step takes the step's numbers as scalars filled on the device: as constants,
-        each new LR would recompile it."""
+        split and dtype, laid out in the group's flat buffers (_group_views). A compiled step takes the step's
+        numbers as scalars filled on the device (as constants, each new LR would recompile it) and the buffers
+        themselves, whose views it makes in its graph."""
         stacks: dict[tuple, list] = {}
         for p, split in todo:
             stacks.setdefault((tuple(p.shape), tuple(split), p.dtype), []).append(p)
@@ -460,39 +372,46 @@ class Muon(torch.optim.Optimizer):
                   if group.get("normuon_beta") is not None else [])
         params = [[_local(p) for p in ps] for ps in stacks.values()]
         grads = [[_local(p.grad) for p in ps] for ps in stacks.values()]
-        momenta = [self._momentum_stack((id(group), *key), ps) for key, ps in stacks.items()]
-        self._group_step(group, tuple(stacks))(params, grads, momenta, row_sq, skip, lr, decay, momentum)
+        layout = group_layout(list(stacks), [len(ps) for ps in stacks.values()])
+        views = self._group_views(group, layout, [p for ps in stacks.values() for p in ps])
+        buffers = (views.momenta, views.updates) if self.compile else (views,)
+        self._group_step(group, tuple(stacks), layout)(params, grads, *buffers, row_sq, skip, lr, decay, momentum)
 
-    def _group_step(self, group, stacks: tuple):
+    def _group_step(self, group, stacks: tuple, layout):
         """group_step_ with the group's settings and its stacks' (shape, split, dtype) bound, compiled if
-        self.compile: one compiled function for all of the group's matrices."""
-        key = (self.compile, stacks, group["nesterov"], group["ns_steps"], group["ns_dtype"], group.get("ns_coeffs"),
-               group["muon_scale"], group.get("normuon_beta"), group.get("cautious_wd", False))
+        self.compile: one compiled function for all of the group's matrices, which takes the flat buffers."""
+        key = (self.compile, stacks, layout, group["nesterov"], group["ns_steps"], group["ns_dtype"],
+               group.get("ns_coeffs"), group["muon_scale"], group.get("normuon_beta"), group.get("cautious_wd", False))
         if key not in self._steps:
-            step = functools.partial(
-                group_step_, splits=tuple(split for _, split, _ in stacks), nesterov=group["nesterov"],
+            settings = dict(
+                splits=layout.splits, nesterov=group["nesterov"],
                 scales=tuple(tuple(muon_scale_factor(rows, shape[1], group["muon_scale"]) for rows in split)
                              for shape, split, _ in stacks),
-                ns=self._ns(group, False), normuon_beta=group.get("normuon_beta"),
-                cautious=group.get("cautious_wd", False))
-            self._steps[key] = compiled(step) if self.compile else step
+                ns=self._ns(group, False), ns_dtype=NS_DTYPES[group["ns_dtype"]],
+                normuon_beta=group.get("normuon_beta"), cautious=group.get("cautious_wd", False))
+            self._steps[key] = (compiled(functools.partial(group_step_on_flats_, layout=layout, **settings))
+                                if self.compile else functools.partial(group_step_, **settings))
         return self._steps[key]
 
-    def _momentum_stack(self, key: tuple, params: list) -> torch.Tensor:
-        """The momenta of a stack of same-shape matrices as one tensor [n, rows, cols], each matrix's
-        state["momentum_buffer"] a view of its slice (a DTensor like the matrix, where it is one), so that one
-        lerp_ a step updates them all with no copy in or out. Momenta that are not those views (a checkpoint's,
-        loaded) are stacked into a new tensor, once."""
-        stack, views = self._momentum_stacks.get(key, (None, []))
-        if len(views) != len(params) or any(self.state[p].get("momentum_buffer") is not v
-                                            for p, v in zip(params, views)):
-            stack = torch.stack([_local(self._momentum_buffer(p)) for p in params])
-            views = [DTensor.from_local(row, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-                     if _is_dtensor(p) else row for p, row in zip(params, stack.unbind(0))]
-            for p, view in zip(params, views):
-                self.state[p]["momentum_buffer"] = view
-            self._momentum_stacks[key] = stack, views
-        return stack
+    def _group_views(self, group, layout, params: list) -> GroupViews:
+        """The group's flat buffers (muon_group.GroupViews), made on its first step or when its matrices' layout
+        or momenta change: the momenta at zero, or the momenta a checkpoint loaded copied in, once. Each matrix's
+        state["momentum_buffer"] is a view of its slice (a DTensor like the matrix, where it is one), so that one
+        operation a step updates them all, with no copy in or out."""
+        known, views, momenta = self._group_buffers.get(id(group), (None, None, []))
+        if known == layout and all(self.state[p].get("momentum_buffer") is m for p, m in zip(params, momenta)):
+            return views
+        device = _local(params[0]).device
+        flats = [torch.zeros(size, dtype=dtype, device=device) for dtype, size in zip(layout.dtypes, layout.sizes)]
+        views = group_views(flats, [torch.empty_like(flat) for flat in flats], layout)
+        rows = [m for stack in views.momentum_stacks for m in stack.unbind(0)]
+        for p, row in zip(params, rows):
+            if "momentum_buffer" in self.state[p]:  # a checkpoint's, or the previous layout's
+                row.copy_(_local(self.state[p]["momentum_buffer"]))
+            self.state[p]["momentum_buffer"] = (DTensor.from_local(row, p.device_mesh, p.placements, shape=p.shape,
+                                                                   stride=p.stride()) if _is_dtensor(p) else row)
+        self._group_buffers[id(group)] = layout, views, [self.state[p]["momentum_buffer"] for p in params]
+        return views
 
     def _ns(self, group, compile: bool):
         """newton_schulz with the group's settings (a stack -> its orthogonalised stack), compiled if compile."""
@@ -592,7 +511,7 @@ class Muon(torch.optim.Optimizer):
         decay, dtype = lr * group["weight_decay"], scalar_dtype(skip.device)
         if not cautious:  # the factor in float32, as a float32 parameter's mul_ would round it
             params = [_local(p) for p, _ in todo]
-            torch._foreach_mul_(params, per_step(skip, 1 - decay, 1.0, _at_least_float32(params[0].dtype)))
+            torch._foreach_mul_(params, per_step(skip, 1 - decay, 1.0, at_least_float32(params[0].dtype)))
         steps: dict[float, tuple[list, list]] = {}  # alpha -> (targets, updates)
         for (i, start, rows), update in zip(blocks, orthos):
             p = todo[i][0]

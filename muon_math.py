@@ -60,11 +60,13 @@ def ns_coefficients(scheme: str, steps: int) -> tuple[list[tuple[float, float, f
     return table[:steps] + [table[-1]] * (steps - len(table)), s
 
 
-def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype, coeffs: str = "quintic") -> torch.Tensor:
+def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype, coeffs: str = "quintic",
+                  eps: float | torch.Tensor = NS_EPS) -> torch.Tensor:
     """Approximately orthogonalise g (push its singular values towards 1) with `steps` odd quintic iterations
     X <- a X + b (X X^T) X + c (X X^T)^2 X, their coefficients from ns_coefficients(coeffs); g is one matrix
     [rows, cols] or a stack of same-shape ones [n, rows, cols], each orthogonalised on its own. Wide
-    orientation keeps X X^T small.
+    orientation keeps X X^T small. eps keeps a zero matrix's first division finite (a scalar tensor of inf makes
+    the result zeros for any finite g, as a skipped step wants).
     """
     schedule, safety = ns_coefficients(coeffs, steps)
     x = g.to(dtype)
@@ -76,7 +78,7 @@ def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype, coeffs: str =
         x = x.mT
     # The Frobenius norm bounds the spectral norm, so the iteration starts in range.
     norm = torch.linalg.matrix_norm(x, keepdim=True)
-    x = x / ((norm * safety if safety != 1 else norm) + NS_EPS)
+    x = x / ((norm * safety if safety != 1 else norm) + eps)
     for a, b, c in schedule:
         gram = torch.bmm(x, x.mT)
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)

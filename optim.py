@@ -396,13 +396,15 @@ class CautiousAdamW(torch.optim.AdamW):
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of tensors in the optimizer state on this rank (a DTensor counts its local shard).
+    """Bytes of tensors in the optimizer state on this rank (a DTensor counts its local shard), and of the
+    working buffers it keeps between steps (Muon's update buffers: `working_buffers`).
 
     Tensors shared between parameters (bitsandbytes' quantisation maps) count once. State is
     created lazily, so call this after the first step.
     """
     seen, total = set(), 0
-    for state in optimizer.state.values():
+    kept = [{"buffer": t} for t in getattr(optimizer, "working_buffers", lambda: [])()]
+    for state in [*optimizer.state.values(), *kept]:
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 t = _local(value)

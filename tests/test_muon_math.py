@@ -107,3 +107,13 @@ def test_wide_batches_put_blocks_of_one_shape_once_turned_wide_in_one_call():
     splits = [(768, 256, 256), (768,), (3072, 3072), (768,)]
     assert muon_math.wide_batches(shapes, splits) == [[(0, 0), (1, 0)], [(0, 1), (0, 2)], [(2, 0), (2, 1), (3, 0)]]
     assert muon_math.wide_batches([(4, 8), (16, 4)], [(4,), (8, 8)]) == [[(0, 0), (1, 0), (1, 1)]]
+
+
+def test_newton_schulz_with_an_infinite_eps_gives_zeros():
+    """A skipped step's eps: the division by norm + inf makes any finite input zeros, which the iteration keeps."""
+    g = torch.randn(3, 4, 6)
+    for dtype in (torch.bfloat16, torch.float32):
+        out = muon_math.newton_schulz(g, 5, dtype, eps=torch.tensor(math.inf))
+        assert out.dtype == dtype and torch.equal(out, torch.zeros_like(out))
+    assert torch.equal(muon_math.newton_schulz(g, 5, torch.float32, eps=torch.tensor(muon_math.NS_EPS)),
+                       muon_math.newton_schulz(g, 5, torch.float32))
