@@ -175,7 +175,8 @@ class MemoryEstimate:
 
 def _state_bytes(name: str, numel: int, optimizer: str, one_process: bool) -> int:
     """Optimizer state of one parameter (named as in the model, or inside a block); one_process: Muon's step in
-    one process, which keeps an update buffer beside each matrix's momentum (muon_group.GroupViews)."""
+    one process, whose eager form keeps an update buffer beside each matrix's momentum (muon_group.GroupViews;
+    counted under compile too, which keeps none: an estimate errs high)."""
     if optimizer == "adamw":
         return 2 * FP32 * numel
     if optimizer == "adamw8bit":

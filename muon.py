@@ -19,7 +19,8 @@ import types
 import torch
 
 from hardware import fused_adamw_available
-from muon_group import GroupViews, at_least_float32, group_layout, group_step_, group_step_on_flats_, group_views
+from muon_group import (GroupViews, at_least_float32, group_layout, group_step_, group_step_on_flats_, group_views,
+                        stack_views)
 from muon_math import (NS_DTYPES, cautious_decay_, muon_scale_factor, newton_schulz, newton_schulz_flops,
                        normuon_rows, per_step, scalar_dtype)
 from schedule import muon_momentum
@@ -178,7 +179,7 @@ class Muon(torch.optim.Optimizer):
     Muon groups carry "row_blocks": for each parameter, the row sizes to orthogonalise separately. In one process
     (or where each DDP rank takes the whole step) the matrices of one shape and split are a stack, a view of the
     group's flat momentum and update buffers, and muon_group.group_step_ steps them all (with compile=True, one
-    compiled function a group); the update buffer, as large as the momenta, is kept between steps. Across ranks
+    compiled function a group); an eager step keeps an update buffer as large as the momenta. Across ranks
     the matrices go in buckets (muon_buckets), same-shape blocks through Newton-Schulz in one batched call
     (orthogonalize_blocks; compiled per shape with compile=True). Works on:
     - plain tensors (one device; DDP, where every rank has the same averaged grads): under torch.distributed
@@ -256,9 +257,9 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def working_buffers(self) -> list[torch.Tensor]:
-        """The buffers Muon keeps between steps beside its state: each group's update buffers (one process's step,
-        muon_group.GroupViews), which a checkpoint does not carry."""
-        return [flat for _, views, _ in self._group_buffers.values() for flat in views.updates]
+        """The buffers Muon keeps between steps beside its state: each group's update buffers (one process's eager
+        step, muon_group.GroupViews), which a checkpoint does not carry."""
+        return [flat for _, views, _ in self._group_buffers.values() for flat in views.updates or []]
 
     def _fused_adamw(self, group) -> bool:
         """Whether torch has a fused AdamW kernel on the group's device (probed once per device type)."""
@@ -356,8 +357,8 @@ class Muon(torch.optim.Optimizer):
     def _stacked_step(self, todo, group, skip):
         """Muon on todo's (param, row split) pairs in one group_step_ call, the matrices in stacks of one shape,
         split and dtype, laid out in the group's flat buffers (_group_views). A compiled step takes the step's
-        numbers as scalars filled on the device (as constants, each new LR would recompile it) and the buffers
-        themselves, whose views it makes in its graph."""
+        numbers as scalars filled on the device (as constants, each new LR would recompile it) and the momentum
+        buffers themselves, with no update buffer (muon_group.GroupViews)."""
         stacks: dict[tuple, list] = {}
         for p, split in todo:
             stacks.setdefault((tuple(p.shape), tuple(split), p.dtype), []).append(p)
@@ -365,21 +366,23 @@ class Muon(torch.optim.Optimizer):
         if self.compile:
             lr, decay, momentum = (torch.full((), v, dtype=scalar_dtype(skip.device), device=skip.device)
                                    for v in (lr, decay, momentum))
-        if group.get("momentum_warmup", 0):  # each matrix's own, from its count of steps
-            momentum = [torch.stack([self._momentum_now(p, group, skip) for p in ps])[:, None, None]
-                        for ps in stacks.values()]
+        layout = group_layout(list(stacks), [len(ps) for ps in stacks.values()])
+        if group.get("momentum_warmup", 0):  # each matrix's own, from its count of steps, over its elements
+            per_flat = [[] for _ in layout.dtypes]
+            for (f, *_), ps in zip(layout.stacks, stacks.values()):
+                per_flat[f] += [self._momentum_now(p, group, skip).expand(p.numel()) for p in ps]
+            momentum = [torch.cat(momenta) for momenta in per_flat]
         row_sq = ([[_local(self._row_sq_avg(p)) for p in ps] for ps in stacks.values()]
                   if group.get("normuon_beta") is not None else [])
         params = [[_local(p) for p in ps] for ps in stacks.values()]
         grads = [[_local(p.grad) for p in ps] for ps in stacks.values()]
-        layout = group_layout(list(stacks), [len(ps) for ps in stacks.values()])
         views = self._group_views(group, layout, [p for ps in stacks.values() for p in ps])
-        buffers = (views.momenta, views.updates) if self.compile else (views,)
-        self._group_step(group, tuple(stacks), layout)(params, grads, *buffers, row_sq, skip, lr, decay, momentum)
+        self._group_step(group, tuple(stacks), layout)(params, grads, views.momenta if self.compile else views, row_sq,
+                                                        skip, lr, decay, momentum)
 
     def _group_step(self, group, stacks: tuple, layout):
         """group_step_ with the group's settings and its stacks' (shape, split, dtype) bound, compiled if
-        self.compile: one compiled function for all of the group's matrices, which takes the flat buffers."""
+        self.compile: one compiled function for all of the group's matrices, which takes the flat momentum buffers."""
         key = (self.compile, stacks, layout, group["nesterov"], group["ns_steps"], group["ns_dtype"],
                group.get("ns_coeffs"), group["muon_scale"], group.get("normuon_beta"), group.get("cautious_wd", False))
         if key not in self._steps:
@@ -403,8 +406,8 @@ class Muon(torch.optim.Optimizer):
             return views
         device = _local(params[0]).device
         flats = [torch.zeros(size, dtype=dtype, device=device) for dtype, size in zip(layout.dtypes, layout.sizes)]
-        views = group_views(flats, [torch.empty_like(flat) for flat in flats], layout)
-        rows = [m for stack in views.momentum_stacks for m in stack.unbind(0)]
+        views = group_views(layout, flats, None if self.compile else [torch.empty_like(flat) for flat in flats])
+        rows = [m for stack in stack_views(flats, layout) for m in stack.unbind(0)]
         for p, row in zip(params, rows):
             if "momentum_buffer" in self.state[p]:  # a checkpoint's, or the previous layout's
                 row.copy_(_local(self.state[p]["momentum_buffer"]))

@@ -1,8 +1,7 @@
 """Muon's step for all of a group's matrices in one process (one device, or a DDP rank that takes the whole step):
-the matrices in stacks of one shape, row split and dtype, their momenta and this step's updates in two flat
-buffers a dtype, each stack a view of both, so that a step is a few operations on whole buffers and stacks, the
-same number whatever the depth. muon.py keeps the buffers (GroupViews) and calls group_step_, compiled or not;
-muon_math.py holds the arithmetic.
+the matrices in stacks of one shape, row split and dtype, their momenta in one flat buffer a dtype, each stack a
+view of it, so that a step is a few operations on whole buffers and stacks, the same number whatever the depth.
+muon.py keeps the buffers (GroupViews) and calls group_step_, compiled or not; muon_math.py holds the arithmetic.
 """
 
 import math
@@ -34,29 +33,35 @@ def group_layout(keys: list[tuple], counts: list[int]) -> GroupLayout:
     return GroupLayout(dtypes, tuple(sizes), tuple(stacks), tuple(split for _, split, _ in keys))
 
 
+def stack_views(flats: list, layout: GroupLayout) -> list[torch.Tensor]:
+    """Each stack [n, rows, cols], a view of its flat buffer."""
+    return [flats[f][start:start + n * rows * cols].view(n, rows, cols) for f, start, n, rows, cols in layout.stacks]
+
+
+def wide_blocks(update_flats: list, layout: GroupLayout) -> list[list[torch.Tensor]]:
+    """blocks[s][k]: stack s's row block k of the updates, turned wide (muon_math.wide) as Newton-Schulz takes it."""
+    return [[wide(block) for block in (u.split(split, dim=1) if len(split) > 1 else (u,))]
+            for u, split in zip(stack_views(update_flats, layout), layout.splits)]
+
+
 class GroupViews(NamedTuple):
-    """A group's flat buffers (momenta: its momenta; updates: this step's gradients, then updates) and the views
-    of them a step uses: each stack [n, rows, cols] of both, each matrix of updates (where its gradient is copied),
-    and each row block of the update stacks turned wide (muon_math.wide), as Newton-Schulz takes it. Made once
-    (group_views) for eager steps, so a step dispatches no view; a compiled step makes them in its graph."""
+    """A group's flat momentum buffers and, for an eager step, an update buffer beside each (updates: where the
+    gradients are copied, then the update made) with the views of it a step uses: each matrix's, and each row
+    block turned wide (wide_blocks). Made once, so an eager step dispatches no view; a compiled step takes
+    updates None and makes its update buffers in its graph, where a view costs nothing and writing through one
+    would cost a copy of the whole buffer."""
+    layout: GroupLayout
     momenta: list
-    updates: list
-    momentum_stacks: list
-    update_stacks: list
-    update_matrices: list
-    wide_blocks: list
+    updates: list | None = None
+    update_matrices: list | None = None
+    wide_blocks: list | None = None
 
 
-def group_views(momenta: list, updates: list, layout: GroupLayout) -> GroupViews:
-    def stacks(flats):
-        return [flats[f][start:start + n * rows * cols].view(n, rows, cols)
-                for f, start, n, rows, cols in layout.stacks]
-
-    update_stacks = stacks(updates)
-    blocks = [u.split(split, dim=1) if len(split) > 1 else (u,) for u, split in zip(update_stacks, layout.splits)]
-    return GroupViews(momenta, updates, stacks(momenta), update_stacks,
-                      [m for stack in update_stacks for m in stack.unbind(0)],
-                      [[wide(block) for block in stack] for stack in blocks])
+def group_views(layout: GroupLayout, momenta: list, updates: list | None) -> GroupViews:
+    if updates is None:
+        return GroupViews(layout, momenta)
+    matrices = [m for stack in stack_views(updates, layout) for m in stack.unbind(0)]
+    return GroupViews(layout, momenta, updates, matrices, wide_blocks(updates, layout))
 
 
 def group_step_(params: list, grads: list, views: GroupViews, row_sq: list, skip: torch.Tensor, lr, decay, momentum,
@@ -71,14 +76,15 @@ def group_step_(params: list, grads: list, views: GroupViews, row_sq: list, skip
     (ns: a stack and its eps -> the orthogonalised stack, in ns_dtype); NorMuon where normuon_beta is set; the decay; the
     update, one foreach add per scale. Where skip (a bool scalar) parameters and momenta stay exactly as they were.
     lr, decay (lr x weight decay) and momentum are Python numbers or float64 scalars (compiled); under the
-    momentum warm-up momentum is a list, stack s's momenta [n, 1, 1]."""
-    _momentum_updates(grads, views, momentum, skip, nesterov)
+    momentum warm-up momentum is a list, a tensor a flat buffer (_momentum_updates)."""
+    updates = _momentum_updates(grads, views, momentum, skip, nesterov)
+    blocks = views.wide_blocks if views.wide_blocks is not None else wide_blocks(updates, views.layout)
     # Newton-Schulz divides by norm + eps: an infinite eps where skip makes the update zeros, which it keeps. In
     # float32 or wider, the precision a Python eps has in the division's arithmetic, so the same bits.
     eps = per_step(skip, NS_EPS, math.inf, at_least_float32(ns_dtype))
     orthos = [[None] * len(split) for split in splits]  # orthos[s][k]: stack s's block k, orthogonalised
     for batch in wide_batches([tuple(ps[0].shape) for ps in params], splits):
-        members = [views.wide_blocks[s][k] for s, k in batch]
+        members = [blocks[s][k] for s, k in batch]
         result = ns(torch.cat(members) if len(members) > 1 else members[0], eps=eps)
         for (s, k), ortho in zip(batch, result.split([len(m) for m in members])):
             orthos[s][k] = ortho.mT if splits[s][k] > params[s][0].shape[1] else ortho  # tall again
@@ -105,30 +111,37 @@ def group_step_(params: list, grads: list, views: GroupViews, row_sq: list, skip
         _add_(targets, to_add, -lr * scale)
 
 
-def _momentum_updates(grads: list, views: GroupViews, momenta, skip: torch.Tensor, nesterov: bool) -> None:
-    """The momentum EMA, in place on views.momenta, and the update (Nesterov's, or the momentum itself) in
-    views.updates, where the gradients are copied first.
+def _momentum_updates(grads: list, views: GroupViews, momentum, skip: torch.Tensor, nesterov: bool) -> list:
+    """The momentum EMA, in place on views.momenta; -> the update (Nesterov's, or the momentum itself) in a flat
+    buffer a dtype: views.updates, where the gradients are copied first (eager), or their concatenation (compiled).
 
     Where skip, the gradient is replaced by the momentum, which averaged with itself stays exactly as it was,
     whatever the weight: so the weights are plain numbers, one foreach call for all the buffers (a scalar the skip
-    decided would be a tensor, one call a buffer), and a non-finite gradient never reaches the arithmetic."""
-    torch._foreach_copy_(views.update_matrices, [g for stack in grads for g in stack])
-    for momentum_flat, update_flat in zip(views.momenta, views.updates):
+    decided would be a tensor, one call a buffer), and a non-finite gradient never reaches the arithmetic.
+    momentum: a number, or under the warm-up one tensor a buffer, each matrix's momentum repeated over its
+    elements (in place through a stack's view, a compiled step would copy the whole buffer)."""
+    if views.updates is None:
+        stacks = [[] for _ in views.momenta]
+        for (f, *_), stack in zip(views.layout.stacks, grads):
+            stacks[f] += [g.reshape(-1) for g in stack]
+        updates = [torch.cat(flat) for flat in stacks]
+    else:
+        torch._foreach_copy_(views.update_matrices, [g for stack in grads for g in stack])
+        updates = views.updates
+    for momentum_flat, update_flat in zip(views.momenta, updates):
         torch.where(skip, momentum_flat, update_flat, out=update_flat)
-    if isinstance(momenta, list):  # the warm-up's, a tensor [n, 1, 1] a stack
-        bufs, ends, weights = views.momentum_stacks, views.update_stacks, momenta
-    else:
-        bufs, ends, weights = views.momenta, views.updates, [momenta] * len(views.momenta)
-    _lerp_(bufs, ends, [1 - m for m in weights])
+    weights = momentum if isinstance(momentum, list) else [momentum] * len(updates)
+    _lerp_(views.momenta, updates, [1 - w for w in weights])
     if nesterov:
-        _lerp_(ends, bufs, weights)
+        _lerp_(updates, views.momenta, weights)
     else:
-        torch._foreach_copy_(views.updates, views.momenta)
+        torch._foreach_copy_(updates, views.momenta)
+    return updates
 
 
 def _lerp_(targets: list, ends: list, weights: list) -> None:
     """targets[i].lerp_(ends[i], weights[i]): one foreach call where the weights are one Python number, else
-    one call each (a tensor weight: the warm-up's [n, 1, 1] momenta, a compiled step's scalars)."""
+    one call each (a tensor weight: the warm-up's momenta, a compiled step's scalars)."""
     if not any(torch.is_tensor(w) for w in weights) and len(set(weights)) == 1:
         torch._foreach_lerp_(targets, ends, weights[0])
         return
@@ -173,8 +186,7 @@ def _decay_(params: list, orthos: list, splits: tuple, skip: torch.Tensor, decay
                 cautious_decay_(cut[k], o, amount)
 
 
-def group_step_on_flats_(params: list, grads: list, momenta: list, updates: list, *args, layout: GroupLayout,
-                         **settings) -> None:
-    """group_step_ on the flat buffers themselves, their views made here: a compiled step's form, in whose graph a
-    view costs nothing, and which so takes no two views of one buffer as inputs."""
-    group_step_(params, grads, group_views(momenta, updates, layout), *args, **settings)
+def group_step_on_flats_(params: list, grads: list, momenta: list, *args, layout: GroupLayout, **settings) -> None:
+    """group_step_ on the flat momentum buffers themselves, with no update buffer: a compiled step's form, which so
+    takes no two views of one buffer as inputs and writes through no view."""
+    group_step_(params, grads, group_views(layout, momenta, None), *args, **settings)
