@@ -40,6 +40,9 @@ ASPECT_RATIO = 64  # width per layer
 HEAD_DIM, SMALL_HEAD_DIM, SMALL_WIDTH = 128, 64, 512
 GQA_RATIO = 2  # query heads per key/value head
 BASE_WIDTH = 128  # the default model's width, where optim.DEFAULT_LRS were measured
+# What the width rule of an optimizer's LRs rests on, for the start-up table: Muon's four LRs swept at x0.5 and x2
+# around the rule at three widths, each within the seed spread of the best (docs/sizing.md's table).
+LR_RULE_MEASURED = {"muon": "held at widths 128-512, docs/sizing.md"}
 BATCH_COEFF, BATCH_EXPONENT = 0.292, 0.3271  # DeepSeek LLM (2024), optimal batch in tokens against compute C
 FFN_RULES = {"swiglu": "8/3·n_embd", "relu2": "3/2 of SwiGLU's 8/3·n_embd"}  # by --mlp, as model.ModelConfig
 # The fewest steps the dial's batch leaves a run: the fit is for long horizons, and a short run needs steps.
@@ -135,10 +138,13 @@ def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
     model_cfg = ModelConfig(**{**base.__dict__, **model_fields})
     width = model_cfg.n_embd
     values["model.ffn_dim"] = (replace(model_cfg, ffn_dim=None).resolved_ffn_dim, FFN_RULES[model_cfg.mlp])
-    lr, adam_lr = DEFAULT_LRS[explicit.get("optim.name", OptimConfig.name)]
-    values["optim.lr"] = (float(f"{lr * BASE_WIDTH / width:.3g}"), f"{lr:g}·{BASE_WIDTH}/n_embd")
+    optimizer = explicit.get("optim.name", OptimConfig.name)
+    lr, adam_lr = DEFAULT_LRS[optimizer]
+    measured = f"; {LR_RULE_MEASURED[optimizer]}" if optimizer in LR_RULE_MEASURED else ""
+    values["optim.lr"] = (float(f"{lr * BASE_WIDTH / width:.3g}"), f"{lr:g}·{BASE_WIDTH}/n_embd{measured}")
     if adam_lr is not None:
-        values["optim.adam_lr"] = (float(f"{adam_lr * BASE_WIDTH / width:.3g}"), f"{adam_lr:g}·{BASE_WIDTH}/n_embd")
+        values["optim.adam_lr"] = (float(f"{adam_lr * BASE_WIDTH / width:.3g}"),
+                                   f"{adam_lr:g}·{BASE_WIDTH}/n_embd{measured}")
     params = param_count(model_cfg)
     tokens_per_param = explicit.get("size.tokens_per_param", SizeConfig.tokens_per_param)
     tokens = max(1, round(tokens_per_param * params))  # 0 would be max_tokens' "unset"

@@ -117,6 +117,9 @@ def test_describe_derives_from_the_runs_own_inputs():
     cfg = config.parse_args(["--depth", "3", "--optimizer", "adamw", "--tokens-per-param", "10", "--seq-len", "100"])
     text = sizing.describe(cfg.size, config.flat_values(cfg))
     assert "(given)" not in text and "lr 0.002 (0.003·128/n_embd)" in text and "10/param" in text
+    muon = config.parse_args(["--depth", "3"])  # Muon's rule names the sweep it rests on
+    assert "lr 0.004 (0.006·128/n_embd; held at widths 128-512, docs/sizing.md)" in sizing.describe(
+        muon.size, config.flat_values(muon))
 
 
 def test_the_dials_batch_leaves_a_short_run_its_steps():
