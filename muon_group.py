@@ -73,10 +73,10 @@ def group_step_(params: list, grads: list, views: GroupViews, row_sq: list, skip
     Stack s: params[s] and grads[s], matrices of one shape, row split splits[s] and dtype, laid out in views
     (GroupViews); row_sq[s] their NorMuon row EMAs (empty without NorMuon); scales[s][k] block k's update scale.
     Momentum and Nesterov on the flat buffers (_momentum_updates); Newton-Schulz on each of wide_batches' calls
-    (ns: a stack and its eps -> the orthogonalised stack, in ns_dtype); NorMuon where normuon_beta is set; the decay; the
-    update, one foreach add per scale. Where skip (a bool scalar) parameters and momenta stay exactly as they were.
-    lr, decay (lr x weight decay) and momentum are Python numbers or float64 scalars (compiled); under the
-    momentum warm-up momentum is a list, a tensor a flat buffer (_momentum_updates)."""
+    (ns: a stack and its eps -> the orthogonalised stack, in ns_dtype); NorMuon where normuon_beta is set; the
+    decay; the update, one foreach add per scale. Where skip (a bool scalar) parameters and momenta stay exactly
+    as they were. lr, decay (lr x weight decay) and momentum are Python numbers or float64 scalars (compiled);
+    under the momentum warm-up momentum is a list, a tensor a flat buffer (_momentum_updates)."""
     updates = _momentum_updates(grads, views, momentum, skip, nesterov)
     blocks = views.wide_blocks if views.wide_blocks is not None else wide_blocks(updates, views.layout)
     # Newton-Schulz divides by norm + eps: an infinite eps where skip makes the update zeros, which it keeps. In
@@ -121,10 +121,10 @@ def _momentum_updates(grads: list, views: GroupViews, momentum, skip: torch.Tens
     momentum: a number, or under the warm-up one tensor a buffer, each matrix's momentum repeated over its
     elements (in place through a stack's view, a compiled step would copy the whole buffer)."""
     if views.updates is None:
-        stacks = [[] for _ in views.momenta]
+        per_flat = [[] for _ in views.momenta]
         for (f, *_), stack in zip(views.layout.stacks, grads):
-            stacks[f] += [g.reshape(-1) for g in stack]
-        updates = [torch.cat(flat) for flat in stacks]
+            per_flat[f] += [g.reshape(-1) for g in stack]
+        updates = [torch.cat(flat) for flat in per_flat]
     else:
         torch._foreach_copy_(views.update_matrices, [g for stack in grads for g in stack])
         updates = views.updates
