@@ -176,7 +176,7 @@ class MemoryEstimate:
 def _state_bytes(name: str, numel: int, optimizer: str, one_process: bool) -> int:
     """Optimizer state of one parameter (named as in the model, or inside a block); one_process: Muon's step in
     one process, whose eager form keeps an update buffer beside each matrix's momentum (muon_group.GroupViews;
-    counted under compile too, which keeps none: an estimate errs high)."""
+    counted under compile too, which keeps none, and by estimate_memory under DDP: there it errs high)."""
     if optimizer == "adamw":
         return 2 * FP32 * numel
     if optimizer == "adamw8bit":
@@ -589,13 +589,13 @@ def check_fits(cfg: ModelConfig, optimizer: str, device: torch.device, shards: i
                          "(--estimate-memory shows the parts)")
 
 
-def probe_reserve_bytes(cfg: ModelConfig, optimizer: str, dist_mode: str) -> int:
+def probe_reserve_bytes(cfg: ModelConfig, optimizer: str, dist_mode: str, world_size: int = 1) -> int:
     """Memory a batch-size probe must leave free for what exists only once training runs: the optimizer
     state (allocated at the first step), and under DDP its gradient buckets, a float32 copy of every gradient
     (gradient_as_bucket_view is off) that the probe of the bare model does not allocate. This is the safety
     margin: with more than one rank there is no out-of-memory retry, so a tight fit must be right."""
     buckets = FP32 * param_count(cfg) if dist_mode == "ddp" else 0
-    return optimizer_state_bytes_estimate(cfg, optimizer, dist_mode == "none") + buckets
+    return optimizer_state_bytes_estimate(cfg, optimizer, world_size == 1) + buckets
 
 
 def auto_batch_problems(cfg):

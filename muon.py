@@ -218,7 +218,8 @@ class Muon(torch.optim.Optimizer):
         # run (a CPU's, a debugging session's) would pay for nothing. Some builds have no Dynamo.
         self.compile = compile and torch._dynamo.is_dynamo_supported()
         self._steps: dict[tuple, object] = {}  # a group's static settings and its stacks' shapes -> its step
-        self._group_buffers: dict[int, tuple] = {}  # a group's id -> (its GroupLayout, GroupViews, momenta)
+        # A group's index (load_state_dict replaces the group dicts) -> (its GroupLayout, GroupViews, momenta).
+        self._group_buffers: dict[int, tuple] = {}
         self._fused_on: dict[str, bool] = {}  # device type -> whether torch's fused AdamW runs there
         for group in self.param_groups:
             if group["kind"] != "muon":
@@ -367,11 +368,9 @@ class Muon(torch.optim.Optimizer):
             lr, decay, momentum = (torch.full((), v, dtype=scalar_dtype(skip.device), device=skip.device)
                                    for v in (lr, decay, momentum))
         layout = group_layout(list(stacks), [len(ps) for ps in stacks.values()])
-        if group.get("momentum_warmup", 0):  # each matrix's own, from its count of steps, over its elements
-            per_flat = [[] for _ in layout.dtypes]
-            for (f, *_), ps in zip(layout.stacks, stacks.values()):
-                per_flat[f] += [self._momentum_now(p, group, skip).expand(p.numel()) for p in ps]
-            momentum = [torch.cat(momenta) for momenta in per_flat]
+        if group.get("momentum_warmup", 0):  # each matrix's own, from its count of steps
+            momentum = [torch.stack([self._momentum_now(p, group, skip) for p in ps])[:, None, None]
+                        for ps in stacks.values()]
         row_sq = ([[_local(self._row_sq_avg(p)) for p in ps] for ps in stacks.values()]
                   if group.get("normuon_beta") is not None else [])
         params = [[_local(p) for p in ps] for ps in stacks.values()]
@@ -401,9 +400,11 @@ class Muon(torch.optim.Optimizer):
         or momenta change: the momenta at zero, or the momenta a checkpoint loaded copied in, once. Each matrix's
         state["momentum_buffer"] is a view of its slice (a DTensor like the matrix, where it is one), so that one
         operation a step updates them all, with no copy in or out."""
-        known, views, momenta = self._group_buffers.get(id(group), (None, None, []))
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        known, views, momenta = self._group_buffers.get(index, (None, None, []))
         if known == layout and all(self.state[p].get("momentum_buffer") is m for p, m in zip(params, momenta)):
             return views
+        self._group_buffers.pop(index, None)  # its update buffers freed first; the state still holds its momenta
         device = _local(params[0]).device
         flats = [torch.zeros(size, dtype=dtype, device=device) for dtype, size in zip(layout.dtypes, layout.sizes)]
         views = group_views(layout, flats, None if self.compile else [torch.empty_like(flat) for flat in flats])
@@ -413,7 +414,7 @@ class Muon(torch.optim.Optimizer):
                 row.copy_(_local(self.state[p]["momentum_buffer"]))
             self.state[p]["momentum_buffer"] = (DTensor.from_local(row, p.device_mesh, p.placements, shape=p.shape,
                                                                    stride=p.stride()) if _is_dtensor(p) else row)
-        self._group_buffers[id(group)] = layout, views, [self.state[p]["momentum_buffer"] for p in params]
+        self._group_buffers[index] = layout, views, [self.state[p]["momentum_buffer"] for p in params]
         return views
 
     def _ns(self, group, compile: bool):

@@ -76,11 +76,12 @@ def group_step_(params: list, grads: list, views: GroupViews, row_sq: list, skip
     (ns: a stack and its eps -> the orthogonalised stack, in ns_dtype); NorMuon where normuon_beta is set; the
     decay; the update, one foreach add per scale. Where skip (a bool scalar) parameters and momenta stay exactly
     as they were. lr, decay (lr x weight decay) and momentum are Python numbers or float64 scalars (compiled);
-    under the momentum warm-up momentum is a list, a tensor a flat buffer (_momentum_updates)."""
+    under the momentum warm-up momentum is a list, stack s's momenta [n, 1, 1]."""
     updates = _momentum_updates(grads, views, momentum, skip, nesterov)
     blocks = views.wide_blocks if views.wide_blocks is not None else wide_blocks(updates, views.layout)
     # Newton-Schulz divides by norm + eps: an infinite eps where skip makes the update zeros, which it keeps. In
-    # float32 or wider, the precision a Python eps has in the division's arithmetic, so the same bits.
+    # float32 or wider, as a Python eps enters the CPU's arithmetic (a bf16 GPU kernel may round it to bf16 first,
+    # which shows only where a norm is under about 1e-5).
     eps = per_step(skip, NS_EPS, math.inf, at_least_float32(ns_dtype))
     orthos = [[None] * len(split) for split in splits]  # orthos[s][k]: stack s's block k, orthogonalised
     for batch in wide_batches([tuple(ps[0].shape) for ps in params], splits):
@@ -118,8 +119,8 @@ def _momentum_updates(grads: list, views: GroupViews, momentum, skip: torch.Tens
     Where skip, the gradient is replaced by the momentum, which averaged with itself stays exactly as it was,
     whatever the weight: so the weights are plain numbers, one foreach call for all the buffers (a scalar the skip
     decided would be a tensor, one call a buffer), and a non-finite gradient never reaches the arithmetic.
-    momentum: a number, or under the warm-up one tensor a buffer, each matrix's momentum repeated over its
-    elements (in place through a stack's view, a compiled step would copy the whole buffer)."""
+    momentum: a number, or under the warm-up a list, stack s's momenta [n, 1, 1] (lerped through each stack's
+    view, which in a compiled step costs a copy of the buffer a stack)."""
     if views.updates is None:
         per_flat = [[] for _ in views.momenta]
         for (f, *_), stack in zip(views.layout.stacks, grads):
@@ -130,10 +131,13 @@ def _momentum_updates(grads: list, views: GroupViews, momentum, skip: torch.Tens
         updates = views.updates
     for momentum_flat, update_flat in zip(views.momenta, updates):
         torch.where(skip, momentum_flat, update_flat, out=update_flat)
-    weights = momentum if isinstance(momentum, list) else [momentum] * len(updates)
-    _lerp_(views.momenta, updates, [1 - w for w in weights])
+    if isinstance(momentum, list):  # the warm-up's, [n, 1, 1] a stack: stack by stack, through views
+        bufs, ends, weights = stack_views(views.momenta, views.layout), stack_views(updates, views.layout), momentum
+    else:
+        bufs, ends, weights = views.momenta, updates, [momentum] * len(updates)
+    _lerp_(bufs, ends, [1 - w for w in weights])
     if nesterov:
-        _lerp_(updates, views.momenta, weights)
+        _lerp_(ends, bufs, weights)
     else:
         torch._foreach_copy_(updates, views.momenta)
     return updates

@@ -110,7 +110,7 @@ def build_layout(cfg: Config, model, info, device, autocast_dtype, fp8_recipe) -
     micro = None
     if cfg.data.batch_size == "auto":
         multiple = fp8.batch_multiple(cfg.fp8.mode, model.config.max_seq_len)
-        reserve = memory.probe_reserve_bytes(model.config, cfg.optim.name, info.mode)
+        reserve = memory.probe_reserve_bytes(model.config, cfg.optim.name, info.mode, info.world_size)
         with fp8.probing(model, fp8_recipe) as probe_recipe:
             micro = memory.auto_batch_size(model, batch.per_rank_sequences(cfg, info.world_size), multiple,
                                            reserve, lambda: hardware.forward_context(device, autocast_dtype,

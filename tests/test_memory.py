@@ -365,6 +365,11 @@ def test_probe_reserves_the_optimizer_state_and_ddp_buckets():
     assert memory.probe_reserve_bytes(CFG, "adamw", "none") == state
     assert memory.probe_reserve_bytes(CFG, "adamw", "fsdp") == state
     assert memory.probe_reserve_bytes(CFG, "adamw", "ddp") == state + 4 * n_params
+    # Muon in one process (a one-rank FSDP2 mesh too) keeps an update buffer beside its momenta; split across
+    # ranks it does not.
+    muon_one, muon_split = (memory.optimizer_state_bytes_estimate(CFG, "muon", one) for one in (True, False))
+    assert memory.probe_reserve_bytes(CFG, "muon", "fsdp", 1) == muon_one > muon_split
+    assert memory.probe_reserve_bytes(CFG, "muon", "fsdp", 2) == muon_split
 
 
 def test_auto_batch_size_says_when_the_layout_leaves_no_fp8_legal_size():

@@ -1,10 +1,13 @@
 """Tests for muon_group.py: where a group's stacks lie in its flat buffers, the views a step uses, and a step whose
 matrices change between steps (the optimizer itself against torch.optim.Muon: tests/test_muon.py)."""
 
+import copy
+
 import pytest
 import torch
 
 import muon
+from optim import optimizer_state_bytes
 from muon_group import group_layout, group_views, stack_views
 
 
@@ -55,3 +58,38 @@ def test_a_matrix_without_a_gradient_keeps_its_momentum_while_the_rest_step_as_t
     for w, r in zip(ours, refs):
         assert torch.equal(w, r)
         assert torch.equal(opt.state[w]["momentum_buffer"], ref.state[r]["momentum_buffer"])
+
+
+def test_a_reloaded_state_replaces_the_groups_buffers_and_continues_its_momenta():
+    """load_state_dict makes new group dicts (a resume, a rollback): the buffers follow the group's place, so
+    one set stays held however many reloads, and the next step continues from the loaded momenta exactly."""
+    torch.manual_seed(0)
+
+    def make(weights):
+        group = {"params": weights, "names": ["a", "b"], "kind": "muon", "row_blocks": [[8], [8]], "lr": 0.02,
+                 "weight_decay": 0.1}
+        return muon.Muon([group], momentum=0.9)
+
+    ours = [torch.randn(8, 4), torch.randn(8, 4)]
+    fresh = [w.clone() for w in ours]
+    opt = make(ours)
+    grads = [[torch.randn(8, 4) for _ in ours] for _ in range(5)]
+    sizes = []
+    for step, gs in enumerate(grads[:4]):
+        for w, g in zip(ours, gs):
+            w.grad = g.clone()
+        opt.step()
+        sizes.append(optimizer_state_bytes(opt))
+        if step:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert len(set(sizes)) == 1 and len(opt._group_buffers) == 1
+    saved = copy.deepcopy(opt.state_dict())
+    other = make(fresh)
+    for w, v in zip(fresh, ours):
+        w.data.copy_(v)
+    other.load_state_dict(saved)
+    for opt_, ws in ((opt, ours), (other, fresh)):
+        for w, g in zip(ws, grads[4]):
+            w.grad = g.clone()
+        opt_.step()
+    assert all(torch.equal(a, b) for a, b in zip(ours, fresh))
