@@ -180,7 +180,9 @@ def _state_bytes(name: str, numel: int, optimizer: str, one_process: bool) -> in
     if optimizer == "adamw":
         return 2 * FP32 * numel
     if optimizer == "adamw8bit":
-        eight_bit = numel >= BNB_MIN_8BIT_SIZE and name not in ("embed.weight", "lm_head.weight")
+        from optim import FULL_PRECISION_STATE, as_embedding
+
+        eight_bit = numel >= BNB_MIN_8BIT_SIZE and as_embedding(name) not in FULL_PRECISION_STATE
         return 2 * numel + 2 * FP32 * math.ceil(numel / BNB_BLOCK) if eight_bit else 2 * FP32 * numel
     if optimizer == "muon":
         from optim import MUON_MATRICES

@@ -30,6 +30,9 @@ OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 MUON_MATRICES = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1_weight", "mlp.fc2_weight")
 # bitsandbytes advises 32-bit optimizer state for embedding layers, where 8-bit state hurts stability.
 FULL_PRECISION_STATE = ("embed.weight", "lm_head.weight")
+# The value embeddings' tables (model.py's --value-embeds) are token-indexed like the embedding: a step updates
+# only its batch's rows, so they train as the embedding does, in its group (its LR, betas and 32-bit state).
+VALUE_EMBED_PREFIX = "value_embeds."
 # Module names that wrappers (torch.compile, activation checkpointing, FSDP1) insert into names.
 WRAPPER_NAMES = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 
@@ -79,7 +82,8 @@ class OptimConfig:
     normuon_beta: float = option(0.95, "decay of NorMuon's per-row second moment")
     cautious_wd: bool = option(False, "cautious weight decay: decay only the coordinates whose update has the "
                                       "parameter's sign (muon and adamw)")
-    embed_lr: float | None = option(None, "peak LR of the embedding (the tied matrix, if tied); default: 10x --adam-lr "
+    embed_lr: float | None = option(None, "peak LR of the embedding (the tied matrix, if tied) and any value "
+                                          "embeddings; default: 10x --adam-lr "
                                           "for an untied model under muon, else the AdamW side's LR")
     head_lr: float | None = option(None, "peak LR of an untied lm_head (not with --tie-embeddings); default: 2x "
                                          "--adam-lr under muon, else the AdamW side's LR")
@@ -210,6 +214,12 @@ def param_role(name: str, p: torch.Tensor, use_muon: bool) -> str:
     return "decay" if p.ndim >= 2 else "no_decay"
 
 
+def as_embedding(name: str) -> str:
+    """The name whose optimizer settings a parameter takes: "embed.weight" for a value-embedding table, else its
+    own."""
+    return "embed.weight" if name.startswith(VALUE_EMBED_PREFIX) else name
+
+
 def split_params(model: nn.Module, use_muon: bool) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Trainable parameters by role, in model order. A tied weight appears once, under its first name."""
     roles = {"muon": [], "decay": [], "no_decay": []}
@@ -233,10 +243,10 @@ def _adamw_groups(roles: dict, lr: float, weight_decay: float, cfg: OptimConfig)
     own = {"embed.weight": (cfg.embed_lr, cfg.embed_betas), "lm_head.weight": (cfg.head_lr, None)}
     own = {name: (group_lr, betas) for name, (group_lr, betas) in own.items() if (group_lr, betas) != (None, None)}
     extra = {"cautious_wd": True} if cfg.cautious_wd else {}
-    decay = [(n, p) for n, p in roles["decay"] if n not in own]
+    decay = [(n, p) for n, p in roles["decay"] if as_embedding(n) not in own]
     groups = [_group("adamw", decay, lr, weight_decay, **extra), _group("adamw", roles["no_decay"], lr, 0.0, **extra)]
     for name, (group_lr, betas) in own.items():
-        groups.append(_group("adamw", [(n, p) for n, p in roles["decay"] if n == name],
+        groups.append(_group("adamw", [(n, p) for n, p in roles["decay"] if as_embedding(n) == name],
                              lr if group_lr is None else group_lr, weight_decay,
                              **extra, **({} if betas is None else {"betas": betas})))
     return [g for g in groups if g["params"]]
@@ -316,7 +326,7 @@ def _build_adamw8bit(roles, cfg):
     # bits explicitly: a stale entry left by a freed tensor that had the same id must not leak in.
     manager = bnb.optim.GlobalOptimManager.get_instance()
     for name, p in named:
-        manager.override_config(p, key_value_dict={"optim_bits": 32 if name in FULL_PRECISION_STATE else 8})
+        manager.override_config(p, key_value_dict={"optim_bits": 32 if as_embedding(name) in FULL_PRECISION_STATE else 8})
     return bnb.optim.AdamW8bit(_adamw_groups(roles, cfg.lr, cfg.weight_decay, cfg), lr=cfg.lr, betas=cfg.betas,
                                eps=cfg.eps, weight_decay=0.0)
 
@@ -437,7 +447,7 @@ def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
         head = (f"AdamW ({'fused' if optimizer.defaults.get('fused') else 'foreach'}"
                 f"{', cautious wd' if cautious else ''})")
     else:
-        kept = [n for g in optimizer.param_groups for n in g.get("names", []) if n in FULL_PRECISION_STATE]
+        kept = [n for g in optimizer.param_groups for n in g.get("names", []) if as_embedding(n) in FULL_PRECISION_STATE]
         head = f"{type(optimizer).__name__} (32-bit state for {', '.join(kept) or 'none'})"
     lines = [head]
     for g in optimizer.param_groups:

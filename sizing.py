@@ -21,7 +21,9 @@ The rules, each a constant below:
   micro-batches), and capped at training tokens / MIN_STEPS (150), so that a short run still takes that many
   steps; below one default micro-batch, the micro-batch itself shrinks to the cap, in whole sequences;
 - horizon: --tokens-per-param x params training tokens (Chinchilla's 20 by default), params counting the
-  embedding.
+  embedding;
+- WSD decay: over 20% of a run of up to 64 steps, 40% of one of 128 or more, by log steps between
+  (schedule.decay_frac_for_steps, measured on prose at width 256: docs/recipe.md).
 
 The end of the file is what a shape costs, by arithmetic on its config alone (no model is built): each
 parameter's shape, the parameter count, and the training FLOPs per token that MFU and the plan divide by.
@@ -35,6 +37,7 @@ from dataclasses import dataclass, replace
 
 from model import ModelConfig, option, value_embed_layers
 from optim import DEFAULT_LRS, OptimConfig
+from schedule import decay_frac_for_steps, decay_frac_rule
 
 ASPECT_RATIO = 64  # width per layer
 HEAD_DIM, SMALL_HEAD_DIM, SMALL_WIDTH = 128, 64, 512
@@ -161,7 +164,19 @@ def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
         values["data.batch_size"] = (batch // model_cfg.max_seq_len, f"max_tokens/{MIN_STEPS} steps in sequences")
     values["data.total_batch_tokens"] = (batch, "DeepSeek's batch fit" if batch == optimal else
                                          f"DeepSeek's fit {optimal:,}, capped at max_tokens/{MIN_STEPS} steps")
+    values["schedule.decay_frac"] = decay_frac(explicit, budget, batch, granule)
     return values
+
+
+def decay_frac(explicit: dict, budget: int, batch: int, granule: int) -> tuple[float, str]:
+    """The WSD decay fraction for the run's steps (schedule.decay_frac_for_steps): --max-steps, else the budget
+    over the global batch, the user's (--total-batch-tokens, or micro-batches x --grad-accum at one process)
+    or the dial's."""
+    given = explicit.get("data.total_batch_tokens") or (granule * explicit.get("data.grad_accum", 1)
+                                                       if {"data.grad_accum", "data.total_batch_tokens"} & set(explicit)
+                                                       else batch)
+    steps = explicit.get("schedule.max_steps") or -(-budget // given)  # the run takes a last, partial step
+    return decay_frac_for_steps(steps), f"{steps:,} steps: {decay_frac_rule()}"
 
 
 def resolve(explicit: dict, micro_batch: int | str | None = None) -> dict:
@@ -196,6 +211,10 @@ def describe(size: SizeConfig, values: dict) -> str:
     preset = {k: v for k, v in PRESETS.get(size.preset, {}).items() if k != "size.depth"}
     derived_keys = derive(size.depth, {}).keys()
     inputs = {k: v for k, v in values.items() if k not in derived_keys}  # seq-len, optimizer, micro-batch, ...
+    # A length in tokens leaves --max-steps unused, and a batch in tokens --grad-accum (derived at run time).
+    for used, unused in (("schedule.max_tokens", "schedule.max_steps"), ("data.total_batch_tokens", "data.grad_accum")):
+        if values.get(used):
+            inputs.pop(unused, None)
     given = {**inputs, **preset}
     while True:  # a value that differs from its derivation was given; the values derived after it follow it
         derived = derive(size.depth, given)

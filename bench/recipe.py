@@ -120,10 +120,13 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
 
 
 def not_applicable(flags: list[str], muon_only: bool, cfg) -> str | None:
-    """Why a toggle cannot run under cfg (the runs' common configuration), or None if it can."""
+    """Why a toggle cannot run under cfg (the runs' common configuration), or None if it can. A toggle may bring its
+    own accumulation (--grad-accum, --total-batch-tokens) for a batch warm-up to ramp."""
     if muon_only and cfg.optim.name != "muon":
         return "needs --optimizer muon"
-    if "--batch-warmup-steps" in flags and cfg.data.grad_accum == 1 and not cfg.data.total_batch_tokens:
+    accumulates = cfg.data.grad_accum > 1 or cfg.data.total_batch_tokens or {"--grad-accum", "--total-batch-tokens"} & {
+        flag.split("=")[0] for flag in flags}
+    if "--batch-warmup-steps" in flags and not accumulates:
         return "needs gradient accumulation (--grad-accum > 1) to ramp"
     return None
 
@@ -190,8 +193,9 @@ def prose_dir() -> str:
 
 def corpus_of(a, train_argv) -> tuple[list[str], str, str]:
     """-> (the --data flags for the runs, the corpus id the cache keys on, its description for the header).
-    A directory's id is its corpus.json's (bench/prose_corpus.sh) or else its path and a hash of its shards'
-    data.fingerprint, so that a directory prepared again with other text does not reuse the old runs."""
+    The id is the corpus's name (its corpus.json's id, from bench/prose_corpus.sh, or else the directory's path)
+    and a hash of its shards' data.fingerprint: the same text prepared by another prepare.py (another val split,
+    say) or other text in the same directory does not reuse the old runs."""
     data = next((arg.split("=", 1)[1] if "=" in arg else train_argv[i + 1]
                  for i, arg in enumerate(train_argv) if arg.split("=")[0] == "--data"), None)
     if data is None and a.corpus == "stdlib":
@@ -199,11 +203,7 @@ def corpus_of(a, train_argv) -> tuple[list[str], str, str]:
     flags = [] if data is not None else ["--data", prose_dir()]
     data = data or prose_dir()
     described = os.path.join(data, "corpus.json")
-    if os.path.exists(described):
-        with open(described) as f:
-            record = json.load(f)
-        return flags, record["id"], f"{record['corpus']}; made by `{record['made_by']}`"
-    if data == prose_dir():
+    if data == prose_dir() and not os.path.exists(described):
         raise BenchError(f"{data}: no prose corpus there; make it with `sh bench/prose_corpus.sh` (apt-get install "
                          "linux-doc-6.1, then prepare.py)")
     try:
@@ -211,6 +211,10 @@ def corpus_of(a, train_argv) -> tuple[list[str], str, str]:
     except DataError as e:
         raise BenchError(f"--data: {e}") from None
     digest = hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:16]
+    if os.path.exists(described):
+        with open(described) as f:
+            record = json.load(f)
+        return flags, f"{record['id']}@{digest}", f"{record['corpus']}; made by `{record['made_by']}`"
     return flags, f"{os.path.abspath(data)}@{digest}", f"{data} (shards' fingerprint {digest})"
 
 

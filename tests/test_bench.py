@@ -214,13 +214,18 @@ def test_recipe_summary_compares_each_toggle_with_the_baseline_against_the_noise
 
 
 def test_recipe_marks_toggles_that_cannot_apply_and_refuses_its_own_flags():
-    a, train_argv = recipe.parse_bench_args(["--optimizer", "adamw", "--only", "normuon,wsd", "--batch-size", "8"])
-    selected = recipe.select_toggles(a, recipe.config.parse_args(recipe.common_flags(a, train_argv)))
-    assert list(selected) == ["baseline", "normuon", "wsd"]
-    assert selected["normuon"][1] == "needs --optimizer muon" and selected["wsd"] == (["--schedule", "wsd"], None)
-    a, train_argv = recipe.parse_bench_args(["--only", "batch-warmup", "--batch-size", "8"])  # no accumulation
-    assert "gradient accumulation" in recipe.select_toggles(a, recipe.config.parse_args(
-        recipe.common_flags(a, train_argv)))["batch-warmup"][1]
+    def selected(*argv):
+        a, train_argv = recipe.parse_bench_args(list(argv))
+        return recipe.select_toggles(a, recipe.config.parse_args(recipe.common_flags(a, train_argv)))
+
+    toggles = selected("--optimizer", "adamw", "--only", "normuon,wsd", "--batch-size", "8")
+    assert list(toggles) == ["baseline", "normuon", "wsd"]
+    assert toggles["normuon"][1] == "needs --optimizer muon" and toggles["wsd"] == (["--schedule", "wsd"], None)
+    no_accumulation = selected("--only", "batch-warmup", "--batch-size", "8")
+    assert "gradient accumulation" in no_accumulation["batch-warmup"][1]
+    own_accumulation = selected("--only", "ramp", "--toggle",
+                                "ramp=--batch-size 4 --grad-accum 4 --batch-warmup-steps 8")
+    assert own_accumulation["ramp"][1] is None
     with pytest.raises(recipe.BenchError, match="--seed is set by this benchmark"):
         recipe.parse_bench_args(["--seed", "3"])
 

@@ -349,6 +349,25 @@ def test_embedding_and_head_lrs_get_groups_of_their_own(name):
         build_optimizer(ToyGPT(n_layer=1, tied=True), OptimConfig(name=name, head_lr=0.1), {}, "cpu")
 
 
+def test_value_embedding_tables_train_in_the_embeddings_group():
+    """Token-indexed like the embedding (a step updates only its batch's rows): its LR, betas and, under
+    bitsandbytes, 32-bit state; without an embedding LR of its own, the decayed matrices' group as before."""
+    from model import GPT, ModelConfig
+
+    model = GPT(ModelConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, max_seq_len=16,
+                            value_embeds=1))
+    cfg = OptimConfig(name="muon", adam_lr=1e-3, embed_lr=0.01, embed_beta1=0.8)
+    groups = build_optimizer(model, cfg, model.row_blocks(), "cpu").param_groups
+    embed = next(g for g in groups if "embed.weight" in g["names"])
+    assert embed["names"] == ["embed.weight", "value_embeds.0.weight"]
+    assert (embed["base_lr"], embed["betas"]) == (0.01, (0.8, 0.95))
+    plain = build_optimizer(model, OptimConfig(name="muon", adam_lr=1e-3), model.row_blocks(), "cpu").param_groups
+    shared = next(g for g in plain if "embed.weight" in g["names"])
+    assert {"value_embeds.0.weight", "lm_head.weight", "blocks.0.attn.gate_weight"} <= set(shared["names"])
+    assert optim.as_embedding("value_embeds.0.weight") == "embed.weight"
+    assert optim.as_embedding("blocks.0.attn.qkv.weight") == "blocks.0.attn.qkv.weight"
+
+
 def test_an_untied_muon_run_gets_the_embedding_and_head_lrs_the_recipe_sweep_chose():
     """10x and 2x the AdamW side's LR, resolved into the config (its config.toml, the recipe cache), for an
     untied head under Muon only: a tied matrix is also the head, and AdamW runs have no AdamW side of their own."""

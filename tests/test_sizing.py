@@ -3,6 +3,7 @@
 import pytest
 
 import config
+import schedule
 import sizing
 from cli import UsageError
 from model import GPT
@@ -133,9 +134,28 @@ def test_the_dials_batch_leaves_a_short_run_its_steps():
     assert rule.startswith("DeepSeek's fit ") and rule.endswith(", capped at max_tokens/150 steps")
 
 
+@pytest.mark.parametrize("argv, steps", [
+    (["--preset", "gpt2-124m"], 8_894),  # the dial's batch into its horizon, as the README says
+    (["--depth", "4", "--seq-len", "256", "--max-tokens", "131072"], 171),  # the step-starved cap: 3 x 256 a step
+    (["--depth", "4", "--max-steps", "200"], 200),
+    (["--depth", "4", "--max-tokens", "500000", "--total-batch-tokens", "8192"], 62),
+    (["--depth", "4", "--max-tokens", "200000", "--grad-accum", "2"], 49),  # 16 x 128 x 2 a step, one process
+    (["--depth", "4", "--max-tokens", "400000", "--grad-accum", "2"], 98),
+])
+def test_the_dial_derives_the_decay_fraction_from_the_runs_steps(argv, steps):
+    cfg = config.parse_args(argv)
+    assert cfg.schedule.decay_frac == schedule.decay_frac_for_steps(steps)
+    assert f"decay_frac {cfg.schedule.decay_frac:.3g} ({steps:,} steps: " in sizing.describe(
+        cfg.size, config.flat_values(cfg))
+    given = config.parse_args([*argv, "--decay-frac", "0.5"])
+    assert given.schedule.decay_frac == 0.5 and "decay_frac 0.5 (given)" in sizing.describe(
+        given.size, config.flat_values(given))
+    assert config.parse_args([]).schedule.decay_frac == 0.2  # without the dial, the default
+
+
 def test_a_run_too_short_for_one_micro_batch_a_step_gets_a_smaller_micro_batch():
     """131,072 tokens at seq 256 would be 32 steps of the default 16 sequences: the dial gives 3 sequences a
-    step (170 steps), unless the batch is the user's."""
+    step (171 steps), unless the batch is the user's."""
     short = ["--depth", "4", "--seq-len", "256", "--max-tokens", "131072"]
     cfg = config.parse_args(short)
     assert (cfg.data.batch_size, cfg.data.grad_accum, cfg.data.total_batch_tokens) == (3, 1, 768)
