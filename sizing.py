@@ -164,18 +164,22 @@ def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
         values["data.batch_size"] = (batch // model_cfg.max_seq_len, f"max_tokens/{MIN_STEPS} steps in sequences")
     values["data.total_batch_tokens"] = (batch, "DeepSeek's batch fit" if batch == optimal else
                                          f"DeepSeek's fit {optimal:,}, capped at max_tokens/{MIN_STEPS} steps")
-    values["schedule.decay_frac"] = decay_frac(explicit, budget, batch, granule)
+    values["schedule.decay_frac"] = decay_frac(explicit, budget, batch)
     return values
 
 
-def decay_frac(explicit: dict, budget: int, batch: int, granule: int) -> tuple[float, str]:
+def decay_frac(explicit: dict, budget: int, batch: int) -> tuple[float | None, str]:
     """The WSD decay fraction for the run's steps (schedule.decay_frac_for_steps): --max-steps, else the budget
-    over the global batch, the user's (--total-batch-tokens, or micro-batches x --grad-accum at one process)
-    or the dial's."""
-    given = explicit.get("data.total_batch_tokens") or (granule * explicit.get("data.grad_accum", 1)
-                                                       if {"data.grad_accum", "data.total_batch_tokens"} & set(explicit)
-                                                       else batch)
-    steps = explicit.get("schedule.max_steps") or -(-budget // given)  # the run takes a last, partial step
+    over the global batch in tokens (the dial's or --total-batch-tokens). (None, why) where the steps are not
+    known before the run starts: a batch in micro-steps (--grad-accum) is one per rank, and the batch warm-up's
+    smaller steps are whole micro-steps, so both depend on the world size."""
+    steps = explicit.get("schedule.max_steps")
+    if not steps:
+        if explicit.get("schedule.batch_warmup_steps"):
+            return None, "the batch warm-up's steps depend on the world size; --max-steps fixes them"
+        if "data.grad_accum" in explicit and not explicit.get("data.total_batch_tokens"):
+            return None, "a batch in --grad-accum depends on the world size; --total-batch-tokens fixes it"
+        steps = -(-budget // (explicit.get("data.total_batch_tokens") or batch))  # a last, partial step counts
     return decay_frac_for_steps(steps), f"{steps:,} steps: {decay_frac_rule()}"
 
 
@@ -188,7 +192,7 @@ def resolve(explicit: dict, micro_batch: int | str | None = None) -> dict:
     depth = given.get("size.depth")
     if depth is None:
         return preset
-    derived = {key: value for key, (value, _) in derive(depth, given, micro_batch).items()}
+    derived = {key: value for key, (value, _) in derive(depth, given, micro_batch).items() if value is not None}
     if "schedule.max_steps" in given or "schedule.max_tokens" in given:
         derived.pop("schedule.max_tokens")
     if "data.grad_accum" in given or "data.total_batch_tokens" in given:
@@ -218,7 +222,8 @@ def describe(size: SizeConfig, values: dict) -> str:
     given = {**inputs, **preset}
     while True:  # a value that differs from its derivation was given; the values derived after it follow it
         derived = derive(size.depth, given)
-        overridden = [key for key, (value, _) in derived.items() if values.get(key, value) != value and key not in given]
+        overridden = [key for key, (value, _) in derived.items()
+                      if value is not None and values.get(key, value) != value and key not in given]
         if not overridden:
             break
         given[overridden[0]] = values[overridden[0]]  # in dependency order: the first may explain the rest
@@ -228,6 +233,9 @@ def describe(size: SizeConfig, values: dict) -> str:
         actual = values.get(key, value)
         if not actual:  # fixed another way (--max-steps, --grad-accum)
             parts.append(f"{name} not derived")
+            continue
+        if value is None:  # not derivable before the run starts: the rule says why
+            parts.append(f"{name} {actual:.3g} (not derived: {rule})")
             continue
         source = "preset" if key in preset else "given" if key in given else rule
         parts.append(f"{name} {f'{actual:.3g}' if isinstance(actual, float) else f'{actual:,}'} ({source})")

@@ -121,11 +121,12 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
 
 def not_applicable(flags: list[str], muon_only: bool, cfg) -> str | None:
     """Why a toggle cannot run under cfg (the runs' common configuration), or None if it can. A toggle may bring its
-    own accumulation (--grad-accum, --total-batch-tokens) for a batch warm-up to ramp."""
+    own --grad-accum for a batch warm-up to ramp."""
     if muon_only and cfg.optim.name != "muon":
         return "needs --optimizer muon"
-    accumulates = cfg.data.grad_accum > 1 or cfg.data.total_batch_tokens or {"--grad-accum", "--total-batch-tokens"} & {
-        flag.split("=")[0] for flag in flags}
+    pairs = [flag.split("=", 1) if "=" in flag else [flag, value] for flag, value in zip(flags, [*flags[1:], ""])]
+    own = [int(value) for flag, value in pairs if flag == "--grad-accum" and value.isdigit()]
+    accumulates = (own[-1] if own else cfg.data.grad_accum) > 1 or cfg.data.total_batch_tokens
     if "--batch-warmup-steps" in flags and not accumulates:
         return "needs gradient accumulation (--grad-accum > 1) to ramp"
     return None
@@ -529,7 +530,8 @@ def main(argv=None):
              for i, arg in enumerate(train_argv) if arg.split("=")[0] == "--data"), None)
         anchors = anchor_jobs(a, corpus, data, runs_dir) if a.anchor_lrs else []
         try:
-            results = run_all(jobs + anchors, Cache(cache_path), a.fresh, a.jobs, threads)
+            # The anchor's runs first: the longest, they would otherwise finish alone after the rest
+            results = run_all(anchors + jobs, Cache(cache_path), a.fresh, a.jobs, threads)
         except (BenchError, MetricsError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)

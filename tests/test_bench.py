@@ -226,6 +226,8 @@ def test_recipe_marks_toggles_that_cannot_apply_and_refuses_its_own_flags():
     own_accumulation = selected("--only", "ramp", "--toggle",
                                 "ramp=--batch-size 4 --grad-accum 4 --batch-warmup-steps 8")
     assert own_accumulation["ramp"][1] is None
+    one_micro_step = selected("--only", "ramp", "--toggle", "ramp=--grad-accum=1 --batch-warmup-steps 8")
+    assert "gradient accumulation" in one_micro_step["ramp"][1]
     with pytest.raises(recipe.BenchError, match="--seed is set by this benchmark"):
         recipe.parse_bench_args(["--seed", "3"])
 
@@ -281,6 +283,31 @@ def test_recipe_cache_runs_only_what_it_lacks_and_fresh_runs_all(tmp_path, monke
     assert ran[2:] == ["c"]
     recipe.run_all([job("a")], reread, True, 1, 1)
     assert ran[3:] == ["a"]
+
+
+def test_the_anchor_scores_the_val_tokens_train_pys_eval_reads(tiny_data):
+    """The anchor's val loss and train.py's, for one model, on the same windows: the ratio compares like with
+    like. The model is transformers' GPT-2, scored once by anchor.val_loss and once by train_eval.Evaluator."""
+    import contextlib
+
+    import torch
+    import torch.nn.functional as F
+
+    import anchor
+    import config
+    import distributed
+    from train_eval import Evaluator
+
+    model = anchor.gpt2_model(256, n_layer=1, n_embd=32, n_head=2, seq_len=16, seed=0)
+
+    def forward(x, y, reduction):
+        losses = F.cross_entropy(model(x).logits.flatten(0, 1).float(), y.flatten(), reduction=reduction)
+        return None, losses
+
+    cfg = config.parse_args(["--eval-tokens", "96"]).eval
+    evaluator = Evaluator(cfg, tiny_data, distributed.DistInfo(), torch.device("cpu"), 256, seed=0)
+    ours = evaluator.val_metrics(forward, model, contextlib.nullcontext, 2, 16)["val_loss"]
+    assert anchor.val_loss(model, tiny_data, 2, 16, 96) == pytest.approx(ours, rel=1e-6)
 
 
 def test_recipe_smoke_runs_toggles_and_anchor_then_reads_them_from_the_cache(tmp_path, tiny_data, capsys):

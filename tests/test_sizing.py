@@ -139,8 +139,7 @@ def test_the_dials_batch_leaves_a_short_run_its_steps():
     (["--depth", "4", "--seq-len", "256", "--max-tokens", "131072"], 171),  # the step-starved cap: 3 x 256 a step
     (["--depth", "4", "--max-steps", "200"], 200),
     (["--depth", "4", "--max-tokens", "500000", "--total-batch-tokens", "8192"], 62),
-    (["--depth", "4", "--max-tokens", "200000", "--grad-accum", "2"], 49),  # 16 x 128 x 2 a step, one process
-    (["--depth", "4", "--max-tokens", "400000", "--grad-accum", "2"], 98),
+    (["--depth", "4", "--grad-accum", "2", "--max-steps", "98"], 98),  # steps given: whatever the batch
 ])
 def test_the_dial_derives_the_decay_fraction_from_the_runs_steps(argv, steps):
     cfg = config.parse_args(argv)
@@ -151,6 +150,20 @@ def test_the_dial_derives_the_decay_fraction_from_the_runs_steps(argv, steps):
     assert given.schedule.decay_frac == 0.5 and "decay_frac 0.5 (given)" in sizing.describe(
         given.size, config.flat_values(given))
     assert config.parse_args([]).schedule.decay_frac == 0.2  # without the dial, the default
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["--grad-accum", "2"], "a batch in --grad-accum depends on the world size"),
+    (["--total-batch-tokens", "8192", "--batch-warmup-steps", "20"], "the batch warm-up's steps depend on"),
+])
+def test_the_dial_leaves_the_decay_fraction_alone_where_the_runs_steps_are_not_known_at_start_up(argv, why):
+    """Micro-steps are per rank: their tokens, and so the steps to --max-tokens, depend on the world size."""
+    cfg = config.parse_args(["--depth", "4", "--max-tokens", "400000", *argv])
+    assert cfg.schedule.decay_frac == 0.2
+    assert f"decay_frac 0.2 (not derived: {why}" in sizing.describe(cfg.size, config.flat_values(cfg))
+    given = config.parse_args(["--depth", "4", "--max-tokens", "400000", *argv, "--decay-frac", "0.3"])
+    assert given.schedule.decay_frac == 0.3 and "decay_frac 0.3 (not derived: " in sizing.describe(
+        given.size, config.flat_values(given))
 
 
 def test_a_run_too_short_for_one_micro_batch_a_step_gets_a_smaller_micro_batch():
