@@ -326,7 +326,8 @@ def _build_adamw8bit(roles, cfg):
     # bits explicitly: a stale entry left by a freed tensor that had the same id must not leak in.
     manager = bnb.optim.GlobalOptimManager.get_instance()
     for name, p in named:
-        manager.override_config(p, key_value_dict={"optim_bits": 32 if as_embedding(name) in FULL_PRECISION_STATE else 8})
+        bits = 32 if as_embedding(name) in FULL_PRECISION_STATE else 8
+        manager.override_config(p, key_value_dict={"optim_bits": bits})
     return bnb.optim.AdamW8bit(_adamw_groups(roles, cfg.lr, cfg.weight_decay, cfg), lr=cfg.lr, betas=cfg.betas,
                                eps=cfg.eps, weight_decay=0.0)
 
@@ -447,7 +448,8 @@ def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
         head = (f"AdamW ({'fused' if optimizer.defaults.get('fused') else 'foreach'}"
                 f"{', cautious wd' if cautious else ''})")
     else:
-        kept = [n for g in optimizer.param_groups for n in g.get("names", []) if as_embedding(n) in FULL_PRECISION_STATE]
+        kept = [n for g in optimizer.param_groups for n in g.get("names", [])
+                if as_embedding(n) in FULL_PRECISION_STATE]
         head = f"{type(optimizer).__name__} (32-bit state for {', '.join(kept) or 'none'})"
     lines = [head]
     for g in optimizer.param_groups:
