@@ -35,6 +35,7 @@ count. The ratio is those tokens over the anchor's; past the longest horizon it 
 many trainings at once, each with OMP_NUM_THREADS = CPU cores / jobs.
 """
 import argparse
+import fcntl
 import hashlib
 import json
 import math
@@ -299,25 +300,31 @@ def anchor_key(corpus: str, flags: list[str]) -> str:
 
 class Cache:
     """key -> run_result, in a JSON file rewritten (atomically) after every run, so that a sweep stopped midway
-    keeps what it finished."""
+    keeps what it finished. Each write adds its one entry to the file as it is on disk then, under a lock, so
+    that two sweeps at once keep each other's runs."""
 
     def __init__(self, path: str):
         self.path, self.lock = path, threading.Lock()
+        self.entries = self._read()
+
+    def _read(self) -> dict:
         try:
-            with open(path) as f:
-                self.entries = json.load(f)
+            with open(self.path) as f:
+                return json.load(f)
         except FileNotFoundError:
-            self.entries = {}
+            return {}
         except (OSError, ValueError) as e:
-            raise BenchError(f"{path}: not a readable cache ({e}); move it away or give another --cache") from None
+            raise BenchError(f"{self.path}: not a readable cache ({e}); move it away or give another --cache") from None
 
     def put(self, key: str, result: dict) -> None:
         """A rerun (--fresh) replaces the entry but keeps its step times on other CPUs: losses agree across
         machines (fp32), step times only within one."""
-        with self.lock:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with self.lock, open(f"{self.path}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            self.entries = {**self.entries, **self._read()}
             earlier = self.entries.get(key, {}).get("step_s_on", {})
             self.entries[key] = {**result, "step_s_on": {**earlier, **result.get("step_s_on", {})}}
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             tmp = f"{self.path}.tmp-{os.getpid()}"
             with open(tmp, "w") as f:
                 json.dump(self.entries, f, indent=1, sort_keys=True)

@@ -256,6 +256,14 @@ def test_recipe_a_fresh_rerun_keeps_step_times_measured_on_other_cpus(tmp_path):
                                                       "step_s_on": {"intel": 4.0, "amd": 6.0}}
 
 
+def test_recipe_two_sweeps_at_once_keep_each_others_runs(tmp_path):
+    first, second = (recipe.Cache(str(tmp_path / "cache.json")) for _ in range(2))  # both read it empty
+    first.put("a", {"val_loss": 5.0})
+    second.put("b", {"val_loss": 4.0})
+    first.put("c", {"val_loss": 3.0})
+    assert set(recipe.Cache(first.path).entries) == {"a", "b", "c"}
+
+
 def test_recipe_cache_key_is_the_resolved_configuration_not_the_spelling():
     key = lambda *flags: recipe.cache_key("corpus", ["--max-tokens", "4096", *flags])  # noqa: E731
     assert key() == key("--mlp", "swiglu", "--out-dir", "/elsewhere", "--data", "/moved")  # defaults, locations
