@@ -120,14 +120,20 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
     }
 
 
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value argv gives `flag` (as `--flag VALUE` or `--flag=VALUE`; the last, as argparse takes it), or None."""
+    values = [arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+              for i, arg in enumerate(argv) if arg.split("=")[0] == flag]
+    return values[-1] if values else None
+
+
 def not_applicable(flags: list[str], muon_only: bool, cfg) -> str | None:
     """Why a toggle cannot run under cfg (the runs' common configuration), or None if it can. A toggle may bring its
     own --grad-accum for a batch warm-up to ramp."""
     if muon_only and cfg.optim.name != "muon":
         return "needs --optimizer muon"
-    pairs = [flag.split("=", 1) if "=" in flag else [flag, value] for flag, value in zip(flags, [*flags[1:], ""])]
-    own = [int(value) for flag, value in pairs if flag == "--grad-accum" and value.isdigit()]
-    accumulates = (own[-1] if own else cfg.data.grad_accum) > 1 or cfg.data.total_batch_tokens
+    own = flag_value(flags, "--grad-accum")
+    accumulates = (int(own) if own and own.isdigit() else cfg.data.grad_accum) > 1 or cfg.data.total_batch_tokens
     if "--batch-warmup-steps" in flags and not accumulates:
         return "needs gradient accumulation (--grad-accum > 1) to ramp"
     return None
@@ -198,8 +204,7 @@ def corpus_of(a, train_argv) -> tuple[list[str], str, str]:
     The id is the corpus's name (its corpus.json's id, from bench/prose_corpus.sh, or else the directory's path)
     and a hash of its shards' data.fingerprint: the same text prepared by another prepare.py (another val split,
     say) or other text in the same directory does not reuse the old runs."""
-    data = next((arg.split("=", 1)[1] if "=" in arg else train_argv[i + 1]
-                 for i, arg in enumerate(train_argv) if arg.split("=")[0] == "--data"), None)
+    data = flag_value(train_argv, "--data")
     if data is None and a.corpus == "stdlib":
         return [], "stdlib", "train.py's embedded stdlib corpus (Python source)"
     flags = [] if data is not None else ["--data", prose_dir()]
@@ -532,9 +537,7 @@ def main(argv=None):
                                  # --overwrite: a --runs-dir may hold an earlier invocation's runs
                                  "cmd": [sys.executable, os.path.join(REPO, "train.py"), *run_flags, "--out-dir",
                                          out_dir, "--overwrite"]})
-        data = data_flags[1] if data_flags else next(
-            (arg.split("=", 1)[1] if "=" in arg else train_argv[i + 1]
-             for i, arg in enumerate(train_argv) if arg.split("=")[0] == "--data"), None)
+        data = data_flags[1] if data_flags else flag_value(train_argv, "--data")
         anchors = anchor_jobs(a, corpus, data, runs_dir) if a.anchor_lrs else []
         try:
             # The anchor's runs first: the longest, they would otherwise finish alone after the rest

@@ -213,6 +213,12 @@ def test_recipe_summary_compares_each_toggle_with_the_baseline_against_the_noise
     assert recipe.summarize({"baseline": [3.0], "one_seed": [2.0]})["one_seed"]["beyond_noise"] is None
 
 
+def test_recipe_reads_a_flags_value_in_either_spelling_the_last_one_as_argparse_does():
+    assert recipe.flag_value(["--data", "a", "--lr", "1"], "--data") == "a"
+    assert recipe.flag_value(["--data=a", "--data", "b"], "--data") == "b"
+    assert recipe.flag_value(["--lr", "1"], "--data") is None and recipe.flag_value(["--data"], "--data") == ""
+
+
 def test_recipe_marks_toggles_that_cannot_apply_and_refuses_its_own_flags():
     def selected(*argv):
         a, train_argv = recipe.parse_bench_args(list(argv))
