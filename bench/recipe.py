@@ -455,12 +455,12 @@ def toggle_table(selected: dict, losses: dict, horizons: list[int], step_s: dict
     return lines
 
 
-def anchor_jobs(a, corpus: str, data: str | None, runs_dir: str) -> list[dict]:
-    """The anchor's runs, one per LR, on the runs' shards (the stdlib corpus: its cached shards)."""
+def anchor_jobs(a, cfg, corpus: str, data: str | None, runs_dir: str) -> list[dict]:
+    """The anchor's runs, one per LR, on the runs' shards (the stdlib corpus: its cached shards), at the shape and
+    batch of cfg, the runs' config: a --n-embd 512 sweep is measured against a width-512 anchor."""
     if data is None:
         import prepare
         data = prepare.default_corpus()
-    cfg = config.parse_args(common_flags(a, []))
     shape = ["--n-layer", str(cfg.model.n_layer), "--n-embd", str(cfg.model.n_embd), "--n-head",
              str(cfg.model.n_head), "--seq-len", str(cfg.model.max_seq_len), "--batch-size", str(cfg.data.batch_size),
              "--eval-tokens", str(cfg.eval.eval_tokens)]
@@ -538,7 +538,7 @@ def main(argv=None):
                                  "cmd": [sys.executable, os.path.join(REPO, "train.py"), *run_flags, "--out-dir",
                                          out_dir, "--overwrite"]})
         data = data_flags[1] if data_flags else flag_value(train_argv, "--data")
-        anchors = anchor_jobs(a, corpus, data, runs_dir) if a.anchor_lrs else []
+        anchors = anchor_jobs(a, cfg, corpus, data, runs_dir) if a.anchor_lrs else []
         try:
             # The anchor's runs first: the longest, they would otherwise finish alone after the rest
             results = run_all(anchors + jobs, Cache(cache_path), a.fresh, a.jobs, threads)
