@@ -52,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
+from batch import batch_layout  # noqa: E402
 from cli import HelpFormatter, UsageError  # noqa: E402
 from optimizers import code_line, cpu_model  # noqa: E402
 from plot import MetricsError, read_metrics  # noqa: E402
@@ -457,15 +458,18 @@ def toggle_table(selected: dict, losses: dict, horizons: list[int], step_s: dict
 
 def anchor_jobs(a, cfg, corpus: str, data: str | None, runs_dir: str) -> list[dict]:
     """The anchor's runs, one per LR, on the runs' shards (the stdlib corpus: its cached shards), at the shape and
-    batch of cfg, the runs' config: a --n-embd 512 sweep is measured against a width-512 anchor."""
+    batch of cfg, the runs' config: a --n-embd 512 sweep is measured against a width-512 anchor. The runs' global
+    batch (--batch-size x --grad-accum, or --total-batch-tokens) is the anchor's --batch-size, so both take as many optimizer steps."""
     if data is None:
         import prepare
         data = prepare.default_corpus()
+    layout = batch_layout(cfg)
+    batch = layout.micro_batch * layout.grad_accum
     shape = ["--n-layer", str(cfg.model.n_layer), "--n-embd", str(cfg.model.n_embd), "--n-head",
-             str(cfg.model.n_head), "--seq-len", str(cfg.model.max_seq_len), "--batch-size", str(cfg.data.batch_size),
+             str(cfg.model.n_head), "--seq-len", str(cfg.model.max_seq_len), "--batch-size", str(batch),
              "--eval-tokens", str(cfg.eval.eval_tokens)]
     tokens = a.max_tokens[-1] * a.anchor_factor
-    interval = max(1, tokens // (cfg.data.batch_size * cfg.model.max_seq_len) // 16)  # 16 points on its curve
+    interval = max(1, tokens // (batch * cfg.model.max_seq_len) // 16)  # 16 points on its curve
     jobs = []
     for lr in a.anchor_lrs:
         flags = [*shape, "--lr", f"{lr:g}", "--max-tokens", str(tokens), "--eval-interval", str(interval), "--seed", "1"]
@@ -515,8 +519,7 @@ def main(argv=None):
                 toggle_cfg = config.parse_args([*flags, *toggle_flags])
                 toggle_cfg.optim.validate()
                 params[name] = model_params([*flags, *toggle_flags])
-                d = toggle_cfg.data
-                step_tokens[name] = d.batch_size * d.grad_accum * toggle_cfg.model.max_seq_len
+                step_tokens[name] = batch_layout(toggle_cfg).tokens_per_step
     except (BenchError, UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

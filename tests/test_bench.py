@@ -324,16 +324,18 @@ def test_the_anchor_scores_the_val_tokens_train_pys_eval_reads(tiny_data):
     assert anchor.val_loss(model, tiny_data, 2, 16, 96) == pytest.approx(ours, rel=1e-6)
 
 
-def test_the_anchor_trains_at_the_runs_shape_and_batch(tmp_path):
-    """A --n-embd 512 sweep counts tokens against a width-512 anchor, not the bench's default shape."""
+@pytest.mark.parametrize("batch", [["--grad-accum", "2"], ["--total-batch-tokens", str(16 * 256)]])
+def test_the_anchor_trains_at_the_runs_shape_and_batch(tmp_path, batch):
+    """A --n-embd 512 sweep counts tokens against a width-512 anchor, not the bench's default shape, and the anchor
+    takes the runs' global batch in one step."""
     argv = ["--max-tokens", "65536", "131072", "--anchor-lrs", "1e-3", "--anchor-factor", "2", "--n-embd", "512",
-            "--n-head", "8", "--n-kv-head", "4", "--batch-size", "8"]
+            "--n-head", "8", "--n-kv-head", "4", "--batch-size", "8", *batch]
     a, train_argv = recipe.parse_bench_args(argv)
     cfg = recipe.config.parse_args(recipe.common_flags(a, train_argv))
     [job] = recipe.anchor_jobs(a, cfg, "corpus", str(tmp_path), str(tmp_path))
     flags = job["cmd"][job["cmd"].index("--n-layer"):]
     assert recipe.flag_value(flags, "--n-embd") == "512" and recipe.flag_value(flags, "--n-head") == "8"
-    assert recipe.flag_value(flags, "--batch-size") == "8" and recipe.flag_value(flags, "--max-tokens") == "262144"
+    assert recipe.flag_value(flags, "--batch-size") == "16" and recipe.flag_value(flags, "--max-tokens") == "262144"
 
 
 def test_recipe_smoke_runs_toggles_and_anchor_then_reads_them_from_the_cache(tmp_path, tiny_data, capsys):
