@@ -23,8 +23,9 @@ mean's delta against the baseline's, and whether |delta| exceeds both the toggle
 (with one seed there is no spread, so no verdict); per toggle, the step time (median after the first steps)
 relative to the baseline's, and the parameter count.
 
-The anchor: bench/anchor.py, GPT-2's architecture from transformers with AdamW, at each of --anchor-lrs for the
-longest horizon x --anchor-factor tokens, seed 1; the LR with the lowest final val loss is its tuned LR. Each
+The anchor: bench/anchor.py, GPT-2's architecture from transformers with AdamW, at the runs' depth, width, heads,
+sequence length and global batch, at each of --anchor-lrs for the longest horizon x --anchor-factor tokens, seed
+1; the LR with the lowest final val loss is its tuned LR. Each
 toggle's "tokens to the anchor's final loss" interpolates the toggle's mean final loss at its horizons linearly
 in log(tokens): a run's loss before its schedule's end is not what a run ending there reaches, so only ends
 count. The ratio is those tokens over the anchor's; past the longest horizon it reads "> longest / anchor".
