@@ -24,11 +24,11 @@ mean's delta against the baseline's, and whether |delta| exceeds both the toggle
 relative to the baseline's, and the parameter count.
 
 The anchor: bench/anchor.py, GPT-2's architecture from transformers with AdamW, at the runs' depth, width, heads,
-sequence length and global batch, at each of --anchor-lrs for the longest horizon x --anchor-factor tokens, seed
-1; the LR with the lowest final val loss is its tuned LR. Each
-toggle's "tokens to the anchor's final loss" interpolates the toggle's mean final loss at its horizons linearly
-in log(tokens): a run's loss before its schedule's end is not what a run ending there reaches, so only ends
-count. The ratio is those tokens over the anchor's; past the longest horizon it reads "> longest / anchor".
+sequence length and global batch, at each of --anchor-lrs for the longest horizon x --anchor-factor tokens, seed 1;
+the LR with the lowest final val loss is its tuned LR. Each toggle's "tokens to the anchor's final loss"
+interpolates the toggle's mean final loss at its horizons linearly in log(tokens): a run's loss before its
+schedule's end is not what a run ending there reaches, so only ends count. The ratio is those tokens over the
+anchor's; past the longest horizon it reads "> longest / anchor".
 
 --smoke: the stdlib corpus, a tiny model, horizons 1,024 and 2,048, one seed, two anchor LRs, its own cache
 (under the runs' directory): the whole path in a few minutes, train.py's start-up being most of it. A toggle that cannot apply (a Muon option under
@@ -460,12 +460,12 @@ def toggle_table(selected: dict, losses: dict, horizons: list[int], step_s: dict
 def anchor_jobs(a, cfg, corpus: str, data: str | None, runs_dir: str) -> list[dict]:
     """The anchor's runs, one per LR, on the runs' shards (the stdlib corpus: its cached shards), at the shape and
     batch of cfg, the runs' config: a --n-embd 512 sweep is measured against a width-512 anchor. The runs' global
-    batch (--batch-size x --grad-accum, or --total-batch-tokens) is the anchor's --batch-size, so both take as many optimizer steps."""
+    batch (--batch-size x --grad-accum, or --total-batch-tokens) is the anchor's --batch-size, so both take as
+    many optimizer steps."""
     if data is None:
         import prepare
         data = prepare.default_corpus()
-    layout = batch_layout(cfg)
-    batch = layout.micro_batch * layout.grad_accum
+    batch = batch_layout(cfg).sequences_per_rank  # one process: the global batch
     shape = ["--n-layer", str(cfg.model.n_layer), "--n-embd", str(cfg.model.n_embd), "--n-head",
              str(cfg.model.n_head), "--seq-len", str(cfg.model.max_seq_len), "--batch-size", str(batch),
              "--eval-tokens", str(cfg.eval.eval_tokens)]
