@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from cli import UsageError
-from model import GPT, Block, LayerNormMLP, ModelConfig, RMSNorm, apply_rope, option
+from model import GPT, Block, LayerNormMLP, ModelConfig, RMSNorm, apply_rope, gate_heads, option
 
 FP8_MODES = ("off", "te", "torchao")
 FP8_RECIPES = ("current", "delayed", "rowwise")
@@ -194,7 +194,10 @@ class TEAttention(nn.Module):
     """Attention on Transformer Engine modules: Attention's parameters and numerics, FP8-capable GEMMs.
 
     QK-norm and the rotation run in plain PyTorch between TE's fused norm+QKV GEMM and its attention
-    kernel, exactly as in Attention; TE works in [batch, seq, heads, head_dim] ("bshd") layout.
+    kernel, exactly as in Attention; TE works in [batch, seq, heads, head_dim] ("bshd") layout. With attention
+    gates the fused module also returns its normed input (return_layernorm_output, which keeps that output in
+    the activation dtype: TE then skips the norm kernel that quantizes as it normalizes), and the gates
+    (model.gate_heads, a bf16 GEMM of H rows, outside FP8) scale each head's output before the projection.
     """
 
     def __init__(self, config: ModelConfig):
@@ -204,7 +207,8 @@ class TEAttention(nn.Module):
         self.head_dim = hd = config.resolved_head_dim
         qkv_rows = (config.n_head + 2 * config.n_kv_head) * hd
         self.qkv = te.LayerNormLinear(config.n_embd, qkv_rows, eps=config.norm_eps, bias=False,
-                                      normalization="RMSNorm", device=device)
+                                      normalization="RMSNorm", return_layernorm_output=config.attn_gate,
+                                      device=device)
         self.q_norm = RMSNorm(hd, eps=config.norm_eps, device=device)
         self.k_norm = RMSNorm(hd, eps=config.norm_eps, device=device)
         self.core_attention = te.DotProductAttention(
@@ -212,6 +216,9 @@ class TEAttention(nn.Module):
             attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal",
         )
         self.proj = te.Linear(config.n_head * hd, config.n_embd, bias=False, device=device)
+        # As in Attention: a plain parameter, registered after proj, so both backends list it in one place.
+        self.gate_weight = (nn.Parameter(torch.empty(config.n_head, config.n_embd, device=device))
+                            if config.attn_gate else None)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -219,8 +226,13 @@ class TEAttention(nn.Module):
     ) -> torch.Tensor:
         if kv is not None:
             raise ValueError("KV-cache decoding runs on the plain backend: load te_to_plain_state_dict(...) into GPT")
-        q, k, v = bshd_heads(self.qkv(x), self.q_norm, self.k_norm, cos, sin, self.n_head, self.n_kv_head)
-        return self.proj(self.core_attention(q, k, v))  # [B, T, H * hd] in, [B, T, n_embd] out
+        qkv, normed = self.qkv(x) if self.gate_weight is not None else (self.qkv(x), None)
+        q, k, v = bshd_heads(qkv, self.q_norm, self.k_norm, cos, sin, self.n_head, self.n_kv_head)
+        y = self.core_attention(q, k, v)  # [B, T, H * hd]
+        if self.gate_weight is not None:
+            B, T, _ = y.shape
+            y = gate_heads(y.reshape(B, T, self.n_head, self.head_dim), normed, self.gate_weight).reshape(B, T, -1)
+        return self.proj(y)  # [B, T, n_embd]
 
 
 def bshd_heads(qkv: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor,
@@ -240,9 +252,14 @@ def bshd_heads(qkv: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module, cos: tor
     return q.contiguous(), k.contiguous(), v.contiguous().view(B, T, n_kv_head, hd)
 
 
+# Our MLP kinds as LayerNormMLP's activations: swiglu gates with the first half of fc1, as ours; srelu is
+# relu(x)^2 (Primer's squared ReLU) on an fc1 of ffn_dim rows.
+TE_ACTIVATIONS = {"swiglu": "swiglu", "relu2": "srelu"}
+
+
 class TEBlock(Block):
-    """Block on Transformer Engine modules; LayerNormMLP's swiglu gates with the first half of fc1, as ours.
-    The residual wiring (forward) is Block's; only the modules differ, so Block's constructor is skipped."""
+    """Block on Transformer Engine modules. The residual wiring (forward) is Block's; only the modules differ,
+    so Block's constructor is skipped."""
 
     backend = "te"
 
@@ -251,7 +268,8 @@ class TEBlock(Block):
         te = import_te()
         self.attn = TEAttention(config)
         self.mlp = te.LayerNormMLP(config.n_embd, config.resolved_ffn_dim, eps=config.norm_eps, bias=False,
-                                   normalization="RMSNorm", activation="swiglu", device=_te_device())
+                                   normalization="RMSNorm", activation=TE_ACTIVATIONS[config.mlp],
+                                   device=_te_device())
 
     @staticmethod
     def checkpoint_fn(*args, **kwargs):

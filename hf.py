@@ -1,11 +1,13 @@
-"""Hugging Face import and export: weights between our checkpoints and transformers' Qwen3ForCausalLM layout.
-The command line exports; train.py --from-hf and sample.py --hf import (load_hf).
+"""Hugging Face import and export: our checkpoints as transformers directories and back, in the layout
+hf_layout.py maps (Qwen3ForCausalLM for a model without attention gates, Qwen3NextForCausalLM for a gated
+one). The command line exports; train.py --from-hf, sample.py --hf and score.py import (load_hf).
 
     python hf.py --ckpt out/ckpt_00000150.pt --out hf_model   # export: write a transformers directory
     python hf.py --ckpt out --out hf_model                    # a run directory: its newest good checkpoint
     python sample.py --hf hf_model                            # import: read it back (load_hf)
 
-The directory holds config.json, model.safetensors (float32, the vocabulary padded as in training),
+The directory holds config.json, model.safetensors (float32, the vocabulary padded as in training; a
+Qwen3-Next export's zero-centred norm weights float64, so that they read back bit for bit: hf_layout),
 generation_config.json (the document separator as bos/eos, the padding ids suppressed so transformers'
 generate never picks them), tokenizer_note.txt, and the transformers tokenizer files of the tokenizer the
 model was trained with (by default the one its training data's data.json records, model_tokenizer): for
@@ -17,15 +19,13 @@ The target must be empty or not yet exist; --overwrite allows a non-empty one, a
 export's files there (a stale shard index included; other files stay). The new files are written aside and
 moved in only once all of them are: a failed export leaves the directory as it was.
 
-load_hf(DIR) reads such a directory, or any bias-free Qwen3ForCausalLM directory, back into our names.
+load_hf(DIR) reads such a directory, or any bias-free Qwen3ForCausalLM directory, or a Qwen3NextForCausalLM
+one that is the Qwen3 block plus a per-head gate (hf_layout.config_from_hf), back into our names.
 """
 
 import argparse
-import dataclasses
 import glob
-import itertools
 import json
-import math
 import os
 import shutil
 import sys
@@ -38,256 +38,19 @@ from cli import ArgumentParser, UsageError, closed_stdout, first_line, plural, r
 from checkpoint import CheckpointError
 from data import data_tokenizer
 from fp8 import te_to_plain_state_dict
+from hf_layout import (ARCHITECTURES, check_hf_weights, check_names, config_from_hf, exportable_problem, from_hf,
+                       hf_config, layout, to_hf)
 from mixture import parse_data, record_dir
-from model import GPT, QWEN3_VALUES, VOCAB_MULTIPLE, ModelConfig
-from sizing import block_shapes, outer_shapes, param_numels
+from model import GPT, ModelConfig
 from tokenizer import (TOKENIZER_FILE, DataError, HFTokenizer, TiktokenTokenizer, Tokenizer, check_model_vocab,
                        load_tokenizer, write_gpt2_tokenizer, write_hf_tokenizer)
 
-# Per-block weights that map one to one: our name -> the Hugging Face name under model.layers.{i}.
-BLOCK_RENAMES = {
-    "attn.qkv.layer_norm_weight": "input_layernorm.weight",
-    "attn.q_norm.weight": "self_attn.q_norm.weight",
-    "attn.k_norm.weight": "self_attn.k_norm.weight",
-    "attn.proj.weight": "self_attn.o_proj.weight",
-    "mlp.layer_norm_weight": "post_attention_layernorm.weight",
-    "mlp.fc2_weight": "mlp.down_proj.weight",
-}
-# Our fused weights -> the Hugging Face weights stacked in them, in row order.
-BLOCK_FUSED = {
-    "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "mlp.fc1_weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
-BLOCK_PARAMS = ("attn.qkv.layer_norm_weight", "attn.qkv.weight", "attn.q_norm.weight", "attn.k_norm.weight",
-                "attn.proj.weight", "mlp.layer_norm_weight", "mlp.fc1_weight", "mlp.fc2_weight")  # module order
-TOP_RENAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-               "lm_head.weight": "lm_head.weight"}
-# config.json key for the tokenizer's vocabulary size; "vocab_size" is the padded one, the tensors' row count.
-UNPADDED_VOCAB_KEY = "unpadded_vocab_size"
-LAYER_PREFIX = "model.layers."
-# The JSON type of each config.json entry config_from_hf reads (null counts as absent), checked so that a
-# wrong one is a one-line error rather than a TypeError inside ModelConfig.
-HF_CONFIG_TYPES = {
-    "an integer": ("vocab_size", UNPADDED_VOCAB_KEY, "hidden_size", "intermediate_size", "num_hidden_layers",
-                   "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"),
-    "a number": ("rms_norm_eps", "rope_theta"),
-    "true or false": ("tie_word_embeddings",),
-    "an object": ("rope_parameters",),
-}
-JSON_TYPES = {"an integer": int, "a number": (int, float), "true or false": bool, "an object": dict}
 # What an export writes, and what transformers would read along with it (another exporter's sharded weights,
 # a fast tokenizer): an export into a directory holding any of these must replace them all, or refuse.
 EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                 "tokenizer_note.txt", "vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
 SHARD_PATTERN = "model-*.safetensors"
 STAGING_PREFIX = ".export-"  # export_hf writes here inside the target, then moves the files out
-
-
-def our_names(config: ModelConfig) -> list[str]:
-    """Every parameter name of GPT(config), in the contract's order."""
-    names = ["embed.weight"]
-    for i in range(config.n_layer):
-        names += [f"blocks.{i}.{n}" for n in BLOCK_PARAMS]
-    return names + ["norm.weight", "lm_head.weight"]
-
-
-def hf_names(name: str) -> tuple[str, ...]:
-    """The Hugging Face weight(s) our parameter `name` holds, in row order."""
-    if name in TOP_RENAMES:
-        return (TOP_RENAMES[name],)
-    _, i, rest = name.split(".", 2)
-    prefix = f"model.layers.{i}."
-    if rest in BLOCK_FUSED:
-        return tuple(prefix + n for n in BLOCK_FUSED[rest])
-    return (prefix + BLOCK_RENAMES[rest],)
-
-
-def row_split(name: str, config: ModelConfig) -> list[int]:
-    """Rows of each Hugging Face weight inside a fused weight of ours."""
-    hd, ffn = config.resolved_head_dim, config.resolved_ffn_dim
-    if name.endswith("attn.qkv.weight"):
-        return [config.n_head * hd, config.n_kv_head * hd, config.n_kv_head * hd]
-    return [ffn, ffn]
-
-
-def model_names(config: ModelConfig) -> list[str]:
-    """Every state-dict name of GPT(config): our_names plus the recipe toggles' parameters (a tied lm_head is
-    in a state dict under both of its names)."""
-    return [*param_numels(config), *(["lm_head.weight"] if config.tie_embeddings else [])]
-
-
-def check_names(config: ModelConfig, state: dict) -> None:
-    """ValueError (one line) unless state holds exactly the parameters of GPT(config), toggles' included."""
-    expected = model_names(config)
-    unknown = sorted(set(state) - set(expected))
-    missing = [n for n in expected if n not in state]
-    if unknown or missing:
-        raise ValueError(f"weights do not match the model config: missing {missing[:3]}, unknown {unknown[:3]}")
-
-
-def to_hf(config: ModelConfig, state: dict) -> dict:
-    """Our state dict -> Hugging Face names (views, not copies). A tied lm_head is left out, as transformers
-    does: it rebuilds it from the embedding."""
-    state = te_to_plain_state_dict(state)
-    check_names(config, state)
-    out = {}
-    for name in our_names(config):
-        if name == "lm_head.weight" and config.tie_embeddings:
-            continue
-        targets = hf_names(name)
-        parts = state[name].split(row_split(name, config)) if len(targets) > 1 else (state[name],)
-        out.update(zip(targets, parts))
-    return out
-
-
-def hf_shapes(config: ModelConfig) -> tuple[dict, dict]:
-    """(the shape of each Hugging Face weight outside the layers, the shape of each one of a layer by its name
-    under model.layers.{i}.), by arithmetic on the config's sizes: nothing is built, whatever they claim."""
-    top = {TOP_RENAMES[name]: shape for name, shape in outer_shapes(config).items()}
-    layer = {}
-    for name, shape in block_shapes(config).items():
-        if name in BLOCK_FUSED:
-            layer.update({hf: (rows, *shape[1:]) for hf, rows in zip(BLOCK_FUSED[name], row_split(name, config))})
-        else:
-            layer[BLOCK_RENAMES[name]] = shape
-    return top, layer
-
-
-def _layer_and_name(name: str) -> tuple[int, str] | None:
-    """"model.layers.{i}.{rest}" -> (i, rest); None for another name."""
-    if not name.startswith(LAYER_PREFIX):
-        return None
-    index, _, rest = name[len(LAYER_PREFIX):].partition(".")
-    return (int(index), rest) if index.isascii() and index.isdigit() and str(int(index)) == index else None
-
-
-def check_hf_weights(config: ModelConfig, shapes: dict) -> None:
-    """ValueError (one line) unless `shapes` (name -> shape, as a safetensors header has them) holds the Hugging
-    Face weights of GPT(config) at their shapes (a tied lm_head may be there too: it is not read). Checked
-    before anything is loaded or built, so that a mismatch is this line rather than a load_state_dict error,
-    and by arithmetic: a config.json that claims 10**12 layers costs no more than the weights that are there."""
-    top, layer = hf_shapes(config)
-
-    def expected(name):
-        if name in top:
-            return top[name]
-        found = _layer_and_name(name)
-        return layer.get(found[1]) if found and found[0] < config.n_layer else None
-
-    def in_order():  # walked lazily: it stops at the fourth missing name, past at most the weights present
-        embed = TOP_RENAMES["embed.weight"]
-        yield embed
-        for i in range(config.n_layer):
-            yield from (f"{LAYER_PREFIX}{i}.{name}" for name in layer)
-        yield from (name for name in top if name != embed)
-
-    def dims(shape):
-        return "x".join(map(str, shape))
-
-    missing = list(itertools.islice((name for name in in_order() if name not in shapes), 4))
-    unknown = sorted(name for name in shapes if expected(name) is None and name != TOP_RENAMES["lm_head.weight"])
-    wrong = [f"{name} {dims(shape)} (config: {dims(expected(name))})" for name, shape in sorted(shapes.items())
-             if expected(name) is not None and tuple(shape) != expected(name)]
-    problems = [f"{what} {', '.join(items[:3])}{', ...' if len(items) > 3 else ''}"
-                for what, items in (("missing", missing), ("unknown", unknown), ("wrong shape", wrong)) if items]
-    if problems:
-        raise ValueError(f"weights do not match the config: {'; '.join(problems)}")
-
-
-def from_hf(config: ModelConfig, hf_state: dict) -> dict:
-    """Hugging Face names -> our state dict. A tied lm_head is the embedding tensor itself."""
-    out = {}
-    for name in our_names(config):
-        if name == "lm_head.weight" and config.tie_embeddings:
-            out[name] = out["embed.weight"]
-            continue
-        sources = hf_names(name)
-        missing = [s for s in sources if s not in hf_state]
-        if missing:
-            raise ValueError(f"Hugging Face weights lack {missing[0]}")
-        out[name] = torch.cat([hf_state[s] for s in sources]) if len(sources) > 1 else hf_state[sources[0]]
-    return out
-
-
-def hf_config(config: ModelConfig, eot: int) -> dict:
-    """config.json for Qwen3ForCausalLM. rope_parameters is transformers 5's form; the top-level rope_theta
-    is what transformers 4 and other readers (vLLM) look for."""
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": config.padded_vocab_size,
-        UNPADDED_VOCAB_KEY: config.vocab_size,
-        "hidden_size": config.n_embd,
-        "intermediate_size": config.resolved_ffn_dim,
-        "num_hidden_layers": config.n_layer,
-        "num_attention_heads": config.n_head,
-        "num_key_value_heads": config.n_kv_head,
-        "head_dim": config.resolved_head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "rope_theta": config.rope_theta,
-        "tie_word_embeddings": config.tie_embeddings,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "use_cache": True,
-        "bos_token_id": eot,
-        "eos_token_id": eot,
-        "torch_dtype": "float32",
-    }
-
-
-def check_json_types(d: dict, types: dict) -> None:
-    """ValueError (one line) for the first entry of d that is not of its type in types ({type: keys})."""
-    for kind, keys in types.items():
-        for key in keys:
-            value = d.get(key)
-            # JSON's true and false are Python ints too, but not numbers here.
-            if value is not None and (not isinstance(value, JSON_TYPES[kind])
-                                      or isinstance(value, bool) != (kind == "true or false")):
-                raise ValueError(f"{key} must be {kind}, got {json.dumps(value)}")
-            # Python's json reads integers of any length and Infinity or NaN; no model size is either.
-            if kind == "an integer" and value is not None and not -2**63 <= value < 2**63:
-                raise ValueError(f"{key} must be a 64-bit integer, got {value}")
-            if kind == "a number" and value is not None and not math.isfinite(value):
-                raise ValueError(f"{key} must be a finite number, got {json.dumps(value)}")
-
-
-def config_from_hf(d: dict) -> ModelConfig:
-    """ModelConfig from a Qwen3 config.json dict; raises ValueError for a model this code cannot run."""
-    if d.get("model_type") != "qwen3":
-        raise ValueError(f"model_type is {d.get('model_type')!r}, only 'qwen3' can be loaded")
-    check_json_types(d, HF_CONFIG_TYPES)
-    rope = d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
-    check_json_types(rope, {"a number": ("rope_theta",)})
-    unsupported = {
-        "attention_bias": d.get("attention_bias", False), "hidden_act": d.get("hidden_act", "silu") != "silu",
-        "use_sliding_window": d.get("use_sliding_window", False), "rope_type": rope.get("rope_type") != "default",
-    }
-    if any(unsupported.values()):
-        raise ValueError(f"unsupported Qwen3 variant: {', '.join(k for k, v in unsupported.items() if v)}")
-    vocab = d.get(UNPADDED_VOCAB_KEY, d["vocab_size"])
-    n_embd, n_head, ffn = d["hidden_size"], d["num_attention_heads"], d["intermediate_size"]
-    config = ModelConfig(
-        vocab_size=vocab, n_layer=d["num_hidden_layers"], n_head=n_head,
-        n_kv_head=d.get("num_key_value_heads") or n_head, n_embd=n_embd,
-        max_seq_len=d["max_position_embeddings"], rope_theta=float(rope["rope_theta"]),
-        norm_eps=d.get("rms_norm_eps", 1e-6), tie_embeddings=d.get("tie_word_embeddings", False), **QWEN3_VALUES,
-    )
-    # Explicit sizes only where they differ from the defaults, so an exported config comes back equal.
-    head_dim = d.get("head_dim") or n_embd // n_head
-    config = dataclasses.replace(
-        config, head_dim=None if head_dim == config.resolved_head_dim else head_dim,
-        ffn_dim=None if ffn == config.resolved_ffn_dim else ffn,
-    )
-    config.validate()
-    if config.padded_vocab_size != d["vocab_size"]:
-        raise ValueError(f"vocab_size {d['vocab_size']} is not {vocab} rounded up to a multiple of {VOCAB_MULTIPLE} "
-                         f"({config.padded_vocab_size})")
-    return config
 
 
 def _safetensors():
@@ -400,8 +163,9 @@ def _header_shapes(path: str) -> dict[str, tuple[int, ...]]:
 
 
 def load_hf(directory: str) -> tuple[ModelConfig, dict]:
-    """A Hugging Face Qwen3ForCausalLM directory -> (ModelConfig, our state dict). The weights' names and
-    shapes are checked against config.json from the files' headers before any tensor is read."""
+    """A Hugging Face Qwen3ForCausalLM or Qwen3NextForCausalLM directory (hf_layout) -> (ModelConfig, our state
+    dict). The weights' names and shapes are checked against config.json from the files' headers before any
+    tensor is read."""
     load_file = _safetensors().load_file
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
@@ -424,7 +188,10 @@ def load_hf(directory: str) -> tuple[ModelConfig, dict]:
     hf_state = {}
     for path in paths:
         hf_state.update(_read_safetensors(path, load_file))
-    return config, from_hf(config, hf_state)
+    try:
+        return config, from_hf(config, hf_state)
+    except ValueError as e:  # a Qwen3-Next gate that is not one per head
+        raise ValueError(f"{directory}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- tokenizer files
@@ -562,23 +329,23 @@ def write_export(config: ModelConfig, weights: dict, enc: Tokenizer, directory: 
 
 def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: Tokenizer | None = None,
               overwrite: bool = False) -> None:
-    """Write a Qwen3ForCausalLM directory (see the module docstring) for a model trained with `tokenizer`
-    (None: GPT-2's).
+    """Write a transformers directory in the model's layout (see the module docstring) for a model trained
+    with `tokenizer` (None: GPT-2's).
 
     A non-empty out_dir is an error unless overwrite (check_target). The files are written into a staging
     directory inside out_dir (the same filesystem, so each move is a rename) and moved into place only once
     all of them are written: a failed export leaves an earlier one as it was. With overwrite, the earlier
     export's files (a stale shard index included) are removed then; other files stay."""
     _safetensors()  # the one optional dependency, checked before anything is written
-    toggles = config.toggles_on()
-    if toggles:
-        raise ValueError(f"{', '.join(toggles)}: Qwen3ForCausalLM has no such part, so this model cannot be exported "
-                         f"(a model trained with {config.qwen3_flags()} can)")
+    if problem := exportable_problem(config):
+        raise ValueError(problem)
     enc = tokenizer or load_tokenizer("gpt2")
     check_model_vocab(config.vocab_size, enc)
     check_target(out_dir, overwrite)
-    # Fresh float32 copies: safetensors refuses tensors that share storage, as the views of a fused weight do.
-    weights = {k: v.detach().to("cpu", torch.float32).clone() for k, v in to_hf(config, state).items()}
+    # Fresh float32 copies (float64 stays: hf_layout's zero-centred norms): safetensors refuses tensors that share
+    # storage, as the views of a fused weight do.
+    weights = {k: v.detach().to("cpu", v.dtype if v.dtype == torch.float64 else torch.float32).clone()
+               for k, v in to_hf(config, state).items()}
     created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir)
@@ -613,7 +380,7 @@ def main(argv=None) -> int:
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
     try:
-        print(f"wrote {args.out}: Qwen3ForCausalLM, {plural(config.n_layer, 'layer')}, "
+        print(f"wrote {args.out}: {ARCHITECTURES[layout(config)]}, {plural(config.n_layer, 'layer')}, "
               f"vocab {config.padded_vocab_size} (padded from {config.vocab_size}), "
               f"{'tied' if config.tie_embeddings else 'untied'} embeddings", flush=True)
     except BrokenPipeError:

@@ -8,8 +8,8 @@ holds the full logits.
 
 The numerics match Hugging Face transformers' Qwen3ForCausalLM (tests/test_model.py checks the logits).
 The recipe toggles (QWEN3_VALUES: a ReLU^2 MLP, logit soft-capping, value embeddings, U-net skips,
-attention output gates; docs/recipe.md) leave that architecture; the gates are on by default, so a model
-exported to transformers (hf.py) or built from Transformer Engine blocks takes --no-attn-gate.
+attention output gates; docs/recipe.md) leave that architecture. The gates, on by default, are the one
+transformers holds too: Qwen3NextForCausalLM's output gate, as hf_layout.py writes it.
 
 Module and parameter names mirror Transformer Engine's LayerNormLinear / LayerNormMLP / Linear, so that a
 TE-backed block can load the same state dict: the pre-attention norm lives on the qkv projection and the
@@ -56,12 +56,13 @@ def _round_up(n: int, multiple: int) -> int:
 INIT_ONLY_FIELDS = ("zero_init_proj", "head_init")
 HEAD_INITS = ("normal", "zero")
 MLP_KINDS = ("swiglu", "relu2")
-# The ModelConfig fields that leave the Qwen3 architecture, at Qwen3's values: away from these, hf.py cannot
-# export the model; a record that lacks one was trained at Qwen3's value.
+# The ModelConfig fields that leave the Qwen3 architecture, at Qwen3's values: away from these (but for
+# attn_gate, which Qwen3-Next holds) hf.py cannot export the model; a record that lacks one was trained at
+# Qwen3's value.
 QWEN3_VALUES = {"mlp": "swiglu", "logit_softcap": 0.0, "value_embeds": 0, "unet_skips": False, "attn_gate": False}
 ARCHITECTURE_TOGGLES = tuple(QWEN3_VALUES)
 # Those of them the Transformer Engine blocks (fp8.TEBlock) do not implement.
-PLAIN_BACKEND_TOGGLES = ("mlp", "value_embeds", "attn_gate")
+PLAIN_BACKEND_TOGGLES = ("value_embeds",)
 
 
 def with_qwen3_toggles(record: dict) -> dict:
@@ -109,7 +110,7 @@ class ModelConfig:
     tie_embeddings: bool = option(False, "one matrix for the embedding and the lm_head, as in GPT-2 (the gpt2-* "
                                          "presets set it); off, the lm_head is its own matrix with its own LR, which "
                                          "trains faster (docs/recipe.md)")
-    # Initialisation, not shape: hf.hf_config leaves it out, so Hugging Face exports stay exact.
+    # Initialisation, not shape: hf_layout.hf_config leaves it out, so Hugging Face exports stay exact.
     zero_init_proj: bool = option(False, "initialise attn.proj and mlp.fc2, the projections into the residual stream, "
                                          "to zero: every block starts as the identity (init only; not part of the "
                                          "exported architecture)")
@@ -439,18 +440,22 @@ class RMSNorm(nn.RMSNorm):
 
 
 class LayerNormLinear(nn.Module):
-    """RMSNorm followed by a bias-free linear layer (Transformer Engine's LayerNormLinear, plain)."""
+    """RMSNorm followed by a bias-free linear layer (Transformer Engine's LayerNormLinear, plain). With
+    return_layernorm_output, forward returns (output, the normed input), as TE's does."""
 
-    def __init__(self, in_features: int, out_features: int, eps: float):
+    def __init__(self, in_features: int, out_features: int, eps: float, return_layernorm_output: bool = False):
         super().__init__()
         self.eps = eps
+        self.return_layernorm_output = return_layernorm_output
         self.layer_norm_weight = nn.Parameter(torch.empty(in_features))
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         # The GEMM as an attribute: torchao FP8 training swaps in a float8 one (fp8.py); the weight stays here.
         self.matmul = F.linear
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(rms_norm(x, self.layer_norm_weight, self.eps), self.weight)
+    def forward(self, x: torch.Tensor):
+        normed = rms_norm(x, self.layer_norm_weight, self.eps)
+        out = self.matmul(normed, self.weight)
+        return (out, normed) if self.return_layernorm_output else out
 
 
 class LayerNormMLP(nn.Module):
@@ -474,6 +479,12 @@ class LayerNormMLP(nn.Module):
         return self.matmul(F.silu(gate) * up, self.fc2_weight)
 
 
+def gate_heads(y: torch.Tensor, normed: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """Attention's output y [B, T, H, hd] times each head's gate sigmoid(x W_g^T) [B, T, H, 1], x the normed
+    attention input [B, T, D]: the plain and the Transformer Engine attention both gate through this."""
+    return y * torch.sigmoid(F.linear(normed, gate_weight))[..., None].to(y.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -481,7 +492,9 @@ class Attention(nn.Module):
         self.n_kv_head = config.n_kv_head
         self.head_dim = config.resolved_head_dim
         qkv_rows = (config.n_head + 2 * config.n_kv_head) * self.head_dim
-        self.qkv = LayerNormLinear(config.n_embd, qkv_rows, config.norm_eps)
+        # The gate reads the normed input the QKV GEMM reads: the fused module hands it over rather than the
+        # norm running twice.
+        self.qkv = LayerNormLinear(config.n_embd, qkv_rows, config.norm_eps, return_layernorm_output=config.attn_gate)
         self.q_norm = RMSNorm(self.head_dim, eps=config.norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.norm_eps)
         self.proj = nn.Linear(config.n_head * self.head_dim, config.n_embd, bias=False)
@@ -495,7 +508,8 @@ class Attention(nn.Module):
         """kv: this layer's KVCache buffers (None in training); x holds positions start..start+T. value_embed
         [B, T, n_kv_head * head_dim]: added to the values (GPT.forward has scaled it by the layer's scalar)."""
         B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(
+        qkv, normed = self.qkv(x) if self.gate_weight is not None else (self.qkv(x), None)
+        q, k, v = qkv.split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
         )
         if value_embed is not None:
@@ -513,10 +527,10 @@ class Attention(nn.Module):
             k, v = _cache_write(kv, k, v, start)
             mask = _offset_causal_mask(T, start, x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        if self.gate_weight is not None:  # [B, T, H] -> one factor per head and position
-            normed = rms_norm(x, self.qkv.layer_norm_weight, self.qkv.eps)
-            y = y * torch.sigmoid(F.linear(normed, self.gate_weight)).transpose(1, 2)[..., None].to(y.dtype)
-        return self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+        y = y.transpose(1, 2)  # [B, T, H, hd]
+        if self.gate_weight is not None:
+            y = gate_heads(y, normed, self.gate_weight)
+        return self.proj(y.reshape(B, T, self.n_head * self.head_dim))
 
 
 class Block(nn.Module):

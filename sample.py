@@ -24,8 +24,9 @@ import torch
 from checkpoint import CheckpointError
 from cli import ArgumentParser, HelpFormatter, UsageError, closed_stdout, report_error
 from config import DEVICES
-from hf import check_names, is_run_directory, load_hf, model_tokenizer, read_ckpt
 from hardware import resolve_device
+from hf import is_run_directory, load_hf, model_tokenizer, read_ckpt
+from hf_layout import check_names
 from model import GPT, KVCache
 from tokenizer import DataError, Tokenizer, check_model_vocab, load_tokenizer
 

@@ -40,6 +40,7 @@ from checkpoint import best_path, list_checkpoints
 from cli import UsageError, first_line, plural, write_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values
 from hardware import cpu_bf16_warning, cpu_flags, peak_memory_gib
+from hf_layout import exportable_problem
 from optim import describe_param_groups, optimizer_state_bytes
 from progress import Heartbeat, Progress, duration
 from rundir import TENSORBOARD_DIR
@@ -626,8 +627,8 @@ class Telemetry:
             "best_ckpt": existing_best(self.cfg.ckpt.out_dir), "epoch_tokens": self.epoch_tokens,
             "bos": self.cfg.data.packing == "bos", "source_epochs": self.source_epochs,
             "sample_prompt": self.cfg.eval.sample_prompt, "eval_plan": self.eval_plan,
-            # what keeps the model from transformers' Qwen3 (hf.py's export): --from-hf's directory is Qwen3
-            "qwen3_flags": "" if self.cfg.ckpt.from_hf else self.cfg.model.qwen3_flags(),
+            # what keeps the model from transformers (hf.py's export): --from-hf's came from there
+            "export_problem": None if self.cfg.ckpt.from_hf else exportable_problem(self.cfg.model),
         }
         print("\nrun summary", flush=True)
         print_table(summary_rows(facts))
@@ -687,7 +688,7 @@ def summary_rows(f: dict) -> list[tuple[str, str]]:
     if weights:
         prompt = f" --prompt {shlex.quote(f['sample_prompt'])}" if f["sample_prompt"] else ""
         export = (f"python hf.py --ckpt {shlex.quote(weights)} --out {shlex.quote(os.path.join(f['out_dir'], 'hf'))}"
-                  if not f.get("qwen3_flags") else f"not to transformers' Qwen3 (a run with {f['qwen3_flags']} is)")
+                  if not f.get("export_problem") else f"none: {f['export_problem']}")
         rows += [("sample", f"python sample.py --ckpt {shlex.quote(weights)}{prompt}"), ("export", export)]
     rows.append(("plot", f"python bench/plot.py {shlex.quote(f['out_dir'])}"))
     return rows

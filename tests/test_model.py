@@ -446,11 +446,12 @@ def test_zero_init_proj_zeroes_only_the_residual_projections_and_blocks_start_as
     torch.testing.assert_close(logits, expected)
 
 
-def test_zero_init_proj_is_not_part_of_the_exported_architecture():
-    hf = pytest.importorskip("hf")
-    plain, zero = tiny_config(), tiny_config(zero_init_proj=True)
-    assert hf.hf_config(zero, eot=199) == hf.hf_config(plain, eot=199)
-    assert hf.config_from_hf(hf.hf_config(plain, eot=199)) == plain
+@pytest.mark.parametrize("gate", [False, True])
+def test_zero_init_proj_is_not_part_of_the_exported_architecture(gate):
+    import hf_layout
+    plain, zero = tiny_config(attn_gate=gate), tiny_config(zero_init_proj=True, attn_gate=gate)
+    assert hf_layout.hf_config(zero, eot=199) == hf_layout.hf_config(plain, eot=199)
+    assert hf_layout.config_from_hf(hf_layout.hf_config(plain, eot=199)) == plain
 
 
 # ----------------------------------------------------------------------------- recipe toggles (docs/recipe.md)
@@ -478,7 +479,8 @@ def test_the_default_toggle_is_the_gate_and_toggles_are_named_by_their_flags():
 def test_toggles_say_how_to_get_back_to_qwen3_and_old_records_were_qwen3():
     assert tiny_config(**ALL_TOGGLES).qwen3_flags() == (
         "--mlp swiglu --logit-softcap 0 --value-embeds 0 --no-unet-skips --no-attn-gate")
-    assert tiny_config(attn_gate=True).qwen3_flags(model_module.PLAIN_BACKEND_TOGGLES) == "--no-attn-gate"
+    on = tiny_config(mlp="relu2", value_embeds=1, attn_gate=True)
+    assert on.qwen3_flags(model_module.PLAIN_BACKEND_TOGGLES) == "--value-embeds 0"
     record = dataclasses.asdict(tiny_config(**ALL_TOGGLES))
     assert ModelConfig.from_record(record) == tiny_config(**ALL_TOGGLES)
     older = {k: v for k, v in record.items() if k not in model_module.QWEN3_VALUES}  # written before the toggles
@@ -604,11 +606,11 @@ def test_te_backend_refuses_the_toggles_it_does_not_implement_in_one_line():
     class OtherBackend(model_module.Block):
         backend = "te"
 
-    with pytest.raises(ValueError, match=r"^--mlp relu2, --value-embeds 1, --attn-gate: not implemented for the "
-                                         r"te backend") as excinfo:
+    with pytest.raises(ValueError, match=r"^--value-embeds 1: not implemented for the te backend") as excinfo:
         GPT(tiny_config(**ALL_TOGGLES), block=OtherBackend)
-    assert "\n" not in str(excinfo.value) and "add --mlp swiglu --value-embeds 0 --no-attn-gate" in str(excinfo.value)
-    assert GPT(tiny_config(logit_softcap=3.0, unet_skips=True), block=OtherBackend).backend == "te"
+    assert "\n" not in str(excinfo.value) and "add --value-embeds 0," in str(excinfo.value)
+    taken = dict(ALL_TOGGLES, value_embeds=0)
+    assert GPT(tiny_config(**taken), block=OtherBackend).backend == "te"
 
 
 def test_head_init_zero_zeroes_only_an_untied_lm_head():

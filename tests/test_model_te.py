@@ -1,20 +1,31 @@
-"""The Transformer Engine blocks of fp8.py in model.py's GPT: state-dict conversion (CPU), and parity with the
-plain path on the same weights (CUDA with Transformer Engine only: marked gpu, skipped elsewhere)."""
+"""The Transformer Engine blocks of fp8.py in model.py's GPT: state-dict conversion and the blocks' wiring on
+stand-in TE modules (CPU), and parity with the plain path on the same weights (CUDA with Transformer Engine
+only: marked gpu, skipped elsewhere)."""
+
+import dataclasses
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import fp8
+import model as model_module
 from fp8 import TE_MODULES, TEBlock, plain_to_te_state_dict, te_to_plain_state_dict
 from model import GPT, QWEN3_VALUES, ModelConfig
 
-# Qwen3's architecture (QWEN3_VALUES): the TE blocks implement SwiGLU and no attention gates.
-TINY = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32, **QWEN3_VALUES)
+# Qwen3's architecture (QWEN3_VALUES), and the default one (attention gates) with each toggle the TE blocks take.
+TINY_QWEN3 = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32, **QWEN3_VALUES)
+TINY = dataclasses.replace(TINY_QWEN3, attn_gate=True)
+ARCHITECTURES = {"qwen3": {}, "gated": {"attn_gate": True}, "gated-relu2": {"attn_gate": True, "mlp": "relu2"}}
 # TE's fused kernels want 16-multiples and FP8 attention wants head_dim 128.
-TE_CFG = ModelConfig(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=256, max_seq_len=64, **QWEN3_VALUES)
+TE_QWEN3 = ModelConfig(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=256, max_seq_len=64, **QWEN3_VALUES)
 FP8_ATTN_CFG = ModelConfig(vocab_size=512, n_layer=2, n_head=2, n_kv_head=1, n_embd=256, max_seq_len=64,
                            **QWEN3_VALUES)
 
+
+def te_config(architecture: str, base: ModelConfig = TE_QWEN3) -> ModelConfig:
+    return dataclasses.replace(base, **ARCHITECTURES[architecture])
 
 
 def needs_te(test):
@@ -31,6 +42,116 @@ def plain_state_dict(cfg=TINY):
 
 def extra_state_keys(n_layer):
     return {f"blocks.{i}.{module}._extra_state" for i in range(n_layer) for module in TE_MODULES}
+
+
+# ----------------------------------------------------------------------------- stand-in TE modules (CPU)
+
+
+class ExtraState:
+    """A TE module's `_extra_state` entry: empty, as TE 2.18+ writes it for a stateless recipe."""
+
+    def get_extra_state(self):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        assert state.numel() == 0
+
+
+class StandInLayerNormLinear(ExtraState, model_module.LayerNormLinear):
+    """te.LayerNormLinear's keywords as fp8.py passes them (TE 2.20.2, module/layernorm_linear.py), plain
+    numerics: forward returns (out, normed input) with return_layernorm_output."""
+
+    def __init__(self, in_features, out_features, eps=1e-5, *, bias=True, normalization="LayerNorm",
+                 return_layernorm_output=False, device="cuda"):
+        assert not bias and normalization == "RMSNorm"
+        super().__init__(in_features, out_features, eps, return_layernorm_output)
+
+
+class StandInLinear(ExtraState, nn.Linear):
+    def __init__(self, in_features, out_features, *, bias=True, device="cuda"):
+        assert not bias
+        super().__init__(in_features, out_features, bias=False)
+
+
+class StandInLayerNormMLP(ExtraState, model_module.LayerNormMLP):
+    """te.LayerNormMLP (module/layernorm_mlp.py): activation swiglu (gate = fc1's first half) or srelu."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, *, bias=True, normalization="LayerNorm",
+                 activation="gelu", device="cuda"):
+        assert not bias and normalization == "RMSNorm"
+        super().__init__(hidden_size, ffn_hidden_size, eps, {"swiglu": "swiglu", "srelu": "relu2"}[activation])
+
+
+class StandInDotProductAttention(ExtraState, nn.Module):
+    """te.DotProductAttention in bshd layout with a causal mask: [B, T, heads, hd] in, [B, T, H * hd] out."""
+
+    def __init__(self, num_attention_heads, kv_channels, *, num_gqa_groups, attention_dropout, qkv_format,
+                 attn_mask_type):
+        super().__init__()
+        assert qkv_format == "bshd" and attn_mask_type == "causal" and attention_dropout == 0.0
+
+    def forward(self, q, k, v):
+        y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True)
+        return y.transpose(1, 2).flatten(2)
+
+
+STAND_IN_TE = type("StandInTE", (), {
+    "LayerNormLinear": StandInLayerNormLinear, "Linear": StandInLinear, "LayerNormMLP": StandInLayerNormMLP,
+    "DotProductAttention": StandInDotProductAttention, "checkpoint": torch.utils.checkpoint.checkpoint})
+
+
+@pytest.fixture
+def stand_in_te(monkeypatch):
+    """fp8's TE blocks built from the stand-ins, on the CPU."""
+    monkeypatch.setattr(fp8, "import_te", lambda: STAND_IN_TE)
+    monkeypatch.setattr(fp8, "_te_device", lambda: "cpu")
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_te_block_wiring_gives_the_plain_forward_and_gradients(stand_in_te, architecture):
+    """TEBlock's own code (the gate on TE's normed output, bshd heads, the MLP's activation) on stand-ins whose
+    numerics are the plain modules': the same loss and gradients as the plain blocks, on the same weights."""
+    cfg = dataclasses.replace(TINY_QWEN3, **ARCHITECTURES[architecture])
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    with torch.no_grad():  # gates and norms off their init, so that a dropped or misplaced one would show
+        for p in plain.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    te_model = GPT(cfg, block=TEBlock)
+    te_model.load_state_dict(plain_to_te_state_dict(plain.state_dict()), strict=True)
+    idx = torch.randint(0, cfg.vocab_size, (2, 16))
+    losses = [m(idx, idx)[1] for m in (plain, te_model)]
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
+    te_params = dict(te_model.named_parameters())
+    assert list(te_params) == [name for name, _ in plain.named_parameters()]
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(te_params[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_checkpoint_moves_between_plain_and_te_blocks_both_ways(stand_in_te, architecture):
+    cfg = dataclasses.replace(TINY_QWEN3, **ARCHITECTURES[architecture])
+    torch.manual_seed(1)
+    te_model = GPT(cfg, block=TEBlock)
+    with torch.no_grad():
+        for p in te_model.parameters():
+            p.normal_()
+    plain = GPT(cfg)
+    plain.load_state_dict(te_to_plain_state_dict(te_model.state_dict()), strict=True)
+    back = GPT(cfg, block=TEBlock)
+    back.load_state_dict(plain_to_te_state_dict(plain.state_dict()), strict=True)
+    for name, p in te_model.state_dict().items():
+        assert torch.equal(back.state_dict()[name], p), name
+    assert cfg.attn_gate == any(name.endswith("attn.gate_weight") for name in plain.state_dict())
+
+
+def test_te_blocks_refuse_value_embeddings_in_one_line_naming_the_flag(stand_in_te):
+    with pytest.raises(ValueError) as e:
+        GPT(dataclasses.replace(TINY, value_embeds=1), block=TEBlock)
+    assert str(e.value) == ("--value-embeds 1: not implemented for the te backend (--fp8 te); add --value-embeds 0, "
+                            "or use the plain blocks (--fp8 off or torchao)")
 
 
 # ----------------------------------------------------------------------------- conversion (pure, CPU)
@@ -67,14 +188,14 @@ def test_bshd_heads_are_contiguous_and_give_attentions_output():
     from model import Attention, rope_cos_sin
 
     torch.manual_seed(0)
-    attn, (B, T) = Attention(TINY), (2, 8)
+    attn, (B, T) = Attention(TINY_QWEN3), (2, 8)
     for p in attn.parameters():  # norm weights away from 1, so that a skipped norm would show
         p.data.normal_(1.0 if p.ndim == 1 else 0.0, 0.3)
-    x = torch.randn(B, T, TINY.n_embd)
-    cos, sin = rope_cos_sin(TINY.resolved_head_dim, T, TINY.rope_theta)
-    q, k, v = fp8.bshd_heads(attn.qkv(x), attn.q_norm, attn.k_norm, cos, sin, TINY.n_head, TINY.n_kv_head)
-    hd = TINY.resolved_head_dim
-    assert q.shape == (B, T, TINY.n_head, hd) and k.shape == v.shape == (B, T, TINY.n_kv_head, hd)
+    x = torch.randn(B, T, TINY_QWEN3.n_embd)
+    cos, sin = rope_cos_sin(TINY_QWEN3.resolved_head_dim, T, TINY_QWEN3.rope_theta)
+    q, k, v = fp8.bshd_heads(attn.qkv(x), attn.q_norm, attn.k_norm, cos, sin, TINY_QWEN3.n_head, TINY_QWEN3.n_kv_head)
+    hd = TINY_QWEN3.resolved_head_dim
+    assert q.shape == (B, T, TINY_QWEN3.n_head, hd) and k.shape == v.shape == (B, T, TINY_QWEN3.n_kv_head, hd)
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
     y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                          is_causal=True, enable_gqa=True)
@@ -92,29 +213,38 @@ def test_te_backend_without_cuda_says_how_to_install():
 
 
 def same_weights(cfg):
-    """(plain, te) models on CUDA holding the same weights."""
+    """(plain, te) models on CUDA holding the same weights; gates away from their zero init, so that each head
+    gets its own factor."""
     torch.manual_seed(0)
     plain = GPT(cfg).cuda()
+    with torch.no_grad():
+        for name, p in plain.named_parameters():
+            if name.endswith("attn.gate_weight"):
+                p.normal_(0.0, 0.1)
     te_model = GPT(cfg, block=TEBlock).cuda()
     te_model.load_state_dict(plain_to_te_state_dict(plain.state_dict()), strict=True)
     return plain, te_model
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @needs_te
-def test_te_state_dict_is_the_plain_contract_plus_extra_state():
-    plain, te_model = same_weights(TE_CFG)
+def test_te_state_dict_is_the_plain_contract_plus_extra_state(architecture):
+    cfg = te_config(architecture)
+    plain, te_model = same_weights(cfg)
     te_sd, plain_sd = te_model.state_dict(), plain.state_dict()
     assert set(te_sd) == set(plain_to_te_state_dict(plain_sd))
     for key, value in plain_sd.items():
         assert te_sd[key].shape == value.shape, key
-    GPT(TE_CFG).cuda().load_state_dict(te_to_plain_state_dict(te_sd), strict=True)
+    GPT(cfg).cuda().load_state_dict(te_to_plain_state_dict(te_sd), strict=True)
     assert te_model.row_blocks() == plain.row_blocks()
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @needs_te
-def test_te_matches_plain_on_the_same_weights_in_bf16():
-    plain, te_model = same_weights(TE_CFG)
-    idx = torch.randint(0, TE_CFG.vocab_size, (4, TE_CFG.max_seq_len), device="cuda")
+def test_te_matches_plain_on_the_same_weights_in_bf16(architecture):
+    cfg = te_config(architecture)
+    plain, te_model = same_weights(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _, loss_p = plain(idx, idx)
         _, loss_t = te_model(idx, idx)
@@ -130,11 +260,13 @@ def test_te_matches_plain_on_the_same_weights_in_bf16():
         assert cos > 0.99, (name, cos.item())
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("recipe", fp8.RECIPES_OF["te"])
 @needs_te
-def test_te_fp8_stays_close_to_bf16(recipe):
-    plain, te_model = same_weights(TE_CFG)
-    idx = torch.randint(0, TE_CFG.vocab_size, (4, TE_CFG.max_seq_len), device="cuda")
+def test_te_fp8_stays_close_to_bf16(recipe, architecture):
+    cfg = te_config(architecture)
+    plain, te_model = same_weights(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _, loss_p = plain(idx, idx)
         with fp8.te_autocast(fp8.te_recipe(recipe, fp8_attn=False)):
@@ -144,12 +276,14 @@ def test_te_fp8_stays_close_to_bf16(recipe):
     assert all(torch.isfinite(p.grad).all() for p in te_model.parameters())
 
 
+@pytest.mark.parametrize("architecture", ["qwen3", "gated"])
 @needs_te
-def test_te_fp8_attention_runs_with_head_dim_128():
+def test_te_fp8_attention_runs_with_head_dim_128(architecture):
     # Delayed scaling: the current-scaling variant needs NVTE_DPA_FP8_RECIPE before TE's import, which an
     # earlier test in this process has done (tests/test_fp8.py runs it through train.py in a fresh process).
-    plain, te_model = same_weights(FP8_ATTN_CFG)
-    idx = torch.randint(0, FP8_ATTN_CFG.vocab_size, (4, FP8_ATTN_CFG.max_seq_len), device="cuda")
+    cfg = te_config(architecture, FP8_ATTN_CFG)
+    plain, te_model = same_weights(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         _, loss_p = plain(idx, idx)
         with fp8.te_autocast(fp8.te_recipe("delayed", fp8_attn=True)):
@@ -160,22 +294,24 @@ def test_te_fp8_attention_runs_with_head_dim_128():
 
 @needs_te
 def test_te_attention_receives_contiguous_q_k_v():
-    _, te_model = same_weights(TE_CFG)
+    cfg = te_config("gated")
+    _, te_model = same_weights(cfg)
     seen = []
     for block in te_model.blocks:
         block.attn.core_attention.register_forward_pre_hook(
             lambda _, args: seen.append([a.is_contiguous() for a in args]))
-    idx = torch.randint(0, TE_CFG.vocab_size, (2, TE_CFG.max_seq_len), device="cuda")
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.max_seq_len), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         te_model(idx, idx)
-    assert seen == [[True, True, True]] * TE_CFG.n_layer
+    assert seen == [[True, True, True]] * cfg.n_layer
 
 
 @needs_te
 def test_te_backend_refuses_kv_cache_decoding():
     from model import KVCache
 
-    _, te_model = same_weights(TE_CFG)
-    cache = KVCache(TE_CFG, batch_size=1, device="cuda")
+    cfg = te_config("gated")
+    _, te_model = same_weights(cfg)
+    cache = KVCache(cfg, batch_size=1, device="cuda")
     with pytest.raises(ValueError, match="plain backend"):
         te_model(torch.zeros(1, 4, dtype=torch.long, device="cuda"), cache=cache)
