@@ -216,7 +216,7 @@ class TEAttention(nn.Module):
             attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal",
         )
         self.proj = te.Linear(config.n_head * hd, config.n_embd, bias=False, device=device)
-        # As in Attention: a plain parameter, registered after proj, so both backends list it in one place.
+        # As in Attention: a plain parameter (the module's own, so listed before the children's, as there).
         self.gate_weight = (nn.Parameter(torch.empty(config.n_head, config.n_embd, device=device))
                             if config.attn_gate else None)
 

@@ -320,7 +320,9 @@ def next_variant_problems(d: dict, rope: dict) -> list[str]:
     types = d.get("layer_types")
     dense = d.get("mlp_only_layers") or []
     in_range = {i for i in dense if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers}
-    rotary = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+    # Qwen3-Next's own default is 0.25; null counts as absent, as everywhere in config.json.
+    rotary = next((r for r in (rope.get("partial_rotary_factor"), d.get("partial_rotary_factor")) if r is not None),
+                  0.25)
     problems = {
         "linear-attention layers (layer_types must be all full_attention)":
             types is None or len(types) != layers or any(t != FULL_ATTENTION for t in types),

@@ -247,15 +247,15 @@ def describe(size: SizeConfig, values: dict) -> str:
 
 
 def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of each parameter of one block, by its name inside the block. Every block has the same ones,
-    so a size multiplies them by n_layer instead of walking the layers: a claimed depth costs nothing."""
+    """The shape of each parameter of one block, by its name inside the block, in the state dict's order (a
+    module's own parameters before its children's: the gate first). Every block has the same ones, so a size
+    multiplies them by n_layer instead of walking the layers: a claimed depth costs nothing."""
     D, hd, F = cfg.n_embd, cfg.resolved_head_dim, cfg.resolved_ffn_dim
     H, K = cfg.n_head, cfg.n_kv_head
-    shapes = {"attn.qkv.layer_norm_weight": (D,), "attn.qkv.weight": ((H + 2 * K) * hd, D),
-              "attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,), "attn.proj.weight": (D, H * hd)}
-    if cfg.attn_gate:
-        shapes["attn.gate_weight"] = (H, D)
-    return shapes | {"mlp.layer_norm_weight": (D,), "mlp.fc1_weight": (cfg.fc1_rows, D), "mlp.fc2_weight": (D, F)}
+    shapes = {"attn.gate_weight": (H, D)} if cfg.attn_gate else {}
+    return shapes | {"attn.qkv.layer_norm_weight": (D,), "attn.qkv.weight": ((H + 2 * K) * hd, D),
+                     "attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,), "attn.proj.weight": (D, H * hd),
+                     "mlp.layer_norm_weight": (D,), "mlp.fc1_weight": (cfg.fc1_rows, D), "mlp.fc2_weight": (D, F)}
 
 
 def outer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -256,12 +256,14 @@ def test_train_refuses_fp8_shapes_before_building_anything(tiny_data, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and fp8.te_installed()), reason="needs CUDA and TE")
-@pytest.mark.parametrize("extra", [[], ["--fp8-attn"], ["--fp8-recipe", "delayed", "--fp8-attn"]])
+@pytest.mark.parametrize("extra", [[], ["--fp8-attn"], ["--fp8-recipe", "delayed", "--fp8-attn"], QWEN3_FLAGS,
+                                   ["--mlp", "relu2"]])
 def test_train_cli_runs_fp8_te(tiny_data, tmp_path, extra):
-    """Through train.py in a fresh process, so that NVTE_DPA_FP8_RECIPE is set before TE's import."""
+    """Through train.py in a fresh process, so that NVTE_DPA_FP8_RECIPE is set before TE's import; the default
+    model (attention gates), Qwen3's, and ReLU^2."""
     flags = ["--data", tiny_data, "--out-dir", str(tmp_path), "--vocab-size", "256", "--n-layer", "2",
              "--n-embd", "256", "--n-head", "2", "--n-kv-head", "1", "--seq-len", "32", "--batch-size", "4",
-             "--max-steps", "3", "--eval-interval", "0", "--dtype", "bf16", "--fp8", "te", *QWEN3_FLAGS, *extra]
+             "--max-steps", "3", "--eval-interval", "0", "--dtype", "bf16", "--fp8", "te", *extra]
     result = subprocess.run([sys.executable, "train.py", *flags], cwd=REPO, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -269,9 +271,8 @@ def test_train_cli_runs_fp8_te(tiny_data, tmp_path, extra):
     assert ("FP8 attention" in result.stdout) == ("--fp8-attn" in extra)
 
 
-TE_FLAGS_DEFAULT_ARCHITECTURE = ["--vocab-size", "256", "--n-layer", "2", "--n-embd", "256", "--n-head", "2",
-                                 "--n-kv-head", "1", "--eval-interval", "0", "--dtype", "bf16", "--fp8", "te"]
-TE_FLAGS = [*TE_FLAGS_DEFAULT_ARCHITECTURE, *QWEN3_FLAGS]
+TE_FLAGS = ["--vocab-size", "256", "--n-layer", "2", "--n-embd", "256", "--n-head", "2", "--n-kv-head", "1",
+            "--eval-interval", "0", "--dtype", "bf16", "--fp8", "te"]
 
 
 def run_train(*flags):
@@ -294,13 +295,13 @@ def test_fp8_te_trains_at_the_smallest_legal_token_count(tiny_data, tmp_path, re
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and fp8.te_installed()), reason="needs CUDA and TE")
-def test_fp8_te_refuses_the_default_architecture_in_one_line_that_names_the_flags(tiny_data, tmp_path):
-    result = run_train("--data", tiny_data, "--out-dir", str(tmp_path), *TE_FLAGS_DEFAULT_ARCHITECTURE,
+def test_fp8_te_refuses_value_embeddings_in_one_line_that_names_the_flag(tiny_data, tmp_path):
+    result = run_train("--data", tiny_data, "--out-dir", str(tmp_path), *TE_FLAGS, "--value-embeds", "1",
                        "--seq-len", "16", "--batch-size", "1", "--max-steps", "2")
     assert result.returncode == 2
     assert [line for line in result.stderr.splitlines() if line.startswith("error: ")] == [
-        "error: --attn-gate: not implemented for the te backend (--fp8 te); add --no-attn-gate, or use the plain "
-        "blocks (--fp8 off or torchao)"]
+        "error: --value-embeds 1: not implemented for the te backend (--fp8 te); add --value-embeds 0, or use the "
+        "plain blocks (--fp8 off or torchao)"]
 
 
 @pytest.mark.gpu

@@ -13,21 +13,22 @@ import checkpoint
 import hf
 import prepare
 from conftest import WORD_TEXT, write_word_tokenizer
-from hf import config_from_hf, export_hf, from_hf, hf_config, load_hf, our_names, read_checkpoint, to_hf
+from hf import export_hf, load_hf, read_checkpoint
+from hf_layout import ARCHITECTURES, QWEN3_NEXT, hf_config, layout, to_hf
 from model import GPT, QWEN3_VALUES, ModelConfig
 from sample import generate
 from tokenizer import bpe_merges, get_tokenizer, load_tokenizer
 
 # The GPT-2 vocabulary (export checks it against the tokenizer), otherwise tiny: GQA, head_dim not
-# n_embd // n_head, a small rope_theta so the rotation matters; Qwen3's architecture (QWEN3_VALUES), the only
-# one the export writes.
+# n_embd // n_head, a small rope_theta so the rotation matters; Qwen3's architecture (QWEN3_VALUES), or with
+# gated=True the default model's attention gates: the two the export writes.
 TINY = dict(vocab_size=50257, n_layer=2, n_head=8, n_kv_head=2, n_embd=64, head_dim=16, ffn_dim=96,
             max_seq_len=32, rope_theta=500.0, **QWEN3_VALUES)
 
 
-def tiny_model(tied: bool, seed: int = 0) -> GPT:
+def tiny_model(tied: bool, seed: int = 0, gated: bool = False) -> GPT:
     torch.manual_seed(seed)
-    model = GPT(ModelConfig(**TINY, tie_embeddings=tied)).eval()
+    model = GPT(ModelConfig(**{**TINY, "attn_gate": gated}, tie_embeddings=tied)).eval()
     # Norm weights away from 1 (a swapped or dropped norm would show) and matrices large enough that
     # attention is far from uniform and greedy argmaxes are far from ties.
     with torch.no_grad():
@@ -36,53 +37,16 @@ def tiny_model(tied: bool, seed: int = 0) -> GPT:
     return model
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+@pytest.fixture(scope="module", params=[(True, False), (False, False), (True, True), (False, True)],
+                ids=["qwen3-tied", "qwen3-untied", "next-tied", "next-untied"])
 def exported(request, tmp_path_factory):
-    model = tiny_model(request.param)
+    tied, gated = request.param
+    model = tiny_model(tied, gated=gated)
     out = tmp_path_factory.mktemp("hf")
     state = model.state_dict()
     state["blocks.1.mlp._extra_state"] = torch.zeros(0)  # as a Transformer Engine block writes
     export_hf(model.config, state, str(out))
     return model, out
-
-
-def test_our_names_are_the_model_parameters():
-    for tied in (True, False):
-        model = tiny_model(tied)
-        assert our_names(model.config) == list(model.state_dict())
-
-
-@pytest.mark.parametrize("tied", [True, False])
-def test_name_mapping_round_trips(tied):
-    model = tiny_model(tied)
-    state = model.state_dict()
-    theirs = to_hf(model.config, {**state, "blocks.0.attn.qkv._extra_state": torch.zeros(0)})
-    assert ("lm_head.weight" in theirs) == (not tied)
-    assert "model.layers.0.self_attn.k_proj.weight" in theirs and "model.layers.1.mlp.gate_proj.weight" in theirs
-    back = from_hf(model.config, theirs)
-    assert list(back) == list(state)
-    assert all(torch.equal(back[k], state[k]) for k in state)
-
-
-def test_to_hf_rejects_mismatched_weights():
-    model = tiny_model(True)
-    state = model.state_dict()
-    del state["blocks.1.attn.proj.weight"]
-    with pytest.raises(ValueError, match="missing \\['blocks.1.attn.proj.weight'\\]"):
-        to_hf(model.config, state)
-
-
-@pytest.mark.parametrize("overrides", [{}, {"head_dim": None, "ffn_dim": None, "n_head": 4, "tie_embeddings": False}])
-def test_config_round_trips(overrides):
-    config = ModelConfig(**{**TINY, **overrides})
-    assert config_from_hf(hf_config(config, eot=50256)) == config
-
-
-@pytest.mark.parametrize("change", [{"model_type": "llama"}, {"attention_bias": True}, {"hidden_act": "gelu"},
-                                    {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}])
-def test_config_from_hf_rejects_what_we_cannot_run(change):
-    with pytest.raises(ValueError):
-        config_from_hf({**hf_config(ModelConfig(**TINY), eot=50256), **change})
 
 
 def load_transformers(out, monkeypatch):
@@ -95,7 +59,7 @@ def load_transformers(out, monkeypatch):
 def test_transformers_loads_the_export(exported, monkeypatch):
     model, out = exported
     qwen = load_transformers(out, monkeypatch)
-    assert type(qwen).__name__ == "Qwen3ForCausalLM"
+    assert type(qwen).__name__ == ARCHITECTURES[layout(model.config)]
     assert qwen.config.tie_word_embeddings == model.config.tie_embeddings
     assert (qwen.lm_head.weight.data_ptr() == qwen.model.embed_tokens.weight.data_ptr()) == model.config.tie_embeddings
     assert qwen.config.rope_parameters["rope_theta"] == model.config.rope_theta
@@ -116,6 +80,23 @@ def test_transformers_loads_the_export(exported, monkeypatch):
     eot = get_tokenizer().eot_token
     ours = generate(model, prompt[0], 10, temperature=0, eot=eot)
     assert hf_new == ours + ([eot] if len(ours) < 10 else [])
+    if model.config.attn_gate:  # a gate that did nothing would leave these equal
+        with torch.no_grad():
+            qwen.model.layers[0].self_attn.q_proj.weight.view(8, 2, 16, 64)[:, 1] = 0
+            assert (qwen(input_ids=idx).logits - expected).abs().max() > 1e-2
+
+
+def test_the_written_config_loads_with_auto_config_offline(exported, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, out = exported
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert config.model_type == layout(model.config) and config.architectures == [ARCHITECTURES[layout(model.config)]]
+    assert config.num_hidden_layers == model.config.n_layer and config.head_dim == model.config.resolved_head_dim
+    if layout(model.config) == QWEN3_NEXT:  # the Qwen3 block and a gate: no linear attention, no experts
+        assert config.layer_types == ["full_attention"] * model.config.n_layer
+        assert config.mlp_only_layers == list(range(model.config.n_layer))
+        assert config.rope_parameters["partial_rotary_factor"] == 1.0
 
 
 def test_export_directory_contents(exported):
@@ -124,7 +105,10 @@ def test_export_directory_contents(exported):
 
     weights = load_file(out / "model.safetensors")
     assert not any(k.endswith("_extra_state") for k in weights)
-    assert all(t.dtype == torch.float32 for t in weights.values())
+    gated = layout(model.config) == QWEN3_NEXT
+    norms = {k for k in weights if k.endswith("norm.weight")}
+    assert len(norms) == 4 * model.config.n_layer + 1
+    assert all(t.dtype == (torch.float64 if gated and k in norms else torch.float32) for k, t in weights.items())
     assert weights["model.embed_tokens.weight"].shape == (model.config.padded_vocab_size, model.config.n_embd)
     config = json.loads((out / "config.json").read_text())
     assert config["eos_token_id"] == config["bos_token_id"] == 50256
@@ -341,9 +325,11 @@ def test_cli_refuses_an_earlier_export_unless_told_to_overwrite(tmp_path, capsys
 
 def _hf_dir(directory, case):
     """A Hugging Face directory of the tiny model, spoilt as `case` says."""
-    model = tiny_model(True)
+    model = tiny_model(True, gated=case == "elementwise-gate")
     if case != "no-weights":
         weights = {k: v.clone() for k, v in to_hf(model.config, model.state_dict()).items()}
+        if case == "elementwise-gate":  # head 3's gate rows no longer all alike
+            weights["model.layers.1.self_attn.q_proj.weight"][(2 * 3 + 1) * 16 + 5, 0] += 0.5
         hf._safetensors().save_file(weights, str(directory / "model.safetensors"))
     config = hf_config(model.config, eot=50256)
     config = {"config-list": [config], "string-int": {**config, "num_hidden_layers": "2"},
@@ -373,7 +359,8 @@ def _hf_dir(directory, case):
     ("index-no-map", "model.safetensors.index.json: weight_map must be an object of tensor names to file names"),
     ("index-map-list", "model.safetensors.index.json: weight_map must be an object"),
     ("index-non-string", "model.safetensors.index.json: weight_map must be an object"),
-    ("index-syntax", "model.safetensors.index.json: not valid JSON: Expecting value: line 2 column 24")])
+    ("index-syntax", "model.safetensors.index.json: not valid JSON: Expecting value: line 2 column 24"),
+    ("elementwise-gate", "model.layers.1.self_attn.q_proj.weight: the gate rows of head 3 differ")])
 def test_load_hf_errors_are_one_line(tmp_path, case, words):
     _hf_dir(tmp_path, case)
     with pytest.raises(ValueError) as e:
@@ -423,8 +410,9 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, capsys, monk
 
 
 def test_export_refuses_a_model_with_recipe_toggles_in_one_line(tmp_path):
-    config = ModelConfig(**{**TINY, "unet_skips": True, "mlp": "relu2"})
-    with pytest.raises(ValueError, match=r"^--mlp relu2, --unet-skips: Qwen3ForCausalLM has no such part") as e:
+    config = ModelConfig(**{**TINY, "unet_skips": True, "mlp": "relu2", "attn_gate": True})
+    with pytest.raises(ValueError, match=r"^--mlp relu2, --unet-skips: neither Qwen3ForCausalLM nor "
+                                         r"Qwen3NextForCausalLM has such a part") as e:
         export_hf(config, {}, str(tmp_path / "out"))
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
     assert str(e.value).endswith("(a model trained with --mlp swiglu --no-unet-skips can)")

@@ -203,9 +203,10 @@ def write_checkpoint(path, model, train_config=None):
                           "train_config": train_config or {}}, str(path))
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "qwen3"])
 @pytest.mark.parametrize("source", ["ckpt", "hf"])
-def test_cli_prints_text(tmp_path, capsys, source):
-    model = gpt2_sized(**QWEN3_VALUES)  # the architecture an export can write
+def test_cli_prints_text(tmp_path, capsys, source, gated):
+    model = gpt2_sized(**{**QWEN3_VALUES, "attn_gate": gated})  # the architectures an export can write
     path = tmp_path / "ckpt.pt"
     write_checkpoint(path, model)
     if source == "hf":

@@ -37,8 +37,14 @@ def test_the_summary_names_what_the_run_did_and_what_to_run_next():
 
 
 def test_the_summary_says_which_flags_make_a_model_transformers_can_load():
-    rows = dict(telemetry.summary_rows({**FACTS, "qwen3_flags": "--no-attn-gate"}))
-    assert rows["export"] == "not to transformers' Qwen3 (a run with --no-attn-gate is)"
+    from hf_layout import exportable_problem
+    from model import ModelConfig
+
+    problem = exportable_problem(ModelConfig(unet_skips=True))
+    rows = dict(telemetry.summary_rows({**FACTS, "export_problem": problem}))
+    assert rows["export"] == ("none: --unet-skips: neither Qwen3ForCausalLM nor Qwen3NextForCausalLM has such a "
+                              "part, so this model cannot be exported (a model trained with --no-unet-skips can)")
+    assert exportable_problem(ModelConfig()) is None  # the default model exports
 
 
 def test_the_summary_of_a_resumed_run_without_evals_or_checkpoints():

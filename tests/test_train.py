@@ -367,7 +367,9 @@ def test_progress_is_plain_lines_when_not_a_terminal(tmp_path, tiny_data):
     assert "train 3/3 step" in result.stderr
 
 
-def test_from_hf_starts_from_the_exported_weights(tmp_path, tiny_data):
+@pytest.mark.parametrize("architecture, given", [(["--mlp", "swiglu"], []), (["--no-attn-gate"], ["--attn-gate"])],
+                         ids=["default-qwen3-next", "qwen3"])
+def test_from_hf_starts_from_the_exported_weights(tmp_path, tiny_data, architecture, given):
     import torch
 
     from data import ShardLoader
@@ -375,12 +377,11 @@ def test_from_hf_starts_from_the_exported_weights(tmp_path, tiny_data):
     from sample import load_model
 
     gpt2_vocab = ["--vocab-size", "50257"]  # export writes the GPT-2 tokenizer next to the weights
-    qwen3 = ["--mlp", "swiglu", "--no-attn-gate"]  # the architecture an export writes
-    tiny_run(tiny_data, tmp_path / "a", "--max-steps", "3", *gpt2_vocab, *qwen3)
+    tiny_run(tiny_data, tmp_path / "a", "--max-steps", "3", *gpt2_vocab, *architecture)
     ckpt = checkpoint.checkpoint_path(str(tmp_path / "a"), 3, sharded=False)
     assert export_main(["--ckpt", ckpt, "--out", str(tmp_path / "hf")]) == 0
-    # The default flags' --attn-gate: the directory's Qwen3 architecture wins, as its shape does.
-    records = tiny_run(tiny_data, tmp_path / "b", "--max-steps", "1", "--from-hf", str(tmp_path / "hf"))
+    # The directory's architecture wins over the flags' (--attn-gate given for a Qwen3 one), as its shape does.
+    records = tiny_run(tiny_data, tmp_path / "b", "--max-steps", "1", "--from-hf", str(tmp_path / "hf"), *given)
 
     model = load_model(ckpt=ckpt)
     x, y = next(ShardLoader(tiny_data, batch_size=4, seq_len=32, seed=1337, prefetch=0))
