@@ -220,14 +220,14 @@ def attention_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> i
             + act * (H + K) * hd  # rotated q, k
             + act * H * hd + FP32 * H  # attention output, log-sum-exp
             + act * H * hd  # proj GEMM input
-            + (attention_gate_bytes_per_token(cfg, act, fused_norm) if cfg.attn_gate else 0))
+            + (attention_gate_bytes_per_token(cfg, act) if cfg.attn_gate else 0))
 
 
-def attention_gate_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
-    """Saved bytes per token of one block's attention gates: their second norm of the block input (whose input
-    the qkv norm already keeps), the gate GEMM input and the per-head sigmoid."""
-    D = cfg.n_embd
-    return _norm_bytes(D, fused_norm) - FP32 * D + act * D + act * cfg.n_head
+def attention_gate_bytes_per_token(cfg: ModelConfig, act: int) -> int:
+    """Saved bytes per token of one block's attention gates: the gate GEMM's input, which is the normed input
+    the qkv GEMM reads (the same tensor in float32; under 16-bit autocast each GEMM casts its own copy), and
+    the per-head sigmoid."""
+    return (act * cfg.n_embd if act != FP32 else 0) + act * cfg.n_head
 
 
 def mlp_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:

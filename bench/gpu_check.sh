@@ -7,8 +7,9 @@
 #     bash bench/gpu_check.sh mfu    OUT   # MFU, gpt2-124m at seq 1024 and 2048  -> OUT/mfu.md, OUT/mfu.log
 #     bash bench/gpu_check.sh profile OUT  # one compiled gpt2-124m step profiled, AdamW then Muon -> OUT/profile_*.md
 #     bash bench/gpu_check.sh fp8    OUT   # bf16 against TE and torchao FP8 at about 1B (d=2048, seq 2048) -> OUT/fp8_1b.md
-#     bash bench/gpu_check.sh all    OUT   # all of them in a row (about 25 minutes)
-#     bash bench/gpu_check.sh lease  OUT   # tests, profiles, the ladder's deciding rungs: one command (at most 8 min 30 s)
+#     bash bench/gpu_check.sh gate   OUT   # gpt2-124m's step with and without attention gates -> OUT/gate.md
+#     bash bench/gpu_check.sh all    OUT   # all of them in a row (about 28 minutes)
+#     bash bench/gpu_check.sh lease  OUT   # tests, the gates' cost, TE FP8 at 1B: one command (at most 8 min 10 s)
 #
 # tests: TE vs plain parity on the same weights, TE FP8 (both recipes, FP8 attention) through train.py, the
 # activation estimate against CUDA's saved tensors. ladder: bench/ladder.py on its GPU defaults (12 layers,
@@ -22,8 +23,8 @@ cd "$(dirname "$0")/.."
 WHAT=${1:-}
 OUT=${2:-bench/results/gpu_check_$(date +%Y%m%d)}
 PY=${PY:-python3}
-case "$WHAT" in tests | ladder | mfu | profile | fp8 | all | lease) ;; *)
-    echo "usage: bash bench/gpu_check.sh tests|ladder|mfu|profile|fp8|all|lease [OUT_DIR]" >&2
+case "$WHAT" in tests | ladder | mfu | profile | fp8 | gate | all | lease) ;; *)
+    echo "usage: bash bench/gpu_check.sh tests|ladder|mfu|profile|fp8|gate|all|lease [OUT_DIR]" >&2
     exit 2
     ;;
 esac
@@ -118,10 +119,10 @@ run_mfu() { # [LIMIT_S BUDGET_S SEQ_LENS BATCH_SIZES]: the sweep rewrites mfu.md
 # profile's tokens/s compares with the sweep's.
 GPT2_124M="--n-layer 12 --n-embd 768 --n-head 6 --n-kv-head 3 --head-dim 128 --tie-embeddings --seq-len 1024
     --batch-size 16 --dtype bf16 --tf32 --compile default --fused-adamw"
-# About 1B parameters at seq 2048, where every block GEMM is at least 2048 wide and FP8 should pay; Qwen3's MLP and
-# attention without output gates, the only ones Transformer Engine's blocks build.
+# About 1B parameters at seq 2048, where every block GEMM is at least 2048 wide and FP8 should pay; the default
+# architecture (attention gates), which both FP8 paths build.
 SHAPE_1B="--n-layer 16 --n-embd 2048 --n-head 16 --n-kv-head 4 --head-dim 128 --seq-len 2048 --batch-size 8
-    --mlp swiglu --no-attn-gate --dtype bf16 --tf32 --compile default --optimizer adamw --fused-adamw"
+    --dtype bf16 --tf32 --compile default --optimizer adamw --fused-adamw"
 
 run_profile() { # NAME LIMIT_S [train.py flags]: bench/profile_step.py -> OUT/profile_NAME.md, its log onto OUT/profile.log
     local name=$1 limit=$2 status
@@ -162,21 +163,36 @@ run_fp8() { # [LIMIT_S for each] [MODES]: bench/throughput.py at SHAPE_1B per --
     return $rc
 }
 
+run_gate() { # [LIMIT_S for each]: bench/throughput.py at GPT2_124M with and without attention gates -> OUT/gate.md, .log
+    local limit=${1:-90} rc=0 status
+    { echo "# What the attention gates cost per step at gpt2-124m, $(date '+%Y-%m-%d %H:%M')"; echo
+      echo "shape: \`$(echo $GPT2_124M) --optimizer adamw\`"; } > "$OUT/gate.md"
+    for gate in --attn-gate --no-attn-gate; do
+        # shellcheck disable=SC2086
+        status=$(limited "$limit" "$OUT/gate_run.log" $PY bench/throughput.py --windows 3 --steps-per-window 5 \
+            --warmup-steps 3 $GPT2_124M --optimizer adamw "$gate")
+        rc=$((rc | $?))
+        { echo; echo "## $gate"; echo; echo "$status"; echo; grep '^|' "$OUT/gate_run.log"; } >> "$OUT/gate.md"
+        { echo "== $gate: $status"; cat "$OUT/gate_run.log"; } >> "$OUT/gate.log" && rm "$OUT/gate_run.log"
+        echo "gate $gate: $status"
+    done
+    return $rc
+}
+
 case "$WHAT" in
 tests) run_tests ;;
+gate) run_gate ;;
 ladder) run_ladder 480 330 ;;
 mfu) run_mfu ;;
 profile) run_profiles ;;
 fp8) run_fp8 ;;
-all) run_tests; r1=$?; run_profiles; r2=$?; run_fp8; r3=$?; run_ladder 480 330; r4=$?; run_mfu; r5=$?
-    (exit $((r1 | r2 | r3 | r4 | r5))) ;;
-# Four pytest workers: the GPU tests are independent runs, each mostly start-up and compilation on the CPU. Then,
-# in the order of what the defaults depend on: the profiles (the parts of the step; Muon against AdamW), and the
-# ladder's rungs from the compiled bf16 step on that decide the loss path, attention kernel, CUDA graphs and
-# torchao's recipe. FP8 at 1B has its own command (fp8).
-lease) run_tests 110 -n 4; r1=$?; run_profiles 85; r2=$?
-    run_ladder 200 150 --start-at compile --rungs compile,loss_chunks,cudnn_attn,cuda_graphs,torchao_rowwise
-    r3=$?; (exit $((r1 | r2 | r3))) ;;
+all) run_tests; r1=$?; run_gate; r2=$?; run_profiles; r3=$?; run_fp8; r4=$?; run_ladder 480 330; r5=$?; run_mfu
+    r6=$?; (exit $((r1 | r2 | r3 | r4 | r5 | r6))) ;;
+# Four pytest workers: the GPU tests are independent runs, each mostly start-up and compilation on the CPU (the TE
+# parity tests cover the default gated blocks). Then, in the order of what the defaults depend on: what the
+# default attention gates cost per step at 124M, and the default (gated) model under TE FP8 against bf16 at 1B.
+# The profiles, the ladder's rungs and the MFU sweep have their own commands (profile, ladder, mfu).
+lease) run_tests 120 -n 4; r1=$?; run_gate 75; r2=$?; run_fp8 110 "off te"; r3=$?; (exit $((r1 | r2 | r3))) ;;
 esac
 rc=$?
 echo "results in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,7 +1,7 @@
 """Fixtures the test files share: tiny token shards, GPT-2's tokenizer loaded offline, a tokenizer.json of over
 65,535 ids, the tiny model's flags, train.py run in the test's process, a tiny GPT-2-vocabulary model, and a NaN
 injected into one training step (tests poison a step by patching it, so the product carries no test-only flag),
-and the process group every multi-process test runs in."""
+the process group every multi-process test runs in, and stand-in Transformer Engine modules for the CPU."""
 
 import os
 import re
@@ -13,8 +13,12 @@ import tiktoken.load
 import tiktoken.registry
 import torch
 import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
 
 import distributed
+import fp8
+import model as model_module
 import split
 import tokenizer
 from model import GPT, ModelConfig
@@ -239,3 +243,66 @@ def with_spectrum(rows, cols, largest, smallest):
     u, _ = torch.linalg.qr(torch.randn(rows, n))
     v, _ = torch.linalg.qr(torch.randn(cols, n))
     return u @ torch.diag(torch.linspace(largest, smallest, n)) @ v.T
+
+
+# Transformer Engine cannot be imported without CUDA: fp8.py's TE blocks are checked on the CPU on these.
+
+
+class ExtraState:
+    """A TE module's `_extra_state` entry: empty, as TE 2.18+ writes it for a stateless recipe."""
+
+    def get_extra_state(self):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        assert state.numel() == 0
+
+
+class StandInLayerNormLinear(ExtraState, model_module.LayerNormLinear):
+    """te.LayerNormLinear's keywords as fp8.py passes them (TE 2.20.2, module/layernorm_linear.py), plain
+    numerics: forward returns (out, normed input) with return_layernorm_output."""
+
+    def __init__(self, in_features, out_features, eps=1e-5, *, bias=True, normalization="LayerNorm",
+                 return_layernorm_output=False, device="cuda"):
+        assert not bias and normalization == "RMSNorm"
+        super().__init__(in_features, out_features, eps, return_layernorm_output)
+
+
+class StandInLinear(ExtraState, nn.Linear):
+    def __init__(self, in_features, out_features, *, bias=True, device="cuda"):
+        assert not bias
+        super().__init__(in_features, out_features, bias=False)
+
+
+class StandInLayerNormMLP(ExtraState, model_module.LayerNormMLP):
+    """te.LayerNormMLP (module/layernorm_mlp.py): activation swiglu (gate = fc1's first half) or srelu."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, *, bias=True, normalization="LayerNorm",
+                 activation="gelu", device="cuda"):
+        assert not bias and normalization == "RMSNorm"
+        super().__init__(hidden_size, ffn_hidden_size, eps, {"swiglu": "swiglu", "srelu": "relu2"}[activation])
+
+
+class StandInDotProductAttention(ExtraState, nn.Module):
+    """te.DotProductAttention in bshd layout with a causal mask: [B, T, heads, hd] in, [B, T, H * hd] out."""
+
+    def __init__(self, num_attention_heads, kv_channels, *, num_gqa_groups, attention_dropout, qkv_format,
+                 attn_mask_type):
+        super().__init__()
+        assert qkv_format == "bshd" and attn_mask_type == "causal" and attention_dropout == 0.0
+
+    def forward(self, q, k, v):
+        y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True)
+        return y.transpose(1, 2).flatten(2)
+
+
+STAND_IN_TE = type("StandInTE", (), {
+    "LayerNormLinear": StandInLayerNormLinear, "Linear": StandInLinear, "LayerNormMLP": StandInLayerNormMLP,
+    "DotProductAttention": StandInDotProductAttention, "checkpoint": torch.utils.checkpoint.checkpoint})
+
+
+@pytest.fixture
+def stand_in_te(monkeypatch):
+    """fp8's TE blocks built from the stand-ins, on the CPU."""
+    monkeypatch.setattr(fp8, "import_te", lambda: STAND_IN_TE)
+    monkeypatch.setattr(fp8, "_te_device", lambda: "cpu")
