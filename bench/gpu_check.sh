@@ -144,39 +144,31 @@ run_profiles() { # [LIMIT_S for each]: Muon's second, its compilation mostly fro
     return $((r1 | $?))
 }
 
-run_fp8() { # [LIMIT_S for each] [MODES]: bench/throughput.py at SHAPE_1B per --fp8 mode -> OUT/fp8_1b.md, .log
-    local limit=${1:-150} rc=0 status
-    {
-        echo "# bf16 against FP8 at about 1B parameters, $(date '+%Y-%m-%d %H:%M')"
-        echo
-        echo "shape: \`$(echo $SHAPE_1B)\`"
-    } > "$OUT/fp8_1b.md"
-    for mode in ${2:-off te torchao}; do
+run_variants() { # NAME LIMIT_S TITLE SHAPE VARIANT...: bench/throughput.py at SHAPE plus each VARIANT's flags -> OUT/NAME.md, .log
+    local name=$1 limit=$2 title=$3 shape=$4 rc=0 status variant
+    shift 4
+    { echo "# $title, $(date '+%Y-%m-%d %H:%M')"; echo; echo "shape: \`$(echo $shape)\`"; } > "$OUT/$name.md"
+    for variant in "$@"; do
         # shellcheck disable=SC2086
-        status=$(limited "$limit" "$OUT/fp8_$mode.log" $PY bench/throughput.py --windows 3 --steps-per-window 5 \
-            --warmup-steps 3 $SHAPE_1B --fp8 "$mode")
+        status=$(limited "$limit" "$OUT/${name}_run.log" $PY bench/throughput.py --windows 3 --steps-per-window 5 \
+            --warmup-steps 3 $shape $variant)
         rc=$((rc | $?))
-        { echo; echo "## --fp8 $mode"; echo; echo "$status"; echo; grep '^|' "$OUT/fp8_$mode.log"; } >> "$OUT/fp8_1b.md"
-        { echo "== --fp8 $mode: $status"; cat "$OUT/fp8_$mode.log"; } >> "$OUT/fp8_1b.log" && rm "$OUT/fp8_$mode.log"
-        echo "fp8 $mode: $status"
+        { echo; echo "## $variant"; echo; echo "$status"; echo; grep '^|' "$OUT/${name}_run.log"; } >> "$OUT/$name.md"
+        { echo "== $variant: $status"; cat "$OUT/${name}_run.log"; } >> "$OUT/$name.log" && rm "$OUT/${name}_run.log"
+        echo "$name $variant: $status"
     done
     return $rc
 }
 
-run_gate() { # [LIMIT_S for each]: bench/throughput.py at GPT2_124M with and without attention gates -> OUT/gate.md, .log
-    local limit=${1:-90} rc=0 status
-    { echo "# What the attention gates cost per step at gpt2-124m, $(date '+%Y-%m-%d %H:%M')"; echo
-      echo "shape: \`$(echo $GPT2_124M) --optimizer adamw\`"; } > "$OUT/gate.md"
-    for gate in --attn-gate --no-attn-gate; do
-        # shellcheck disable=SC2086
-        status=$(limited "$limit" "$OUT/gate_run.log" $PY bench/throughput.py --windows 3 --steps-per-window 5 \
-            --warmup-steps 3 $GPT2_124M --optimizer adamw "$gate")
-        rc=$((rc | $?))
-        { echo; echo "## $gate"; echo; echo "$status"; echo; grep '^|' "$OUT/gate_run.log"; } >> "$OUT/gate.md"
-        { echo "== $gate: $status"; cat "$OUT/gate_run.log"; } >> "$OUT/gate.log" && rm "$OUT/gate_run.log"
-        echo "gate $gate: $status"
-    done
-    return $rc
+run_fp8() { # [LIMIT_S for each] [MODES]: bf16 and FP8 at SHAPE_1B -> OUT/fp8_1b.md, .log
+    local modes=() mode
+    for mode in ${2:-off te torchao}; do modes+=("--fp8 $mode"); done
+    run_variants fp8_1b "${1:-150}" "bf16 against FP8 at about 1B parameters" "$SHAPE_1B" "${modes[@]}"
+}
+
+run_gate() { # [LIMIT_S for each]: GPT2_124M with and without the attention gates -> OUT/gate.md, .log
+    run_variants gate "${1:-90}" "What the attention gates cost per step at gpt2-124m" "$GPT2_124M --optimizer adamw" \
+        --attn-gate --no-attn-gate
 }
 
 case "$WHAT" in
