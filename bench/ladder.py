@@ -77,11 +77,12 @@ CUDA_ONLY = {"tf32": "TF32 is a CUDA tensor-core mode", "loss_chunk": f"a CPU's 
              "tokens either way", "sdpa=cudnn": "cuDNN attention is CUDA's",
              "compile=reduce-overhead": "CUDA graphs are CUDA's"}
 # Model and batch when the command line gives none. GPU: GPT-2-small width and depth with head_dim 128, so
-# that the FP8-attention rung can run, and Qwen3's MLP and attention (SwiGLU, no output gates), the only ones the
-# Transformer Engine rungs build, with GPT-2's tied head. CPU: train.py's small default model's shape, tied as its
-# committed results (bench/results/ladder_cpu.md) were measured, a small batch.
+# that the FP8-attention rung can run, the default architecture (attention gates), which the Transformer Engine
+# rungs build too, with GPT-2's tied head (the GPU results of 2026-11-27/28 were measured with --no-attn-gate).
+# CPU: train.py's small default model's shape, tied as its committed results (bench/results/ladder_cpu.md) were
+# measured, a small batch.
 GPU_DEFAULTS = ["--n-layer", "12", "--n-embd", "768", "--n-head", "6", "--n-kv-head", "2", "--seq-len", "1024",
-                "--batch-size", "16", "--mlp", "swiglu", "--no-attn-gate", "--tie-embeddings"]
+                "--batch-size", "16", "--tie-embeddings"]
 CPU_DEFAULTS = ["--batch-size", "8", "--tie-embeddings"]
 # --mfu-sweep sizes: the shapes of train.py's --preset (sizing.py), tied as GPT-2, without the horizon and batch
 # it derives.

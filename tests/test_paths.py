@@ -71,8 +71,9 @@ def test_every_toggle_has_a_row():
 
 
 def test_docs_recipe_shows_the_table():
-    rows = ["| model | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
-    rows += [f"| `{' '.join(MODELS[m]) or 'the defaults'}` | " + " | ".join(PATHS[m].values()) + " |" for m in MODELS]
+    rows = ["| model | flags | " + " | ".join(COLUMNS) + " |", "|---" * (len(COLUMNS) + 2) + "|"]
+    rows += [f"| {m} | {' '.join(MODELS[m]).join('``') if MODELS[m] else 'none'} | " + " | ".join(PATHS[m].values())
+             + " |" for m in MODELS]
     with open(os.path.join(REPO, "docs", "recipe.md"), encoding="utf-8") as f:
         assert "\n".join(rows) in f.read()
 
