@@ -8,7 +8,7 @@ default) is Qwen3NextForCausalLM configured as the same block plus an output gat
 head (partial_rotary_factor 1). Two things differ in its weights:
 - its RMSNorms multiply by 1 + w (zero-centred), so each norm weight is written as w - 1. That is exact in
   float32 only for w >= 0.5, so these few vectors are written in float64, where w - 1 is exact for any
-  float32 w with |w| >= 2**-29 (or 0), and an export reads back bit for bit;
+  float32 w from 2**-29 to 2**52 in magnitude (or 0), and an export reads back bit for bit;
 - its q_proj holds, head after head, the head's query rows and then its gate rows: the gate is elementwise,
   sigmoid(x W_q_gate) times each channel of the head's output. Our gate is one scalar per head, which is that
   gate with the head's row of W_g repeated over its head_dim channels. A Qwen3-Next model whose gate rows
@@ -131,7 +131,8 @@ def check_names(config: ModelConfig, state: dict) -> None:
 
 
 def is_norm(name: str) -> bool:
-    return name.endswith(NORMS) and (name == "norm.weight" or name.startswith("blocks."))
+    """Whether our parameter `name` is an RMSNorm weight (NORMS: no other parameter's name ends like one)."""
+    return name.endswith(NORMS)
 
 
 def gated_q_proj(query: torch.Tensor, gate: torch.Tensor, head_dim: int) -> torch.Tensor:
