@@ -33,6 +33,7 @@ decides when to save.
 
 import argparse
 import dataclasses
+import errno
 import hashlib
 import io
 import json
@@ -49,7 +50,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
 import distributed
-from cli import ArgumentParser, UsageError, WriteError, report_error, write_error
+from cli import ArgumentParser, UsageError, WriteError, first_line, free_bytes, report_error, write_error
 from config import changed_keys
 from data import data_change
 from fp8 import block_state_dict, te_to_plain_state_dict
@@ -161,6 +162,35 @@ def _os_error(e: BaseException) -> OSError | None:
     return e if isinstance(e, OSError) else None
 
 
+def state_bytes(tree) -> int:
+    """Bytes of every tensor in a nested state dict at its full size (a DTensor's whole tensor, not this rank's
+    shard): what its checkpoint needs on disk, give or take the files' headers."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(state_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(state_bytes(value) for value in tree)
+    return 0
+
+
+def _dcp_error(path: str, e: BaseException, free: int | None, needed: int) -> WriteError:
+    """The one line of a DCP save that failed. A filesystem left with less free space than the checkpoint needs
+    was filled by it: torch's zip writer reports a full disk inside dcp.save as a RuntimeError ("unexpected pos
+    ..."), with no OSError left to read, so the space decides. Anything else names the first failing rank and
+    its error."""
+    if (error := _os_error(e)) is not None:
+        return _disk_error(path, error)
+    if free is not None and free < needed:
+        return _disk_error(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+    failures = getattr(e, "failures", {})
+    rank = min(failures) if failures else None
+    cause = failures[rank][0] if failures else e
+    where = f"rank {rank}: " if rank is not None else ""
+    return WriteError(f"cannot write checkpoint {path}: {where}{type(cause).__name__}: {first_line(cause)}; the "
+                      "previous checkpoints are intact")
+
+
 def save_file(state: dict, path: str) -> None:
     """Write to a temporary file and fsync it, record its sha256 beside it, then rename it into place.
 
@@ -190,17 +220,20 @@ def save_sharded(tensors: dict, meta: dict, path: str, is_main: bool, barrier) -
     barrier()
     try:
         dcp.save(tensors, checkpoint_id=tmp)
-        if is_main:
+    except CheckpointException as e:  # every rank has it: dcp.save gathers the ranks' outcomes
+        free = free_bytes(tmp)
+        barrier()  # every rank has read the space the partial directory leaves before any rank removes it
+        shutil.rmtree(tmp, ignore_errors=True)  # each rank: ranks on filesystems of their own hold parts of it
+        raise _dcp_error(path, e, free, state_bytes(tensors)) from None
+    if is_main:
+        try:
             _write_synced(os.path.join(tmp, META_FILE), _save_hashed(meta))
             digests = {name: file_sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
             _write_synced(os.path.join(tmp, CHECKSUMS_FILE), lambda f: f.write(json.dumps(digests).encode()))
             _replace_dir(tmp, path)
-    except (OSError, CheckpointException) as e:
-        if _os_error(e) is None:
-            raise  # not the disk: a bug, with its traceback
-        if is_main:
+        except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise _disk_error(path, _os_error(e)) from None
+            raise _disk_error(path, e) from None
     barrier()
 
 

@@ -31,13 +31,18 @@ def write_error(what: str, path: str, error: BaseException, after: str = "") -> 
     return WriteError(f"cannot write {what} {path}: {why} ({free_space(path)}){after}")
 
 
+def free_bytes(path: str) -> int | None:
+    """Free bytes on the filesystem a write to path goes to (its directory's), or None when unknown."""
+    try:
+        return shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    except OSError:
+        return None
+
+
 def free_space(path: str) -> str:
     """'12.0 MiB free on its filesystem', for a message about a write to path that failed."""
-    try:
-        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
-    except OSError:
-        return "free space unknown"
-    return f"{free / 2**20:,.1f} MiB free on its filesystem"
+    free = free_bytes(path)
+    return "free space unknown" if free is None else f"{free / 2**20:,.1f} MiB free on its filesystem"
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import signal
@@ -332,6 +333,29 @@ def _kill_rank_1_after(run: subprocess.Popen, metrics, steps: int) -> list[dict]
     logged = [json.loads(line) for line in metrics.read_text().splitlines()[:steps]]
     os.kill(_workers(run.pid)[1], signal.SIGKILL)
     return logged
+
+
+def test_a_filesystem_that_fills_during_an_fsdp2_save_is_one_line_and_keeps_the_previous_checkpoint(
+        data_dir, tmp_path, small_filesystem):
+    """A real full disk under 2 gloo ranks' DCP save, which torch reports as its zip writer's RuntimeError with no
+    OSError inside: the full-disk line on the main rank and no traceback, the partial directory gone, the
+    previous checkpoint whole, the summary written, exit 1."""
+    flags = ["--data", data_dir, *COMMON, "--dist", "fsdp", "--eval-interval", "0", "--ckpt-interval", "1",
+             "--keep-ckpts", "1"]
+    probe = launch(2, *flags, "--out-dir", str(tmp_path / "probe"), "--max-steps", "1")
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    first = tmp_path / "probe" / "ckpt_00000001"
+    size = sum(f.stat().st_size for f in first.iterdir())
+    out = small_filesystem(int(size * 1.5) // 1024) / "run"  # room for one checkpoint, not for a second beside it
+    result = launch(2, *flags, "--out-dir", str(out), "--max-steps", "4")
+    assert result.returncode != 0 and not re.search(r"\[rank\d\]: Traceback", result.stderr), result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.fullmatch(
+        rf"error: cannot write checkpoint {re.escape(str(out))}/ckpt_00000002: No space left on device \([\d.,]+ MiB "
+        r"free on its filesystem\); the previous checkpoints are intact", errors[0]), result.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("ckpt_")) == ["ckpt_00000001"]
+    checkpoint.verify(str(out / "ckpt_00000001"))
+    assert (out / "summary.json").exists()
 
 
 KILLED_RUN = ["--dist", "ddp", *COMMON, "--eval-interval", "0", "--max-steps", "60", "--ckpt-interval", "20",

@@ -753,6 +753,38 @@ def test_a_dcp_save_that_fails_keeps_the_previous_directory(tmp_path, monkeypatc
     checkpoint.verify(path)
 
 
+@pytest.mark.parametrize("free, line", [
+    (0, r"No space left on device \(.*\); the previous checkpoints are intact"),
+    (2**40, r"rank 1: RuntimeError: \[enforce fail at inline_container.cc:672\] . unexpected pos 704 vs 598; "
+            r"the previous checkpoints are intact")])
+def test_a_dcp_failure_without_an_os_error_is_the_full_disk_when_the_space_is_gone(tmp_path, monkeypatch, free,
+                                                                                     line):
+    """A real full disk inside dcp.save reaches us as torch's zip writer's RuntimeError, no OSError inside: with
+    less free space than the checkpoint needs it is the full disk's line; with room to spare, the first failing
+    rank and its error. Either way the temporary directory goes and the previous checkpoint stays whole."""
+    path = str(tmp_path / "best")
+    checkpoint.save_sharded({"w": torch.ones(8)}, {"step": 1}, path, True, lambda: None)
+
+    def fails(state, checkpoint_id):
+        os.makedirs(checkpoint_id, exist_ok=True)
+        error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        raise torch.distributed.checkpoint.CheckpointException("save failed", {1: (error, None), 2: (error, None)})
+
+    monkeypatch.setattr(checkpoint.dcp, "save", fails)
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda _: free)
+    with pytest.raises(cli.WriteError) as e:
+        checkpoint.save_sharded({"w": torch.zeros(8)}, {"step": 2}, path, True, lambda: None)
+    assert re.fullmatch(rf"cannot write checkpoint {re.escape(path)}: {line}", str(e.value))
+    assert sorted(os.listdir(tmp_path)) == ["best"]
+    checkpoint.verify(path)
+
+
+def test_the_checkpoints_size_counts_whole_tensors_of_a_nested_state():
+    state = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)},
+             "optimizer": {"state": {0: {"step": torch.tensor(1.0), "m": [torch.zeros(5)]}}, "lr": 0.1}}
+    assert checkpoint.state_bytes(state) == 4 * 12 + 2 * 2 + 4 + 4 * 5
+
+
 def test_a_log_line_that_cannot_be_written_leaves_the_log_whole(tmp_path, monkeypatch):
     log = telemetry.MetricsLog(str(tmp_path), start_step=0, wandb_run=None)
     log.log({"step": 1, "tokens": 10})
