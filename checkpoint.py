@@ -224,7 +224,9 @@ def save_sharded(tensors: dict, meta: dict, path: str, is_main: bool, barrier) -
         free = free_bytes(tmp)
         barrier()  # every rank has read the space the partial directory leaves before any rank removes it
         shutil.rmtree(tmp, ignore_errors=True)  # each rank: ranks on filesystems of their own hold parts of it
-        raise _dcp_error(path, e, free, state_bytes(tensors)) from None
+        error = _dcp_error(path, e, free, state_bytes(tensors))
+        error.every_rank = True  # train.py: rank 0's line says it for all
+        raise error from None
     if is_main:
         try:
             _write_synced(os.path.join(tmp, META_FILE), _save_hashed(meta))

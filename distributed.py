@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cli import first_line
+from cli import first_line, report_error
 
 
 @dataclass
@@ -78,18 +78,56 @@ def attempt_store(world_size: int, timeout: timedelta):
 def lost_rank(error: BaseException, info: DistInfo) -> str | None:
     """The one line for an error that a collective raised because another rank is gone (killed, crashed) or
     hung past --collective-timeout, else None. gloo and NCCL report these as RuntimeErrors of their own
-    wording (torch's DistError where it wraps them)."""
+    wording (torch's DistError where it wraps them). A rank that stopped on an error of its own left it in the
+    store (report_stop): the line quotes it, since launching again would meet it again."""
     if info.mode == "none" or not isinstance(error, RuntimeError):
         return None
     text = str(error)
     if not isinstance(error, dist.DistError) and not any(word in text for word in LOST_RANK_WORDS):
         return None
     why = re.sub(r"^\[[^\]]*\] ", "", first_line(error)).split(". ")[0][:160]  # gloo's source location, then why
+    if left := errors_left(info):
+        rank, line = left[0]
+        return f"rank {info.rank} lost the other ranks in a collective ({why}): rank {rank} stopped first: {line}"
     return (f"rank {info.rank} lost the other ranks in a collective ({why}): another rank died or "
             f"hung (torchrun's summary names it); every checkpoint on disk is whole: launch again with --resume "
             f"(a restart script, a scheduler or torchrun --max-restarts: --resume auto)")
 
 
+def report_stop(error: BaseException, info: DistInfo, every_rank: bool) -> None:
+    """The one line of a run stopped by an error it can name. Rank 0 prints it. Another rank prints it with its
+    rank and leaves it in the process group's store, where rank 0, which meets the rank's absence in its next
+    collective, reads it (lost_rank); unless every rank stops on it together (every_rank), which rank 0's line
+    says once for all."""
+    if info.is_main:
+        report_error(error)
+    elif not every_rank:
+        report_error(f"rank {info.rank}: {error}")
+        leave_error(str(error))
+
+
+def leave_error(line: str) -> None:
+    """Put this rank's error line in the process group's store (nothing before the group is set up)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.distributed_c10d._get_default_store().set(f"{RANK_ERROR_KEY}{dist.get_rank()}", line)
+    except Exception:  # the store's host is gone too: the line is on this rank's stderr
+        pass
+
+
+def errors_left(info: DistInfo) -> list[tuple[int, str]]:
+    """(rank, line) of each other rank that left its error in the store (leave_error)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        keys = {rank: f"{RANK_ERROR_KEY}{rank}" for rank in range(info.world_size) if rank != info.rank}
+        return [(rank, store.get(key).decode()) for rank, key in keys.items() if store.check([key])]
+    except Exception:  # no store to read (its host went with the lost rank): the plain line
+        return []
+
+
+# Where a rank's error line waits for rank 0 in the process group's store (each torchrun attempt has its own).
+RANK_ERROR_KEY = "pretrain/rank_error/"
 # What gloo's and NCCL's errors say when a peer is gone or silent.
 LOST_RANK_WORDS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out",
                    "timed out", "Timeout", "NCCL communicator was aborted", "ProcessGroupNCCL")

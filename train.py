@@ -356,15 +356,17 @@ def main(argv=None):
         return
     except (UsageError, DataError, CheckpointError, ValueError, WriteError) as e:
         # Only setup is guarded: ValueError there is config validation in model.py / optim.py, while an
-        # exception inside the loop is a bug and keeps its traceback. Every rank fails alike; rank 0 says why.
+        # exception inside the loop is a bug and keeps its traceback. Every rank fails alike; rank 0 says why,
+        # and a rank that failed alone has its line quoted by rank 0's lost collective (distributed.lost_rank).
+        distributed.leave_error(str(e))
         sys.exit(report_startup_error(e))
     outcome = None  # stays None for a bug, whose traceback is the report
     try:
         outcome = run_loop(run) or "finished"
     except (CheckpointError, DataError, TrainingHalted, WriteError) as e:  # bad tokens, a full disk, a run that cannot go on
         outcome = f"halted: {e}"
-        if run.info.is_main:
-            report_error(e)
+        # The guard's halts are agreed across ranks, and a DCP save fails on all of them: rank 0 says those.
+        distributed.report_stop(e, run.info, isinstance(e, TrainingHalted) or getattr(e, "every_rank", False))
         sys.exit(1 if isinstance(e, (TrainingHalted, WriteError)) else 2)
     except RuntimeError as e:  # another rank gone: this one says so in a line; anything else is a bug
         if (lost := distributed.lost_rank(e, run.info)) is None:

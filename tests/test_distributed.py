@@ -358,6 +358,48 @@ def test_a_filesystem_that_fills_during_an_fsdp2_save_is_one_line_and_keeps_the_
     assert (out / "summary.json").exists()
 
 
+def first_shards(data: str, rank: int, steps: int) -> set[int]:
+    """The shards rank `rank` of two reads for its first `steps` batches, as train.py's loader takes them."""
+    from data import ShardLoader
+
+    loader = ShardLoader(data, batch_size=4, seq_len=32, rank=rank, world_size=2, seed=1337, prefetch=0)
+    read, check = [], loader.order.watch.check
+    loader.order.watch.check = lambda i: (read.append(i), check(i))[1]
+    for _ in range(steps):
+        next(loader)
+    return set(read)
+
+
+def test_an_error_on_another_rank_is_its_line_and_rank_0_quotes_it(tmp_path):
+    """A shard that rank 1 reads in its first batch and rank 0 does not, damaged after prepare.py recorded its
+    sha256: rank 1 stops with its line, prefixed with its rank; rank 0, which meets rank 1's absence in its
+    next collective, quotes that line instead of advising a relaunch that would fail the same way."""
+    from data import write_data_record
+    from shards import file_sha256
+
+    data = tmp_path / "data"
+    data.mkdir()
+    tokens = (np.arange(12000) * 7 % 256).astype(np.uint16)
+    for i in range(12):  # 4 windows a shard: a rank's batch of 4 rows takes one shard
+        write_shard(data / f"train_{i:06d}.bin", tokens[i * 160:(i + 1) * 160], vocab_size=256)
+    write_shard(data / "val_000000.bin", tokens[9000:], vocab_size=256)
+    write_data_record(str(data), {"tokenizer": "gpt2", "n_vocab": 256, "sha256": {
+        p.name: file_sha256(str(p)) for p in sorted(data.glob("*.bin"))}})
+    damaged = min(first_shards(str(data), 1, 1) - first_shards(str(data), 0, 3))  # rank 0 prefetches 2 batches
+    path = data / f"train_{damaged:06d}.bin"
+    with open(path, "r+b") as f:  # same size and inode: only the recorded sha256 tells
+        f.seek(path.stat().st_size - 64)
+        f.write(b"\x01" * 32)
+    result = launch(2, "--data", str(data), "--out-dir", str(tmp_path / "out"), *COMMON, "--dist", "ddp",
+                    "--eval-interval", "0", "--max-steps", "5")
+    assert result.returncode != 0 and not re.search(r"\[rank\d\]: Traceback", result.stderr), result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    cause = f"{path}: the shard's sha256 is not the one data.json records"
+    assert len(errors) == 2 and errors[0].startswith(f"error: rank 1: {cause}"), result.stderr[-3000:]
+    assert re.fullmatch(rf"error: rank 0 lost the other ranks in a collective \(.*\): rank 1 stopped first: "
+                        rf"{re.escape(cause)}.*prepare the data again, then resume", errors[1]), errors[1]
+
+
 KILLED_RUN = ["--dist", "ddp", *COMMON, "--eval-interval", "0", "--max-steps", "60", "--ckpt-interval", "20",
               "--log-interval", "1", "--resume", "auto"]
 
