@@ -518,12 +518,14 @@ class Checkpointer:
     """
 
     def __init__(self, out_dir: str, interval: int, keep: int, info: "distributed.DistInfo", model_cfg,
-                 run_config: dict, data_id: list, allow_data_change: bool = False, check_run_config=None):
+                 run_config: dict, data_id: list, allow_data_change: bool = False, check_run_config=None,
+                 tokenizer: dict | None = None):
         """data_id: data.fingerprint of the training shards, saved with every checkpoint; a resume on other
         shards is refused unless allow_data_change. check_run_config(saved run config) -> the changed settings
-        to report, or raises UsageError for a change the run cannot survive (config.check_resume)."""
+        to report, or raises UsageError for a change the run cannot survive (config.check_resume). tokenizer:
+        data.tokenizer_id of the shards' data.json, which sample.py, hf.py and score.py check theirs against."""
         self.out_dir, self.interval, self.keep, self.info = out_dir, interval, keep, info
-        self.model_cfg, self.run_config = model_cfg, run_config
+        self.model_cfg, self.run_config, self.tokenizer = model_cfg, run_config, tokenizer
         self.data_id, self.allow_data_change = data_id, allow_data_change
         self.check_run_config = check_run_config
         self.sharded = info.mode == "fsdp"
@@ -552,7 +554,7 @@ class Checkpointer:
         model_sd = te_to_plain_state_dict(model_sd)  # the plain contract: no FP8 scaling pickles (module docstring)
         meta = {"version": CHECKPOINT_VERSION, "step": done, "tokens": tokens, "batch_tokens": batch_tokens,
                 "world_size": self.info.world_size, "loader": loader.state_dict(),
-                "data": self.data_id, "rng": rng_state(),
+                "data": self.data_id, "tokenizer": self.tokenizer, "rng": rng_state(),
                 "model_config": dataclasses.asdict(self.model_cfg), "train_config": self.run_config,
                 "lr_multiplier": current_multiplier(optimizer), "record": record, **guard.state_dict()}
         path = checkpoint_path(self.out_dir, done, self.sharded) if regular else self.best_path

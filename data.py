@@ -68,6 +68,23 @@ def data_record(data_dir: str) -> dict | None:
     return None
 
 
+# What identifies the tokenizer of a data.json record (Tokenizer.record() writes these): a checkpoint keeps them.
+TOKENIZER_ID_FIELDS = ("tokenizer", "tokenizer_sha256", "n_vocab", "eot", "doc_separator")
+
+
+def tokenizer_id(record: dict | None) -> dict | None:
+    """The TOKENIZER_ID_FIELDS of a data.json record or of Tokenizer.record(); None for no record."""
+    return None if record is None else {key: record.get(key) for key in TOKENIZER_ID_FIELDS}
+
+
+def same_tokenizer(a: dict, b: dict) -> bool:
+    """Whether two tokenizer_ids name one tokenizer: the same ids and separator, and the same sha256 of the
+    tokenizer's definition (by name where a record predates the sha256: a path may differ for one file)."""
+    keys = ("n_vocab", "eot") + (("tokenizer_sha256",) if a["tokenizer_sha256"] and b["tokenizer_sha256"] else
+                                 ("tokenizer",))
+    return all(a[key] == b[key] for key in keys)
+
+
 def data_tokenizer(data_dir: str) -> Tokenizer | None:
     """The tokenizer that made the shards in data_dir, as data.json records it (tokenizer.recorded_tokenizer);
     None when there is no record, as for shards made by llm.c. DataError when it cannot be loaded."""

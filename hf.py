@@ -36,7 +36,7 @@ import torch
 import checkpoint
 from cli import ArgumentParser, UsageError, closed_stdout, first_line, plural, report_error
 from checkpoint import CheckpointError
-from data import data_tokenizer
+from data import data_tokenizer, same_tokenizer, tokenizer_id
 from fp8 import te_to_plain_state_dict
 from hf_layout import (ARCHITECTURES, check_hf_weights, check_names, config_from_hf, exportable_problem, from_hf,
                        hf_config, layout, to_hf)
@@ -220,10 +220,10 @@ def tokenizer_note(enc: Tokenizer, wrote_files: bool, wrote_fast: bool = True) -
             + fast + padding)
 
 
-def trained_config(path: str) -> dict | None:
-    """The train.py config that the checkpoint at path recorded (its meta's train_config; for a run directory,
-    that of its newest checkpoint whose meta reads), {} when it has none; None for an hf.py directory.
-    Only the meta is read: a file's tensors are memory-mapped, not loaded."""
+def trained_meta(path: str) -> dict | None:
+    """The meta of the checkpoint at path (for a run directory, of its newest checkpoint whose meta reads), {}
+    when there is none; None for an hf.py directory. Only the meta is read: a file's tensors are
+    memory-mapped, not loaded."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return None
 
@@ -238,7 +238,40 @@ def trained_config(path: str) -> dict | None:
         found = checkpoint.load_newest(path, meta, warn=lambda line: None)
     else:
         found = (path, *meta(path))
-    return (found[1].get("train_config") if found else None) or {}
+    return found[1] if found else {}
+
+
+def trained_config(path: str) -> dict | None:
+    """The train.py config that the checkpoint at path recorded (trained_meta's train_config), {} when it has
+    none; None for an hf.py directory."""
+    meta = trained_meta(path)
+    return None if meta is None else meta.get("train_config") or {}
+
+
+def describe_tokenizer(found: dict) -> str:
+    sha = f"sha256 {found['tokenizer_sha256'][:12]}, " if found["tokenizer_sha256"] else ""
+    return f"the tokenizer {found['tokenizer']} ({sha}{found['n_vocab']:,} ids, separator {found['eot']})"
+
+
+def check_tokenizer(path: str, found: dict | None, warn, flag: str = "--tokenizer") -> None:
+    """UsageError (one line, naming both, and what to pass with `flag`: --tokenizer, or --data for shards to
+    score) when the checkpoint at path recorded another tokenizer than `found` (data.tokenizer_id of the one a
+    tool would use: its --tokenizer, or the data's data.json, which a preparation since may have replaced). A
+    checkpoint from before checkpoints recorded their tokenizer is warned about through warn; an hf.py directory
+    carries its own tokenizer, and shards without data.json record none: nothing to compare."""
+    meta = trained_meta(path)
+    if meta is None or found is None:
+        return
+    if "tokenizer" not in meta:
+        warn(f"note: {path} does not record the tokenizer it was trained with (it was written before checkpoints "
+             f"did): {found['tokenizer']} is taken unchecked")
+        return
+    recorded = meta["tokenizer"]
+    if recorded is not None and not same_tokenizer(recorded, found):
+        fix = "with the one it was trained with" if flag == "--tokenizer" else "with shards prepared with it"
+        raise UsageError(f"{path} was trained with {describe_tokenizer(recorded)}, not {describe_tokenizer(found)} "
+                         f"(its data was prepared again since, or another tokenizer was given): pass {flag} {fix} "
+                         f"({recorded['tokenizer']})")
 
 
 def model_tokenizer(path: str) -> Tokenizer | None:
@@ -375,7 +408,8 @@ def main(argv=None) -> int:
         args = parser.parse_args(argv)
         check_target(args.out, args.overwrite)  # before a checkpoint that may take minutes to read
         config, state = read_ckpt(args.ckpt, lambda line: print(line, file=sys.stderr, flush=True))
-        enc = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer(args.ckpt)
+        enc = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer(args.ckpt) or load_tokenizer()
+        check_tokenizer(args.ckpt, tokenizer_id(enc.record()), lambda line: print(line, file=sys.stderr))
         export_hf(config, state, args.out, enc, args.overwrite)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)

@@ -25,7 +25,7 @@ import numpy as np
 
 from cli import UsageError
 from data import (GPT2_EOT, PACK_BUFFER_DOCS, BatchStream, DataError, Position, ShardLoader, check_split, check_state,
-                  check_vocab, data_record, fingerprint, vocab_from_data)
+                  check_vocab, data_record, fingerprint, split_paths, vocab_from_data)
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # it becomes a metric name: val_loss/NAME, epoch/NAME
 MIX_BLOCK = 4096  # rows drawn from one seeded generator: a step reads a block or two, never the rows before it
@@ -110,6 +110,20 @@ def check_sources(sources: list[Source]) -> None:
                 f"--data: {label(first)} and {label(source)} were prepared with different tokenizers "
                 f"({first_record['tokenizer']}, separator {first_record.get('eot')}; {record['tokenizer']}, "
                 f"separator {record.get('eot')}): a mixture needs one; prepare them with the same --tokenizer")
+
+
+def named_fingerprint(named_paths: list[tuple[str, list[str]]]) -> list[list]:
+    """data.fingerprint of each source's shards (name, paths), each shard named NAME/file."""
+    return [[f"{name}/{shard}", *rest] for name, paths in named_paths for shard, *rest in fingerprint(paths)]
+
+
+def data_fingerprint(spec: str) -> list[list]:
+    """The fingerprint of the train shards that --data spec names, as its loader's fingerprint() gives it (what a
+    checkpoint records), without opening a loader: tells a copy of the data from other data by content."""
+    sources = parse_data(spec)
+    if not is_mixture(sources):
+        return fingerprint(split_paths(sources[0].dir, "train"))
+    return named_fingerprint([(s.name, split_paths(s.dir, "train")) for s in sources])
 
 
 def record_dir(sources: list[Source]) -> str:
@@ -220,8 +234,7 @@ class MixtureLoader(BatchStream):
 
     def fingerprint(self) -> list[list]:
         """data.fingerprint of every source's shards, each named NAME/file."""
-        return [[f"{s.name}/{name}", *rest] for s, part in zip(self.sources, self.parts)
-                for name, *rest in fingerprint(part.paths)]
+        return named_fingerprint([(s.name, part.paths) for s, part in zip(self.sources, self.parts)])
 
     def state_dict(self) -> dict:
         pos = self._next

@@ -25,7 +25,8 @@ from checkpoint import CheckpointError
 from cli import ArgumentParser, HelpFormatter, UsageError, closed_stdout, report_error
 from config import DEVICES
 from hardware import resolve_device
-from hf import is_run_directory, load_hf, model_tokenizer, read_ckpt
+from data import tokenizer_id
+from hf import check_tokenizer, is_run_directory, load_hf, model_tokenizer, read_ckpt
 from hf_layout import check_names
 from model import GPT, KVCache
 from tokenizer import DataError, Tokenizer, check_model_vocab, load_tokenizer
@@ -285,6 +286,7 @@ def main(argv=None) -> int:
         device, _ = resolve_device(a.device)
         model = load_model(a.ckpt, a.hf, device)
         enc = load_tokenizer(a.tokenizer) if a.tokenizer else model_tokenizer(a.ckpt or a.hf) or load_tokenizer()
+        check_tokenizer(a.ckpt or a.hf, tokenizer_id(enc.record()), say)
         check_model_vocab(model.config.vocab_size, enc)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)

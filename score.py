@@ -23,14 +23,15 @@ import torch
 from checkpoint import CheckpointError
 from cli import ArgumentParser, HelpFormatter, UsageError, closed_stdout, plural, report_error
 from config import DEVICES, EvalConfig
-from data import DataError
+from data import DataError, data_record, tokenizer_id
 from distributed import DistInfo
 from train_eval import Evaluator
-from hf import model_tokenizer, trained_config
+from hf import check_tokenizer, model_tokenizer, trained_meta
 from hardware import autocast, resolve_device
-from mixture import check_sources, is_mixture, label, parse_data, vocab_problem
+from mixture import check_sources, data_fingerprint, is_mixture, label, parse_data, record_dir, vocab_problem
 from prepare import default_corpus, default_corpus_dir
-from sample import load_model
+from sample import load_model, say
+from tokenizer import load_tokenizer
 
 TASKS = ("hellaswag", "bpb")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the autocast dtype; fp32: none
@@ -51,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "records none: the stdlib corpus, with a note)")
     p.add_argument("--hellaswag-path", default=defaults.hellaswag_path,
                    help=f"a hub dataset name or a .jsonl / .parquet file (default: {defaults.hellaswag_path})")
+    p.add_argument("--tokenizer", metavar="NAME|PATH",
+                   help="hellaswag: the tokenizer the model was trained with, as prepare.py --tokenizer takes it "
+                        "(default: the one its training data's data.json records, else GPT-2's)")
     p.add_argument("--batch-size", type=int, default=16, help="bpb: sequences per forward (default: 16)")
     p.add_argument("--device", default="auto", choices=DEVICES, help="where the model runs")
     p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="autocast dtype (default: fp32)")
@@ -66,13 +70,16 @@ def load(path: str, device: torch.device):
     return load_model(ckpt=path, device=device)
 
 
-def val_data(given: str | None, train_config: dict | None, ckpt: str) -> tuple[str | None, str | None]:
+def val_data(given: str | None, meta: dict | None, ckpt: str) -> tuple[str | None, str | None]:
     """bpb: (the data whose val split to score, a directory or a mixture as train.py's --data, None for the
     default corpus; a note to print with the figures, or None). By default the data the checkpoint trained on
     (its recorded --data, None being the default corpus, as in train.py); UsageError when a directory of it is
-    not there. Another --data is scored with a note that it is not the checkpoint's. Nothing recorded (an
-    hf.py directory): --data, or the default corpus with a note."""
-    recorded = (train_config or {}).get("data") or {}
+    not there. Data other than the checkpoint's is scored with a note: told by content (the fingerprint of its
+    train shards that the checkpoint recorded), so a copy elsewhere is the same data and a directory prepared
+    again is not; by path for a checkpoint without a fingerprint. Nothing recorded (an hf.py directory): --data,
+    or the default corpus with a note. meta: the checkpoint's (hf.trained_meta)."""
+    meta = meta or {}
+    recorded = (meta.get("train_config") or {}).get("data") or {}
     if "data" not in recorded:
         if given is None:
             return None, (f"note: {ckpt} records no training data, so this is the default corpus; give --data "
@@ -85,11 +92,26 @@ def val_data(given: str | None, train_config: dict | None, ckpt: str) -> tuple[s
             what = f"whose {label(missing[0])} is" if is_mixture(sources) else "which is"
             raise UsageError(f"--ckpt {ckpt} trained on --data {trained}, {what} not there; give --data DIR "
                              f"for the shards to score")
-        return trained, None
-    if given == trained or os.path.realpath(given) == os.path.realpath(trained or default_corpus_dir()):
-        return given, None
-    return given, (f"note: --data {given} is not the data the checkpoint trained on "
-                   f"({trained or 'the default corpus'}): these figures do not compare with the run's")
+    scored = given if given is not None else trained
+    if meta.get("data") is not None:
+        same = same_shards(scored or default_corpus_dir(), meta["data"])
+    else:
+        same = given is None or given == trained or (
+            os.path.realpath(given) == os.path.realpath(trained or default_corpus_dir()))
+    if same:
+        return scored, None
+    return scored, (f"note: --data {scored or 'the default corpus'} is not the data the checkpoint trained on "
+                    f"({'prepared again since' if scored == trained else trained or 'the default corpus'}): these "
+                    "figures do not compare with the run's")
+
+
+def same_shards(spec: str, recorded: list) -> bool:
+    """Whether --data spec holds the train shards a checkpoint recorded (mixture.data_fingerprint), wherever it
+    lies; False where its shards cannot be read (scoring them then says why)."""
+    try:
+        return data_fingerprint(spec) == recorded
+    except (DataError, UsageError, OSError):
+        return False
 
 
 def check_args(a: argparse.Namespace) -> None:
@@ -107,13 +129,15 @@ def prepare(a: argparse.Namespace, model, device: torch.device, data: str | None
     seq_len = model.config.max_seq_len
     if a.task == "hellaswag":
         cfg = EvalConfig(eval_interval=0, hellaswag_path=a.hellaswag_path)
-        evaluator = Evaluator(cfg, None, DistInfo(), device, model.config.vocab_size, seed=0,
-                              tokenizer=model_tokenizer(a.ckpt))
+        enc = load_tokenizer(a.tokenizer) if a.tokenizer else model_tokenizer(a.ckpt)
+        check_tokenizer(a.ckpt, enc and tokenizer_id(enc.record()), say)
+        evaluator = Evaluator(cfg, None, DistInfo(), device, model.config.vocab_size, seed=0, tokenizer=enc)
         evaluator.load_hellaswag(seq_len, a.n)
         return evaluator
     data = data or default_corpus()
     sources = parse_data(data)
     check_sources(sources)
+    check_tokenizer(a.ckpt, tokenizer_id(data_record(record_dir(sources))), say, "--data")
     if problem := vocab_problem(model.config.vocab_size, sources):
         raise DataError(problem)
     cfg = EvalConfig(eval_tokens=a.n or EvalConfig().eval_tokens)
@@ -154,7 +178,7 @@ def main(argv=None) -> int:
         check_args(a)
         device, _ = resolve_device(a.device)
         model = load(a.ckpt, device)
-        data, note = val_data(a.data, trained_config(a.ckpt), a.ckpt) if a.task == "bpb" else (None, None)
+        data, note = val_data(a.data, trained_meta(a.ckpt), a.ckpt) if a.task == "bpb" else (None, None)
         evaluator = prepare(a, model, device, data)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)

@@ -32,7 +32,7 @@ import report
 from checkpoint import CheckpointError, Checkpointer, tokens_trained
 from cli import UsageError, WriteError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
-from data import DataError, ShardLoader
+from data import DataError, ShardLoader, data_record, tokenizer_id
 from hf import load_hf
 from model import GPT, ModelConfig
 from optim import build_optimizer, step_if_finite
@@ -172,7 +172,8 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
 
     checkpointer = Checkpointer(cfg.ckpt.out_dir, cfg.ckpt.ckpt_interval, cfg.ckpt.keep_ckpts, info, model_cfg,
                                 config.to_dict(cfg), loader.fingerprint(), cfg.data.allow_data_change,
-                                lambda saved: config.check_resume(saved, cfg))
+                                lambda saved: config.check_resume(saved, cfg),
+                                tokenizer_id(data_record(mixture.record_dir(sources))))
     guard, start_step, start_tokens, meta = Guard(cfg.resilience), 0, 0, {}
     if resume:
         warn = message if info.is_main else lambda _: None

@@ -3,6 +3,7 @@
 injected into one training step (tests poison a step by patching it, so the product carries no test-only flag),
 the process group every multi-process test runs in, and stand-in Transformer Engine modules for the CPU."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -119,6 +120,18 @@ def word_tokenizer(tmp_path_factory):
     and of WORD_TEXT, its separator <|endoftext|> the last id."""
     words = re.findall(r"\w+|[^\w\s]+", WORD_TEXT + "\n" + open(HELLASWAG_FIXTURE, encoding="utf-8").read())
     return write_word_tokenizer(tmp_path_factory.mktemp("word_tokenizer") / "tokenizer.json", words)
+
+
+def write_checkpoint(path, model, train_config=None, tokenizer=None):
+    """A checkpoint of the model as train.py writes one, with a TE block's empty extra state; tokenizer: the
+    data.tokenizer_id it records (None: shards without data.json, so nothing to check a tool's against)."""
+    import checkpoint
+
+    state = model.state_dict()
+    state["blocks.0.attn.qkv._extra_state"] = torch.zeros(0)  # as a Transformer Engine block writes
+    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": state, "optimizer": {},
+                          "loader": {}, "rng": {}, "model_config": dataclasses.asdict(model.config),
+                          "train_config": train_config or {}, "tokenizer": tokenizer}, str(path))
 
 
 def gpt2_model(seed: int = 0, **overrides) -> GPT:

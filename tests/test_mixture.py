@@ -281,7 +281,7 @@ def test_a_mixture_run_reports_each_source_and_resumes_bit_identically(sources, 
     assert f"val tokens of {spec} " in lines[0] and lines[1].startswith("val_loss ")
     assert [line.split()[0] for line in lines[-4:]] == ["val_loss/code", "val_bpb/code", "val_loss/web", "val_bpb/web"]
     with pytest.raises(UsageError, match=f"whose source code \\({code.dir}-gone\\) is not there"):
-        score.val_data(None, {"data": {"data": spec.replace(code.dir, code.dir + "-gone")}}, "c.pt")
+        score.val_data(None, {"train_config": {"data": {"data": spec.replace(code.dir, code.dir + "-gone")}}}, "c.pt")
 
     os.makedirs(tmp_path / "resumed")
     for name in os.listdir(tmp_path / "full"):

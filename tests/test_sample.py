@@ -9,7 +9,7 @@ import torch
 
 import checkpoint
 import sample
-from conftest import write_word_tokenizer
+from conftest import write_checkpoint, write_word_tokenizer
 from model import GPT, QWEN3_VALUES, KVCache, ModelConfig
 from sample import decode_stream, generate, next_token, sample_text, top_k_filter, top_p_filter
 from tokenizer import get_tokenizer, load_tokenizer, train_bpe
@@ -195,12 +195,6 @@ def test_sample_text_is_seeded_and_leaves_global_rng_alone():
     assert a.startswith("Hello") and len(a) > len("Hello")
 
 
-def write_checkpoint(path, model, train_config=None):
-    state = model.state_dict()
-    state["blocks.0.attn.qkv._extra_state"] = torch.zeros(0)  # as a Transformer Engine block writes
-    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": state, "optimizer": {},
-                          "loader": {}, "rng": {}, "model_config": dataclasses.asdict(model.config),
-                          "train_config": train_config or {}}, str(path))
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "qwen3"])

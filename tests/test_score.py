@@ -98,8 +98,8 @@ def test_val_data_is_the_data_the_checkpoint_trained_on_unless_told(tmp_path, mo
     os.mkdir(mine)
     os.mkdir(corpus)
 
-    def trained_on(data):
-        return {"data": {"data": data, "batch_size": 16}}
+    def trained_on(data):  # a checkpoint's meta without the shards' fingerprint: told by path
+        return {"train_config": {"data": {"data": data, "batch_size": 16}}}
 
     assert score.val_data(None, trained_on(mine), "c.pt") == (mine, None)
     assert score.val_data(None, trained_on(None), "c.pt") == (None, None)  # the default corpus, as train.py
@@ -120,6 +120,24 @@ def test_val_data_is_the_data_the_checkpoint_trained_on_unless_told(tmp_path, mo
         assert score.val_data(mine, recorded, "hf") == (mine, None)
 
 
+def test_val_data_tells_the_checkpoints_shards_by_content_not_by_path(tmp_path):
+    """A copy of the shards elsewhere is the data the checkpoint trained on; its own directory prepared again
+    with other tokens is not."""
+    from mixture import data_fingerprint
+
+    (tmp_path / "mine").mkdir()
+    mine = write_tiny_shards(tmp_path / "mine")
+    copy = shutil.copytree(mine, tmp_path / "copy")
+    meta = {"train_config": {"data": {"data": mine}}, "data": data_fingerprint(mine)}
+    assert score.val_data(str(copy), meta, "c.pt") == (str(copy), None)
+    assert score.val_data(None, meta, "c.pt") == (mine, None)
+    write_tiny_shards(mine, seed=1)  # prepared again in place: other tokens
+    assert score.val_data(None, meta, "c.pt") == (mine, (
+        f"note: --data {mine} is not the data the checkpoint trained on (prepared again since): these figures do "
+        "not compare with the run's"))
+    assert score.val_data(str(copy), meta, "c.pt") == (str(copy), None)
+
+
 def test_score_bpb_reads_the_checkpoints_data_and_refuses_another_tokenizers(tmp_path, tiny_data, capsys):
     """score.py on a checkpoint with no --data scores the shards it recorded; other shards get a note; shards of
     another tokenizer, or recorded shards that are gone, are one line."""
@@ -130,7 +148,7 @@ def test_score_bpb_reads_the_checkpoints_data_and_refuses_another_tokenizers(tmp
     model, ckpt = gpt2_model(), str(tmp_path / "ckpt.pt")
     checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "model": model.state_dict(),
                           "model_config": dataclasses.asdict(model.config),
-                          "train_config": {"data": {"data": str(trained)}}}, ckpt)
+                          "train_config": {"data": {"data": str(trained)}}, "tokenizer": None}, ckpt)
     args = ["--ckpt", ckpt, "--task", "bpb", "--n", "256", "--batch-size", "4", "--device", "cpu"]
     own = run_score(capsys, *args).splitlines()
     assert f"val tokens of {trained} " in own[0] and own[1].startswith("val_loss")
@@ -153,7 +171,8 @@ def test_score_says_why_there_is_no_val_bpb(tmp_path, tiny_data, capsys, monkeyp
     monkeypatch.setattr(train_eval, "data_tokenizer", unavailable)
     model, ckpt = gpt2_model(), str(tmp_path / "ckpt.pt")
     checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "model": model.state_dict(),
-                          "model_config": dataclasses.asdict(model.config), "train_config": {}}, ckpt)
+                          "model_config": dataclasses.asdict(model.config), "train_config": {},
+                          "tokenizer": None}, ckpt)
     text = run_score(capsys, "--ckpt", ckpt, "--task", "bpb", "--data", tiny_data, "--n", "64", "--batch-size", "2",
                      "--device", "cpu")
     assert "val_bpb   n/a (could not load tokenizer 'cl100k_base')" in text.splitlines()
