@@ -50,6 +50,8 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 
 import distributed
+import memory
+import records
 from cli import ArgumentParser, UsageError, WriteError, first_line, free_bytes, report_error, write_error
 from config import changed_keys
 from data import data_change
@@ -162,18 +164,6 @@ def _os_error(e: BaseException) -> OSError | None:
     return e if isinstance(e, OSError) else None
 
 
-def state_bytes(tree) -> int:
-    """Bytes of every tensor in a nested state dict at its full size (a DTensor's whole tensor, not this rank's
-    shard): what its checkpoint needs on disk, give or take the files' headers."""
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(state_bytes(value) for value in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(state_bytes(value) for value in tree)
-    return 0
-
-
 def _dcp_error(path: str, e: BaseException, free: int | None, needed: int) -> WriteError:
     """The one line of a DCP save that failed. A filesystem left with less free space than the checkpoint needs
     was filled by it: torch's zip writer reports a full disk inside dcp.save as a RuntimeError ("unexpected pos
@@ -224,7 +214,7 @@ def save_sharded(tensors: dict, meta: dict, path: str, is_main: bool, barrier) -
         free = free_bytes(tmp)
         barrier()  # every rank has read the space the partial directory leaves before any rank removes it
         shutil.rmtree(tmp, ignore_errors=True)  # each rank: ranks on filesystems of their own hold parts of it
-        error = _dcp_error(path, e, free, state_bytes(tensors))
+        error = _dcp_error(path, e, free, memory.state_bytes(tensors))
         error.every_rank = True  # train.py: rank 0's line says it for all
         raise error from None
     if is_main:
@@ -368,6 +358,8 @@ class _SafeWholeLoadPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
 def _check_meta(meta, path: str) -> dict:
     if not isinstance(meta, dict) or meta.get("version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path} is not a checkpoint of this trainer (format version {CHECKPOINT_VERSION})")
+    if problem := records.problem(meta, records.CHECKPOINT_META):
+        raise CheckpointError(f"{path}: {problem}")
     return meta
 
 

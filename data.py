@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+import records
 from cli import first_line
 from shards import TOKEN_DTYPES, ShardWatch, read_shard
 from tokenizer import DataError, Tokenizer, atomic_write, get_tokenizer, recorded_tokenizer
@@ -58,12 +59,12 @@ def data_record(data_dir: str) -> dict | None:
             continue
         except (OSError, ValueError) as e:
             raise DataError(f"{path}: cannot read the data record ({first_line(e)})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("tokenizer"), str):
-            if name == CORPUS_MARKER:
+        if name == CORPUS_MARKER:  # an old default corpus's: it names the tokenizer only
+            if not isinstance(record, dict) or not isinstance(record.get("tokenizer"), str):
                 continue  # some other tool's complete.json
-            raise DataError(f"{path}: not a data record (no tokenizer name)")
-        if not isinstance(record.get("n_vocab"), int):  # complete.json names the tokenizer only
-            record = {**record, "n_vocab": get_tokenizer(record["tokenizer"]).n_vocab}
+            return {"tokenizer": record["tokenizer"], "n_vocab": get_tokenizer(record["tokenizer"]).n_vocab}
+        if problem := records.problem(record, records.DATA_RECORD):
+            raise DataError(f"{path}: {problem}; prepare the data again (prepare.py --overwrite) to rewrite it")
         return record
     return None
 

@@ -201,6 +201,18 @@ def optimizer_state_bytes_estimate(cfg: ModelConfig, optimizer: str, one_process
     return qmaps + total(outer_shapes(cfg)) + cfg.n_layer * total(block_shapes(cfg))
 
 
+def state_bytes(tree) -> int:
+    """Bytes of every tensor in a nested state dict at its full size (a DTensor's whole tensor, not this rank's
+    shard): what its checkpoint needs on disk, give or take the files' headers."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(state_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(state_bytes(value) for value in tree)
+    return 0
+
+
 def _norm_bytes(width: int, fused: bool) -> int:
     """An RMSNorm over `width` (float32 in and out): its input and 1/rms; unfused, also the normalized input
     before the weight multiply (ATen's CPU path decomposes rms_norm; CUDA runs the fused kernel)."""

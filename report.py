@@ -194,6 +194,11 @@ def thin(rows: list, limit: int) -> list:
     return [rows[round(i * (len(rows) - 1) / (limit - 1))] for i in range(limit)]
 
 
+def figure(value, missing: str = "n/a") -> str:
+    """An eval's figure as the table shows it; `missing` for a value that is not a number (null, absent)."""
+    return f"{value:.4f}" if isinstance(value, (int, float)) else missing
+
+
 def eval_table(records: list[dict]) -> list[str]:
     """The evals' figures by step: val loss, with val bpb, HellaSwag and a mixture's per-source val loss
     (val_loss/NAME) where recorded; an eval skipped for lack of memory says so."""
@@ -208,8 +213,7 @@ def eval_table(records: list[dict]) -> list[str]:
         if "val_loss" not in r:
             rows.append((r["step"], f"{r['tokens']:,}", f"skipped: {r['eval_skipped']}", *[""] * len(columns)))
             continue
-        rows.append((r["step"], f"{r['tokens']:,}", f"{r['val_loss']:.4f}",
-                     *(f"{r[c]:.4f}" if isinstance(r.get(c), (int, float)) else "" for c in columns)))
+        rows.append((r["step"], f"{r['tokens']:,}", figure(r["val_loss"]), *(figure(r.get(c), "") for c in columns)))
     kept = thin(rows, MAX_EVAL_ROWS)
     note = [] if kept is rows else ["", f"{len(kept)} of the {len(rows)} evals, evenly spaced; metrics.jsonl has "
                                         "them all."]

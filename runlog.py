@@ -9,6 +9,8 @@ record is damage a person should look at: it is refused, naming the file and lin
 import json
 import os
 
+from records import row_problem
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -38,6 +40,8 @@ def read_metrics(path: str, required: tuple[str, ...] = ("step", "tokens")) -> t
             raise MetricsError(f"{path}:{lineno}: not a JSON object")
         if missing := [key for key in required if not is_count(record.get(key))]:
             raise MetricsError(f"{path}:{lineno}: a record without an integer '{missing[0]}'")
+        if problem := row_problem(record, required):
+            raise MetricsError(f"{path}:{lineno}: {problem}")
         records.append(record)
     return records, None
 

@@ -170,5 +170,6 @@ def texts_outside(pieces, held: tuple[int, int]):
 def describe(record: dict) -> str:
     """How a preparation's data.json says its val split was chosen, for the start-up table and the report."""
     if record.get("val_from") == "draws":
-        return f"{plural(record['val_documents'], 'document')} chosen by a hash of their position"
+        count = record.get("val_documents")
+        return f"{'documents' if count is None else plural(count, 'document')} chosen by a hash of their position"
     return "the corpus's first tokens" if record.get("val_from") == "start" else "not recorded in data.json"

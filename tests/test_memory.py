@@ -387,3 +387,9 @@ def test_estimate_memory_refuses_an_auto_batch_in_one_line():
                              "--target-gpu", "h100"])
     with pytest.raises(UsageError, match="needs a number for --batch-size"):
         memory.memory_report(cfg)
+
+
+def test_a_states_bytes_count_whole_tensors_of_a_nested_state():
+    state = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)},
+             "optimizer": {"state": {0: {"step": torch.tensor(1.0), "m": [torch.zeros(5)]}}, "lr": 0.1}}
+    assert memory.state_bytes(state) == 4 * 12 + 2 * 2 + 4 + 4 * 5

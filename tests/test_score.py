@@ -146,7 +146,7 @@ def test_score_bpb_reads_the_checkpoints_data_and_refuses_another_tokenizers(tmp
     other.mkdir()
     write_tiny_shards(other, seed=1)
     model, ckpt = gpt2_model(), str(tmp_path / "ckpt.pt")
-    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "model": model.state_dict(),
+    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": model.state_dict(),
                           "model_config": dataclasses.asdict(model.config),
                           "train_config": {"data": {"data": str(trained)}}, "tokenizer": None}, ckpt)
     args = ["--ckpt", ckpt, "--task", "bpb", "--n", "256", "--batch-size", "4", "--device", "cpu"]
@@ -170,7 +170,7 @@ def test_score_says_why_there_is_no_val_bpb(tmp_path, tiny_data, capsys, monkeyp
 
     monkeypatch.setattr(train_eval, "data_tokenizer", unavailable)
     model, ckpt = gpt2_model(), str(tmp_path / "ckpt.pt")
-    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "model": model.state_dict(),
+    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": model.state_dict(),
                           "model_config": dataclasses.asdict(model.config), "train_config": {},
                           "tokenizer": None}, ckpt)
     text = run_score(capsys, "--ckpt", ckpt, "--task", "bpb", "--data", tiny_data, "--n", "64", "--batch-size", "2",
