@@ -5,6 +5,7 @@ each option's default (HelpFormatter), and counts written out with their nouns (
 """
 
 import argparse
+import difflib
 import os
 import shutil
 import signal
@@ -47,7 +48,17 @@ def free_space(path: str) -> str:
 
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
-        raise UsageError(message)
+        raise UsageError(message + self.suggestion(message))
+
+    def suggestion(self, message: str) -> str:
+        """"; did you mean --lr?" for an unrecognized option close to one of this parser's, else ""."""
+        if not message.startswith("unrecognized arguments: "):
+            return ""
+        given = [word.split("=")[0] for word in message.split(": ", 1)[1].split() if word.startswith("--")]
+        known = [option for option in self._option_string_actions if option.startswith("--")]
+        close = [(word, difflib.get_close_matches(word, known, n=1, cutoff=0.75)) for word in given]
+        return "".join(f"; did you mean {match[0]}{'' if len(given) == 1 else f' for {word}'}?"
+                       for word, match in close if match)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -19,6 +19,7 @@ import functools
 import math
 import os
 import re
+import shlex
 from typing import NamedTuple
 
 import numpy as np
@@ -97,6 +98,11 @@ def check_sources(sources: list[Source]) -> None:
     the model's vocabulary as any source's are (data.check_vocab)."""
     seen = {}
     for source in sources:
+        if os.path.isfile(source.dir):
+            out = os.path.join("data", os.path.splitext(os.path.basename(source.dir))[0] or "mine")
+            raise DataError(f"--data: {label(source)} is a file, not a directory of prepared shards: run "
+                            f"python prepare.py --input {shlex.quote(source.dir)} --out {shlex.quote(out)}, then "
+                            f"--data {shlex.quote(out)}")
         if not os.path.isdir(source.dir):
             raise DataError(f"--data: {label(source)}: no such directory")
         if (other := seen.setdefault(os.path.realpath(source.dir), source)) is not source:

@@ -105,7 +105,8 @@ class Heartbeat:
     """A line whenever nothing has been said for `every` seconds (last_output() is when something last was):
     a first step that compiles, a long micro-step, an eval, in a terminal or a file that would otherwise stay
     silent for minutes. A daemon thread: the long C calls (matmuls) release the GIL and Python work hands it
-    over every few milliseconds, so it speaks within a second of its time. describe(quiet seconds) -> the line."""
+    over every few milliseconds, so it speaks within a second of its time. describe(quiet seconds) -> the line, or
+    None when the quiet is not worth a line (what runs now has just begun)."""
 
     def __init__(self, every: float, describe, write, last_output):
         self.every, self.describe, self.write, self.last_output = every, describe, write, last_output
@@ -115,8 +116,8 @@ class Heartbeat:
     def _run(self) -> None:
         while not self.stopped.wait(min(1.0, self.every / 4)):
             quiet = time.perf_counter() - self.last_output()
-            if quiet >= self.every:
-                self.write(self.describe(quiet))
+            if quiet >= self.every and (line := self.describe(quiet)):
+                self.write(line)
 
     def __enter__(self):
         self.thread.start()

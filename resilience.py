@@ -127,6 +127,7 @@ class StopSignals:
 
     def __init__(self, interrupt: bool = False):
         self.requested = None  # the name of the signal that asked
+        self.steps_done = 0  # the run's completed steps, which the loop keeps up to date: whether any can be kept
         self.sigints = 0
         self.interrupt, self.cut_now = interrupt, False
         self.wakeup, self.wakeup_writer = socket.socketpair()
@@ -152,8 +153,9 @@ class StopSignals:
         self.requested = name
         if self.cut_now:
             self.cut_now = False
-            print(f"\n{name}: dropping the step in progress and keeping the last completed one (Ctrl-C again to "
-                  "exit at once)", file=sys.stderr, flush=True)
+            kept = "keeping the last completed one" if self.steps_done else "no step has completed yet: nothing to keep"
+            print(f"\n{name}: dropping the step in progress, {kept} (Ctrl-C again to exit at once)", file=sys.stderr,
+                  flush=True)
             raise StepInterrupted(name)
         print(f"\n{name}: finishing this step (under torchrun, the next --log-interval step, where the ranks "
               "agree) and writing a checkpoint (Ctrl-C again to exit at once)", file=sys.stderr, flush=True)

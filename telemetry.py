@@ -448,6 +448,7 @@ class Telemetry:
         self.in_step, self.micro_done = False, (0, 0)
         # timing_step restarts the first two per step; a step run without it (bench/throughput.py) counts from here
         self.step_start = self.micro_line = self.last_write = time.perf_counter()
+        self.between_start = self.step_start  # when the loop's work outside a step (eval, checkpoint) began
 
     def elapsed(self) -> float:
         """Seconds of training since the run started, across resumes (metrics.jsonl's time_s)."""
@@ -463,7 +464,7 @@ class Telemetry:
             with self.clock("step"):
                 yield
         finally:
-            self.in_step = False
+            self.in_step, self.between_start = False, time.perf_counter()
 
     def end_step(self) -> StepEnd:
         """What the host notes as a step's work has been queued, for its record (step_record); the profiler
@@ -592,10 +593,15 @@ class Telemetry:
             self.progress.close()
             self.progress = self.profiler = None
 
-    def still_running(self, quiet_s: float) -> str:
-        """The heartbeat's line: where the loop is, and why a first step may be slow."""
+    def still_running(self, quiet_s: float) -> str | None:
+        """The heartbeat's line: where the loop is, and why a first step may be slow; None while the step, or the
+        eval, checkpoint or read-back after it, has run less than HEARTBEAT_S (quiet steps of a long
+        --log-interval are not a stall)."""
+        running = time.perf_counter() - (self.step_start if self.in_step else self.between_start)
+        if running < HEARTBEAT_S:
+            return None
         if not self.in_step:
-            return f"still running: {duration(quiet_s)} since the last line (an eval, a checkpoint or a read-back)"
+            return f"still running: {duration(running)} since the last step (an eval, a checkpoint or a read-back)"
         done, of = self.micro_done
         micro = f", micro-step {done + 1:,} of {of:,}" if of > 1 else ""
         compiling = (" (torch.compile compiles the model during this process's first step)"
@@ -690,5 +696,6 @@ def summary_rows(f: dict) -> list[tuple[str, str]]:
         export = (f"python hf.py --ckpt {shlex.quote(weights)} --out {shlex.quote(os.path.join(f['out_dir'], 'hf'))}"
                   if not f.get("export_problem") else f"none: {f['export_problem']}")
         rows += [("sample", f"python sample.py --ckpt {shlex.quote(weights)}{prompt}"), ("export", export)]
-    rows.append(("plot", f"python bench/plot.py {shlex.quote(f['out_dir'])}"))
+    if f["done"]:  # metrics.jsonl has records to draw
+        rows.append(("plot", f"python bench/plot.py {shlex.quote(f['out_dir'])}"))
     return rows

@@ -136,11 +136,14 @@ def _load_encoding(name: str) -> tiktoken.Encoding:
     if name != "r50k_base":
         if name not in tiktoken.list_encoding_names():
             raise DataError(f"unknown tokenizer {name!r}; choose gpt2 or one of {tiktoken.list_encoding_names()}")
+        cache_dir = _tiktoken_cache_dir()
         try:
             return tiktoken.get_encoding(name)
-        except Exception as e:
-            raise DataError(f"could not load tokenizer {name!r} (tiktoken downloads it on first use): "
-                            f"{first_line(e)}") from None
+        except Exception as e:  # offline, its message is the HTTP library's account of the failed fetch
+            raise DataError(f"could not load tokenizer {name!r}: tiktoken fetches its file on first use, and the "
+                            f"fetch failed ({type(e).__name__}); on a machine online, run python -c \"import "
+                            f"tiktoken; tiktoken.get_encoding('{name}')\" with TIKTOKEN_CACHE_DIR set, then copy "
+                            f"that folder's files to {cache_dir} here (gpt2 works offline)") from None
     path = _r50k_cache_path(_tiktoken_cache_dir())
     if _sha256_of(path) != R50K_SHA256:
         _seed_gpt2_ranks(path)

@@ -263,7 +263,7 @@ def run_loop(run: Run) -> str | None:
                                                                 s.min_lr_ratio, s.decay_frac)
                 set_lr(run.optimizer, multiplier)
                 run.step_layout = run.layout.at_step(step, s.batch_warmup_steps, s.batch_warmup_start)
-                loader_state = run.loader.state_dict()
+                loader_state, signals.steps_done = run.loader.state_dict(), step
                 try:
                     with run.telemetry.timing_step():
                         loss, grad_norm, finite = train_step(run, signals.interruptible)

@@ -57,3 +57,20 @@ def test_sample_help_shows_its_sampling_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--max-new-tokens N tokens to generate per sample (default: 200)" in text
     assert "0 is greedy (default: 0.8)" in text and "(0: off) (default: 200)" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lrr", "0.1"], "unrecognized arguments: --lrr 0.1; did you mean --lr?"),
+    (["--n-layers", "2", "--seq-lenght", "64"], "unrecognized arguments: --n-layers 2 --seq-lenght 64; did you mean "
+                                                 "--n-layer for --n-layers?; did you mean --seq-len for --seq-lenght?"),
+    (["--evl-interval=3"], "unrecognized arguments: --evl-interval=3; did you mean --eval-interval?"),
+    (["--zzz"], "unrecognized arguments: --zzz"),
+])
+def test_a_mistyped_flag_gets_the_closest_one(argv, message):
+    """As a TOML key does (config.read_config_file): train.py's flags, and every parser built on cli's."""
+    import config
+    from cli import UsageError
+
+    with pytest.raises(UsageError) as e:
+        config.build_parser().parse_args(argv)
+    assert str(e.value) == message

@@ -94,6 +94,12 @@ def test_sources_must_exist_and_share_one_tokenizer(tmp_path):
     a, b, c = (write_source(tmp_path / name, [81], 0) for name in "abc")
     with pytest.raises(DataError, match=r"--data: source b \(.*/nope\): no such directory"):
         check_sources(parse_data(f"a={a}:1,b={tmp_path / 'nope'}:1"))
+    (tmp_path / "corpus.txt").write_text("text, not shards")
+    with pytest.raises(DataError) as e:  # text given where prepared shards belong: the command that prepares it
+        check_sources(parse_data(str(tmp_path / "corpus.txt")))
+    assert str(e.value) == (f"--data: {tmp_path / 'corpus.txt'} is a file, not a directory of prepared shards: run "
+                            f"python prepare.py --input {tmp_path / 'corpus.txt'} --out data/corpus, then --data "
+                            "data/corpus")
     with pytest.raises(DataError, match=r"source a \(.*\) and source b \(.*\) are one directory: they would read"):
         check_sources(parse_data(f"a={a}:1,b={a}/.:1"))
     assert record_dir(parse_data(f"a={a}:1,b={b}:1")) == a  # no data.json yet: the first source's

@@ -635,6 +635,24 @@ def test_two_sigints_during_one_long_call_still_exit_at_once(monkeypatch, capsys
     assert "SIGINT again: exiting now" in capsys.readouterr().err
 
 
+def test_a_signal_in_the_first_step_says_there_is_nothing_to_keep_and_suggests_no_plot(data_dir, tmp_path, capsys,
+                                                                                      monkeypatch):
+    micro_step = telemetry.Telemetry.micro_step
+
+    def signal_inside_step_1(self, done, of):
+        micro_step(self, done, of)
+        if self.steps_taken == 0 and done == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(telemetry.Telemetry, "micro_step", signal_inside_step_1)
+    train.main(["--data", data_dir, *MODEL, "--max-steps", "4", "--grad-accum", "2", "--out-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert "SIGTERM: dropping the step in progress, no step has completed yet: nothing to keep" in err
+    assert "keeping the last completed one" not in err
+    assert "stopped by SIGTERM during step 1, before this process completed a step" in out
+    assert "bench/plot.py" not in out and "python sample.py" not in out  # no records to draw, no weights to sample
+
+
 @pytest.mark.parametrize("ckpt_interval, kept", [(100, "its checkpoint written in"),
                                                   (4, "its checkpoint on disk already")])
 def test_a_signal_mid_step_drops_that_step_keeps_the_last_and_resumes_exactly(data_dir, tmp_path, capsys,
@@ -652,7 +670,7 @@ def test_a_signal_mid_step_drops_that_step_keeps_the_last_and_resumes_exactly(da
     capsys.readouterr()
     train.main([*args, "--out-dir", str(tmp_path / "run")])
     out, err = capsys.readouterr()
-    assert "SIGTERM: dropping the step in progress and keeping the last completed one" in err
+    assert "SIGTERM: dropping the step in progress, keeping the last completed one" in err
     assert f"stopped by SIGTERM during step 5, which is dropped; kept step 4, {kept}" in out
     assert checkpoint.checkpoint_step(checkpoint.list_checkpoints(str(tmp_path / "run"))[-1]) == 4
     monkeypatch.setattr(telemetry.Telemetry, "micro_step", micro_step)

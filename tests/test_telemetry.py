@@ -326,12 +326,28 @@ def test_a_slow_run_to_a_file_is_never_quiet_for_long(tiny_data, tmp_path, monke
 def test_the_heartbeat_says_where_the_step_is_and_that_a_first_step_compiles():
     cfg = config.parse_args(["--compile", "default"])
     t = types.SimpleNamespace(cfg=cfg, in_step=True, micro_done=(2, 8), steps_taken=0, start_step=0,
-                              step_start=time.perf_counter() - 75)
+                              step_start=time.perf_counter() - 75, between_start=time.perf_counter() - 20)
     line = telemetry.Telemetry.still_running(t, 20.0)
     assert line.startswith("still running: step 1, micro-step 3 of 8, 1m15s into it (torch.compile compiles")
     t.steps_taken, t.in_step = 5, False
-    assert telemetry.Telemetry.still_running(t, 20.0) == ("still running: 0m20s since the last line (an eval, a "
+    assert telemetry.Telemetry.still_running(t, 20.0) == ("still running: 0m20s since the last step (an eval, a "
                                                           "checkpoint or a read-back)")
+    t.between_start = t.step_start = time.perf_counter()  # quiet for a while, but what runs has just begun
+    assert telemetry.Telemetry.still_running(t, 20.0) is None
+    t.in_step = True
+    assert telemetry.Telemetry.still_running(t, 20.0) is None
+
+
+def test_quick_steps_under_a_long_log_interval_get_no_heartbeat(tiny_data, tmp_path, monkeypatch):
+    """Steps of 0.25 s with --log-interval 10 and a 0.5 s heartbeat: the log is quiet for longer than the
+    heartbeat between its lines, but no step runs that long, so it says nothing."""
+    lines, step = [], train.train_step
+    monkeypatch.setattr(telemetry, "HEARTBEAT_S", 0.5)
+    monkeypatch.setattr(Progress, "write", lambda self, text: lines.append(text))
+    monkeypatch.setattr(train, "train_step", lambda run, *args: time.sleep(0.25) or step(run, *args))
+    train.main(["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--device", "cpu", "--dtype", "fp32",
+                "--eval-interval", "0", "--max-steps", "8", "--log-interval", "10", "--compile", "off"])
+    assert not [line for line in lines if line.startswith("still running")], lines
 
 
 def test_a_resume_drops_a_torn_last_line_with_a_note_and_refuses_damage_elsewhere(tmp_path, capsys):

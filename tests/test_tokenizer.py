@@ -45,6 +45,26 @@ def test_tokenizer_error_when_no_file_can_be_had(offline_cache, monkeypatch):
     assert "\n" not in msg and "pip download openai-whisper" in msg and str(offline_cache) in msg
 
 
+def test_another_tiktoken_encoding_offline_is_one_line_of_advice(offline_cache, monkeypatch):
+    """Not the HTTP library's account of the failed fetch: what to run where, and where its files go here."""
+    import requests
+
+    def unreachable(*args, **kwargs):
+        raise requests.exceptions.ConnectionError("HTTPSConnectionPool(host='openaipublic.blob.core.windows.net', "
+                                                  "port=443): Max retries exceeded with url: /encodings/"
+                                                  "cl100k_base.tiktoken (Caused by NameResolutionError(...))")
+
+    monkeypatch.setattr(tiktoken.load, "read_file", unreachable)
+    monkeypatch.delitem(tiktoken.registry.ENCODINGS, "cl100k_base", raising=False)
+    with pytest.raises(DataError) as e:
+        tokenizer.get_tokenizer("cl100k_base")
+    assert str(e.value) == (
+        "could not load tokenizer 'cl100k_base': tiktoken fetches its file on first use, and the fetch failed "
+        "(ConnectionError); on a machine online, run python -c \"import tiktoken; tiktoken.get_encoding("
+        f"'cl100k_base')\" with TIKTOKEN_CACHE_DIR set, then copy that folder's files to {offline_cache.parent} "
+        "here (gpt2 works offline)")
+
+
 def test_tokenizer_refuses_ranks_with_the_wrong_hash(offline_cache, monkeypatch):
     monkeypatch.setattr(tokenizer, "_ranks_from_pypi", lambda: b"IQ== 0\n")
     with pytest.raises(DataError):
