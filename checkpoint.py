@@ -13,8 +13,7 @@ A checkpoint can never run code. A single file loads with torch.load(weights_onl
 keeps its meta in meta.pt, loaded the same way. DCP itself unpickles its `.metadata` file and its
 non-tensor entries with no restriction, so here `.metadata` goes through an allow-list of DCP's own
 metadata classes (_MetadataUnpickler) and every non-tensor entry must load under weights_only first
-(_WeightsOnlyBytes). Every reader (resume, sample.py, hf.py, the converters) verifies the checksums
-first.
+(_WeightsOnlyBytes). Every reader (resume, sample.py, hf.py, the converters) verifies the checksums first.
 
 Checkpoints hold the plain backend's parameter contract: Transformer Engine's per-module `_extra_state`
 (FP8 scaling metadata; for delayed scaling, a pickle) is left out when saving and rebuilt empty when a TE
@@ -54,7 +53,7 @@ import memory
 import records
 from cli import ArgumentParser, UsageError, WriteError, first_line, free_bytes, report_error, write_error
 from config import changed_keys
-from data import data_change
+from data import data_change, data_kind
 from fp8 import block_state_dict, te_to_plain_state_dict
 from model import INIT_ONLY_FIELDS, with_qwen3_toggles
 from optim import apply_group_settings, group_settings
@@ -261,6 +260,28 @@ def verify(path: str) -> None:
     for file, digest in files.items():
         if not os.path.isfile(file) or file_sha256(file) != digest:
             raise CheckpointError(f"{file} is damaged: its sha256 does not match the one recorded when it was written")
+
+
+def read_meta(path: str) -> tuple[dict]:
+    """(the meta of the checkpoint at path,), either format, alone: nothing verified (load does), a file's tensors
+    memory-mapped, not loaded. CheckpointError for one that cannot be read."""
+    file = os.path.join(path, META_FILE) if os.path.isdir(path) else path
+    try:
+        meta = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise CheckpointError(f"{file}: {first_line(e)}") from None
+    return (_check_meta(meta, path),)
+
+
+def config_changes(meta: dict, model_cfg, out_dir: str, check_run_config=None) -> list[str]:
+    """A resume's check of the checkpoint's configs against this run's: UsageError (one line) for another model
+    shape, or for a setting check_run_config refuses (config.check_resume); -> the changes it allows."""
+    recorded = with_qwen3_toggles(meta["model_config"])
+    changes = [c for c in changed_keys(recorded, dataclasses.asdict(model_cfg)) if c[0] not in INIT_ONLY_FIELDS]
+    if changes:
+        raise UsageError(f"--resume: the checkpoint of step {meta['step']} in {out_dir} was trained with another model "
+                         f"shape ({', '.join(f'{k} {a!r} -> {b!r}' for k, a, b in changes)}); pass the same model flags")
+    return check_run_config(meta.get("train_config", {})) if check_run_config else []
 
 
 def load_newest(out_dir: str, read, warn):
@@ -590,14 +611,7 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         def check_config(meta) -> list[str]:
-            recorded = with_qwen3_toggles(meta["model_config"])
-            changes = [c for c in changed_keys(recorded, dataclasses.asdict(self.model_cfg))
-                       if c[0] not in INIT_ONLY_FIELDS]
-            if changes:
-                raise UsageError(f"--resume: the checkpoint of step {meta['step']} in {self.out_dir} was trained "
-                                 f"with another model shape ({', '.join(f'{k} {a!r} -> {b!r}' for k, a, b in changes)}); "
-                                 "pass the same model flags")
-            return self.check_run_config(meta.get("train_config", {})) if self.check_run_config else []
+            return config_changes(meta, self.model_cfg, self.out_dir, self.check_run_config)
 
         def sharded_template(meta):  # a DCP directory is read into this run's own (maybe sharded) state dicts
             check_config(meta)
@@ -646,11 +660,6 @@ class Checkpointer:
         if change and not self.allow_data_change:
             raise UsageError(f"--resume: the training shards differ from the checkpoint's: {change}; pass "
                              "--allow-data-change to resume on them anyway")
-
-
-def data_kind(ids: list) -> str:
-    """What a shards' fingerprint (data.fingerprint, or a mixture's NAME/file one) was taken of, in words."""
-    return "a mixture of sources" if any("/" in name for name, *_ in ids) else "one directory"
 
 
 # ----------------------------------------------------------------------------- command line

@@ -173,6 +173,11 @@ def fingerprint(paths: list[str], block: int = 1 << 16) -> list[list]:
     return found
 
 
+def data_kind(ids: list) -> str:
+    """What a shards' fingerprint (fingerprint, or a mixture's NAME/file one) was taken of, in words."""
+    return "a mixture of sources" if any("/" in name for name, *_ in ids) else "one directory"
+
+
 def data_change(saved: list | None, current: list) -> str | None:
     """How the shards a checkpoint trained on differ from these, in a few words; None when they do not (or
     the checkpoint records none)."""

@@ -226,18 +226,10 @@ def trained_meta(path: str) -> dict | None:
     memory-mapped, not loaded."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return None
-
-    def meta(ckpt):
-        file = os.path.join(ckpt, checkpoint.META_FILE) if os.path.isdir(ckpt) else ckpt
-        try:
-            return (torch.load(file, map_location="cpu", weights_only=True, mmap=True),)
-        except Exception as e:
-            raise CheckpointError(f"{file}: {first_line(e)}") from None
-
     if is_run_directory(path):
-        found = checkpoint.load_newest(path, meta, warn=lambda line: None)
+        found = checkpoint.load_newest(path, checkpoint.read_meta, warn=lambda line: None)
     else:
-        found = (path, *meta(path))
+        found = (path, *checkpoint.read_meta(path))
     return found[1] if found else {}
 
 

@@ -29,7 +29,7 @@ import memory
 import mixture
 import plan
 import report
-from checkpoint import CheckpointError, Checkpointer, tokens_trained
+from checkpoint import CheckpointError, Checkpointer, config_changes, load_newest, read_meta, tokens_trained
 from cli import UsageError, WriteError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
 from data import DataError, ShardLoader, data_record, tokenizer_id
@@ -153,6 +153,9 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
     """The model, its wrappers, the optimizer, the data (--data: mixture.py) and the components, restored when
     resuming. The model's vocabulary is settled with the flags (mixture.data_vocab)."""
     sources = mixture.open_sources(data, cfg.model.max_seq_len)  # refused before anything that size is allocated
+    newest = resume and not cfg.ckpt.from_hf and load_newest(cfg.ckpt.out_dir, read_meta, lambda line: None)
+    if newest:  # the checkpoint's record is enough to refuse other model flags: before the model exists or is timed
+        config_changes(newest[1], cfg.model, cfg.ckpt.out_dir, lambda saved: config.check_resume(saved, cfg))
     if not cfg.ckpt.from_hf:
         memory.check_fits(cfg.model, cfg.optim.name, device, info.world_size if info.mode == "fsdp" else 1)
     model, model_cfg, reasons["init"] = build_model(cfg, device, autocast_dtype)

@@ -231,11 +231,22 @@ def test_metrics_survive_a_crash_while_rewritten_at_resume(tmp_path, monkeypatch
     assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines)
 
 
-def test_resume_rejects_a_different_model(tmp_path, tiny_data, train_in_process):
+def test_resume_rejects_a_different_model_before_building_or_timing_one(tmp_path, tiny_data, train_in_process,
+                                                                         monkeypatch):
+    """The checkpoint's record is enough: the refusal comes before the model is built and its step timed."""
     tiny_run(tiny_data, tmp_path, "--max-steps", "2")
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the refusal should have come first")
+
+    monkeypatch.setattr(train, "build_model", too_late)
+    monkeypatch.setattr(train.plan, "step_time", too_late)
     result = train_in_process("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--n-layer", "3",
                               "--max-steps", "4", "--resume", "--device", "cpu")
     assert result.returncode == 2 and "another model shape (n_layer 2 -> 3)" in result.stderr
+    result = train_in_process("--data", tiny_data, "--out-dir", str(tmp_path), *TINY_MODEL, "--optimizer", "adamw",
+                              "--max-steps", "4", "--resume", "--device", "cpu")
+    assert result.returncode == 2 and "optim.name 'muon' -> 'adamw'" in result.stderr
 
 
 def test_resume_names_the_settings_that_changed(tmp_path, tiny_data, train_in_process):
