@@ -50,6 +50,7 @@ CHECKPOINT_META = {
     "model_config": field("object"), "train_config": field("object"),
     "lr_multiplier": field("finite", "null"), "record": field("object", "null"), "lr_scale": field("finite"),
     "health": field("object"), "early_stop": field("object"),
+    "rollbacks": field("count"),  # the guard's, in checkpoints of an earlier version: no longer read
     # a single-file checkpoint holds its tensors beside the meta
     "model": field("object"), "optimizer": field("object"),
 }
