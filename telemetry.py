@@ -595,8 +595,7 @@ class Telemetry:
 
     def still_running(self, quiet_s: float) -> str | None:
         """The heartbeat's line: where the loop is, and why a first step may be slow; None while the step, or the
-        eval, checkpoint or read-back after it, has run less than HEARTBEAT_S (quiet steps of a long
-        --log-interval are not a stall)."""
+        eval, checkpoint or read-back after it, has run less than HEARTBEAT_S (a long --log-interval's quiet)."""
         running = time.perf_counter() - (self.step_start if self.in_step else self.between_start)
         if running < HEARTBEAT_S:
             return None
