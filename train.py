@@ -11,6 +11,7 @@ the data (data.py) and the components that decide their own cadence: Evaluator (
 them whether it is due.
 """
 
+import functools
 import os
 import random
 import sys
@@ -153,9 +154,10 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
     """The model, its wrappers, the optimizer, the data (--data: mixture.py) and the components, restored when
     resuming. The model's vocabulary is settled with the flags (mixture.data_vocab)."""
     sources = mixture.open_sources(data, cfg.model.max_seq_len)  # refused before anything that size is allocated
+    check_run_config = functools.partial(config.check_resume, cfg=cfg)  # the run's settings against a checkpoint's
     newest = resume and not cfg.ckpt.from_hf and load_newest(cfg.ckpt.out_dir, read_meta, lambda line: None)
     if newest:  # the checkpoint's record is enough to refuse other model flags: before the model exists or is timed
-        config_changes(newest[1], cfg.model, cfg.ckpt.out_dir, lambda saved: config.check_resume(saved, cfg))
+        config_changes(newest[1], cfg.model, cfg.ckpt.out_dir, check_run_config)
     if not cfg.ckpt.from_hf:
         memory.check_fits(cfg.model, cfg.optim.name, device, info.world_size if info.mode == "fsdp" else 1)
     model, model_cfg, reasons["init"] = build_model(cfg, device, autocast_dtype)
@@ -175,8 +177,7 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
 
     checkpointer = Checkpointer(cfg.ckpt.out_dir, cfg.ckpt.ckpt_interval, cfg.ckpt.keep_ckpts, info, model_cfg,
                                 config.to_dict(cfg), loader.fingerprint(), cfg.data.allow_data_change,
-                                lambda saved: config.check_resume(saved, cfg),
-                                tokenizer_id(data_record(mixture.record_dir(sources))))
+                                check_run_config, tokenizer_id(data_record(mixture.record_dir(sources))))
     guard, start_step, start_tokens, meta = Guard(cfg.resilience), 0, 0, {}
     if resume:
         warn = message if info.is_main else lambda _: None
