@@ -6,6 +6,7 @@ standard library's own sources, which train.py uses when it is given no --data.
     python prepare.py --input corpus.txt --out data/mine       # then: python train.py --data data/mine
 """
 
+import argparse
 import collections
 import contextlib
 import errno
@@ -148,12 +149,18 @@ def _val_summary(val_tokens: int | None, stats: dict, val_rule: str | None = Non
         why = f"the least: one eval batch of 16 x 1,024, plus 1; {val / total:.1%} of the corpus, --val-tokens auto"
     else:
         why = f"the cap; {val / total:.2%} of the corpus, --val-tokens auto"
-    return f"val: {plural(val, 'token')} in {split.describe(stats)} ({why})" if val else f"val: none ({why})"
+    if not val:
+        return f"val: none ({why})"
+    alone = ("; --text-documents paragraphs or a token count lets val be drawn across it"
+             if stats["documents"] == 1 else "")
+    return f"val: {plural(val, 'token')} in {split.describe(stats)} ({why}){alone}"
 
 
 def _summary(stats: dict, val_tokens: int | None, max_tokens: int | None, val_rule: str | None = None) -> str:
     """The `data:` line that ends a preparation (val_rule: _val_summary's)."""
-    line = (f"data: {plural(stats['documents'], 'document')}, {plural(stats['tokens'], 'token')} "
+    how = (f" (cut into pieces of at most {stats['piece_tokens']:,} tokens)" if stats["piece_tokens"] else
+           " (text files cut at blank lines)" if stats["text_documents"] == "paragraphs" else "")
+    line = (f"data: {plural(stats['documents'], 'document')}{how}, {plural(stats['tokens'], 'token')} "
             f"({stats['train_tokens']:,} train in {plural(stats['train_shards'], 'shard')}) "
             f"in {stats['seconds']:.1f}s ({stats['tokens'] / max(stats['seconds'], 1e-9) / 1e6:.2f}M tok/s)")
     if max_tokens is not None:
@@ -163,18 +170,22 @@ def _summary(stats: dict, val_tokens: int | None, max_tokens: int | None, val_ru
 
 
 def _build(pieces, out_dir: str, enc: Tokenizer, shard_tokens: int, val_tokens: int | None, desc: str,
-           max_tokens: int | None = None, val_rule: str | None = None) -> dict:
+           max_tokens: int | None = None, val_rule: str | None = None, documents_from=("file", None)) -> dict:
     """Tokenize pieces into out_dir: val_000000.bin (the documents split.ValSplit draws, val_tokens tokens of
     them; None: split.default_val_tokens(total)) and train_*.bin of shard_tokens each, at most max_tokens in all;
     then a copy of a Hugging Face tokenizer's tokenizer.json, and the record (data.json), last, so that it
-    describes only shards that are all on disk. -> the record."""
+    describes only shards that are all on disk. documents_from: sources.text_documents's answer, recorded; under
+    ("tokens", N) every document is cut into pieces of at most N tokens. -> the record."""
     t0 = time.time()
-    shards, documents = _ShardWriter(out_dir, enc.n_vocab, shard_tokens), 0
+    shards, documents, run = _ShardWriter(out_dir, enc.n_vocab, shard_tokens), 0, 0
     sorter = split.ValSplit(enc.eot, val_tokens)
     progress = Progress(max_tokens, desc, unit="tok", unit_scale=True)
     encoded = _encode(pieces, enc)
     try:
         for tokens, docs in encoded:
+            if documents_from[1]:
+                tokens, run = split.cut_documents(tokens, enc.eot, documents_from[1], run)
+                docs = int(np.count_nonzero(tokens == enc.eot))
             if max_tokens is not None and sorter.total + len(tokens) >= max_tokens:
                 tokens = tokens[:max_tokens - sorter.total]
                 docs = int(np.count_nonzero(tokens == enc.eot))  # a special token: the text never encodes to it
@@ -200,6 +211,7 @@ def _build(pieces, out_dir: str, enc: Tokenizer, shard_tokens: int, val_tokens: 
     stats = {"documents": documents, "tokens": sorter.total, "val_tokens": len(val),
              "train_tokens": sum(shards.counts), "train_shards": len(shards.counts), "val_from": "draws",
              "val_draws": split.VAL_DRAWS, "val_documents": val_documents, "max_tokens": max_tokens,
+             "text_documents": documents_from[0], "piece_tokens": documents_from[1],
              "seconds": round(time.time() - t0, 3), "sha256": dict(sorted(shards.sha256.items()))}
     print(_summary(stats, val_tokens, max_tokens, val_rule))
     record = {**enc.record(), "uint32": shard_version(enc.n_vocab) == 2, **stats}
@@ -407,7 +419,7 @@ def _lost_the_race(partial: str, out_dir: str, theirs: dict) -> None:
 def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_000_000,
             val_tokens: int | None = None, *, max_tokens: int | None = None, hf_config: str | None = None,
             hf_split: str | None = None, doc_separator: str | None = None, text_field: str = TEXT_FIELD,
-            overwrite: bool = False, train_tokenizer: int | None = None) -> dict:
+            overwrite: bool = False, train_tokenizer: int | None = None, text_documents: str | int = "auto") -> dict:
     """Tokenize source (text file, directory, glob, .jsonl/.parquet with a text_field field, a datasets
     save_to_disk directory, or a Hugging Face hub dataset) into out_dir/train_NNNNNN.bin (shard_tokens each,
     the last one shorter) and out_dir/val_000000.bin, then record the tokenizer and the counts in
@@ -421,7 +433,8 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
     train_tokenizer: in place of tokenizer, a byte-level BPE of that many ids (tokenizer.train_bpe, named
     trained:VOCAB, its separator doc_separator or <|endoftext|>) trained on the source's documents that the
     val split cannot take (split.val_held_out), at most TOKENIZER_TRAIN_CHARS characters of them, whatever
-    max_tokens; the source is read twice more for it.
+    max_tokens; the source is read twice more for it. text_documents: how a text file makes documents
+    (sources.text_documents: file, paragraphs, a token count, or auto).
 
     The val split is documents drawn by a hash of their position (split.py): val_tokens of their tokens, or
     under None (--val-tokens auto) default_val_tokens(total), 0.5% of the corpus within [MIN_VAL_TOKENS,
@@ -431,13 +444,16 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
     hf_split also picks a save_to_disk DatasetDict's split.
     Returns the record: the tokenizer's (Tokenizer.record: tokenizer, tokenizer_sha256, n_vocab, eot,
     doc_separator, tokenizer_file for a Hugging Face one), uint32, documents, tokens, val_tokens,
-    train_tokens, train_shards, val_from, val_draws, val_documents, max_tokens, seconds."""
+    train_tokens, train_shards, val_from, val_draws, val_documents, max_tokens, text_documents, piece_tokens,
+    seconds."""
     _check_sizes(shard_tokens, val_tokens, max_tokens)
     if train_tokenizer is not None:
         _check_trained_vocab(train_tokenizer)
     source, out_dir = os.fspath(source), os.fspath(out_dir)
     _check_out(out_dir, _local_paths(source), overwrite)
-    read = functools.partial(source_pieces, source, hf_config, hf_split, text_field)  # a new pass over source
+    documents_from = sources.text_documents(source, text_documents, train_tokenizer is not None)
+    read = functools.partial(source_pieces, source, hf_config, hf_split, text_field,  # a new pass over source
+                             paragraphs=documents_from[0] == "paragraphs")
     if train_tokenizer is None:
         enc = load_tokenizer(tokenizer, doc_separator)
     else:
@@ -447,7 +463,8 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
     partial, lock = _partial_dir(out_dir)
     try:
         try:
-            record = _build(pieces, partial, enc, shard_tokens, val_tokens, desc=source, max_tokens=max_tokens)
+            record = _build(pieces, partial, enc, shard_tokens, val_tokens, desc=source, max_tokens=max_tokens,
+                            documents_from=documents_from)
         except BaseException:  # an error, Ctrl-C or SIGTERM (main): no part of the preparation is left
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -553,6 +570,12 @@ def build_parser() -> ArgumentParser:
                              "makes (default: the tokenizer's end-of-text "
                              "or BOS token: its tokenizer_config.json's bos_token or eos_token, else the first "
                              "of <|endoftext|>, </s>, <s>, ... it has)")
+    parser.add_argument("--text-documents", type=_documents_mode, default="auto", metavar="auto|paragraphs|file|N",
+                        help="how a text file is cut into documents, which the val split draws from: paragraphs: one "
+                             "per blank-line paragraph; file: the whole file is one; N: every document cut into "
+                             "pieces of at most N tokens; auto: a lone text file by its paragraphs, or in pieces of "
+                             f"{sources.TEXT_PIECE_TOKENS:,} tokens where it has no blank line, and each file of a "
+                             "directory or glob whole. The choice is recorded in data.json (default: %(default)s)")
     parser.add_argument("--text-field", default=TEXT_FIELD, metavar="NAME",
                         help="the field (.jsonl) or column (.parquet, datasets) that holds each document's text "
                              "(default: %(default)s)")
@@ -579,6 +602,15 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def _documents_mode(text: str) -> str | int:
+    if text in ("auto", "paragraphs", "file"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be auto, paragraphs, file or a token count, got {text!r}") from None
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so it stops a preparation the
     same way: its threads end and its partial output is removed."""
@@ -601,7 +633,7 @@ def main(argv=None) -> int:
         prepare(args.input, args.out, args.tokenizer or "gpt2", args.shard_tokens, val_tokens,
                 max_tokens=args.max_tokens, hf_config=args.hf_config, hf_split=args.hf_split,
                 doc_separator=args.doc_separator, text_field=args.text_field, overwrite=args.overwrite,
-                train_tokenizer=args.train_tokenizer)
+                train_tokenizer=args.train_tokenizer, text_documents=args.text_documents)
     except WriteError as e:  # the partial preparation is gone: what the disk has left is what a rerun finds
         print(f"error: {e}; nothing written to {args.out}", file=sys.stderr)
         return 1

@@ -40,7 +40,7 @@ DATA_RECORD = {
     "tokens": field("count"), "val_tokens": field("count"), "train_tokens": field("count"),
     "train_shards": field("count"), "val_from": field("text"), "val_draws": field("count"),
     "val_documents": field("count"), "max_tokens": field("count", "null"), "seconds": field("finite"),
-    "sha256": field("names to text"),
+    "text_documents": field("text"), "piece_tokens": field("positive", "null"), "sha256": field("names to text"),
 }
 # A checkpoint's meta, as checkpoint.Checkpointer.save writes it; checkpoints before a field existed lack it.
 CHECKPOINT_META = {

@@ -1,9 +1,11 @@
 """The inputs of a preparation (prepare.py), as one stream of (text, starts_a_document) pieces.
 
-A text file is one document, read in pieces cut where tokenizing is unchanged; a .jsonl or .parquet file, a
-datasets save_to_disk directory or a Hugging Face hub dataset gives one document per record (its 'text'
-field, or the one --text-field names). Directories and globs are read recursively, in sorted order.
-source_pieces checks a source before any work and reads it lazily.
+A text file is one document, or one per blank-line paragraph (text_documents decides which, and whether a
+lone file without paragraphs is cut into pieces of a token count, which prepare.py does on the token stream),
+read in pieces cut where tokenizing is unchanged; a .jsonl or .parquet file, a datasets save_to_disk directory
+or a Hugging Face hub dataset gives one document per record (its 'text' field, or the one --text-field
+names). Directories and globs are read recursively, in sorted order. source_pieces checks a source before any
+work and reads it lazily.
 """
 
 import codecs
@@ -25,6 +27,13 @@ COMPRESSED = {"gzip": rb"\x1f\x8b", "bzip2": rb"BZh[1-9]1AY&SY", "xz": rb"\xfd7z
               "zip": rb"PK\x03\x04"}
 HF_PREFIX = "hf:"
 TEXT_FIELD = "text"  # the field of a record that holds its text, unless --text-field names another
+# A line's end and the blank lines (spaces allowed) after it, before a line with text: where one paragraph
+# ends and the next begins (blank lines at a read's end wait for the next read, which may add more).
+PARAGRAPH_BREAK = re.compile(r"\n(?:[^\S\n]*\n)+(?=[^\S\n]*\S)")
+BETWEEN_TEXT = re.compile(r"\S[^\S\n]*" + PARAGRAPH_BREAK.pattern + r"[^\S\n]*\S")  # a break with text on each side
+# --text-documents auto cuts a lone text file without a blank line into documents of this many tokens: enough
+# of them that the val split draws across the file, each as long as the default model's context.
+TEXT_PIECE_TOKENS = 1024
 
 
 def _safe_cut(text: str, start: int = 0) -> int:
@@ -49,9 +58,10 @@ def _count_in_file(path: str, pattern: bytes, block: int = 1 << 24) -> int:
     return count
 
 
-def _text_pieces(path: str):
-    """One text file as one document, read in pieces so a huge file never sits in memory whole. Invalid UTF-8
-    becomes U+FFFD, with one warning for the file."""
+def _text_pieces(path: str, paragraphs: bool = False):
+    """One text file as one document, or one per paragraph (PARAGRAPH_BREAK, which is dropped: the separator
+    stands for it), read in pieces so a huge file never sits in memory whole. Invalid UTF-8 becomes U+FFFD,
+    with one warning for the file."""
     starts = True
     rest = ""
     replacements = 0  # U+FFFD read: one per invalid sequence, and those the file really holds
@@ -59,6 +69,12 @@ def _text_pieces(path: str):
         while chunk := f.read(TEXT_CHUNK_CHARS):
             replacements += chunk.count("\ufffd")
             rest += chunk
+            if paragraphs:
+                *whole, rest = PARAGRAPH_BREAK.split(rest)
+                for paragraph in whole:
+                    if paragraph or not starts:  # a break at the file's start begins no document
+                        yield paragraph + "\n", starts
+                    starts = True
             if len(chunk) < TEXT_CHUNK_CHARS:
                 break  # a text read returns fewer characters only at the end of the file: the last piece
             cut = _safe_cut(rest, start=max(len(rest) - len(chunk) - 1, 0))  # the older part has no cut
@@ -72,6 +88,44 @@ def _text_pieces(path: str):
         if invalid:
             print(f"warning: {path}: {invalid:,} invalid UTF-8 sequences replaced with U+FFFD, the first at line "
                   f"{_first_invalid_line(path)}", file=sys.stderr)
+
+
+def has_paragraphs(path: str, block: int = 1 << 24) -> bool:
+    """Whether the text file holds a blank line between two lines of text: read a block at a time until the
+    first one, each block after the last text of the one before (its trailing blank lines as bare newlines)."""
+    tail = ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        while chunk := f.read(block):
+            text = tail + chunk
+            if BETWEEN_TEXT.search(text):
+                return True
+            stripped = text.rstrip()
+            tail = stripped[-1:] + "\n" * min(text[len(stripped):].count("\n"), 2) if stripped else ""
+    return False
+
+
+def text_documents(source, requested: str | int, train_tokenizer: bool = False) -> tuple[str, int | None]:
+    """How prepare.py makes documents of text files -> (mode, tokens a piece): ("file", None), ("paragraphs",
+    None) or ("tokens", N), every document longer than N tokens cut into pieces of N. requested: --text-documents,
+    "auto": a lone text file by its paragraphs, or in pieces of TEXT_PIECE_TOKENS where it has no blank line,
+    so that the val split draws across it; each file of a directory or glob, which are documents already, whole.
+    Under --train-tokenizer the documents must be known before any text is tokenized (split.val_held_out), so
+    auto keeps such a file whole and a token count is refused."""
+    if isinstance(requested, int):
+        if requested < 1:
+            raise UsageError(f"--text-documents {requested}: a piece needs at least 1 token")
+        if train_tokenizer:
+            raise UsageError(f"--text-documents {requested}: --train-tokenizer needs documents it can tell apart "
+                             "before tokenizing; use paragraphs or file")
+        return "tokens", requested
+    if requested != "auto":
+        return requested, None
+    source = os.fspath(source)
+    if not os.path.isfile(source) or source.endswith((".jsonl", ".parquet")) or _not_text(source):
+        return "file", None
+    if has_paragraphs(source):
+        return "paragraphs", None
+    return ("file", None) if train_tokenizer else ("tokens", TEXT_PIECE_TOKENS)
 
 
 def _first_invalid_line(path: str, block: int = 1 << 24) -> int | None:
@@ -128,14 +182,14 @@ def _parquet_pieces(path: str, field: str):
             yield _text_of({field: text}, path, field), True
 
 
-def file_pieces(paths, field: str = TEXT_FIELD):
+def file_pieces(paths, field: str = TEXT_FIELD, paragraphs: bool = False):
     for path in paths:
         if path.endswith(".jsonl"):
             yield from _jsonl_pieces(path, field)
         elif path.endswith(".parquet"):
             yield from _parquet_pieces(path, field)
         else:
-            yield from _text_pieces(path)
+            yield from _text_pieces(path, paragraphs)
 
 
 def _not_text(path: str) -> str | None:
@@ -251,11 +305,12 @@ def _is_hf_name(source: str) -> bool:
     return bool(re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?", source)) and not os.path.exists(source.split("/")[0])
 
 
-def source_pieces(source, hf_config: str | None = None, hf_split: str | None = None, text_field: str = TEXT_FIELD):
+def source_pieces(source, hf_config: str | None = None, hf_split: str | None = None, text_field: str = TEXT_FIELD,
+                  paragraphs: bool = False):
     """The (text, starts_a_document) pieces of a file, directory, glob, datasets save_to_disk directory or
     Hugging Face hub dataset. Checks that the source exists now, before any work; reads lazily. hf_config
     applies to a hub dataset, hf_split (default train) to a hub dataset or a save_to_disk DatasetDict,
-    text_field to records (.jsonl, .parquet, datasets)."""
+    text_field to records (.jsonl, .parquet, datasets), paragraphs to text files (a document each)."""
     source = os.fspath(source)
     if os.path.isdir(source) and (kind := saved_dataset_kind(os.listdir(source))):
         if hf_config:
@@ -273,7 +328,7 @@ def source_pieces(source, hf_config: str | None = None, hf_split: str | None = N
         files = [f for m in matches for f in (_files_under(m) if os.path.isdir(m) else [m])]
         if not files:
             raise DataError(f"no text, .jsonl or .parquet files found in {source}")
-        return file_pieces(files, text_field)
+        return file_pieces(files, text_field, paragraphs)
     if _is_hf_name(source):
         return _hf_pieces(source, hf_config, hf_split or "train", text_field)
     raise DataError(f"input {source} not found: expected a file, a directory, a glob, "

@@ -52,6 +52,20 @@ def draw_of(position: int) -> int:
     return int(draws(np.array([position]))[0])
 
 
+def cut_documents(tokens: np.ndarray, eot: int, every: int, run: int) -> tuple[np.ndarray, int]:
+    """tokens with a separator (eot) inserted wherever a document reaches `every` tokens, so none is longer ->
+    (tokens, the last document's tokens so far). run: the tokens of the document the array starts in, from
+    the arrays before it (0 at the stream's start). Pure: the tokens of the text are unchanged, and in order."""
+    if not len(tokens):
+        return tokens, run
+    index = np.arange(len(tokens))
+    separators = tokens == eot
+    last = np.maximum.accumulate(np.where(separators, index, -1))
+    within = np.where(last >= 0, index - last - 1, run + index)  # a token's place in its document
+    cuts = np.flatnonzero(~separators & (within > 0) & (within % every == 0))
+    return np.insert(tokens, cuts, np.asarray(eot, dtype=tokens.dtype)), 0 if separators[-1] else int(within[-1] % every) + 1
+
+
 def document_texts(pieces):
     """(position, text) for the (text, starts_a_document) pieces, positions counted as the token stream counts
     documents: one per separator, an empty document dropped (it is never tokenized), a first piece that
@@ -171,5 +185,7 @@ def describe(record: dict) -> str:
     """How a preparation's data.json says its val split was chosen, for the start-up table and the report."""
     if record.get("val_from") == "draws":
         count = record.get("val_documents")
+        if record.get("documents") == 1:
+            return "the corpus's only document, its first tokens"
         return f"{'documents' if count is None else plural(count, 'document')} chosen by a hash of their position"
     return "the corpus's first tokens" if record.get("val_from") == "start" else "not recorded in data.json"

@@ -72,10 +72,66 @@ def test_prepare_text_file_in_pieces_equals_whole_file_encoding(gpt2, tmp_path, 
     (tmp_path / "book.txt").write_text(text, encoding="utf-8")
     monkeypatch.setattr(sources, "TEXT_CHUNK_CHARS", 16)  # many pieces, cut only where encoding is unchanged
     assert len(list(sources._text_pieces(str(tmp_path / "book.txt")))) > 20
-    stats = prepare.prepare(tmp_path / "book.txt", tmp_path / "out", shard_tokens=500, val_tokens=100)
+    stats = prepare.prepare(tmp_path / "book.txt", tmp_path / "out", shard_tokens=500, val_tokens=100,
+                            text_documents="file")
     _check(enc, tmp_path / "out", [text])
     assert stats["documents"] == 1 and stats["val_tokens"] == 100 and stats["train_shards"] > 2
     assert all(len(read_shard(p)) == 500 for p in sorted((tmp_path / "out").glob("train_*"))[:-1])
+
+
+def test_a_lone_text_file_is_split_at_paragraphs_so_val_is_drawn_across_it(gpt2, tmp_path, monkeypatch, capsys):
+    enc = gpt2[0]
+    paragraphs = [f"Section {i}: " + " ".join(["topic", str(i % 5)] * (5 + i % 7)) for i in range(300)]
+    (tmp_path / "book.txt").write_text("\n\n \n".join(paragraphs) + "\n", encoding="utf-8")
+    monkeypatch.setattr(sources, "TEXT_CHUNK_CHARS", 64)  # breaks cut across reads
+    stats = prepare.prepare(tmp_path / "book.txt", tmp_path / "out", shard_tokens=5000, val_tokens=600)
+    _check(enc, tmp_path / "out", [p + "\n" for p in paragraphs])
+    assert (stats["documents"], stats["text_documents"], stats["piece_tokens"]) == (300, "paragraphs", None)
+    assert stats["val_documents"] > 5  # drawn from many places, not the file's head
+    assert "300 documents (text files cut at blank lines)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "data.json").read_text())["text_documents"] == "paragraphs"
+
+
+def test_a_text_file_without_paragraphs_is_cut_into_token_pieces(gpt2, tmp_path, capsys):
+    enc = gpt2[0]
+    text = "".join(f"line {i} of a file without any blank line\n" for i in range(2000))
+    (tmp_path / "log.txt").write_text(text, encoding="utf-8")
+    stats = prepare.prepare(tmp_path / "log.txt", tmp_path / "out", val_tokens=2000)
+    ids = enc.encode_ordinary(text)
+    pieces = [ids[i:i + sources.TEXT_PIECE_TOKENS] for i in range(0, len(ids), sources.TEXT_PIECE_TOKENS)]
+    record = json.loads((tmp_path / "out" / "data.json").read_text())
+    expected = split_by_hand([t for piece in pieces for t in [enc.eot_token, *piece]], record["val_tokens"])
+    assert _all_tokens(tmp_path / "out") == expected  # the file's own tokens, a separator every 1,024
+    assert (record["text_documents"], record["piece_tokens"], record["documents"]) == ("tokens", 1024, len(pieces))
+    assert f"(cut into pieces of at most 1,024 tokens)" in capsys.readouterr().out
+
+
+def test_one_document_says_val_is_its_head(gpt2, tmp_path, capsys):
+    (tmp_path / "book.txt").write_text(DOCS[0] * 50 + "\n\n" + DOCS[1] * 50)
+    stats = prepare.prepare(tmp_path / "book.txt", tmp_path / "out", val_tokens=10, text_documents="file")
+    assert stats["documents"] == 1 and stats["text_documents"] == "file"
+    line = capsys.readouterr().out
+    assert "val: 10 tokens in the corpus's only document, its first tokens (--val-tokens 10); " \
+           "--text-documents paragraphs or a token count lets val be drawn across it" in line
+
+
+def test_text_documents_of_a_directory_stay_whole_files(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("one\n\ntwo\n")
+    assert sources.text_documents(tmp_path / "src", "auto") == ("file", None)
+    assert sources.text_documents(tmp_path / "src" / "a.txt", "auto") == ("paragraphs", None)
+    assert sources.text_documents(tmp_path / "src" / "a.txt", 64) == ("tokens", 64)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--text-documents", "0"], "error: --text-documents 0: a piece needs at least 1 token"),
+    (["--text-documents", "some"], "argument --text-documents: must be auto, paragraphs, file or a token count"),
+    (["--text-documents", "64", "--train-tokenizer", "300"], "error: --text-documents 64: --train-tokenizer needs "
+                                                            "documents it can tell apart before tokenizing")])
+def test_text_documents_refusals(tmp_path, capsys, argv, message):
+    (tmp_path / "a.txt").write_text(DOCS[0])
+    assert prepare.main(["--input", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"), *argv]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
 def test_prepare_directory_recursive_and_glob(gpt2, tmp_path):
@@ -408,13 +464,14 @@ def test_past_the_hold_val_takes_draw_0_and_train_shards_are_written_as_the_stre
 
 def test_the_summary_line_counts_in_the_singular_and_plural():
     stats = {"documents": 1, "tokens": 1200, "train_tokens": 1000, "train_shards": 1, "val_tokens": 200,
-             "seconds": 0.5, "val_from": "draws", "val_documents": 1}
+             "seconds": 0.5, "val_from": "draws", "val_documents": 1, "text_documents": "file", "piece_tokens": None}
     assert prepare._summary(stats, 200, None) == (
-        "data: 1 document, 1,200 tokens (1,000 train in 1 shard) in 0.5s (0.00M tok/s); val: 200 tokens in 1 "
-        "document chosen by a hash of their position (--val-tokens 200)")
+        "data: 1 document, 1,200 tokens (1,000 train in 1 shard) in 0.5s (0.00M tok/s); val: 200 tokens in the "
+        "corpus's only document, its first tokens (--val-tokens 200); --text-documents paragraphs or a token "
+        "count lets val be drawn across it")
     line = prepare._summary({**stats, "documents": 2, "train_shards": 3, "val_tokens": 1}, 1, None)
     assert "data: 2 documents," in line and "in 3 shards)" in line
-    assert "val: 1 token in 1 document" in line
+    assert "val: 1 token in 1 document chosen" in line
     assert prepare._summary({**stats, "val_tokens": 0}, 0, None).endswith("val: none (--val-tokens 0)")
 
 

@@ -1,9 +1,12 @@
 import random
 
+import pytest
+
 import regex
 import tiktoken_ext.openai_public as openai_public
 
 import sources
+import split
 
 
 def test_text_pieces_keep_every_tiktoken_pre_tokenization(tmp_path, monkeypatch):
@@ -43,3 +46,20 @@ def test_saved_dataset_kind_from_a_listing():
     assert sources.saved_dataset_kind(["dataset_dict.json"]) == "DatasetDict"
     assert sources.saved_dataset_kind(["state.json", "notes.txt"]) is None
     assert sources.saved_dataset_kind([]) is None
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 1 << 20])
+def test_paragraphs_are_documents_whatever_the_reads(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr(sources, "TEXT_CHUNK_CHARS", chunk)
+    (tmp_path / "t.txt").write_text("\n\nfirst line\n  indented\n \t\n\n    second\nx\n\n\nthird")
+    docs = {}
+    for position, text in split.document_texts(sources._text_pieces(str(tmp_path / "t.txt"), paragraphs=True)):
+        docs[position] = docs.get(position, "") + text
+    assert docs == {0: "first line\n  indented\n", 1: "    second\nx\n", 2: "third"}
+
+
+@pytest.mark.parametrize("text, found", [("a\n\nb", True), ("a\n \t\n  b\n", True), ("a\nb\n", False),
+                                         ("\n\na\n", False), ("a\n\n\n", False), ("", False)])
+def test_has_paragraphs_needs_text_on_both_sides(tmp_path, text, found):
+    (tmp_path / "t.txt").write_text(text)
+    assert all(sources.has_paragraphs(str(tmp_path / "t.txt"), block) == found for block in (1, 2, 5, 1 << 20))

@@ -121,3 +121,18 @@ def test_describe_says_how_val_was_chosen():
     assert split.describe({"val_from": "draws", "val_documents": 1}) == "1 document chosen by a hash of their position"
     assert split.describe({"val_from": "start"}) == "the corpus's first tokens"
     assert split.describe({}) == "not recorded in data.json"
+
+
+def test_cut_documents_gives_pieces_of_at_most_n_tokens_in_any_arrays():
+    rng = np.random.default_rng(0)
+    stream = rng.integers(0, 5, 500).astype(np.uint16)  # 0 is the separator
+    whole, _ = split.cut_documents(stream, 0, 7, 0)
+    assert np.array_equal(whole[whole != 0], stream[stream != 0])  # the text's tokens, unchanged and in order
+    lengths = np.diff(np.flatnonzero(np.append(whole, 0) == 0)) - 1
+    assert lengths.max() <= 7 and (lengths[:-1][lengths[:-1] > 0] >= 1).all()
+    for cuts in (1, 3, 50):
+        parts, run = [], 0
+        for part in np.array_split(stream, cuts):
+            part, run = split.cut_documents(part, 0, 7, run)
+            parts.append(part)
+        assert np.array_equal(np.concatenate(parts), whole)
