@@ -433,8 +433,7 @@ def prepare(source, out_dir, tokenizer: str = "gpt2", shard_tokens: int = 100_00
     train_tokenizer: in place of tokenizer, a byte-level BPE of that many ids (tokenizer.train_bpe, named
     trained:VOCAB, its separator doc_separator or <|endoftext|>) trained on the source's documents that the
     val split cannot take (split.val_held_out), at most TOKENIZER_TRAIN_CHARS characters of them, whatever
-    max_tokens; the source is read twice more for it. text_documents: how a text file makes documents
-    (sources.text_documents: file, paragraphs, a token count, or auto).
+    max_tokens; the source is read twice more for it. text_documents: sources.text_documents's request.
 
     The val split is documents drawn by a hash of their position (split.py): val_tokens of their tokens, or
     under None (--val-tokens auto) default_val_tokens(total), 0.5% of the corpus within [MIN_VAL_TOKENS,
@@ -570,15 +569,6 @@ def build_parser() -> ArgumentParser:
                              "makes (default: the tokenizer's end-of-text "
                              "or BOS token: its tokenizer_config.json's bos_token or eos_token, else the first "
                              "of <|endoftext|>, </s>, <s>, ... it has)")
-    parser.add_argument("--text-documents", type=_documents_mode, default="auto", metavar="auto|paragraphs|file|N",
-                        help="how a text file is cut into documents, which the val split draws from: paragraphs: one "
-                             "per blank-line paragraph; file: the whole file is one; N: every document cut into "
-                             "pieces of at most N tokens; auto: a lone text file by its paragraphs, or in pieces of "
-                             f"{sources.TEXT_PIECE_TOKENS:,} tokens where it has no blank line, and each file of a "
-                             "directory or glob whole. The choice is recorded in data.json (default: %(default)s)")
-    parser.add_argument("--text-field", default=TEXT_FIELD, metavar="NAME",
-                        help="the field (.jsonl) or column (.parquet, datasets) that holds each document's text "
-                             "(default: %(default)s)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an earlier preparation in --out (its shards, data.json and tokenizer.json, "
                              "and nothing else), only once the new one is complete")
@@ -594,12 +584,26 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=None, metavar="N",
                         help="stop after N tokens in all, val and train (a sample of a large dataset); the "
                              "progress then shows N and an ETA (default: the whole input)")
+    _add_document_arguments(parser)
+    return parser
+
+
+def _add_document_arguments(parser: ArgumentParser) -> None:
+    """What in the input is a document, and where its text is."""
+    parser.add_argument("--text-documents", type=_documents_mode, default="auto", metavar="auto|paragraphs|file|N",
+                        help="how a text file is cut into documents, which the val split draws from: paragraphs: one "
+                             "per blank-line paragraph; file: the whole file is one; N: every document cut into "
+                             "pieces of at most N tokens; auto: a lone text file by its paragraphs, or in pieces of "
+                             f"{sources.TEXT_PIECE_TOKENS:,} tokens where it has no blank line, and each file of a "
+                             "directory or glob whole. The choice is recorded in data.json (default: %(default)s)")
+    parser.add_argument("--text-field", default=TEXT_FIELD, metavar="NAME",
+                        help="the field (.jsonl) or column (.parquet, datasets) that holds each document's text "
+                             "(default: %(default)s)")
     parser.add_argument("--hf-config", metavar="NAME",
                         help="the configuration (subset) of a Hugging Face hub dataset, e.g. sample-10BT")
     parser.add_argument("--hf-split", metavar="SPLIT",
                         help="the split of a Hugging Face dataset, on the hub or a save_to_disk DatasetDict "
                              "(default: train)")
-    return parser
 
 
 def _documents_mode(text: str) -> str | int:
