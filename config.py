@@ -49,8 +49,8 @@ class DataConfig:
                                     "NAME=DIR:WEIGHT,... (e.g. web=data/web:0.7,code=data/code:0.3; weights are "
                                     "normalised; see docs/data.md) (default: the Python stdlib corpus, tokenized "
                                     "once and cached)", metavar="DIR|MIX")
-    batch_size: int | str = option(16, "micro-batch size in sequences, or auto (CUDA): the largest that fits in "
-                                       "memory, with --grad-accum derived so that --total-batch-tokens stays exact",
+    batch_size: int | str = option(16, "micro-batch size in sequences, or auto: the largest that fits (CUDA: probed; "
+                                       "CPU: by the estimate), --grad-accum derived to keep --total-batch-tokens exact",
                                    type=int_or_auto)
     grad_accum: int = option(1, "micro-batches per optimizer step")
     allow_data_change: bool = option(False, "--resume on shards that differ from the ones the checkpoint trained "

@@ -4,7 +4,7 @@ search for the largest micro-batch that fits.
     apply_activation_checkpointing(model, "selective")        # none | full | selective | alternate
     saved_tensor_bytes(model, idx, targets, torch.bfloat16)   # measured: bytes held for backward
     estimate_memory(cfg, batch_size, seq_len, "adamw", "full", torch.bfloat16, "cuda")  # before allocating
-    auto_batch_size(model, ...)                                # --batch-size auto: probe the GPU
+    auto_batch_size(model, ...)                                # --batch-size auto on CUDA: probe the GPU
     memory_report(cfg)                                         # --estimate-memory [--target-gpu h100]
 
 The estimate counts, tensor by tensor, what the plain backend's eager forward saves for backward (the same
@@ -610,12 +610,6 @@ def probe_reserve_bytes(cfg: ModelConfig, optimizer: str, dist_mode: str, world_
     margin: with more than one rank there is no out-of-memory retry, so a tight fit must be right."""
     buckets = FP32 * param_count(cfg) if dist_mode == "ddp" else 0
     return optimizer_state_bytes_estimate(cfg, optimizer, world_size == 1) + buckets
-
-
-def auto_batch_problems(cfg):
-    """--batch-size auto on a machine without CUDA (a config.Config's; one of train.py's machine checks)."""
-    if cfg.data.batch_size == "auto" and (cfg.speed.device not in ("auto", "cuda") or not torch.cuda.is_available()):
-        yield "--batch-size auto needs CUDA: it searches by catching CUDA out-of-memory errors"
 
 
 def auto_batch_size(model: nn.Module, per_rank: int, multiple: int, reserve: int, forward_context,

@@ -15,6 +15,7 @@ inside the same optimizer, so one state_dict and one LR schedule cover both; thi
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -22,7 +23,8 @@ from torch import nn
 from hardware import fused_adamw_available
 from model import option
 from muon import Muon, _is_dtensor, _local
-from muon_math import MUON_SCALES, NS_COEFF_SCHEMES, NS_DTYPES, cautious_decay_, per_step, scalar_dtype
+from muon_math import (MUON_SCALES, NS_COEFF_SCHEMES, NS_DTYPES, cautious_decay_, newton_schulz_flops, per_step,
+                       scalar_dtype)
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon")
 
@@ -404,6 +406,30 @@ class CautiousAdamW(torch.optim.AdamW):
 
 
 # ----------------------------------------------------------------------------- reporting
+
+
+class StepWork(NamedTuple):
+    """What one optimizer step does on this rank, to price it (plan.optimizer_seconds)."""
+    ns_flops: int  # Muon's Newton-Schulz, in ns_dtype
+    ns_dtype: torch.dtype | None
+    elementwise_bytes: int  # read and written by the elementwise updates and gradient clipping
+
+
+def step_work(optimizer: torch.optim.Optimizer, state_bytes: int, world_size: int = 1, sharded: bool = False) -> StepWork:
+    """Muon's Newton-Schulz FLOPs (ns_steps iterations of muon_math.newton_schulz_flops on each row block,
+    spread over the ranks, as Muon spreads them), and the elementwise bytes: each parameter read and written,
+    its gradient read for clipping's norm, scaled in place and read by the update (24 bytes in float32), and
+    the state (state_bytes in all, memory.optimizer_state_bytes_estimate) read and written; a rank's share of
+    them under FSDP2 (sharded). Pure."""
+    params, ns_flops, ns_dtype = 0, 0, None
+    for group in optimizer.param_groups:
+        params += sum(p.numel() for p in group["params"])  # a DTensor's numel is its whole tensor's
+        if group.get("kind") == "muon":
+            ns_dtype = NS_DTYPES[group["ns_dtype"]]
+            ns_flops += group["ns_steps"] * sum(2 * newton_schulz_flops(rows, p.shape[1]) for p, split
+                                                in zip(group["params"], group["row_blocks"]) for rows in split)
+    elementwise = 24 * params + 2 * state_bytes
+    return StepWork(ns_flops // world_size, ns_dtype, elementwise // world_size if sharded else elementwise)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:

@@ -2,23 +2,29 @@
 whole run will take, with a warning when either is more than a person would wait for without being told.
 
     step = step_time(model, layout, device, dtype, fp8_recipe, sharded)   # at start-up, rank 0
-    describe(step, grad_accum, steps, tokens, tokens_per_step)      # the start-up table's plan row
+    describe(step, grad_accum, tokens, tokens_per_step, extras)     # the start-up table's time row
     warnings(step, grad_accum, tokens, tokens_per_step, "--max-steps")   # a run over a day, a step over a minute
 
-A step's time is measured on the model itself, and the plan row says how:
-- a timed micro-step (forward and backward) of the model at the run's micro-batch, eager, before any
-  wrapper, the faster of two timed after one warm-up, when that costs at most the probe budget: PROBE_MAX_S,
-  or PROBE_SHARE of the run as its FLOPs plan it, whichever is more;
+A step's time is measured on the model itself, and the time row says how:
+- a timed micro-step (forward and backward) of the bare model at the run's micro-batch, eager, outside DDP's
+  and torch.compile's wrappers, the faster of two timed after one warm-up, when that costs at most the probe
+  budget: PROBE_MAX_S, or PROBE_SHARE of the run as its FLOPs plan it, whichever is more;
 - else the same at a smaller batch (one sequence; then a quarter of a sequence), timed and scaled to the
   micro-step by training FLOPs (sizing.flops_per_token): the model's own rate, norms, softmax and launches
   included, on less work;
 - else, and under FSDP2 (the unwrapped model is whole on every rank and may not fit), the micro-step's FLOPs
   at the rate of one GEMM of the model's own largest shape in the run's dtype, timed here: an estimate, which
   the matmul alone can put above or below the step (a short GEMM runs below the step's sustained rate).
-The matmul rate also prices the probes beforehand. None counts torch.compile's compilation, the optimizer's
-step, evals or checkpoints; a step is its micro-steps' time (grad accumulation runs them one after another).
+The matmul rate also prices the probes beforehand, and a probe whose activations would not fit the memory the
+process has left (headroom.py) is not run. A step is its micro-steps' time (grad accumulation runs them one after
+another) and the optimizer's step, priced from its work (optim.step_work): Newton-Schulz FLOPs at the matmul
+rate of its dtype, the elementwise updates' bytes at this device's measured copy rate. The run adds its evals
+(forward-only tokens at the micro-step's measured FLOP rate) and its checkpoints (their bytes at a write rate
+measured in the run's directory). torch.compile's compilation is not counted.
 """
 
+import math
+import os
 import time
 from typing import NamedTuple
 
@@ -27,6 +33,7 @@ import torch
 import fp8
 import hardware
 from sizing import flops_per_token
+from cli import plural
 from progress import duration
 
 PROBE_MAX_S = 2.0  # a probe this cheap (by the FLOP estimate) always runs
@@ -39,11 +46,23 @@ LONG_RUN_S = 24 * 3600  # a plan over a day gets a warning
 # gpt2-124m step reached on one H100 80GB HBM3 (31.2%, bench/results/gpu_check_20261128), of its 989 TFLOP/s.
 H100_MEASURED_MFU, H100_PEAK_FLOPS = 0.312, 989e12
 SLOW_STEP_S = 60.0  # so does a first step over a minute
+COPY_BYTES = 64 * 2**20  # the tensor the copy-rate measurement copies: past any CPU cache
+WRITE_PROBE_BYTES = 16 * 2**20  # written and synced to disk to price a checkpoint
+FORWARD_SHARE = 1 / 3  # of a training step's FLOPs: the forward, all an eval runs
 
 
 class StepTime(NamedTuple):
     micro_s: float  # seconds of one micro-step
-    how: str  # which measurement, for the plan row
+    how: str  # which measurement, for the time row
+    optimizer_s: float = 0.0  # seconds of the optimizer's step, gradient clipping included (optimizer_seconds)
+
+
+class RunExtras(NamedTuple):
+    """What a run does besides its steps, counted by the components that decide it."""
+    evals: int = 0
+    eval_s: float = 0.0  # each
+    checkpoints: int = 0
+    checkpoint_s: float = 0.0  # each
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int) -> float:
@@ -99,11 +118,11 @@ def probes(micro_batch: int, seq_len: int) -> list[tuple[int, int]]:
 
 
 def step_time(model: torch.nn.Module, layout, device: torch.device, dtype: torch.dtype | None, fp8_recipe,
-              sharded: bool, planned_micro_steps: int = 1) -> StepTime:
+              sharded: bool, planned_micro_steps: int = 1, fits=None) -> StepTime:
     """A micro-step's time at layout's micro-batch (batch.BatchLayout): the largest probe (probes) whose
-    passes cost at most the budget (module docstring) by the FLOP estimate, timed under the training's
-    autocast and FP8 (fp8.probing's recipe) and scaled by FLOPs to the micro-step; else the FLOP estimate.
-    planned_micro_steps: the run's, for the budget."""
+    passes cost at most the budget (module docstring) by the FLOP estimate and whose activations fit
+    (fits(batch, seq_len), None: all do), timed under the training's autocast and FP8 (fp8.probing's recipe)
+    and scaled by FLOPs to the micro-step; else the FLOP estimate. planned_micro_steps: the run's, for the budget."""
     cfg, micro_batch, seq_len = model.config, layout.micro_batch, layout.seq_len
     k, n = cfg.n_embd, max(cfg.resolved_ffn_dim, cfg.padded_vocab_size)  # the model's largest GEMM's shape
     m = max(64, min(micro_batch * seq_len, 4096, GEMM_FLOPS // (2 * k * n)))  # rows: few enough to be quick
@@ -113,7 +132,8 @@ def step_time(model: torch.nn.Module, layout, device: torch.device, dtype: torch
                         f"an estimate: FLOPs at one GEMM's measured rate, {rate / 1e12:.3g} TFLOP/s")
     budget = max(PROBE_MAX_S, PROBE_SHARE * estimate.micro_s * planned_micro_steps)
     passes = 1 + TIMED_PASSES
-    affordable = [(b, s) for b, s in probes(micro_batch, seq_len) if passes * work(b, s) / rate <= budget]
+    affordable = [(b, s) for b, s in probes(micro_batch, seq_len)
+                  if passes * work(b, s) / rate <= budget and (fits is None or fits(b, s))]
     if sharded or not affordable:
         return estimate
     batch, seq = affordable[0]
@@ -131,19 +151,88 @@ def step_time(model: torch.nn.Module, layout, device: torch.device, dtype: torch
                     f"a {batch} x {seq}-token micro-batch timed, eager, and scaled by FLOPs x{scale:.3g}")
 
 
-def run_seconds(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int) -> float:
-    """The run's seconds: its tokens (a batch warm-up's smaller steps counted in them) at a full step's time."""
-    return step.micro_s * grad_accum * tokens / tokens_per_step
+def copy_rate(device: torch.device) -> float:
+    """Bytes/s moved by copying a COPY_BYTES tensor (read and write), repeated for RATE_WINDOW_S after one
+    warm-up: what an elementwise optimizer update, bound by memory, runs at."""
+    a = torch.empty(COPY_BYTES // 4, device=device).fill_(1.0)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    hardware.synchronize(device)
+    start, reps = time.perf_counter(), 0
+    while reps < 2 or time.perf_counter() - start < RATE_WINDOW_S:
+        b.copy_(a)
+        reps += 1
+    hardware.synchronize(device)
+    return 2 * COPY_BYTES * reps / (time.perf_counter() - start)
 
 
-def describe(step: StepTime, grad_accum: int, steps: int, tokens: int, tokens_per_step: int) -> str:
-    """The plan row: '307,200 tokens in 150 steps; a step ~0.62 s (2 micro-steps of 0.31 s: one micro-step
-    timed, eager), the run ~1m33s (compile, optimizer and evals not counted)'. Pure."""
+def optimizer_seconds(work, ns_rate: float | None, byte_rate: float) -> float:
+    """An optimizer step's seconds from its work (optim.StepWork): Newton-Schulz FLOPs at ns_rate (FLOP/s of
+    a GEMM of its shape and dtype; None when it has none) and its elementwise bytes at byte_rate. Pure."""
+    return (work.ns_flops / ns_rate if work.ns_flops else 0.0) + work.elementwise_bytes / byte_rate
+
+
+def write_rate(directory: str) -> float:
+    """Bytes/s of writing WRITE_PROBE_BYTES to a file in directory and syncing it to disk, as a checkpoint is;
+    the file is removed."""
+    path = os.path.join(directory, f".write-rate-{os.getpid()}")
+    data = os.urandom(1 << 20) * (WRITE_PROBE_BYTES >> 20)
+    start = time.perf_counter()
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        return WRITE_PROBE_BYTES / max(time.perf_counter() - start, 1e-6)
+    finally:
+        os.remove(path)
+
+
+def steps_due(start: int, end: int, *intervals: int) -> int:
+    """How many steps d in (start, end] are on one of at most two intervals (0: never), or are the last: when a
+    component due on its interval and at the end runs (inclusion-exclusion, no loop over steps). Pure."""
+    on = [i for i in intervals if i > 0]
+    if len(on) > 2:
+        raise ValueError("steps_due counts at most two intervals")
+    multiples = lambda i: end // i - start // i  # noqa: E731
+    count = sum(map(multiples, on)) - (multiples(math.lcm(*on)) if len(on) == 2 else 0)
+    return count + (end > start and not any(end % i == 0 for i in on))
+
+
+def run_extras(step: StepTime, tokens_per_micro_step: int, evals: int, eval_tokens: int, checkpoints: int,
+               checkpoint_bytes: int, bytes_per_s: float) -> RunExtras:
+    """Evals of eval_tokens each, forward only (FORWARD_SHARE of a training token's FLOPs) at the micro-step's
+    rate, and checkpoints of checkpoint_bytes at bytes_per_s (write_rate). Pure."""
+    return RunExtras(evals, step.micro_s * FORWARD_SHARE * eval_tokens / tokens_per_micro_step, checkpoints,
+                     checkpoint_bytes / bytes_per_s)
+
+
+def step_seconds(step: StepTime, grad_accum: int) -> float:
+    return step.micro_s * grad_accum + step.optimizer_s
+
+
+def run_seconds(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int,
+                extras: RunExtras = RunExtras()) -> float:
+    """The run's seconds: its tokens (a batch warm-up's smaller steps counted in them) at a full step's
+    micro-steps, an optimizer step per step, then its evals and checkpoints."""
+    steps = tokens / tokens_per_step
+    return (step.micro_s * grad_accum * steps + step.optimizer_s * steps
+            + extras.evals * extras.eval_s + extras.checkpoints * extras.checkpoint_s)
+
+
+def describe(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int,
+             extras: RunExtras = RunExtras()) -> str:
+    """The time row: 'a step ~0.65 s (2 micro-steps of 0.31 s: one micro-step timed, eager; the optimizer
+    0.03 s), the run ~1m41s with 3 evals of 0.4 s and 4 checkpoints of 0.02 s (compilation not counted)'. Pure."""
     micro = "micro-step" if grad_accum == 1 else "micro-steps"
-    return (f"{tokens:,} tokens in {steps:,} step{'s' if steps != 1 else ''}; a step ~{_seconds(step.micro_s * grad_accum)} "
-            f"({grad_accum:,} {micro} of {_seconds(step.micro_s)}: {step.how}), the run "
-            f"~{_seconds(run_seconds(step, grad_accum, tokens, tokens_per_step))} (compile, optimizer and evals "
-            "not counted)")
+    parts = [f"{plural(extras.evals, 'eval')} of {_seconds(extras.eval_s)}" if extras.evals else "",
+             f"{plural(extras.checkpoints, 'checkpoint')} of {_seconds(extras.checkpoint_s)}"
+             if extras.checkpoints else ""]
+    besides = " and ".join(filter(None, parts))
+    return (f"a step ~{_seconds(step_seconds(step, grad_accum))} ({grad_accum:,} {micro} of "
+            f"{_seconds(step.micro_s)}: {step.how}; the optimizer {_seconds(step.optimizer_s)}), the run "
+            f"~{_seconds(run_seconds(step, grad_accum, tokens, tokens_per_step, extras))}"
+            f"{' with ' + besides if besides else ''} (compilation not counted)")
 
 
 def warnings(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int, length_flag: str,
@@ -152,17 +241,18 @@ def warnings(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int,
     and, on a CPU (cpu_flops: the run's training FLOPs), what one H100 would take; and one for a step over
     SLOW_STEP_S, naming what sets a step's size. Pure."""
     found = []
-    total = run_seconds(step, grad_accum, tokens, tokens_per_step)
+    total, each = run_seconds(step, grad_accum, tokens, tokens_per_step), step_seconds(step, grad_accum)
     if total > LONG_RUN_S:
         gpu = ("; this run wants a GPU: one H100 would take about "
                f"{_seconds(cpu_flops / (H100_MEASURED_MFU * H100_PEAK_FLOPS))} (its FLOPs at the "
                f"{100 * H100_MEASURED_MFU:.0f}% MFU gpt2-124m reached there)") if cpu_flops else ""
         found.append(f"warning: the run is planned at ~{_seconds(total)} on this device ({tokens:,} tokens at "
-                     f"~{_seconds(step.micro_s * grad_accum)} a step); lower {length_flag} for a shorter one{gpu}")
-    if step.micro_s * grad_accum > SLOW_STEP_S:
-        found.append(f"warning: each step will take ~{_seconds(step.micro_s * grad_accum)} ({grad_accum:,} "
-                     f"micro-step{'s' if grad_accum != 1 else ''} of {_seconds(step.micro_s)}), so the first "
-                     "loss is minutes away; lower --total-batch-tokens (or --grad-accum) for smaller steps")
+                     f"~{_seconds(each)} a step); lower {length_flag} for a shorter one{gpu}")
+    if each > SLOW_STEP_S:
+        found.append(f"warning: each step will take ~{_seconds(each)} ({grad_accum:,} "
+                     f"micro-step{'s' if grad_accum != 1 else ''} of {_seconds(step.micro_s)}, the optimizer "
+                     f"{_seconds(step.optimizer_s)}), so the first loss is minutes away; lower "
+                     "--total-batch-tokens (or --grad-accum) for smaller steps")
     return found
 
 

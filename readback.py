@@ -54,13 +54,20 @@ def log_unread(window: list[Taken], guard: Guard, telemetry: Telemetry, world_si
         pass
 
 
+def reads_every_step(device: torch.device) -> bool:
+    """Whether the host reads each step back as it ends: on a CPU, which runs a step's kernels as the host
+    queues them, a window saves no wait, and the progress line moves a step at a time."""
+    return device.type == "cpu"
+
+
 def read_due(run, done: int, signals) -> bool:
-    """Read the steps taken back from the device after step `done`? After this process's first step (its line
-    comes whatever --log-interval is), every --log-interval steps, at the end, and where something acts on
-    them: a checkpoint (never one inside a streak of non-finite steps) or an eval; in a single process also
-    once a stop signal has come. Under torch.distributed every rank must read at the same steps, so a signal
+    """Read the steps taken back from the device after step `done`? Every step on a CPU (reads_every_step);
+    elsewhere after this process's first step (its line comes whatever --log-interval is), every
+    --log-interval steps, at the end, and where something acts on them: a checkpoint (never one inside a
+    streak of non-finite steps) or an eval; in a single process also once a stop signal has come. Under
+    torch.distributed every rank must read at the same steps (all run on the same kind of device), so a signal
     waits for the next of those (stop_requested asks all ranks then)."""
-    return (done % run.cfg.log.log_interval == 0 or done == run.start_step + 1
+    return (reads_every_step(run.device) or done % run.cfg.log.log_interval == 0 or done == run.start_step + 1
             or run.checkpointer.due(done, run.max_steps)
             or run.evaluator.due(done, run.max_steps)
             or (run.info.mode == "none" and signals.requested is not None))

@@ -1,4 +1,4 @@
-"""What a run reports: the start-up table, metrics.jsonl and wandb, the per-step record and its warnings,
+"""What a run reports as it trains: metrics.jsonl and wandb, the per-step record and its warnings,
 the phase timer, torch.profiler and torch.compile's compilation time.
 
     telemetry = Telemetry(cfg, is_main, device, start_step, max_steps, flops, peak, wandb_run, optimizer)
@@ -30,18 +30,13 @@ from statistics import median
 
 import torch
 
-import fp8
-import memory
-import mixture
-import plan
-import sizing
-from batch import describe_epochs, plan_warnings
+from batch import describe_epochs
 from checkpoint import best_path, list_checkpoints
 from cli import UsageError, first_line, plural, write_error
-from config import PROFILE_ACTIVE, PROFILE_WAIT, flat_values
-from hardware import cpu_bf16_warning, cpu_flags, peak_memory_gib
+from config import PROFILE_ACTIVE, PROFILE_WAIT
+from hardware import peak_memory_gib
 from hf_layout import exportable_problem
-from optim import describe_param_groups, optimizer_state_bytes
+from optim import optimizer_state_bytes
 from progress import Heartbeat, Progress, duration
 from rundir import TENSORBOARD_DIR
 from runlog import METRICS_FILE, MetricsError, read_metrics
@@ -55,78 +50,10 @@ MICRO_LINE_S = 10.0  # a step running longer than this says which micro-step it 
 HEARTBEAT_S = 15.0  # the loop is never silent for longer than this (progress.Heartbeat)
 
 
-def print_table(rows: list[tuple[str, str]]) -> None:
-    width = max(len(k) for k, _ in rows)
+def print_table(rows: list[tuple[str, str]], width: int = 0) -> None:
+    """Rows of a name and a value, the values lined up after the longest name (or `width`)."""
+    width = max(width, *(len(k) for k, _ in rows))
     print("\n".join(f"  {k.ljust(width)}  {v}" for k, v in rows), flush=True)
-
-
-def announce(run, sources: list, reasons: dict, planned_tokens: int) -> None:
-    """Rank 0's start-up table (startup_rows), then its warnings about the plan: bf16 emulated on a CPU, the
-    schedule's, a train split read more than once (batch.plan_warnings), a run over a day or a step over a
-    minute (plan.warnings)."""
-    if not run.info.is_main:
-        return
-    run.telemetry.eval_plan = run.evaluator.describe_val()  # the summary keeps it for report.py
-    print_table(startup_rows(run, sources, reasons, planned_tokens))
-    cfg, layout = run.cfg, run.layout
-    length_flag = "--max-tokens" if cfg.schedule.max_tokens else "--max-steps"
-    to_train = planned_tokens - run.telemetry.start_tokens  # this process's: a resume's earlier tokens are done
-    warnings = [cpu_bf16_warning(cfg.speed.dtype, run.device.type, cpu_flags()),
-                *plan_warnings(cfg, layout, run.max_steps, run.loader.epoch_plan(planned_tokens)),
-                *plan.warnings(reasons["step"], layout.grad_accum, to_train, layout.tokens_per_step, length_flag,
-                               run.telemetry.flops_per_token * to_train if run.device.type == "cpu" else None)]
-    for warning in filter(None, warnings):
-        message(warning)
-
-
-def startup_rows(run, sources: list, reasons: dict, planned_tokens: int) -> list[tuple[str, str]]:
-    """The start-up table of a train.Run: what is active and why, each detected rather than assumed.
-    sources: --data's (mixture.parse_data); planned_tokens: what the run will have trained at its last step
-    (batch.planned_tokens), which a mixture's sources share by their weights."""
-    cfg, m, info, layout = run.cfg, run.model_cfg, run.info, run.layout
-    resumed = f", counting the {run.telemetry.start_tokens:,} trained before the resume" if run.start_step else ""
-    return [
-        ("device", f"{run.device.type} ({reasons['device']})"),
-        ("distributed", f"{info.mode}, {plural(info.world_size, 'process', 'processes')}" if info.mode != "none"
-                        else "off (single process)"),
-        ("precision", reasons["dtype"]),
-        ("TF32 matmuls", reasons["tf32"]),
-        ("size", sizing.describe(cfg.size, flat_values(cfg))),
-        ("model", f"{run.model.num_params() / 1e6:.2f}M params, {plural(m.n_layer, 'layer')}, d={m.n_embd}, "
-                  f"heads {m.n_head}q/{m.n_kv_head}kv, vocab {m.padded_vocab_size}"),
-        ("optimizer", describe_param_groups(run.optimizer)),
-        ("torch.compile", describe_compile(cfg.speed.compile, run.device.type)),
-        ("FP8", fp8.describe_fp8(run.model, run.fp8_recipe)),
-        ("activation ckpt", memory.describe_activation_checkpointing(run.model)),
-        ("loss path", memory.describe_loss_path(run.model, layout.micro_batch * layout.seq_len, run.autocast_dtype)),
-        ("eval", run.telemetry.eval_plan),
-        ("batch", f"{layout.micro_batch} x {layout.seq_len} tokens x {plural(layout.grad_accum, 'micro-step')} x "
-                  f"{plural(layout.world_size, 'rank')} = {layout.tokens_per_step:,} tokens/step"),
-        ("schedule", f"{cfg.schedule.schedule}, peak lr {cfg.optim.lr:g}, warmup {cfg.schedule.warmup}, "
-                     f"{plural(run.max_steps, 'step')}"),
-        ("data", f"{mixture.describe(sources)} (" + ("--packing bos: rows start at documents, packed best-fit; the cropped "
-                                    "fraction is logged as data_cropped_frac" if cfg.data.packing == "bos"
-                                    else "windows at any offset") + ")"),
-        ("plan", plan.describe(reasons["step"], layout.grad_accum, run.max_steps - run.start_step,
-                               planned_tokens - run.telemetry.start_tokens, layout.tokens_per_step)),
-        ("epochs", "reads " + "; ".join(describe_epochs(tokens, per_epoch, cfg.data.packing == "bos", name)
-                                        for tokens, per_epoch, name in run.loader.epoch_plan(planned_tokens))
-                   + resumed),
-        ("MFU peak", reasons["peak"]),
-        ("wandb", reasons["wandb"]),
-        ("TensorBoard", f"on: {os.path.join(cfg.ckpt.out_dir, TENSORBOARD_DIR)}" if cfg.log.tensorboard
-                        else "off (--tensorboard writes metrics.jsonl's scalars for it)"),
-        ("init", f"the checkpoint of step {run.start_step}" if run.start_step else reasons["init"]),
-        ("resume", f"from step {run.start_step}" if run.start_step else f"off (fresh run; --resume {cfg.ckpt.resume})"),
-    ]
-
-
-def describe_compile(mode: str, device_type: str) -> str:
-    if mode == "off":
-        return "off (not requested)"
-    if mode == "reduce-overhead" and device_type != "cuda":  # inductor skips CUDA graphs off CUDA
-        return f"on, mode reduce-overhead: CUDA graphs do not apply on {device_type}, so it runs as mode default"
-    return f"on, mode {mode}"
 
 
 def message(text: str) -> None:

@@ -26,9 +26,9 @@ import config
 import distributed
 import fp8
 import hardware
+import headroom
 import memory
 import mixture
-import plan
 import report
 from checkpoint import CheckpointError, Checkpointer, config_changes, load_newest, read_meta, tokens_trained
 from cli import UsageError, WriteError, report_error, report_startup_error
@@ -43,7 +43,8 @@ from resilience import Guard, StepInterrupted, StopSignals, TrainingHalted, stop
 from rundir import NothingToDo, RunLock, prepare_outputs, replace_outputs
 from schedule import lr_multiplier, resume_lr, set_lr
 from sizing import flops_per_token
-from telemetry import Telemetry, announce, logger_problems, message, start_wandb
+from startup import announce, plan_run
+from telemetry import Telemetry, logger_problems, message, start_wandb
 from train_eval import Evaluator, evaluate_if_due, recount_restored_eval
 
 
@@ -105,11 +106,14 @@ def build_model(cfg: Config, device: torch.device, autocast_dtype: torch.dtype |
 
 
 def build_layout(cfg: Config, model, info, device, autocast_dtype, fp8_recipe) -> batch.BatchLayout:
-    """The batch layout; --batch-size auto probes the bare model, under the training forward's autocast (FP8
-    delayed scaling's without its cross-rank amax reduction, its state reset afterwards: fp8.probing), for
-    the largest micro-batch that fits."""
+    """The batch layout; --batch-size auto on CUDA probes the bare model, under the training forward's autocast
+    (FP8 delayed scaling's without its cross-rank amax reduction, its state reset afterwards: fp8.probing), for
+    the largest micro-batch that fits; elsewhere it takes the largest whose estimate fits the memory the
+    process has left (headroom.auto_micro_batch)."""
     micro = None
-    if cfg.data.batch_size == "auto":
+    if cfg.data.batch_size == "auto" and device.type != "cuda":
+        micro = headroom.auto_micro_batch(cfg, model, device, autocast_dtype, info)
+    elif cfg.data.batch_size == "auto":
         multiple = fp8.batch_multiple(cfg.fp8.mode, model.config.max_seq_len)
         reserve = memory.probe_reserve_bytes(model.config, cfg.optim.name, info.mode, info.world_size)
         with fp8.probing(model, fp8_recipe) as probe_recipe:
@@ -127,7 +131,7 @@ def setup(cfg: Config, command_line: dict | None = None) -> Run:
         raise UsageError(problem)
     device, device_reason = hardware.resolve_device(cfg.speed.device)
     autocast_dtype, dtype_reason = hardware.resolve_dtype(cfg.speed.dtype, device)
-    auto_batch = cfg.data.batch_size == "auto"  # memory.auto_batch_problems made sure it runs on CUDA
+    auto_batch = cfg.data.batch_size == "auto"
     fp8_recipe = fp8.prepare(cfg.fp8, cfg.model, None if auto_batch else cfg.data.batch_size, device, autocast_dtype)
     info = distributed.init(cfg.dist.dist, device.type, cfg.dist.collective_timeout)
     # A CPU's auto dtype comes from a timing probe, which ranks sharing a host could answer differently.
@@ -164,9 +168,6 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
     if problem := mixture.vocab_problem(model_cfg.vocab_size, sources):
         raise DataError(f"--from-hf {cfg.ckpt.from_hf}: {problem}" if cfg.ckpt.from_hf else problem)
     layout = build_layout(cfg, model, info, device, autocast_dtype, fp8_recipe)
-    if info.is_main:  # the plan row's step time, measured on the bare model before a wrapper syncs its ranks
-        reasons["step"] = plan.step_time(model, layout, device, autocast_dtype, fp8_recipe, info.mode == "fsdp",
-                                         batch.max_steps(cfg, layout) * layout.grad_accum)
     wrapped, compiled = distributed.parallelize(model, info, device, autocast_dtype, cfg.dist, cfg.speed.compile)
     optimizer = build_optimizer(model, cfg.optim, model.row_blocks(), device.type, compile=cfg.speed.compile != "off")
     loader = mixture.open_loader(sources, split="train", batch_size=layout.micro_batch, seq_len=layout.seq_len,
@@ -204,7 +205,13 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
               scaler=torch.amp.GradScaler(device.type, enabled=autocast_dtype == torch.float16), loader=loader,
               layout=layout, max_steps=max_steps, start_step=start_step, guard=guard, evaluator=evaluator,
               checkpointer=checkpointer, telemetry=telemetry, lock=lock)
-    announce(run, sources, reasons, batch.planned_tokens(cfg, layout, start_step, max_steps, start_tokens))
+    planned = batch.planned_tokens(cfg, layout, start_step, max_steps, start_tokens)
+    try:  # the table, then (every rank) the first step's memory, then the time a timing probe gives
+        announce(run, sources, reasons, planned)
+        plan_run(run, planned)
+    except BaseException:
+        run.close()
+        raise
     return run
 
 
@@ -347,7 +354,7 @@ def main(argv=None):
     started = time.perf_counter()
     stop_at_once()
     try:
-        cfg, command_line = config.parse_command_line(argv, __doc__, (memory.auto_batch_problems, logger_problems),
+        cfg, command_line = config.parse_command_line(argv, __doc__, (logger_problems,),
                                                       mixture.data_vocab)
         if cfg.speed.estimate_memory:
             print(memory.memory_report(cfg))

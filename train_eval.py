@@ -477,6 +477,11 @@ class Evaluator:
         n = len(self.choices)
         return {"hellaswag_acc": round(right) / n, "hellaswag_acc_sum": round(right_sum) / n}
 
+    @property
+    def tokens_each(self) -> int:
+        """The val tokens an eval reads, all ranks and sources together (check sets them)."""
+        return sum(windows * seq for _, windows, seq, _, _ in self.val_reads)
+
     def describe_val(self) -> str:
         """The start-up table's eval row: how often, and which tokens the val loss is taken on."""
         if not self.cfg.eval_interval:

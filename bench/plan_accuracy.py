@@ -1,92 +1,103 @@
-"""The plan row against the steps it plans: plan.step_time's step time beside the measured one, shape by shape.
+"""The time row against the run it plans: the start-up table's planned step and run beside the measured ones.
 
-    python bench/plan_accuracy.py [--windows 3 --steps-per-window 2 --warmup-steps 1] [--out FILE.md]
+    python bench/plan_accuracy.py [--shapes default depth6 preset] [--out FILE.md]
 
-Each shape is train.py's own set-up (its flags below, on the default corpus), whose start-up plan row is read
-for the planned step (what a user sees), then timed as bench/throughput.py times it: untimed warm-up steps,
-then the median of timed windows. The measured step includes the optimizer, which the
-plan leaves out. A plan within 1.5x of the measured step passes (the issue's target); the last column says.
+Each shape is train.py's own set-up (its flags below, on the default corpus): the time row is read from its
+start-up table (what a user sees: micro-steps, the optimizer, evals and checkpoints), then the whole loop
+(train.run_loop) is timed, evals, checkpoints and the first step included. The measured step is the median of
+the steps past the first (metrics.jsonl's tokens_per_sec). A plan within 1.5x of the measured run passes (the issue's target);
+the last column says.
 """
 
 import argparse
 import contextlib
 import datetime
 import io
+import json
 import os
-import platform
 import re
 import shlex
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
-import plan  # noqa: E402
-import throughput  # noqa: E402
+import hardware  # noqa: E402
 import train  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 
-# (what it shows, train.py flags). The last two make the micro-step too costly to time whole, so the plan
-# times one sequence and scales it; the one before it has many micro-steps a step.
-SHAPES = [
-    ("train.py's default", []),
-    ("width 256, seq 256", ["--n-embd", "256", "--n-head", "4", "--seq-len", "256", "--batch-size", "8"]),
-    ("2 layers, width 64, batch 32", ["--n-layer", "2", "--n-embd", "64", "--batch-size", "32", "--seq-len", "64"]),
-    ("grad accumulation, 8 micro-steps", ["--batch-size", "4", "--total-batch-tokens", "4096"]),
-    ("width 384, seq 512, batch 16, 2 steps",
-     ["--n-embd", "384", "--n-head", "6", "--seq-len", "512", "--batch-size", "16", "--max-steps", "2"]),
-    ("6 layers, width 256, seq 512, batch 16, 2 steps",
-     ["--n-layer", "6", "--n-embd", "256", "--n-head", "4", "--seq-len", "512", "--batch-size", "16", "--max-steps", "2"]),
-]
+# name -> (what it shows, train.py flags): the default run; a deeper model by the size dial, its horizon cut to
+# 20 steps; the gpt2-124m preset at one sequence of 256 a micro-step, where Muon's step outweighs the micro-steps.
+SHAPES = {
+    "default": ("train.py's default", []),
+    "depth6": ("--depth 6, 20 steps", ["--depth", "6", "--max-steps", "20"]),
+    "preset": ("gpt2-124m at 1 x 256, 3 steps",
+               ["--preset", "gpt2-124m", "--batch-size", "1", "--seq-len", "256", "--total-batch-tokens", "4096",
+                "--max-steps", "3", "--eval-interval", "0"]),
+}
 WITHIN = 1.5
 
 
-def planned_step(table: str) -> plan.StepTime:
-    """The plan row of a start-up table -> its micro-step's seconds and how they were found."""
-    text, how = re.search(r"^  plan .*? micro-steps? of (.+?): (.*)\), the run", table, re.M).groups()
-    if text.endswith(" s"):  # plan._seconds: "0.853 s", "4m05s", "7h30m"
-        return plan.StepTime(float(text[:-2]), how)
+def read_seconds(text: str) -> float:
+    """A time as plan._seconds writes it: '0.853 s', '4m05s', '7h30m', '1.5 days'."""
+    if text.endswith(" days"):
+        return 86400 * float(text[:-5].replace(",", ""))
+    if text.endswith(" s"):
+        return float(text[:-2])
     hours, minutes, seconds = re.fullmatch(r"(?:(\d+)h)?(\d+)m(?:(\d+)s)?", text).groups()
-    return plan.StepTime(3600 * int(hours or 0) + 60 * int(minutes) + int(seconds or 0), how)
+    return 3600 * int(hours or 0) + 60 * int(minutes) + int(seconds or 0)
 
 
-def measure_shape(flags: list[str], args) -> tuple[plan.StepTime, int, float]:
-    """-> (the start-up plan's micro-step time and how, micro-steps a step, the measured step's median seconds)."""
+def planned(table: str) -> tuple[float, float, str]:
+    """The time row of a start-up table -> (a step's seconds, the run's seconds, the row after 'the run')."""
+    step, run, rest = re.search(r"^  time +a step ~(.+?) \(.*\), the run ~(\S+(?: s| days)?)(.*)$", table,
+                                re.M).groups()
+    return read_seconds(step), read_seconds(run), rest.strip()
+
+
+def measure_shape(flags: list[str]) -> dict:
+    """Set up train.py with flags, read its time row, then time its loop -> the row's figures."""
     with tempfile.TemporaryDirectory() as out_dir:
         table = io.StringIO()
         with contextlib.redirect_stdout(table):
-            run = train.setup(config.parse_args([*flags, "--out-dir", out_dir, "--eval-interval", "0"]))
-        try:
-            _, rates = throughput.measure(run, args.windows, args.steps_per_window, args.warmup_steps)
-        finally:
-            run.close()
-    return planned_step(table.getvalue()), run.layout.grad_accum, run.layout.tokens_per_step / statistics.median(rates)
+            run = train.setup(config.parse_args([*flags, "--out-dir", out_dir]))
+            try:
+                start = time.perf_counter()
+                train.run_loop(run)
+                hardware.synchronize(run.device)
+                seconds = time.perf_counter() - start
+            finally:
+                run.close()
+        with open(os.path.join(out_dir, "metrics.jsonl")) as f:  # a step's time from its tokens/s
+            times = [run.layout.tokens_per_step / r["tokens_per_sec"] for r in map(json.loads, f) if r["tokens_per_sec"]]
+    step, run_s, besides = planned(table.getvalue())
+    return {"planned_step": step, "planned_run": run_s, "besides": besides, "steps": len(times),
+            "measured_step": statistics.median(times[1:] or times), "measured_run": seconds}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--windows", type=int, default=3, help="timed windows per shape; the table shows their median")
-    p.add_argument("--steps-per-window", type=int, default=2, help="steps timed together as one window")
-    p.add_argument("--warmup-steps", type=int, default=1, help="untimed steps first")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="which shapes to run")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args(argv)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    lines = ["# The plan row against the measured step", "",
+    lines = ["# The time row against the run it plans", "",
              f"- command: `python bench/plan_accuracy.py {shlex.join(argv if argv is not None else sys.argv[1:])}`",
-             f"- machine: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
+             f"- machine: {hardware.cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "
              f"date {datetime.date.today()}", "",
-             "| shape | flags | planned step | how | measured step | planned / measured | within 1.5x |",
-             "|---|---|---|---|---|---|---|"]
+             "| shape | flags | planned step | measured step (median) | planned run | counted besides steps | "
+             "measured run | planned / measured run | within 1.5x |", "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
-    for name, flags in SHAPES:
-        planned, grad_accum, measured = measure_shape(flags, args)
-        ratio = planned.micro_s * grad_accum / measured
-        row = (f"| {name} | `{shlex.join(flags)}` | {planned.micro_s * grad_accum:.3g} s | {planned.how} | "
-               f"{measured:.3g} s | {ratio:.2f} | {'yes' if 1 / WITHIN <= ratio <= WITHIN else 'no'} |")
+    for name in args.shapes:
+        what, flags = SHAPES[name]
+        m = measure_shape(flags)
+        ratio = m["planned_run"] / m["measured_run"]
+        row = (f"| {what} | `{shlex.join(flags)}` | {m['planned_step']:.3g} s | {m['measured_step']:.3g} s | "
+               f"{m['planned_run']:.3g} s | {m['besides']} | {m['measured_run']:.3g} s | {ratio:.2f} | "
+               f"{'yes' if 1 / WITHIN <= ratio <= WITHIN else 'no'} |")
         lines.append(row)
         print(row, flush=True)
     if args.out:

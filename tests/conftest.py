@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import distributed
 import fp8
 import model as model_module
+import readback
 import split
 import tokenizer
 from model import GPT, ModelConfig
@@ -36,6 +37,13 @@ HELLASWAG_FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.json
 WORD_TEXT = "the cat sat on the mat . a dog ran to the park , and the cat slept !"
 # The GPT-2 vocabulary (HellaSwag's text needs it), otherwise as small as TINY_FLAGS.
 GPT2_TINY = dict(vocab_size=50257, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=32)
+
+
+@pytest.fixture(autouse=True)
+def windowed_read_back(monkeypatch):
+    """Every test's loop reads its steps back in windows, as on a GPU, since those are what the loop's tests
+    exercise; a CPU run reads each step (readback.reads_every_step), which a test restores to check it."""
+    monkeypatch.setattr(readback, "reads_every_step", lambda device: False)
 
 
 @pytest.fixture

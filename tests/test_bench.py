@@ -367,12 +367,10 @@ def test_tokenizer_speed_prints_its_table(word_tokenizer, tmp_path, capsys):
     assert rows["/ encode_batch"][0].strip() == "1.000 (1.000)" and len(rows["tokens/s (median)"]) == 4
 
 
-def test_plan_accuracy_plans_and_times_a_shape(tiny_data):
-    import argparse
-
+def test_plan_accuracy_plans_and_times_a_run(tiny_data):
     import plan_accuracy
 
-    args = argparse.Namespace(windows=1, steps_per_window=1, warmup_steps=1)
-    planned, grad_accum, measured = plan_accuracy.measure_shape(["--data", tiny_data, *TINY_FLAGS, "--max-steps", "3"],
-                                                                args)
-    assert planned.how == "one micro-step timed, eager" and grad_accum == 1 and planned.micro_s > 0 and measured > 0
+    m = plan_accuracy.measure_shape(["--data", tiny_data, *TINY_FLAGS, "--max-steps", "3", "--eval-interval", "2"])
+    assert m["steps"] == 3 and m["planned_step"] > 0 and m["measured_step"] > 0 and m["measured_run"] > 0
+    assert m["planned_run"] > 0 and m["besides"] == "with 2 evals of" + m["besides"].split("evals of")[1]
+    assert plan_accuracy.read_seconds("4m05s") == 245 and plan_accuracy.read_seconds("1.5 days") == 129600

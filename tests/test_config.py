@@ -361,13 +361,14 @@ def test_resume_may_change_init_only_model_fields():
         "model.zero_init_proj False -> True"]
 
 
-def test_every_problem_with_the_flags_is_reported_at_once():
+def test_every_problem_with_the_flags_is_reported_at_once(monkeypatch):
+    monkeypatch.setattr(telemetry, "wandb_key_present", lambda: False)
     with pytest.raises(UsageError) as e:
-        config.parse_args(["--batch-size", "auto", "--device", "cpu", "--warmup", "-1"],
-                          machine_checks=(memory.auto_batch_problems, telemetry.wandb_problems))
+        config.parse_args(["--batch-size", "auto", "--device", "cpu", "--warmup", "-1", "--wandb", "--wandb-mode",
+                           "online"], machine_checks=(telemetry.wandb_problems,))
     text = str(e.value)
     assert text.startswith("3 problems: (1) --warmup must be >= 0") and "\n" not in text
-    assert "needs --total-batch-tokens" in text and "needs CUDA" in text
+    assert "needs --total-batch-tokens" in text and "wandb" in text
     with pytest.raises(UsageError, match="--target-gpu names the GPU for --estimate-memory"):
         config.parse_args(["--target-gpu", "h100"])
 

@@ -93,12 +93,6 @@ def test_a_run_ends_with_its_summary(tmp_path, tiny_data, capsys):
     assert "  batch            4 x 32 tokens x 1 micro-step x 1 rank = 128 tokens/step" in out  # counts in words
 
 
-def test_the_start_up_table_tells_the_truth_about_compile_modes():
-    assert telemetry.describe_compile("off", "cpu") == "off (not requested)"
-    assert "CUDA graphs do not apply on cpu" in telemetry.describe_compile("reduce-overhead", "cpu")
-    assert telemetry.describe_compile("reduce-overhead", "cuda") == "on, mode reduce-overhead"
-
-
 @pytest.mark.parametrize("min_interval, expected", [(0.0, [1, 3, 6, 9, 10]), (3600.0, [10])])
 def test_progress_off_a_terminal_prints_every_n_steps_unless_they_are_sub_second(min_interval, expected):
     stream = io.StringIO()

@@ -13,6 +13,8 @@ import optim
 import readback
 import train
 from conftest import TINY_FLAGS
+
+REAL_READS_EVERY_STEP = readback.reads_every_step  # before conftest's fixture patches it
 from model import GPT, ModelConfig
 from optim import OptimConfig, build_optimizer
 
@@ -130,7 +132,7 @@ def test_reads_are_due_after_the_first_step_on_the_interval_before_checkpoints_a
                                 start_step=0,
                                 checkpointer=types.SimpleNamespace(due=lambda done, max_steps: done % 25 == 0),
                                 evaluator=types.SimpleNamespace(due=lambda done, max_steps: done == 7),
-                                info=types.SimpleNamespace(mode="none"))
+                                info=types.SimpleNamespace(mode="none"), device=torch.device("cpu"))
     quiet, signalled = types.SimpleNamespace(requested=None), types.SimpleNamespace(requested="SIGTERM")
     assert [d for d in range(1, 31) if readback.read_due(run, d, quiet)] == [1, 7, 10, 20, 25, 30]
     run.start_step = 20  # a resumed process: its own first step
@@ -138,6 +140,26 @@ def test_reads_are_due_after_the_first_step_on_the_interval_before_checkpoints_a
     assert readback.read_due(run, 3, signalled)
     run.info.mode = "ddp"  # the ranks must agree on when: the signal waits for the next read
     assert not readback.read_due(run, 3, signalled)
+
+
+def test_a_cpu_run_reads_every_step_back_as_it_ends(tiny_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(readback, "reads_every_step", REAL_READS_EVERY_STEP)
+    assert readback.reads_every_step(torch.device("cpu")) and not readback.reads_every_step(torch.device("cuda"))
+    run = train.setup(config.parse_args(["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--device",
+                                         "cpu", "--dtype", "fp32", "--eval-interval", "0", "--max-steps", "4",
+                                         "--log-interval", "4"]))
+    windows, original = [], readback.read_back
+
+    def read_back(window, *args):
+        windows.append([t.index for t in window])
+        return original(window, *args)
+
+    monkeypatch.setattr(train, "read_back", read_back)
+    try:
+        train.run_loop(run)
+    finally:
+        run.close()
+    assert windows == [[0], [1], [2], [3]]  # each step alone, whatever --log-interval
 
 
 def test_a_streak_seen_after_its_step_rolls_back_there_and_drops_the_later_steps(tiny_data, tmp_path, capsys,
