@@ -31,10 +31,11 @@ import train  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 
 # name -> (what it shows, train.py flags): the default run; a deeper model by the size dial, its horizon cut to
-# 20 steps; the gpt2-124m preset at one sequence of 256 a micro-step, where Muon's step outweighs the micro-steps.
+# 3 steps (64 micro-steps each); the gpt2-124m preset at one sequence of 256 a micro-step (Muon on 78M matrix
+# parameters).
 SHAPES = {
     "default": ("train.py's default", []),
-    "depth6": ("--depth 6, 20 steps", ["--depth", "6", "--max-steps", "20"]),
+    "depth6": ("--depth 6, 3 steps", ["--depth", "6", "--max-steps", "3"]),
     "preset": ("gpt2-124m at 1 x 256, 3 steps",
                ["--preset", "gpt2-124m", "--batch-size", "1", "--seq-len", "256", "--total-batch-tokens", "4096",
                 "--max-steps", "3", "--eval-interval", "0"]),
