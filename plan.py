@@ -62,7 +62,7 @@ class RunExtras(NamedTuple):
     evals: int = 0
     eval_s: float = 0.0  # each
     checkpoints: int = 0
-    checkpoint_s: float = 0.0  # each
+    checkpoint_s: float | None = 0.0  # each; None: not priced (the disk refused plan.write_rate's test file)
 
 
 def matmul_rate(device: torch.device, dtype: torch.dtype, m: int, k: int, n: int) -> float:
@@ -172,20 +172,23 @@ def optimizer_seconds(work, ns_rate: float | None, byte_rate: float) -> float:
     return (work.ns_flops / ns_rate if work.ns_flops else 0.0) + work.elementwise_bytes / byte_rate
 
 
-def write_rate(directory: str) -> float:
-    """Bytes/s of writing WRITE_PROBE_BYTES to a file in directory and syncing it to disk, as a checkpoint is;
-    the file is removed."""
-    path = os.path.join(directory, f".write-rate-{os.getpid()}")
-    data = os.urandom(1 << 20) * (WRITE_PROBE_BYTES >> 20)
+def write_rate(directory: str, at_most: int = WRITE_PROBE_BYTES) -> float | None:
+    """Bytes/s of writing min(at_most, WRITE_PROBE_BYTES) bytes to a file in directory and syncing it to disk,
+    as a checkpoint is; the file is removed. None when the disk refuses (a full one is the checkpoint's to
+    report, with its own words)."""
+    path, size = os.path.join(directory, f".write-rate-{os.getpid()}"), max(1, min(at_most, WRITE_PROBE_BYTES))
     start = time.perf_counter()
     try:
         with open(path, "wb") as f:
-            f.write(data)
+            f.write(bytes(size))
             f.flush()
             os.fsync(f.fileno())
-        return WRITE_PROBE_BYTES / max(time.perf_counter() - start, 1e-6)
+        return size / max(time.perf_counter() - start, 1e-6)
+    except OSError:
+        return None
     finally:
-        os.remove(path)
+        if os.path.exists(path):
+            os.remove(path)
 
 
 def steps_due(start: int, end: int, *intervals: int) -> int:
@@ -200,11 +203,11 @@ def steps_due(start: int, end: int, *intervals: int) -> int:
 
 
 def run_extras(step: StepTime, tokens_per_micro_step: int, evals: int, eval_tokens: int, checkpoints: int,
-               checkpoint_bytes: int, bytes_per_s: float) -> RunExtras:
+               checkpoint_bytes: int, bytes_per_s: float | None) -> RunExtras:
     """Evals of eval_tokens each, forward only (FORWARD_SHARE of a training token's FLOPs) at the micro-step's
-    rate, and checkpoints of checkpoint_bytes at bytes_per_s (write_rate). Pure."""
+    rate, and checkpoints of checkpoint_bytes at bytes_per_s (write_rate; None: not priced). Pure."""
     return RunExtras(evals, step.micro_s * FORWARD_SHARE * eval_tokens / tokens_per_micro_step, checkpoints,
-                     checkpoint_bytes / bytes_per_s)
+                     None if bytes_per_s is None else checkpoint_bytes / bytes_per_s)
 
 
 def step_seconds(step: StepTime, grad_accum: int) -> float:
@@ -217,7 +220,7 @@ def run_seconds(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: i
     micro-steps, an optimizer step per step, then its evals and checkpoints."""
     steps = tokens / tokens_per_step
     return (step.micro_s * grad_accum * steps + step.optimizer_s * steps
-            + extras.evals * extras.eval_s + extras.checkpoints * extras.checkpoint_s)
+            + extras.evals * extras.eval_s + extras.checkpoints * (extras.checkpoint_s or 0.0))
 
 
 def describe(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int,
@@ -225,9 +228,10 @@ def describe(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int,
     """The time row: 'a step ~0.65 s (2 micro-steps of 0.31 s: one micro-step timed, eager; the optimizer
     0.03 s), the run ~1m41s with 3 evals of 0.4 s and 4 checkpoints of 0.02 s (compilation not counted)'. Pure."""
     micro = "micro-step" if grad_accum == 1 else "micro-steps"
+    each = (" (not timed: the disk refused a test write)" if extras.checkpoint_s is None
+            else f" of {_seconds(extras.checkpoint_s)}")
     parts = [f"{plural(extras.evals, 'eval')} of {_seconds(extras.eval_s)}" if extras.evals else "",
-             f"{plural(extras.checkpoints, 'checkpoint')} of {_seconds(extras.checkpoint_s)}"
-             if extras.checkpoints else ""]
+             f"{plural(extras.checkpoints, 'checkpoint')}{each}" if extras.checkpoints else ""]
     besides = " and ".join(filter(None, parts))
     return (f"a step ~{_seconds(step_seconds(step, grad_accum))} ({grad_accum:,} {micro} of "
             f"{_seconds(step.micro_s)}: {step.how}; the optimizer {_seconds(step.optimizer_s)}), the run "

@@ -4,7 +4,7 @@ On a terminal: a tqdm bar that redraws in place. Anywhere else (CI logs, `> run.
 scheduler's output file): plain lines, since a redrawing bar becomes thousands of carriage-return fragments
 in a file. A plain line comes every `every` updates when the caller counts in units worth a line each
 (train.py's --log-interval steps), at most one per `min_interval` seconds so that sub-second steps do not
-flood the log; otherwise one every `interval` seconds.
+flood the log, and the first update's always; otherwise one every `interval` seconds.
 """
 
 import sys
@@ -68,8 +68,9 @@ class Progress:
             self.write(self.line(now))
 
     def _line_due(self, now: float) -> bool:
-        if self.every:  # and the first update: a run's first step always gets its line
-            return (self.n % self.every == 0 or self.n == self.start_n + 1) and now - self.last_print >= self.min_interval
+        if self.every:  # and a run's first step always gets its line, however quick
+            return self.n == self.start_n + 1 or (self.n % self.every == 0
+                                                  and now - self.last_print >= self.min_interval)
         return now - self.last_print >= self.interval
 
     def line(self, now: float) -> str:

@@ -87,7 +87,7 @@ def run_extras(run, step: plan.StepTime) -> plan.RunExtras:
     return plan.run_extras(step, layout.micro_batch * layout.seq_len, evals,
                            run.evaluator.tokens_each // run.info.world_size,
                            plan.steps_due(start, end, cfg.ckpt.ckpt_interval, every_eval), checkpoint_bytes,
-                           plan.write_rate(cfg.ckpt.out_dir))
+                           plan.write_rate(cfg.ckpt.out_dir, checkpoint_bytes))
 
 
 def startup_rows(run, sources: list, reasons: dict, planned_tokens: int) -> list[tuple[str, str]]:

@@ -386,7 +386,8 @@ def test_after_the_probes_a_delayed_scaling_model_is_as_new(monkeypatch, tiny_da
     monkeypatch.setattr(train.memory, "auto_batch_size", auto_batch_size)
     cfg = config.parse_args(["--data", tiny_data, "--vocab-size", "256", "--seq-len", "32", "--batch-size", "auto",
                              "--total-batch-tokens", "256"])
-    layout = train.build_layout(cfg, model, train.distributed.DistInfo(), torch.device("cpu"), None, recipe)
+    # On CUDA (named, not used: the probe is the stand-in above), where auto probes the model itself.
+    layout = train.build_layout(cfg, model, train.distributed.DistInfo(), torch.device("cuda"), None, recipe)
     assert layout.micro_batch == 4 and probed == [fp8.probe_recipe(recipe)]
     delayed = isinstance(recipe, FakeDelayedScaling)
     assert manager.resets == delayed

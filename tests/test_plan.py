@@ -57,6 +57,10 @@ def test_an_optimizer_step_is_priced_from_its_newton_schulz_flops_and_bytes():
 def test_the_copy_and_write_rates_are_measured(tmp_path):
     assert 1e8 < plan.copy_rate(torch.device("cpu")) < 1e13  # bytes/s: a CPU copies 1e9 or more
     assert 1e5 < plan.write_rate(str(tmp_path)) and os.listdir(tmp_path) == []  # the probe file is gone
+    assert plan.write_rate(str(tmp_path / "missing")) is None  # a disk that refuses: not priced, no error
+    unpriced = plan.RunExtras(checkpoints=2, checkpoint_s=None)
+    assert plan.describe(TIMED, 1, 2048, 2048, unpriced).endswith(
+        "with 2 checkpoints (not timed: the disk refused a test write) (compilation not counted)")
 
 
 def test_times_read_as_a_person_reads_them():

@@ -494,7 +494,6 @@ def bad_inputs(root):
         ("zero layers", [*d, *out, "--n-layer", "0"]),
         ("negative seq len", [*d, *out, "--seq-len", "-1"]),
         ("zero batch", [*d, *out, "--batch-size", "0"]),
-        ("batch auto on cpu", [*d, *out, *MODEL, "--batch-size", "auto", "--total-batch-tokens", "256"]),
         ("batch auto without a global batch", [*d, *out, "--batch-size", "auto"]),
         ("negative lr", [*d, *out, *MODEL, "--lr", "-1"]),
         ("beta out of range", [*d, *out, *MODEL, "--beta2", "1.5"]),
