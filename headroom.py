@@ -12,7 +12,7 @@ run's peak resident set meets within 0.88x to 1.14x) exceeds the room is refused
 micro-batch that fits; the room is the least of the RAM the kernel reports available (MemAvailable), the
 process's address-space and data limits, and its cgroup's memory.max, shared by the ranks on the host. On CUDA
 the same estimate is only a warning: it is eager's upper bound (torch.compile saves less), a CUDA out-of-memory
-error is caught and the step retried smaller (recovery.shrink_micro_batch), and --batch-size auto probes the GPU
+error is caught and the step retried smaller (loop.shrink_micro_batch), and --batch-size auto probes the GPU
 itself.
 """
 

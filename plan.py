@@ -140,7 +140,7 @@ def step_time(model: torch.nn.Module, layout, device: torch.device, dtype: torch
     try:
         with fp8.probing(model, fp8_recipe) as recipe:
             seconds = time_micro_step(model, batch, seq, device, lambda: hardware.forward_context(device, dtype, fp8.fp8_context(recipe)))
-    except torch.cuda.OutOfMemoryError:  # the first step will say so, and retry smaller (train.shrink_micro_batch)
+    except torch.cuda.OutOfMemoryError:  # the first step will say so, and retry smaller (loop.shrink_micro_batch)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return estimate

@@ -71,7 +71,7 @@ class EarlyStopping:
 
     def has_counted(self, step: int) -> bool:
         """Has the eval of step `step` been counted? A regular checkpoint is written before its step's eval
-        (train.run_loop), so the state it holds has not counted that one."""
+        (loop.run_loop), so the state it holds has not counted that one."""
         return self.step is None or self.step >= step
 
     def state_dict(self) -> dict:
@@ -119,7 +119,7 @@ class StopSignals:
     raises StepInterrupted there, train.py drops the step (its gradients and data are rewound) and keeps the
     last completed one, so a stop answers within seconds however long a step is; during the update, which
     must not be cut in half, it waits for the step's end. Under torch.distributed every rank must stop at
-    the same step, so a signal is acted on at the next read-back, where the ranks agree (readback.read_due).
+    the same step, so a signal is acted on at the next read-back, where the ranks agree (loop.read_due).
 
     Python runs a handler once for all the deliveries of a signal since it last looked, so two Ctrl-Cs inside
     one long C call (a matmul, an fsync) would reach it as one. The interpreter also writes one byte per

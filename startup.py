@@ -91,7 +91,7 @@ def run_extras(run, step: plan.StepTime) -> plan.RunExtras:
 
 
 def startup_rows(run, sources: list, reasons: dict, planned_tokens: int) -> list[tuple[str, str]]:
-    """The start-up table of a train.Run: what is active and why, each detected rather than assumed.
+    """The start-up table of a loop.Run: what is active and why, each detected rather than assumed.
     sources: --data's (mixture.parse_data); planned_tokens: what the run will have trained at its last step
     (batch.planned_tokens), which a mixture's sources share by their weights."""
     cfg, m, info, layout = run.cfg, run.model_cfg, run.info, run.layout

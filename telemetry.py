@@ -6,7 +6,7 @@ the phase timer, torch.profiler and torch.compile's compilation time.
     with telemetry.loop():                                    # progress bar and profiler
         with telemetry.timing_step(): ...                     # the whole step
         ended = telemetry.end_step()                          # noted as it ends; the profiler moves on
-        # ... once the loop has read the step's loss back from the device (train.read_back):
+        # ... once the loop has read the step's loss back from the device (loop.read_back):
         health = guard.observe(loss, finite)                  # resilience.Guard counts the step first
         record = telemetry.step_record(step, loss, grad_norm, finite, ended.seconds(), layout, world_size, health,
                                        ended)
@@ -87,7 +87,7 @@ class MetricsLog:
     def truncate(self, done: int, restored: dict | None = None) -> dict | None:
         """Keep only the records of steps up to `done` -> the last of them. `restored`: the record of step
         `done` that its checkpoint holds, written in when the log lacks it: the checkpoint precedes its step's
-        eval and log line (train.run_loop), so a kill between them leaves the log one record short."""
+        eval and log line (loop.run_loop), so a kill between them leaves the log one record short."""
         if not self.enabled:  # only rank 0 writes
             return None
         self._purge_tensorboard_after(done)

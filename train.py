@@ -7,8 +7,8 @@
 This file only wires the pieces, and reads top to bottom: config.py turns the flags into a checked Config;
 setup() builds the model (fp8.py, memory.py), wraps it (distributed.py), and builds the optimizer (optim.py),
 the data (data.py) and the components that decide their own cadence: Evaluator (train_eval.py), Checkpointer
-(checkpoint.py), Guard (resilience.py) and Telemetry (telemetry.py). run_loop() then steps and asks each of
-them whether it is due.
+(checkpoint.py), Guard (resilience.py) and Telemetry (telemetry.py), into a loop.Run; startup.py says what
+it is and what it will cost. loop.run_loop() then steps and asks each of them whether it is due.
 """
 
 import functools
@@ -16,8 +16,7 @@ import os
 import random
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -33,55 +32,18 @@ import report
 from checkpoint import CheckpointError, Checkpointer, config_changes, load_newest, read_meta, tokens_trained
 from cli import UsageError, WriteError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
-from data import DataError, ShardLoader, data_record, tokenizer_id
+from data import DataError, data_record, tokenizer_id
 from hf import load_hf
-from model import GPT, ModelConfig
-from optim import build_optimizer, step_if_finite
-from readback import Taken, log_unread, read_back, read_due
-from recovery import interrupted_reason, rewind_step, rollback, shrink_micro_batch, stop_reason
-from resilience import Guard, StepInterrupted, StopSignals, TrainingHalted, stop_at_once
-from rundir import NothingToDo, RunLock, prepare_outputs, replace_outputs
-from schedule import lr_multiplier, resume_lr, set_lr
+from loop import Run, run_loop
+from model import GPT
+from optim import build_optimizer
+from resilience import Guard, TrainingHalted, stop_at_once
+from rundir import NothingToDo, prepare_outputs, replace_outputs
+from schedule import resume_lr
 from sizing import flops_per_token
 from startup import announce, plan_run
 from telemetry import Telemetry, logger_problems, message, start_wandb
-from train_eval import Evaluator, evaluate_if_due, recount_restored_eval
-
-
-@dataclass
-class Run:
-    """Everything the loop needs, built and checked by setup() before the first step."""
-
-    cfg: Config
-    model_cfg: ModelConfig  # cfg.model, or the shape of the --from-hf weights
-    info: distributed.DistInfo
-    device: torch.device
-    autocast_dtype: torch.dtype | None
-    fp8_recipe: object  # Transformer Engine's recipe under --fp8 te, else None
-    model: torch.nn.Module  # the bare model (FSDP2 shards it in place); state dicts come from here
-    wrapped: torch.nn.Module  # what DDP's no_sync / FSDP2's gradient sync act on
-    compiled: torch.nn.Module  # what the forward calls
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    loader: ShardLoader | mixture.MixtureLoader
-    layout: batch.BatchLayout  # replaced (not changed) by the out-of-memory retry
-    max_steps: int
-    start_step: int
-    guard: Guard
-    evaluator: Evaluator
-    checkpointer: Checkpointer
-    telemetry: Telemetry
-    lock: RunLock | None  # rank 0's hold on --out-dir
-    step_layout: batch.BatchLayout | None = None  # the step in progress under the batch warm-up (run_loop sets it)
-
-    def autocast(self):
-        return hardware.forward_context(self.device, self.autocast_dtype, fp8.fp8_context(self.fp8_recipe))
-
-    def close(self):
-        self.loader.close()
-        self.telemetry.close()
-        if self.lock is not None:
-            self.lock.release()
+from train_eval import Evaluator
 
 
 # ----------------------------------------------------------------------------- setup
@@ -213,141 +175,6 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
         run.close()
         raise
     return run
-
-
-# ----------------------------------------------------------------------------- the step
-
-
-def train_step(run: Run, interruptible=nullcontext):
-    """One optimizer step over grad_accum micro-batches (run.step_layout's during the batch warm-up) ->
-    (mean loss over ranks, grad norm, finite), tensors on the device: the host queues the step without
-    waiting for the GPU. A stop signal may cut the micro-steps short (StopSignals.interruptible), never the update.
-
-    A non-finite loss or gradient norm skips the update: parameters and optimizer state stay exactly as
-    they were, decided on the device where the optimizer can (optim.step_if_finite). The fp16 GradScaler's
-    own skip is part of it (an overflowed gradient has a non-finite norm), so its step is not called: it
-    would read its flag on the host. Every rank sees the same all-reduced loss and norm, so all ranks skip
-    together.
-    """
-    timer, grad_accum = run.telemetry.timer, (run.step_layout or run.layout).grad_accum
-    loss_sum = torch.zeros((), device=run.device)
-    with interruptible():
-        for micro in range(grad_accum):
-            with timer("data"):
-                x, y = next(run.loader)
-            with distributed.set_grad_sync(run.wrapped, run.info, micro == grad_accum - 1):
-                with timer("forward"), run.autocast():
-                    _, loss = run.compiled(x, y)
-                loss_sum += loss.detach()
-                with timer("backward"):
-                    run.scaler.scale(loss / grad_accum).backward()
-            run.telemetry.micro_step(micro + 1, grad_accum)
-    with timer("optimizer"):
-        run.scaler.unscale_(run.optimizer)
-        clip = run.cfg.schedule.grad_clip
-        grad_norm = distributed.clip_grad_norm(run.model, clip if clip > 0 else float("inf"))
-        loss = distributed.mean_across_ranks(loss_sum / grad_accum, run.info)
-        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-        step_if_finite(run.optimizer, finite)
-        run.scaler.update()  # from the overflow check unscale_ made
-        run.optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm, finite
-
-
-# ----------------------------------------------------------------------------- the loop
-
-
-def run_loop(run: Run) -> str | None:
-    """Train to max_steps; -> why the run stopped early on purpose (signal, early stopping), or what the
-    user should know about its end; the end-of-run summary shows it.
-
-    The host queues steps without waiting for the GPU and reads their losses back only when read_due says;
-    then the guard counts each of them in order and each gets its record, as if they had been read one by one."""
-    s, signals = run.cfg.schedule, StopSignals(interrupt=run.info.mode == "none")
-    step, oom_retried, taken = run.start_step, False, []
-    try:
-        with run.telemetry.loop():
-            if run.start_step:  # resumed
-                recount_restored_eval(run, run.start_step)
-            while step < run.max_steps:
-                multiplier = run.guard.lr_scale * lr_multiplier(step, run.max_steps, s.warmup, s.schedule,
-                                                                s.min_lr_ratio, s.decay_frac)
-                set_lr(run.optimizer, multiplier)
-                run.step_layout = run.layout.at_step(step, s.batch_warmup_steps, s.batch_warmup_start)
-                loader_state, signals.steps_done = run.loader.state_dict(), step
-                try:
-                    with run.telemetry.timing_step():
-                        loss, grad_norm, finite = train_step(run, signals.interruptible)
-                except StepInterrupted:
-                    rewind_step(run, loader_state)
-                    return keep_last_step(run, step, taken, signals)
-                except torch.cuda.OutOfMemoryError:
-                    smaller = 0 if oom_retried else memory.retry_micro_batch(run.layout, run.cfg.fp8.mode)
-                    if not smaller:
-                        raise
-                    oom_retried = True
-                    shrink_micro_batch(run, loader_state, smaller)
-                    continue
-                taken.append(Taken(step, loss, grad_norm, finite, run.step_layout, run.telemetry.end_step(),
-                                   run.loader.record_fields()))
-                step += 1
-                if not read_due(run, step, signals):
-                    continue
-                window, taken = taken, []
-                signalled = stop_requested(run, signals)  # acted on after the window's last step
-                for done, record in read_back(window, run.guard, run.telemetry, run.info.world_size):
-                    signal_now = signalled and done == step
-                    # The step's checkpoint before its eval: an eval that fails cannot cost it.
-                    saved = save_if_due(run, done, record,
-                                        regular=run.checkpointer.due(done, run.max_steps) or signal_now)
-                    improved, stop_early = evaluate_if_due(run, record, done)
-                    run.telemetry.log(record)
-                    if run.guard.must_roll_back():  # the window's later steps are dropped with the weights
-                        step = rollback(run)
-                        if stop_requested(run, signals):  # the checkpoint just restored is where a resume starts
-                            return f"stopped by {signals.requested or 'a signal to another rank'} after a rollback"
-                        recount_restored_eval(run, step)
-                        break
-                    saved = save_if_due(run, done, record, regular=stop_early, best=improved, written=saved)
-                    if stopped := stop_reason(run, done, signals, signal_now, stop_early, saved):
-                        return stopped
-        return run.guard.unfinished_streak()
-    except Exception:
-        log_unread(taken, run.guard, run.telemetry, run.info.world_size)
-        raise
-    finally:
-        signals.restore()
-
-
-def stop_requested(run: Run, signals: StopSignals) -> bool:
-    return distributed.any_across_ranks(signals.requested is not None, run.info, run.device)
-
-
-def save_if_due(run: Run, done: int, record: dict, regular: bool, best: bool = False, written: bool = False) -> bool:
-    """Write step `done`'s regular checkpoint when asked, unless `written` (it is on disk already), and the
-    best one when the val loss improved: a second name for the regular one when that exists. Never a regular
-    one inside a streak of non-finite steps (resilience.Guard). -> whether the step's regular one is on disk."""
-    regular = regular and not written and run.guard.may_checkpoint()
-    if best and written:
-        run.checkpointer.link_best(done)
-    elif regular or best:  # skipped steps leave the weights as they were, so a new best is still good
-        run.checkpointer.save(done, run.model, run.optimizer, run.loader, run.guard, run.telemetry.tokens,
-                              regular=regular, best=best, batch_tokens=run.layout.tokens_per_step,
-                              record=record)
-    return written or regular
-
-
-def keep_last_step(run: Run, step: int, taken: list, signals: StopSignals) -> str:
-    """After a stop signal cut step step + 1 short: log the steps taken since the last read-back and write step
-    `step`'s checkpoint, unless it is on disk (the read-back at a due checkpoint wrote it) -> the stop reason."""
-    record, on_disk = None, not taken and run.checkpointer.due(step, run.max_steps) and run.guard.may_checkpoint()
-    for _, record in read_back(taken, run.guard, run.telemetry, run.info.world_size):
-        run.telemetry.log(record)
-    if step == run.start_step:
-        return f"stopped by {signals.requested} during step {step + 1}, before this process completed a step"
-    started = time.perf_counter()
-    saved = save_if_due(run, step, record, regular=True, written=on_disk)
-    return interrupted_reason(signals.requested, step, saved, None if on_disk else time.perf_counter() - started)
 
 
 def main(argv=None):

@@ -382,7 +382,7 @@ class Evaluator:
         """The eval of step `done`: val_metrics, and with `full` hellaswag and a sample -> (metrics, the sample or
         None), or None when it runs out of memory: that eval is skipped with a warning through `warn`, the memory
         it held goes back to the allocator, and training goes on. Any other failure is raised (the step's
-        checkpoint is on disk already: train.run_loop writes it first). Only a single process skips: under DDP or
+        checkpoint is on disk already: loop.run_loop writes it first). Only a single process skips: under DDP or
         FSDP2 a rank that skipped would leave the others waiting in the eval's collectives, so there the error
         is raised and the run ends, its checkpoint on disk."""
         try:
@@ -512,49 +512,3 @@ class Evaluator:
         with hardware.autocast(self.device, autocast_dtype):
             return sample_text(model, self.tokenizer, self.cfg.sample_prompt, self.cfg.sample_tokens,
                                seed=self.seed)
-
-
-# ----------------------------------------------------------------------------- during training
-# train.run_loop's calls, on its Run: the eval of a step that is due, and the one a restored checkpoint missed.
-
-
-def evaluate_if_due(run, record: dict, done: int) -> tuple[bool, bool]:
-    """Validation loss and bits per byte, HellaSwag accuracy (all into the record) and a sample, when the
-    Evaluator says so -> (improved, stop early). An eval that runs out of memory is skipped (the record's
-    "eval_skipped" says so) and training goes on; any other failure ends the run, after the step's checkpoint."""
-    if not run.evaluator.due(done, run.max_steps):
-        return False, False
-    result = _measure(run, done)
-    if result is None:
-        record["eval_skipped"] = "out of memory"
-        return False, False
-    metrics, text = result
-    record.update(metrics)
-    improved, stop_early = run.guard.early_stop.update(record["val_loss"], done)
-    write = run.telemetry.write
-    write(f"step {done}: train loss {run.telemetry.last_loss:.4f}, {run.evaluator.describe(record)}"
-          + (" (best so far)" if improved else ""))
-    if text is not None:
-        record["sample"] = text  # for report.py's last samples
-        write(f"sample at step {done}: {text!r}")
-    return improved, stop_early
-
-
-def _measure(run, done: int, full: bool = True):
-    return run.evaluator.measure(run.compiled, run.model, run.autocast, run.autocast_dtype, run.layout.micro_batch,
-                                 run.layout.seq_len, run.telemetry.write, done, full)
-
-
-def recount_restored_eval(run, done: int) -> None:
-    """A regular checkpoint is written before its step's eval (run_loop): once one is restored (a resume, a
-    rollback) whose early stopping has not counted that eval, measure its val loss again and count it, as the
-    run that wrote it did, and give it to the step's record if the log lost it. best stays as it is (it may
-    hold a later step)."""
-    if not run.evaluator.due(done, run.max_steps) or run.guard.early_stop.has_counted(done):
-        return
-    if (result := _measure(run, done, full=False)) is not None:
-        metrics = result[0]
-        run.guard.early_stop.update(metrics["val_loss"], done)
-        run.telemetry.amend_eval(done, metrics)
-        run.telemetry.write(f"step {done}: val loss {metrics['val_loss']:.4f}, measured again for early stopping "
-                            "(the checkpoint precedes its eval)")

@@ -4,7 +4,7 @@
 
 Each shape is train.py's own set-up (its flags below, on the default corpus): the time row is read from its
 start-up table (what a user sees: micro-steps, the optimizer, evals and checkpoints), then the whole loop
-(train.run_loop) is timed, evals, checkpoints and the first step included. The measured step is the median of
+(loop.run_loop) is timed, evals, checkpoints and the first step included. The measured step is the median of
 the steps past the first (metrics.jsonl's tokens_per_sec). A plan within 1.5x of the measured run passes (the issue's target);
 the last column says.
 """
@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 import hardware  # noqa: E402
+import loop  # noqa: E402
 import train  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 
@@ -68,7 +69,7 @@ def measure_shape(flags: list[str]) -> dict:
             run = train.setup(config.parse_args([*flags, "--out-dir", out_dir]))
             try:
                 start = time.perf_counter()
-                train.run_loop(run)
+                loop.run_loop(run)
                 hardware.synchronize(run.device)
                 seconds = time.perf_counter() - start
             finally:

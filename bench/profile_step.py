@@ -30,8 +30,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
+import loop  # noqa: E402
 import throughput  # noqa: E402
-import train  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 from sizing import flops_per_token  # noqa: E402
 
@@ -182,7 +182,7 @@ def profile_steps(run, steps: int):
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
-            train.train_step(run)
+            loop.train_step(run)
         hardware.synchronize(run.device)
         wall_us = (time.perf_counter() - t0) * 1e6
     run.telemetry.timer = run.telemetry.timer.timer

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 import hardware  # noqa: E402
+import loop  # noqa: E402
 import memory  # noqa: E402
 import train  # noqa: E402
 from cli import HelpFormatter, UsageError  # noqa: E402
@@ -41,7 +42,7 @@ def measure(run, windows, steps_per_window, warmup_steps):
     """-> (warm-up seconds, list of tokens/s per window). The LR stays at its peak: it does not affect speed."""
     t0 = time.perf_counter()
     for _ in range(warmup_steps):
-        train.train_step(run)
+        loop.train_step(run)
     hardware.synchronize(run.device)
     warmup_s = time.perf_counter() - t0
     run.telemetry.timer.collect()  # from here on the phase timer holds the timed steps only
@@ -50,7 +51,7 @@ def measure(run, windows, steps_per_window, warmup_steps):
         hardware.synchronize(run.device)
         t0 = time.perf_counter()
         for _ in range(steps_per_window):
-            train.train_step(run)
+            loop.train_step(run)
         hardware.synchronize(run.device)
         rates.append(steps_per_window * run.layout.tokens_per_step / (time.perf_counter() - t0))
     return warmup_s, rates

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 import distributed
 import fp8
+import loop
 import model as model_module
-import readback
 import split
 import tokenizer
 from model import GPT, ModelConfig
@@ -42,8 +42,8 @@ GPT2_TINY = dict(vocab_size=50257, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, 
 @pytest.fixture(autouse=True)
 def windowed_read_back(monkeypatch):
     """Every test's loop reads its steps back in windows, as on a GPU, since those are what the loop's tests
-    exercise; a CPU run reads each step (readback.reads_every_step), which a test restores to check it."""
-    monkeypatch.setattr(readback, "reads_every_step", lambda device: False)
+    exercise; a CPU run reads each step (loop.reads_every_step), which a test restores to check it."""
+    monkeypatch.setattr(loop, "reads_every_step", lambda device: False)
 
 
 @pytest.fixture
@@ -154,11 +154,11 @@ def gpt2_model(seed: int = 0, **overrides) -> GPT:
 
 @pytest.fixture
 def inject_nan(monkeypatch):
-    """poison(n): the n-th call of train.train_step (0-based: step n of a fresh run) gets a NaN loss, once;
+    """poison(n): the n-th call of loop.train_step (0-based: step n of a fresh run) gets a NaN loss, once;
     a rollback that redoes that step meets a finite one."""
     import train
 
-    original = train.train_step
+    original = loop.train_step
 
     def poison(n):
         calls = {"count": 0}
@@ -174,7 +174,7 @@ def inject_nan(monkeypatch):
             finally:
                 run.compiled = forward
 
-        monkeypatch.setattr(train, "train_step", step)
+        monkeypatch.setattr(loop, "train_step", step)
 
     return poison
 

@@ -12,7 +12,7 @@ import pytest
 
 import batch
 import config
-import memory
+import loop
 import telemetry
 from cli import UsageError
 from config import Config
@@ -108,7 +108,7 @@ def test_the_config_is_not_changed_by_a_run(tmp_path, tiny_data):
     before = dataclasses.asdict(cfg)
     run = train.setup(cfg)
     try:
-        train.run_loop(run)
+        loop.run_loop(run)
     finally:
         run.close()
     assert dataclasses.asdict(cfg) == before

@@ -13,6 +13,7 @@ import torch
 
 import fp8
 import config
+import loop
 import train
 from conftest import QWEN3_FLAGS, REPO, write_tiny_shards
 from model import GPT, QWEN3_VALUES, ModelConfig
@@ -238,7 +239,7 @@ def test_train_setup_reports_torchao_and_act_ckpt_from_the_model(tiny_data, tmp_
              "--fp8", "torchao", "--act-ckpt", "alternate", "--eval-interval", "0"]
     run = train.setup(config.parse_args(flags))
     try:
-        loss = train.train_step(run)[0]
+        loss = loop.train_step(run)[0]
     finally:
         run.close()
     table = capsys.readouterr().out

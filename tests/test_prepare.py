@@ -96,14 +96,14 @@ def test_a_text_file_without_paragraphs_is_cut_into_token_pieces(gpt2, tmp_path,
     enc = gpt2[0]
     text = "".join(f"line {i} of a file without any blank line\n" for i in range(2000))
     (tmp_path / "log.txt").write_text(text, encoding="utf-8")
-    stats = prepare.prepare(tmp_path / "log.txt", tmp_path / "out", val_tokens=2000)
+    prepare.prepare(tmp_path / "log.txt", tmp_path / "out", val_tokens=2000)
     ids = enc.encode_ordinary(text)
     pieces = [ids[i:i + sources.TEXT_PIECE_TOKENS] for i in range(0, len(ids), sources.TEXT_PIECE_TOKENS)]
     record = json.loads((tmp_path / "out" / "data.json").read_text())
     expected = split_by_hand([t for piece in pieces for t in [enc.eot_token, *piece]], record["val_tokens"])
     assert _all_tokens(tmp_path / "out") == expected  # the file's own tokens, a separator every 1,024
     assert (record["text_documents"], record["piece_tokens"], record["documents"]) == ("tokens", 1024, len(pieces))
-    assert f"(cut into pieces of at most 1,024 tokens)" in capsys.readouterr().out
+    assert "(cut into pieces of at most 1,024 tokens)" in capsys.readouterr().out
 
 
 def test_one_document_says_val_is_its_head(gpt2, tmp_path, capsys):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import report
+import loop
 import train
 from conftest import TINY_FLAGS
 
@@ -38,7 +39,7 @@ def eval_row(record):
 
 def test_a_stopped_run_and_its_resume_leave_a_report_that_report_py_writes_again_alike(tiny_data, tmp_path,
                                                                                          monkeypatch, capsys):
-    step, calls = train.train_step, []
+    step, calls = loop.train_step, []
 
     def stopped_in_step_2(run, *args):
         calls.append(1)
@@ -47,13 +48,13 @@ def test_a_stopped_run_and_its_resume_leave_a_report_that_report_py_writes_again
         return step(run, *args)
 
     flags = ["--max-steps", "4", "--lr", "0.01", "--sample-tokens", "4", "--sample-prompt", "x"]
-    monkeypatch.setattr(train, "train_step", stopped_in_step_2)
+    monkeypatch.setattr(loop, "train_step", stopped_in_step_2)
     run(tiny_data, tmp_path, *flags)
     stopped = read(tmp_path)
     assert "| outcome | stopped by SIGTERM at step 2;" in stopped and "(2 records, steps 1 to 2)" in stopped
     assert eval_row(records(tmp_path)[1]) in stopped
 
-    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(loop, "train_step", step)
     run(tiny_data, tmp_path, *flags, "--resume")
     assert capsys.readouterr().out.splitlines()[-1] == f"report: {tmp_path / 'report.md'} and {tmp_path / 'curves.png'}"
     text, logged = read(tmp_path), records(tmp_path)

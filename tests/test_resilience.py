@@ -19,6 +19,7 @@ import cli
 import model
 import plan
 import telemetry
+import loop
 import train
 from shards import write_shard
 from memory import fits_by_trying, largest_fitting_batch, micro_batch_for
@@ -210,12 +211,12 @@ def test_an_injected_nan_is_skipped_and_changes_nothing(data_dir, tmp_path, inje
 
     run = train.setup(config.parse_args(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL]))
     try:
-        train.train_step(run)  # a finite step first, so that the optimizer has state to keep
+        loop.train_step(run)  # a finite step first, so that the optimizer has state to keep
         before = {k: v.clone() for k, v in run.model.state_dict().items()}
         optimizer_before = {(id(p), k): v.clone() for p, st in run.optimizer.state.items() for k, v in st.items()}
         loader_before = run.loader.state_dict()
         inject_nan(0)
-        loss, _, finite = train.train_step(run)
+        loss, _, finite = loop.train_step(run)
         assert not finite and not torch.isfinite(loss)
         for name, value in run.model.state_dict().items():
             assert torch.equal(value, before[name]), name
@@ -256,14 +257,14 @@ class Diverging:
     """A run whose every step from the n-th on is non-finite: a real divergence, not a bad batch."""
 
     def __init__(self, monkeypatch, n):
-        original, self.calls = train.train_step, 0
+        original, self.calls = loop.train_step, 0
 
         def step(run, *args):
             self.calls += 1
             loss, norm, finite = original(run, *args)
             return (loss, norm, finite) if self.calls <= n else (loss * float("nan"), norm, torch.zeros_like(finite))
 
-        monkeypatch.setattr(train, "train_step", step)
+        monkeypatch.setattr(loop, "train_step", step)
 
 
 def test_rollbacks_are_capped_and_stop_with_exit_1(data_dir, tmp_path, capsys, monkeypatch):
@@ -281,14 +282,14 @@ def test_rollbacks_are_capped_and_stop_with_exit_1(data_dir, tmp_path, capsys, m
 
 def test_sigterm_is_obeyed_on_the_rollback_path(data_dir, tmp_path, capsys, monkeypatch):
     diverging = Diverging(monkeypatch, 2)
-    bad_step = train.train_step
+    bad_step = loop.train_step
 
     def step(run, *args):
         if diverging.calls == 3:  # inside the first bad streak
             os.kill(os.getpid(), signal.SIGTERM)
         return bad_step(run, *args)
 
-    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(loop, "train_step", step)
     train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "50", "--ckpt-interval", "2",
                 "--max-bad-steps", "2"])
     out, err = capsys.readouterr()

@@ -10,6 +10,7 @@ import pytest
 
 import config
 import telemetry
+import loop
 import train
 from cli import UsageError
 from conftest import TINY_FLAGS
@@ -156,7 +157,7 @@ def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
 
 
 def test_a_record_made_after_its_step_holds_that_steps_own_time_phases_memory_and_lr(tmp_path):
-    """The loop reads a step back up to --log-interval steps after it ended (readback.read_back): its record holds
+    """The loop reads a step back up to --log-interval steps after it ended (loop.read_back): its record holds
     what end_step noted then, not what the clock, the timer, the memory and the LR say when the record is made."""
     import time
 
@@ -305,10 +306,10 @@ def test_the_heartbeat_speaks_only_after_its_quiet_time():
 def test_a_slow_run_to_a_file_is_never_quiet_for_long(tiny_data, tmp_path, monkeypatch):
     """Steps of 1.2 s with --log-interval 10: without the heartbeat the log would say nothing between the first
     step's line and the end; with it (0.5 s here) no gap exceeds a little over its period."""
-    lines, step = [], train.train_step
+    lines, step = [], loop.train_step
     monkeypatch.setattr(telemetry, "HEARTBEAT_S", 0.5)
     monkeypatch.setattr(Progress, "write", lambda self, text: lines.append((time.perf_counter(), text)))
-    monkeypatch.setattr(train, "train_step", lambda run, *args: time.sleep(1.2) or step(run, *args))
+    monkeypatch.setattr(loop, "train_step", lambda run, *args: time.sleep(1.2) or step(run, *args))
     train.main(["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--device", "cpu", "--dtype", "fp32",
                 "--eval-interval", "0", "--max-steps", "4", "--log-interval", "10", "--compile", "off"])
     times = [t for t, _ in lines]
@@ -335,10 +336,10 @@ def test_the_heartbeat_says_where_the_step_is_and_that_a_first_step_compiles():
 def test_quick_steps_under_a_long_log_interval_get_no_heartbeat(tiny_data, tmp_path, monkeypatch):
     """Steps of 0.25 s with --log-interval 10 and a 0.5 s heartbeat: the log is quiet for longer than the
     heartbeat between its lines, but no step runs that long, so it says nothing."""
-    lines, step = [], train.train_step
+    lines, step = [], loop.train_step
     monkeypatch.setattr(telemetry, "HEARTBEAT_S", 0.5)
     monkeypatch.setattr(Progress, "write", lambda self, text: lines.append(text))
-    monkeypatch.setattr(train, "train_step", lambda run, *args: time.sleep(0.25) or step(run, *args))
+    monkeypatch.setattr(loop, "train_step", lambda run, *args: time.sleep(0.25) or step(run, *args))
     train.main(["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--device", "cpu", "--dtype", "fp32",
                 "--eval-interval", "0", "--max-steps", "8", "--log-interval", "10", "--compile", "off"])
     assert not [line for line in lines if line.startswith("still running")], lines

@@ -1,5 +1,5 @@
 """The host never waits for the device inside a training step that does not log: non-finite updates are skipped
-on the device (optim.step_if_finite) and losses are read back only where something is decided (readback.read_due)."""
+on the device (optim.step_if_finite) and losses are read back only where something is decided (loop.read_due)."""
 
 import json
 import types
@@ -10,11 +10,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import config
 import optim
-import readback
+import loop
 import train
 from conftest import TINY_FLAGS
 
-REAL_READS_EVERY_STEP = readback.reads_every_step  # before conftest's fixture patches it
+REAL_READS_EVERY_STEP = loop.reads_every_step  # before conftest's fixture patches it
 from model import GPT, ModelConfig
 from optim import OptimConfig, build_optimizer
 
@@ -41,16 +41,16 @@ def test_a_step_that_does_not_log_never_waits_for_the_device(flags, tiny_data, t
     run = train.setup(config.parse_args(["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, *flags,
                                          "--device", "cpu", "--dtype", "fp32", "--eval-interval", "0",
                                          "--max-steps", "4", "--log-interval", "4"]))
-    reads, marks, original = HostReads(), [], train.train_step
+    reads, marks, original = HostReads(), [], loop.train_step
 
     def step(run, *args):
         marks.append(reads.count)
         return original(run, *args)
 
-    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(loop, "train_step", step)
     try:
         with reads:
-            train.run_loop(run)
+            loop.run_loop(run)
     finally:
         run.close()
     # Steps 1 to 3 read nothing back; step 4 (the log interval, the last step) reads them all.
@@ -134,29 +134,29 @@ def test_reads_are_due_after_the_first_step_on_the_interval_before_checkpoints_a
                                 evaluator=types.SimpleNamespace(due=lambda done, max_steps: done == 7),
                                 info=types.SimpleNamespace(mode="none"), device=torch.device("cpu"))
     quiet, signalled = types.SimpleNamespace(requested=None), types.SimpleNamespace(requested="SIGTERM")
-    assert [d for d in range(1, 31) if readback.read_due(run, d, quiet)] == [1, 7, 10, 20, 25, 30]
+    assert [d for d in range(1, 31) if loop.read_due(run, d, quiet)] == [1, 7, 10, 20, 25, 30]
     run.start_step = 20  # a resumed process: its own first step
-    assert [d for d in range(21, 31) if readback.read_due(run, d, quiet)] == [21, 25, 30]
-    assert readback.read_due(run, 3, signalled)
+    assert [d for d in range(21, 31) if loop.read_due(run, d, quiet)] == [21, 25, 30]
+    assert loop.read_due(run, 3, signalled)
     run.info.mode = "ddp"  # the ranks must agree on when: the signal waits for the next read
-    assert not readback.read_due(run, 3, signalled)
+    assert not loop.read_due(run, 3, signalled)
 
 
 def test_a_cpu_run_reads_every_step_back_as_it_ends(tiny_data, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(readback, "reads_every_step", REAL_READS_EVERY_STEP)
-    assert readback.reads_every_step(torch.device("cpu")) and not readback.reads_every_step(torch.device("cuda"))
+    monkeypatch.setattr(loop, "reads_every_step", REAL_READS_EVERY_STEP)
+    assert loop.reads_every_step(torch.device("cpu")) and not loop.reads_every_step(torch.device("cuda"))
     run = train.setup(config.parse_args(["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--device",
                                          "cpu", "--dtype", "fp32", "--eval-interval", "0", "--max-steps", "4",
                                          "--log-interval", "4"]))
-    windows, original = [], readback.read_back
+    windows, original = [], loop.read_back
 
     def read_back(window, *args):
         windows.append([t.index for t in window])
         return original(window, *args)
 
-    monkeypatch.setattr(train, "read_back", read_back)
+    monkeypatch.setattr(loop, "read_back", read_back)
     try:
-        train.run_loop(run)
+        loop.run_loop(run)
     finally:
         run.close()
     assert windows == [[0], [1], [2], [3]]  # each step alone, whatever --log-interval
@@ -179,7 +179,7 @@ def test_a_streak_seen_after_its_step_rolls_back_there_and_drops_the_later_steps
 
 def test_a_run_that_fails_between_read_backs_still_logs_the_steps_it_finished(tiny_data, tmp_path, monkeypatch,
                                                                              capsys):
-    original, calls = train.train_step, []
+    original, calls = loop.train_step, []
 
     def step(run, *args):
         calls.append(run)
@@ -187,7 +187,7 @@ def test_a_run_that_fails_between_read_backs_still_logs_the_steps_it_finished(ti
             raise train.DataError("train_000001.bin: unreadable")
         return original(run, *args)
 
-    monkeypatch.setattr(train, "train_step", step)
+    monkeypatch.setattr(loop, "train_step", step)
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--device", "cpu", "--dtype",
                     "fp32", "--eval-interval", "0", "--max-steps", "8", "--log-interval", "8"])
