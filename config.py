@@ -32,7 +32,7 @@ import sizing
 from cli import ArgumentParser, UsageError, int_or_auto
 from fp8 import FP8Config
 from model import INIT_ONLY_FIELDS, ModelConfig, option
-from optim import OptimConfig
+from optim import OPTIMIZERS, OptimConfig, with_property
 from sizing import SizeConfig
 
 PROFILE_WAIT, PROFILE_ACTIVE = 5, 3  # torch.profiler: steps skipped, then steps traced (telemetry.py)
@@ -660,9 +660,9 @@ def _combination_problems(cfg: Config):
                    "(under FSDP2 a probe that runs out of memory would stall the other ranks)")
     if mode == "fsdp" and cfg.speed.dtype == "fp16":
         yield "--dist fsdp with --dtype fp16 is not supported (needs a sharded grad scaler); use bf16"
-    if mode == "fsdp" and cfg.optim.name == "adamw8bit":
-        yield ("--optimizer adamw8bit does not support FSDP2's sharded (DTensor) parameters; use --optimizer adamw "
-               "or --dist ddp")
+    if mode == "fsdp" and not OPTIMIZERS[cfg.optim.name].fsdp:
+        yield (f"--optimizer {cfg.optim.name} does not support FSDP2's sharded (DTensor) parameters; use --optimizer "
+               f"{' or '.join(with_property('fsdp'))}, or --dist ddp")
     if cfg.ckpt.overwrite and cfg.ckpt.resume == "on":
         yield "--overwrite replaces an earlier run and --resume continues it: give one of them"
     if cfg.eval.eval_hellaswag and not cfg.eval.eval_interval:

@@ -32,6 +32,7 @@ import hardware
 from cli import UsageError, plural
 from config import ACT_CKPT_MODES
 from model import LOSS_CHUNK_TOKENS, ModelConfig, loss_chunks
+from optim import OPTIMIZERS
 from sizing import block_shapes, outer_shapes, param_count
 
 FP32 = 4
@@ -39,12 +40,6 @@ INDEX = 8  # int64 token ids and targets
 # On CUDA one chunk of the fused loss may take this share of the device's memory (loss_chunk_tokens): gpt2-124m's
 # 16 x 1,024 tokens then fit one chunk on an 80 GB card (4.6 GiB of 4.98) and four on a 24 GB one.
 LOSS_CHUNK_SHARE = 16
-# bitsandbytes' 8-bit AdamW (0.50): tensors of at least 4096 elements keep two uint8 states plus one float32
-# absmax per 256-element block each; smaller ones, and the embedding / lm_head (optim.FULL_PRECISION_STATE),
-# keep two float32 states; two 256-entry float32 quantisation maps are shared.
-BNB_MIN_8BIT_SIZE = 4096
-BNB_BLOCK = 256
-BNB_QMAPS = 2 * 256 * FP32
 # On the CPU, memory freed during a step stays in the process: train.py keeps freed blocks in glibc's heap for the
 # next micro-step (hardware.keep_freed_memory), and the heap fragments, so the resident set peaks above the live
 # tensors by about this share of them. Measured as (peak_mem_gib - runtime - tensors) / tensors over 3 steps of
@@ -173,32 +168,15 @@ class MemoryEstimate:
         return self.tensors + self.runtime + self.allocator
 
 
-def _state_bytes(name: str, numel: int, optimizer: str, one_process: bool) -> int:
-    """Optimizer state of one parameter (named as in the model, or inside a block); one_process: Muon's step in
-    one process, whose eager form keeps an update buffer beside each matrix's momentum (muon_group.GroupViews;
-    counted under compile too, which keeps none, and by estimate_memory under DDP: there it errs high)."""
-    if optimizer == "adamw":
-        return 2 * FP32 * numel
-    if optimizer == "adamw8bit":
-        from optim import FULL_PRECISION_STATE, as_embedding
-
-        eight_bit = numel >= BNB_MIN_8BIT_SIZE and as_embedding(name) not in FULL_PRECISION_STATE
-        return 2 * numel + 2 * FP32 * math.ceil(numel / BNB_BLOCK) if eight_bit else 2 * FP32 * numel
-    if optimizer == "muon":
-        from optim import MUON_MATRICES
-
-        return (1 + one_process) * FP32 * numel if name.endswith(MUON_MATRICES) else 2 * FP32 * numel
-    raise ValueError(f"unknown optimizer {optimizer!r}")
-
-
 def optimizer_state_bytes_estimate(cfg: ModelConfig, optimizer: str, one_process: bool = True) -> int:
     """Optimizer state of the whole model, as optim.optimizer_state_bytes measures it (step counters aside).
     one_process: a single process's step (not DDP's or FSDP2's split of Muon's work across ranks)."""
-    def total(shapes):
-        return sum(_state_bytes(name, math.prod(shape), optimizer, one_process) for name, shape in shapes.items())
+    entry = OPTIMIZERS[optimizer]
 
-    qmaps = BNB_QMAPS if optimizer == "adamw8bit" else 0
-    return qmaps + total(outer_shapes(cfg)) + cfg.n_layer * total(block_shapes(cfg))
+    def total(shapes):
+        return sum(entry.state_bytes(name, math.prod(shape), one_process) for name, shape in shapes.items())
+
+    return entry.shared_state_bytes + total(outer_shapes(cfg)) + cfg.n_layer * total(block_shapes(cfg))
 
 
 def state_bytes(tree) -> int:

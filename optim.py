@@ -11,11 +11,17 @@ hidden matrices, the embedding and an untied lm_head); norm weights and scalars 
 
 Under Muon (muon.py) the hidden matrices get the orthogonalised Nesterov momentum and everything else AdamW
 inside the same optimizer, so one state_dict and one LR schedule cover both; this file gives it its groups.
+
+Each optimizer is one OptimizerEntry in OPTIMIZERS (register): its builder, default LRs, the state it keeps per
+parameter, and the paths it takes (FSDP2, cautious decay). --optimizer's choices, the LR defaults (here, and the
+size dial's in sizing.py), the memory estimate (memory.py) and the start-up checks (config.py) read the entry,
+so none of them names an optimizer.
 """
 
+import math
 import re
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -26,7 +32,42 @@ from muon import Muon, _is_dtensor, _local
 from muon_math import (MUON_SCALES, NS_COEFF_SCHEMES, NS_DTYPES, cautious_decay_, newton_schulz_flops, per_step,
                        scalar_dtype)
 
-OPTIMIZERS = ("adamw", "adamw8bit", "muon")
+FP32 = 4
+# bitsandbytes' 8-bit AdamW (0.50): tensors of at least 4096 elements keep two uint8 states plus one float32
+# absmax per 256-element block each; smaller ones, and the embedding / lm_head (FULL_PRECISION_STATE), keep two
+# float32 states; two 256-entry float32 quantisation maps are shared.
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
+BNB_QMAPS = 2 * 256 * FP32
+
+
+@dataclass(frozen=True)
+class OptimizerEntry:
+    """One optimizer: everything the files that plan, size, check and build a run need of it, so that none of
+    them names an optimizer. register() adds one; the bottom of this file registers the project's."""
+
+    build: Callable  # (roles, cfg, row_blocks, device_type, compile) -> the optimizer; roles: split_params's
+    lr: float  # the default peak LR at the default model's width (the hidden matrices' under hidden_matrices)
+    state_bytes: Callable  # (parameter name, numel, one process) -> bytes of the state it keeps for it
+    adam_lr: float | None = None  # the AdamW side's default peak LR, under hidden_matrices
+    hidden_matrices: bool = False  # steps the hidden matrices (MUON_MATRICES) apart: Muon's toggles apply
+    shared_state_bytes: int = 0  # state shared by all parameters (bitsandbytes' quantisation maps)
+    fsdp: bool = True  # takes FSDP2's DTensor parameters
+    cautious_wd: bool = True  # can decay cautiously (it keeps the update's sign)
+    lr_rule: str = ""  # how its LR's rule across widths was checked, for the size dial's row (sizing.derive)
+
+
+OPTIMIZERS: dict[str, OptimizerEntry] = {}  # --optimizer's choices, in the order registered
+
+
+def register(name: str, entry: OptimizerEntry) -> None:
+    """Make `name` an --optimizer choice (a test may add its own)."""
+    OPTIMIZERS[name] = entry
+
+
+def with_property(prop: str) -> list[str]:
+    """The registered optimizers whose entry has `prop` set, for a message naming what would work."""
+    return [name for name, entry in OPTIMIZERS.items() if getattr(entry, prop)]
 
 # Suffixes of the hidden matrices Muon owns (model.py's parameter-name contract).
 MUON_MATRICES = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1_weight", "mlp.fc2_weight")
@@ -39,9 +80,6 @@ VALUE_EMBED_PREFIX = "value_embeds."
 WRAPPER_NAMES = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 
 
-# Peak LRs (the matrices', and the AdamW side's under Muon) for train.py's small default model, from the sweep
-# in bench/results/optimizers.md: the best of 3e-3 / 6e-3 / 1.2e-2 for Muon, of 1.5e-3 ... 1.2e-2 for AdamW.
-DEFAULT_LRS = {"muon": (6e-3, 3e-3), "adamw": (3e-3, None), "adamw8bit": (3e-3, None)}
 # Under Muon, an untied model's embedding and lm_head LRs as multiples of the AdamW side's: the recipe sweep's
 # best (docs/recipe.md#on-top-of-v2). The embedding's rows see sparse gradients and take a much higher LR than
 # a matrix that is also the head could; the head itself wants a little more than the AdamW side's.
@@ -52,8 +90,8 @@ UNTIED_LR_MULTIPLES = {"embed_lr": 10, "head_lr": 2}
 class OptimConfig:
     """The optimizer. Each field's metadata is its command-line help: config.py generates train.py's flags."""
 
-    name: str = option("muon", "Muon for the hidden matrices + AdamW for the rest, fused AdamW, or bitsandbytes 8-bit "
-                               "AdamW", flag="--optimizer", choices=OPTIMIZERS)
+    name: str = option("muon", "muon: Muon for the hidden matrices + AdamW for the rest; adamw: fused AdamW; "
+                               "adamw8bit: bitsandbytes' 8-bit AdamW", flag="--optimizer", choices=OPTIMIZERS)
     lr: float | None = option(None, "peak learning rate; for muon, the Muon matrices' (default: the optimizer's for "
                                     "the small default model, 6e-3 for muon, 3e-3 for adamw and adamw8bit)")
     weight_decay: float = option(0.1, "decoupled, matrices only")
@@ -95,9 +133,9 @@ class OptimConfig:
 
     def __post_init__(self):
         """Unset LRs take the optimizer's defaults, so that --optimizer adamw alone gets AdamW's LR, not Muon's."""
-        lr, adam_lr = DEFAULT_LRS.get(self.name, (None, None))
-        self.lr = lr if self.lr is None else self.lr
-        self.adam_lr = adam_lr if self.adam_lr is None else self.adam_lr
+        entry = OPTIMIZERS.get(self.name)
+        self.lr = entry.lr if self.lr is None and entry else self.lr
+        self.adam_lr = entry.adam_lr if self.adam_lr is None and entry else self.adam_lr
 
     @property
     def betas(self) -> tuple[float, float]:
@@ -145,8 +183,9 @@ class OptimConfig:
             raise ValueError(f"momentum_warmup must be a whole number of steps >= 0, got {self.momentum_warmup!r}")
         if not 0 <= self.momentum_start < 1:
             raise ValueError(f"momentum_start must be in [0, 1), got {self.momentum_start}")
-        if self.name != "muon" and self.momentum_warmup:
-            raise ValueError("--muon-momentum-warmup ramps Muon's momentum: it needs --optimizer muon")
+        muon = " or ".join(with_property("hidden_matrices"))
+        if not OPTIMIZERS[self.name].hidden_matrices and self.momentum_warmup:
+            raise ValueError(f"--muon-momentum-warmup ramps Muon's momentum: it needs --optimizer {muon}")
         for name in ("embed_lr", "head_lr"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -155,18 +194,18 @@ class OptimConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {value}")
-        if self.name != "muon" and (self.normuon or self.ns_coeffs != "quintic"):
-            raise ValueError("--normuon and --ns-coeffs act on Muon's update: they need --optimizer muon")
-        if self.name == "adamw8bit" and self.cautious_wd:
-            raise ValueError("--cautious-wd needs the update's sign, which 8-bit AdamW keeps quantised: "
-                             "use --optimizer adamw or muon")
+        if not OPTIMIZERS[self.name].hidden_matrices and (self.normuon or self.ns_coeffs != "quintic"):
+            raise ValueError(f"--normuon and --ns-coeffs act on Muon's update: they need --optimizer {muon}")
+        if not OPTIMIZERS[self.name].cautious_wd and self.cautious_wd:
+            raise ValueError(f"--cautious-wd needs the update's sign, which --optimizer {self.name} does not keep: "
+                             f"use --optimizer {' or '.join(with_property('cautious_wd'))}")
 
 
 def untied_lr_defaults(cfg: OptimConfig, tied: bool) -> dict[str, float]:
     """The embedding's and the lm_head's LRs that cfg leaves unset, for a model whose head is (not) tied:
     UNTIED_LR_MULTIPLES of --adam-lr under Muon with an untied head, else none (they share the AdamW side's
     LR). Resolved into the run's config, so that its config.toml and the recipe cache see the values. Pure."""
-    if tied or cfg.name != "muon":
+    if tied or not OPTIMIZERS[cfg.name].hidden_matrices:
         return {}
     return {name: float(f"{multiple * cfg.adam_lr:.3g}") for name, multiple in UNTIED_LR_MULTIPLES.items()
             if getattr(cfg, name) is None}
@@ -237,7 +276,7 @@ def _group(kind: str, named: list[tuple[str, nn.Parameter]], lr: float, weight_d
             "lr": lr, "base_lr": lr, "weight_decay": weight_decay, **extra}
 
 
-def _adamw_groups(roles: dict, lr: float, weight_decay: float, cfg: OptimConfig) -> list[dict]:
+def adamw_groups(roles: dict, lr: float, weight_decay: float, cfg: OptimConfig) -> list[dict]:
     """The AdamW side: decayed matrices, undecayed vectors, and the embedding and lm_head in groups of their own
     only where cfg gives them their own LR (or the embedding its own betas), so that a run without those flags
     keeps the same groups (and the same optimizer state_dict layout). Groups carry "cautious_wd" only when it
@@ -267,22 +306,19 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, row_blocks: dict[str, li
     model (--compile); AdamW's fused kernel is one already.
     """
     cfg.validate()
-    roles = split_params(model, use_muon=cfg.name == "muon")
+    entry = OPTIMIZERS[cfg.name]
+    roles = split_params(model, use_muon=entry.hidden_matrices)
     if cfg.head_lr is not None and not any(n == "lm_head.weight" for n, _ in roles["decay"]):
         raise ValueError("--head-lr needs an untied lm_head (not --tie-embeddings); a tied one is the embedding: "
                          "use --embed-lr")
-    if cfg.name == "adamw":
-        return _build_adamw(roles, cfg, device_type)
-    if cfg.name == "adamw8bit":
-        return _build_adamw8bit(roles, cfg)
-    return _build_muon(roles, cfg, row_blocks, device_type, compile)
+    return entry.build(roles, cfg, row_blocks, device_type, compile)
 
 
 
-def _build_adamw(roles, cfg, device_type):
+def _build_adamw(roles, cfg, row_blocks, device_type, compile):
     fused = cfg.fused and fused_adamw_available(device_type)
     cls = CautiousAdamW if cfg.cautious_wd else torch.optim.AdamW  # plain torch when off: nothing else changes
-    return cls(_adamw_groups(roles, cfg.lr, cfg.weight_decay, cfg), lr=cfg.lr, betas=cfg.betas,
+    return cls(adamw_groups(roles, cfg.lr, cfg.weight_decay, cfg), lr=cfg.lr, betas=cfg.betas,
                eps=cfg.eps, fused=fused or None, foreach=None if fused else True)
 
 
@@ -316,7 +352,7 @@ def step_if_finite(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> No
 
 
 
-def _build_adamw8bit(roles, cfg):
+def _build_adamw8bit(roles, cfg, row_blocks, device_type, compile):
     named = roles["decay"] + roles["no_decay"]
     if any(_is_dtensor(p) for _, p in named):
         raise ValueError("adamw8bit does not support FSDP2 (DTensor) parameters; use --optimizer adamw")
@@ -330,7 +366,7 @@ def _build_adamw8bit(roles, cfg):
     for name, p in named:
         bits = 32 if as_embedding(name) in FULL_PRECISION_STATE else 8
         manager.override_config(p, key_value_dict={"optim_bits": bits})
-    return bnb.optim.AdamW8bit(_adamw_groups(roles, cfg.lr, cfg.weight_decay, cfg), lr=cfg.lr, betas=cfg.betas,
+    return bnb.optim.AdamW8bit(adamw_groups(roles, cfg.lr, cfg.weight_decay, cfg), lr=cfg.lr, betas=cfg.betas,
                                eps=cfg.eps, weight_decay=0.0)
 
 
@@ -350,7 +386,7 @@ def _build_muon(roles, cfg, row_blocks, device_type, compile):
     extra = {"cautious_wd": True} if cfg.cautious_wd else {}
     groups = ([_group("muon", roles["muon"], cfg.lr, cfg.weight_decay, row_blocks=splits, **extra)]
               if roles["muon"] else [])
-    groups += _adamw_groups(roles, cfg.adam_lr if cfg.adam_lr is not None else cfg.lr, cfg.weight_decay, cfg)
+    groups += adamw_groups(roles, cfg.adam_lr if cfg.adam_lr is not None else cfg.lr, cfg.weight_decay, cfg)
     return Muon(groups, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_dtype=ns_dtype,
                 muon_scale=cfg.muon_scale, betas=cfg.betas, eps=cfg.eps, ns_coeffs=cfg.ns_coeffs,
                 normuon_beta=cfg.normuon_beta if cfg.normuon else None, momentum_warmup=cfg.momentum_warmup,
@@ -483,3 +519,30 @@ def describe_param_groups(optimizer: torch.optim.Optimizer) -> str:
         lines.append(f"    {g.get('kind', 'adamw'):<5}  lr {g['base_lr']:g}  wd {g['weight_decay']:g}  "
                      f"{len(g['params'])} tensors, {numel:,} params: {_short_names(g.get('names', []))}")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- the project's optimizers
+# Default peak LRs for train.py's small default model, from the sweep in bench/results/optimizers.md: the best
+# of 3e-3 / 6e-3 / 1.2e-2 for Muon, of 1.5e-3 ... 1.2e-2 for AdamW.
+
+
+def _adamw_state(name: str, numel: int, one_process: bool) -> int:
+    return 2 * FP32 * numel  # exp_avg, exp_avg_sq
+
+
+def _adamw8bit_state(name: str, numel: int, one_process: bool) -> int:
+    eight_bit = numel >= BNB_MIN_8BIT_SIZE and as_embedding(name) not in FULL_PRECISION_STATE
+    return 2 * numel + 2 * FP32 * math.ceil(numel / BNB_BLOCK) if eight_bit else 2 * FP32 * numel
+
+
+def _muon_state(name: str, numel: int, one_process: bool) -> int:
+    """A hidden matrix keeps its momentum, and in one process an update buffer beside it (muon_group.GroupViews;
+    counted under compile too, which keeps none, and under DDP, where it errs high); the rest AdamW's two."""
+    return (1 + one_process) * FP32 * numel if name.endswith(MUON_MATRICES) else 2 * FP32 * numel
+
+
+register("adamw", OptimizerEntry(build=_build_adamw, lr=3e-3, state_bytes=_adamw_state))
+register("adamw8bit", OptimizerEntry(build=_build_adamw8bit, lr=3e-3, state_bytes=_adamw8bit_state,
+                                     shared_state_bytes=BNB_QMAPS, fsdp=False, cautious_wd=False))
+register("muon", OptimizerEntry(build=_build_muon, lr=6e-3, adam_lr=3e-3, state_bytes=_muon_state,
+                                hidden_matrices=True, lr_rule="held at widths 128-512, docs/sizing.md"))

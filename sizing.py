@@ -11,7 +11,7 @@ The rules, each a constant below:
   projections); an odd head count keeps full multi-head attention, since 2 must divide it;
 - ffn_dim: the model's own default (model.ModelConfig): SwiGLU's 8/3 n_embd rounded up to a multiple of 128,
   ReLU^2's 3/2 of that (the same parameters);
-- peak LRs: the optimizer's default for the width-128 default model (optim.DEFAULT_LRS) x 128 / n_embd, inverse
+- peak LRs: the optimizer's default for the width-128 default model (its optim.OPTIMIZERS entry) x 128 / n_embd, inverse
   in width as muP prescribes for Adam on hidden matrices. For AdamW, 3e-3 x 128 / n_embd lands within 25% of
   GPT-3's published AdamW LRs at GPT-2's four widths (6e-4 at 768, 3e-4 at 1024, 2.5e-4 at 1536, 2e-4 at
   2048). Muon's default update scale (match_rms_adamw) gives its updates AdamW's RMS, so the same rule serves
@@ -36,16 +36,15 @@ import math
 from dataclasses import dataclass, replace
 
 from model import ModelConfig, option, value_embed_layers
-from optim import DEFAULT_LRS, OptimConfig
+from optim import OPTIMIZERS, OptimConfig
 from schedule import decay_frac_for_steps, decay_frac_rule
 
 ASPECT_RATIO = 64  # width per layer
 HEAD_DIM, SMALL_HEAD_DIM, SMALL_WIDTH = 128, 64, 512
 GQA_RATIO = 2  # query heads per key/value head
-BASE_WIDTH = 128  # the default model's width, where optim.DEFAULT_LRS were measured
+BASE_WIDTH = 128  # the default model's width, where the optimizers' default LRs were measured
 # What the width rule of an optimizer's LRs rests on, for the start-up table: Muon's four LRs swept at x0.5 and x2
 # around the rule at three widths, each within the seed spread of the best (docs/sizing.md's table).
-LR_RULE_MEASURED = {"muon": "held at widths 128-512, docs/sizing.md"}
 BATCH_COEFF, BATCH_EXPONENT = 0.292, 0.3271  # DeepSeek LLM (2024), optimal batch in tokens against compute C
 FFN_RULES = {"swiglu": "8/3·n_embd", "relu2": "3/2 of SwiGLU's 8/3·n_embd"}  # by --mlp, as model.ModelConfig
 # The fewest steps the dial's batch leaves a run: the fit is for long horizons, and a short run needs steps.
@@ -142,8 +141,9 @@ def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
     width = model_cfg.n_embd
     values["model.ffn_dim"] = (replace(model_cfg, ffn_dim=None).resolved_ffn_dim, FFN_RULES[model_cfg.mlp])
     optimizer = explicit.get("optim.name", OptimConfig.name)
-    lr, adam_lr = DEFAULT_LRS[optimizer]
-    measured = f"; {LR_RULE_MEASURED[optimizer]}" if optimizer in LR_RULE_MEASURED else ""
+    entry = OPTIMIZERS[optimizer]
+    lr, adam_lr = entry.lr, entry.adam_lr
+    measured = f"; {entry.lr_rule}" if entry.lr_rule else ""
     values["optim.lr"] = (float(f"{lr * BASE_WIDTH / width:.3g}"), f"{lr:g}·{BASE_WIDTH}/n_embd{measured}")
     if adam_lr is not None:
         values["optim.adam_lr"] = (float(f"{adam_lr * BASE_WIDTH / width:.3g}"),

@@ -3,6 +3,7 @@ Muon's own tests are in test_muon.py, on the stand-in model defined here."""
 
 import dataclasses
 import io
+import json
 import math
 import sys
 
@@ -11,7 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import config
 import optim
+import train as train_py
+from cli import UsageError
+from conftest import TINY_FLAGS
 from optim import OptimConfig, build_optimizer, describe_param_groups, optimizer_state_bytes
 
 # ----------------------------------------------------------------------------- a stand-in model
@@ -418,3 +423,27 @@ def test_embedding_betas_get_a_group_of_their_own():
     assert len(by_name["embed.weight"]["names"]) == 1
     with pytest.raises(ValueError, match="embed_beta2"):
         OptimConfig(embed_beta2=1.0).validate()
+
+
+def test_an_optimizer_registered_from_a_test_trains_plans_and_resumes(tiny_data, tmp_path, monkeypatch, capsys):
+    """One entry is all an optimizer needs: the flag's choices, its default LR, the memory estimate, the plan
+    and the checks read it; here plain SGD with momentum, registered from this file alone."""
+    def build(roles, cfg, row_blocks, device_type, compile):
+        groups = optim.adamw_groups(roles, cfg.lr, cfg.weight_decay, cfg)
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=0.9)
+
+    monkeypatch.setitem(optim.OPTIMIZERS, "sgd", optim.OptimizerEntry(
+        build=build, lr=0.05, state_bytes=lambda name, numel, one_process: 4 * numel, fsdp=False, cautious_wd=False))
+    flags = ["--data", tiny_data, *TINY_FLAGS, "--optimizer", "sgd", "--eval-interval", "0", "--out-dir",
+             str(tmp_path), "--ckpt-interval", "3"]
+    train_py.main([*flags, "--max-steps", "3"])
+    out = capsys.readouterr().out
+    assert "peak lr 0.05" in out and "  time             a step ~" in out  # its LR, and the plan priced its step
+    train_py.main([*flags, "--max-steps", "5", "--resume"])
+    assert "resume           from step 3" in capsys.readouterr().out
+    records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5] and all(math.isfinite(r["train_loss"]) for r in records)
+    with pytest.raises(UsageError, match="--optimizer sgd does not support FSDP2's sharded"):
+        config.parse_args(["--optimizer", "sgd", "--dist", "fsdp"])
+    with pytest.raises(ValueError, match="--cautious-wd needs the update's sign, which --optimizer sgd does not"):
+        OptimConfig(name="sgd", cautious_wd=True).validate()
