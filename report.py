@@ -12,8 +12,6 @@ Each file is written under a temporary name and then renamed, so a report is nev
 """
 
 import argparse
-import functools
-import importlib.util
 import json
 import os
 import platform
@@ -39,17 +37,6 @@ PHASE_MEANINGS = {
     "backward": "backward passes through the blocks and the embedding (the lm_head's ran in the forward)",
     "optimizer": "gradient clipping, the optimizer's step and zeroing the gradients",
 }
-
-
-@functools.cache
-def bench_plot():
-    """bench/plot.py, which draws the curves and is a command of its own; loaded from its path, as bench/ is a
-    folder of scripts rather than a package. Loaded on first use: matplotlib is only needed once a run ends."""
-    spec = importlib.util.spec_from_file_location(
-        "plot", os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench", "plot.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ----------------------------------------------------------------------------- what the run leaves
@@ -305,14 +292,15 @@ def read_settings(out_dir: str) -> dict | str | None:
 
 
 def draw_curves(out_dir: str, records: list[dict]) -> str:
-    """curves.png of the run (bench/plot.py's panels, with its defaults) -> its path."""
-    plot = bench_plot()
+    """curves.png of the run (curves.py's panels, with its defaults) -> its path."""
+    import curves  # matplotlib is only needed once a run ends
+
     path = os.path.join(out_dir, CURVES_FILE)
-    fig = plot.draw_runs({os.path.basename(os.path.normpath(out_dir)): records})
+    fig = curves.draw_runs({os.path.basename(os.path.normpath(out_dir)): records})
     try:
         write_atomically(path, lambda name: fig.savefig(name, dpi=120, format="png"))
     finally:
-        plot.plt.close(fig)
+        curves.plt.close(fig)
     return path
 
 

@@ -1,4 +1,4 @@
-"""Reading a run's metrics.jsonl, the one reader that train.py's resume, report.py and bench/plot.py share.
+"""Reading a run's metrics.jsonl, the one reader that train.py's resume, report.py and curves.py share.
 
 A record is one JSON line, written whole and flushed as each step is counted. A process killed mid-write can
 leave its last line torn: no newline, and not JSON. Such a line holds no record anyone could use, so every

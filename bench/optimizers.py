@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cli import HelpFormatter  # noqa: E402
-from plot import MetricsError, plot_runs, read_metrics, series  # noqa: E402
+from curves import plot_runs, read_metrics, series  # noqa: E402
+from runlog import MetricsError  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPTIMIZERS = ("adamw", "muon", "adamw8bit")

@@ -56,7 +56,8 @@ import config  # noqa: E402
 from batch import batch_layout  # noqa: E402
 from cli import HelpFormatter, UsageError  # noqa: E402
 from optimizers import code_line, cpu_model  # noqa: E402
-from plot import MetricsError, read_metrics  # noqa: E402
+from curves import read_metrics  # noqa: E402
+from runlog import MetricsError  # noqa: E402
 from data import DataError, fingerprint, split_paths  # noqa: E402
 from tokenizer import cache_root  # noqa: E402
 

@@ -8,6 +8,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
+import curves  # noqa: E402
 import optimizers  # noqa: E402
 import plot  # noqa: E402
 import recipe  # noqa: E402
@@ -62,50 +63,50 @@ def test_plot_cli_missing_metrics_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_read_metrics_keeps_val_loss_only_on_eval_steps(tmp_path):
-    records = plot.read_metrics(write_run(tmp_path / "run", 8, 5.0, 1e-3))
-    assert plot.series(records, "val_loss") == ([1024, 2048], [pytest.approx(4.75), pytest.approx(4.35)])
+    records = curves.read_metrics(write_run(tmp_path / "run", 8, 5.0, 1e-3))
+    assert curves.series(records, "val_loss") == ([1024, 2048], [pytest.approx(4.75), pytest.approx(4.35)])
 
 
 def test_read_metrics_rejects_a_corrupt_line(tmp_path):
     out_dir = write_run(tmp_path / "run", 4, 5.0, 1e-3)
     with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
         f.write("{not json\n")
-    with pytest.raises(plot.MetricsError, match=r"metrics.jsonl:5: not a JSON line"):
-        plot.read_metrics(out_dir)
+    with pytest.raises(curves.MetricsError, match=r"metrics.jsonl:5: not a JSON line"):
+        curves.read_metrics(out_dir)
 
 
 def test_plot_runs_rejects_an_unknown_panel(tmp_path):
     with pytest.raises(ValueError, match="unknown panel"):
-        plot.plot_runs({}, str(tmp_path / "x.png"), panels=("loss", "perplexity"))
+        curves.plot_runs({}, str(tmp_path / "x.png"), panels=("loss", "perplexity"))
 
 
 def test_ema_is_debiased_and_steps_over_non_finite_values():
-    assert plot.ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # no pull toward zero at the start
-    assert plot.ema([0.0, 10.0], 0.5) == pytest.approx([0.0, 20 / 3])  # weights 1/3 and 2/3
-    assert plot.ema([1.0, 5.0, 3.0], 0.0) == [1.0, 5.0, 3.0]
-    smoothed = plot.ema([1.0, math.nan, 3.0], 0.5)
+    assert curves.ema([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])  # no pull toward zero at the start
+    assert curves.ema([0.0, 10.0], 0.5) == pytest.approx([0.0, 20 / 3])  # weights 1/3 and 2/3
+    assert curves.ema([1.0, 5.0, 3.0], 0.0) == [1.0, 5.0, 3.0]
+    smoothed = curves.ema([1.0, math.nan, 3.0], 0.5)
     assert smoothed[0] == 1.0 and math.isnan(smoothed[1]) and smoothed[2] == pytest.approx(7 / 3)
 
 
-def curves(fig, label):
+def lines_of(fig, label):
     """{line label: (x data, y data)} of every labelled line on the first panel."""
     return {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in fig.axes[0].lines
             if line.get_label() == label or line.get_label().startswith(f"{label} (")}
 
 
 def test_draw_runs_against_steps_and_time_smoothed_on_a_log_scale(tmp_path):
-    records = plot.read_metrics(write_run(tmp_path / "run", 12, 5.0, 1e-3, seconds_per_step=30.0))
-    fig = plot.draw_runs({"run": records}, x="step", smooth=0.8, log_y=True)
+    records = curves.read_metrics(write_run(tmp_path / "run", 12, 5.0, 1e-3, seconds_per_step=30.0))
+    fig = curves.draw_runs({"run": records}, x="step", smooth=0.8, log_y=True)
     assert fig.axes[0].get_yscale() == "log" and fig.axes[1].get_yscale() == "linear"  # loss only
     assert fig.axes[-1].get_xlabel() == "step"
-    lines = curves(fig, "run")
-    steps, raw = plot.series(records, "train_loss", "step")
-    assert lines["run (train)"] == (steps, pytest.approx(plot.ema(raw, 0.8)))
-    assert lines["run (val)"] == plot.series(records, "val_loss", "step")  # val loss is never smoothed
+    lines = lines_of(fig, "run")
+    steps, raw = curves.series(records, "train_loss", "step")
+    assert lines["run (train)"] == (steps, pytest.approx(curves.ema(raw, 0.8)))
+    assert lines["run (val)"] == curves.series(records, "val_loss", "step")  # val loss is never smoothed
     assert raw in [list(line.get_ydata()) for line in fig.axes[0].lines]  # the raw curve, faint, behind it
-    fig = plot.draw_runs({"run": records}, x="time")
+    fig = curves.draw_runs({"run": records}, x="time")
     assert fig.axes[-1].get_xlabel() == "wall-clock time (min)"  # 360 s: in minutes
-    assert curves(fig, "run")["run (train)"][0] == pytest.approx([(step + 1) * 0.5 for step in range(12)])
+    assert lines_of(fig, "run")["run (train)"][0] == pytest.approx([(step + 1) * 0.5 for step in range(12)])
 
 
 def test_plot_cli_x_time_needs_time_s_in_every_record(tmp_path, capsys):
@@ -146,15 +147,15 @@ def test_loss_limits_leave_out_the_first_steps_far_higher_losses():
     low, quantile = falling[-1], falling[20]  # the 90% quantile of 200 losses: the 180th lowest
     high = quantile + 0.5 * (quantile - low)
     pad = 0.05 * (high - low)
-    assert plot.loss_limits(falling + [math.nan]) == pytest.approx((low - pad, high + pad))
+    assert curves.loss_limits(falling + [math.nan]) == pytest.approx((low - pad, high + pad))
     assert high < 5.0  # the first 16 losses, up to 11, are above the axis
-    assert plot.loss_limits([5.0, 5.1, 4.9, 5.2]) == pytest.approx((4.9 - 0.015, 5.2 + 0.015))  # flat: all of it
-    assert plot.loss_limits([5.0, 5.0]) is None and plot.loss_limits([]) is None
+    assert curves.loss_limits([5.0, 5.1, 4.9, 5.2]) == pytest.approx((4.9 - 0.015, 5.2 + 0.015))  # flat: all of it
+    assert curves.loss_limits([5.0, 5.0]) is None and curves.loss_limits([]) is None
 
 
 def test_auto_smoothing_spans_about_one_percent_of_a_long_curve_and_leaves_a_short_one():
-    assert plot.auto_smoothing(0) == plot.auto_smoothing(50) == plot.auto_smoothing(100) == 0.0
-    assert plot.auto_smoothing(1000) == pytest.approx(0.9) and plot.auto_smoothing(10_000) == pytest.approx(0.99)
+    assert curves.auto_smoothing(0) == curves.auto_smoothing(50) == curves.auto_smoothing(100) == 0.0
+    assert curves.auto_smoothing(1000) == pytest.approx(0.9) and curves.auto_smoothing(10_000) == pytest.approx(0.99)
 
 
 def test_the_default_figure_is_legible_without_flags(tmp_path):
@@ -162,11 +163,11 @@ def test_the_default_figure_is_legible_without_flags(tmp_path):
     the first steps, every axis from 0 but the loss's."""
     records = [{"step": s, "tokens": 1000 * s, "train_loss": 3.0 + 8.0 * math.exp(-s / 20) + 0.1 * (-1) ** s,
                 "lr": 1e-3, "tokens_per_sec": 5000.0 + 100 * (-1) ** s} for s in range(1, 1001)]
-    fig = plot.draw_runs({"run": records})
+    fig = curves.draw_runs({"run": records})
     loss, rate, lr = fig.axes
     assert loss.get_xlim()[0] == 0 and loss.get_ylim()[1] < 4.0 and rate.get_ylim()[0] == lr.get_ylim()[0] == 0
     raw = [r["train_loss"] for r in records]
-    assert curves(fig, "run")["run (train)"][1] == pytest.approx(plot.ema(raw, 0.9))
+    assert lines_of(fig, "run")["run (train)"][1] == pytest.approx(curves.ema(raw, 0.9))
     assert raw in [list(line.get_ydata()) for line in loss.lines]
     assert plot.main([write_run(tmp_path / "run", 4, 5.0, 1e-3), "--smooth", "auto"]) is None
 
