@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _Em
 import distributed
 import memory
 import records
+from atomic import write_synced
 from cli import ArgumentParser, UsageError, WriteError, first_line, free_bytes, report_error, write_error
 from config import changed_keys
 from data import data_change, data_kind
@@ -105,15 +106,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_synced(path: str, write):
-    """write(f) into a new file at path, flushed to disk; returns what write returned."""
-    with open(path, "wb") as f:
-        result = write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    return result
-
-
 class _HashingWriter:
     """A write-only file that hashes what passes through, so a checkpoint need not be read back to be hashed.
     error: the OSError a write raised, which torch's zip writer reports as a RuntimeError of its own."""
@@ -134,7 +126,7 @@ class _HashingWriter:
 
 
 def _save_hashed(state: dict):
-    """A writer for _write_synced: torch.save into the file, returning the sha256 of the bytes written."""
+    """A writer for write_synced: torch.save into the file, returning the sha256 of the bytes written."""
 
     def write(f) -> str:
         writer = _HashingWriter(f)
@@ -188,8 +180,8 @@ def save_file(state: dict, path: str) -> None:
     """
     tmp = f"{path}.tmp"
     try:
-        digest = _write_synced(tmp, _save_hashed(state))
-        _write_synced(f"{path}{DIGEST_SUFFIX}.tmp", lambda f: f.write(digest.encode()))
+        digest = write_synced(tmp, _save_hashed(state))
+        write_synced(f"{path}{DIGEST_SUFFIX}.tmp", lambda f: f.write(digest.encode()))
         os.replace(f"{path}{DIGEST_SUFFIX}.tmp", f"{path}{DIGEST_SUFFIX}")
         os.replace(tmp, path)
         _fsync_dir(os.path.dirname(path) or ".")
@@ -218,9 +210,9 @@ def save_sharded(tensors: dict, meta: dict, path: str, is_main: bool, barrier) -
         raise error from None
     if is_main:
         try:
-            _write_synced(os.path.join(tmp, META_FILE), _save_hashed(meta))
+            write_synced(os.path.join(tmp, META_FILE), _save_hashed(meta))
             digests = {name: file_sha256(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))}
-            _write_synced(os.path.join(tmp, CHECKSUMS_FILE), lambda f: f.write(json.dumps(digests).encode()))
+            write_synced(os.path.join(tmp, CHECKSUMS_FILE), lambda f: f.write(json.dumps(digests).encode()))
             _replace_dir(tmp, path)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import fp8
 import optim
 import sizing
+from atomic import write_synced
 from cli import ArgumentParser, UsageError, int_or_auto
 from fp8 import FP8Config
 from model import INIT_ONLY_FIELDS, ModelConfig, option
@@ -522,10 +523,7 @@ def stage_config(cfg: Config, path: str, resume: bool, command_line: dict) -> st
 def write_config(cfg: Config, path: str) -> None:
     """cfg as a --config file (to_toml) at path, on disk when this returns."""
     try:
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(to_toml(cfg))
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(path, lambda f: f.write(to_toml(cfg).encode("utf-8")))
     except OSError as e:
         raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
 

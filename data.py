@@ -27,7 +27,8 @@ import torch
 import records
 from cli import first_line
 from shards import TOKEN_DTYPES, ShardWatch, read_shard
-from tokenizer import DataError, Tokenizer, atomic_write, get_tokenizer, recorded_tokenizer
+from atomic import atomic_write
+from tokenizer import DataError, Tokenizer, get_tokenizer, recorded_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------
 # Which tokenizer made the shards: data.json

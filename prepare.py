@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from atomic import atomic_write
 from cli import ArgumentParser, UsageError, WriteError, int_or_auto, plural, report_error
 from data import CORPUS_MARKER, DATA_RECORD, data_record, write_data_record
 from progress import Progress
@@ -33,7 +34,7 @@ import sources
 import split
 from sources import TEXT_FIELD, file_pieces, source_pieces
 from tokenizer import (CACHE_ENV, TOKENIZER_FILE, TRAINED_SEPARATOR, TRAINED_TOKEN_BYTES, DataError, Tokenizer,
-                       TrainingText, atomic_write, cache_root, load_tokenizer, train_bpe)
+                       TrainingText, cache_root, load_tokenizer, train_bpe)
 
 ENCODE_CHARS_PER_THREAD = 4 << 20  # characters read but not yet taken back encoded, per tokenizer thread
 ENCODE_BATCH_CHARS = 1 << 16  # characters a tokenizer thread encodes as one task: small, so threads end together

@@ -22,6 +22,7 @@ import torch
 
 import config
 import hardware
+from atomic import atomic_write, replace_with
 from cli import ArgumentParser, UsageError, first_line, report_error
 from progress import duration
 from rundir import CONFIG_FILE, CURVES_FILE, REPORT_FILE, SUMMARY_FILE
@@ -59,24 +60,6 @@ def machine_rows(device: torch.device, world_size: int) -> list[tuple[str, str]]
             ("OS", platform.platform())]
 
 
-def write_atomically(path: str, write) -> None:
-    """write(name) writes the file under a temporary name, which then replaces path; removed if it fails."""
-    try:
-        write(f"{path}.tmp")
-    except BaseException:
-        if os.path.lexists(f"{path}.tmp"):
-            os.remove(f"{path}.tmp")
-        raise
-    os.replace(f"{path}.tmp", path)
-
-
-def write_text(text: str):
-    def write(name):
-        with open(name, "w", encoding="utf-8") as f:
-            f.write(text)
-    return write
-
-
 def after_run(facts: dict | None, device: torch.device, world_size: int) -> None:
     """The end of a run (train.main): on rank 0, whose facts are Telemetry.summary's (None elsewhere), record
     them, the summary's rows as printed and the machine in OUT/summary.json, then write the report. A report that cannot be written costs one
@@ -86,7 +69,7 @@ def after_run(facts: dict | None, device: torch.device, world_size: int) -> None
     out_dir = facts["out_dir"]
     try:
         summary = {"facts": facts, "rows": summary_rows(facts), "machine": machine_rows(device, world_size)}
-        write_atomically(os.path.join(out_dir, SUMMARY_FILE), write_text(json.dumps(summary, indent=1) + "\n"))
+        atomic_write(os.path.join(out_dir, SUMMARY_FILE), (json.dumps(summary, indent=1) + "\n").encode())
         written = write_report(out_dir)
     except Exception as e:  # the run's outcome, printed above, stands; so does its exit status
         print(f"warning: no report written in {out_dir} ({type(e).__name__}: {first_line(e)})", file=sys.stderr)
@@ -298,7 +281,7 @@ def draw_curves(out_dir: str, records: list[dict]) -> str:
     path = os.path.join(out_dir, CURVES_FILE)
     fig = curves.draw_runs({os.path.basename(os.path.normpath(out_dir)): records})
     try:
-        write_atomically(path, lambda name: fig.savefig(name, dpi=120, format="png"))
+        replace_with(path, lambda f: fig.savefig(f, dpi=120, format="png"))
     finally:
         curves.plt.close(fig)
     return path
@@ -315,7 +298,7 @@ def write_report(out_dir: str) -> list[str]:
                          "train.py --out-dir?)")
     curves = [draw_curves(out_dir, records)] if records else []
     path = os.path.join(out_dir, REPORT_FILE)
-    write_atomically(path, write_text(render(out_dir, records, summary, read_settings(out_dir), bool(curves))))
+    atomic_write(path, render(out_dir, records, summary, read_settings(out_dir), bool(curves)).encode())
     return [path, *curves]
 
 

@@ -12,7 +12,8 @@ import os
 
 import numpy as np
 
-from tokenizer import DataError, atomic_write
+from atomic import atomic_write
+from tokenizer import DataError
 
 SHARD_MAGIC = 20240520
 HEADER_INTS = 256

@@ -24,7 +24,8 @@ import tempfile
 import numpy as np
 import tiktoken
 
-from cli import first_line, write_error
+from atomic import atomic_write
+from cli import first_line
 
 
 class DataError(Exception):
@@ -40,24 +41,6 @@ def cache_root() -> str:
         return os.environ[CACHE_ENV]
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(xdg, "pretrain")
-
-
-def atomic_write(path: str, *chunks) -> None:
-    """Write bytes-like chunks to path so that readers see the old file or the whole new one, never a part."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(e, OSError):  # a full disk, say: one line naming the file and the space left
-            raise write_error("file", path, e) from None
-        raise
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -179,7 +179,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(damage, see
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypatch, capsys):
-    real = checkpoint._write_synced
+    real = checkpoint.write_synced
     calls = {"n": 0}
 
     def write_until_the_disk_fills(path, write):
@@ -191,7 +191,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(data_dir, tmp_path, monkeypat
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(path, write)
 
-    monkeypatch.setattr(checkpoint, "_write_synced", write_until_the_disk_fills)
+    monkeypatch.setattr(checkpoint, "write_synced", write_until_the_disk_fills)
     with pytest.raises(SystemExit) as exit_info:
         train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "6", "--ckpt-interval", "2"])
     assert exit_info.value.code == 1

@@ -1,0 +1,44 @@
+"""Writing a file so that a crash, a kill or a full disk at any moment never leaves a part of it under its name.
+
+    atomic_write(path, b"bytes", b"more")             # readers see the old file or the whole new one
+    replace_with(path, lambda f: fig.savefig(f))      # the same for a writer that takes a file object
+    write_synced(tmp, write)                          # a new file, on disk when this returns: the first half of
+                                                      # a commit its caller makes (a checkpoint and its digest)
+
+Every file the project writes goes through one of these; an OSError is one line naming the file and the space
+left (cli.write_error), and the half-written file is gone.
+"""
+
+import os
+
+from cli import write_error
+
+
+def write_synced(path: str, write):
+    """write(f) into a new file at path, flushed and synced to disk -> what write returned."""
+    with open(path, "wb") as f:
+        result = write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    return result
+
+
+def replace_with(path: str, write):
+    """write(f) into a new file beside path, synced, which then replaces path -> what write returned. On any
+    failure the new file is removed; an OSError becomes cli.WriteError."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        result = write_synced(tmp, write)
+        os.replace(tmp, path)
+        return result
+    except BaseException as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        if isinstance(e, OSError):  # a full disk, say: one line naming the file and the space left
+            raise write_error("file", path, e) from None
+        raise
+
+
+def atomic_write(path: str, *chunks) -> None:
+    """Bytes-like chunks, in order, as the file at path (replace_with)."""
+    replace_with(path, lambda f: [f.write(chunk) for chunk in chunks])
