@@ -552,7 +552,7 @@ class Checkpointer:
         the state is gathered and written once and best links to it. tokens: trained so far, all ranks;
         batch_tokens: the global batch per step, which a resume at another world size keeps
         (batch.resume_layout). record: the step's metrics.jsonl record, which a resume restores if the log
-        lost it (telemetry.MetricsLog.truncate)."""
+        lost it (runlog.MetricsLog.truncate)."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(model, optimizer, options=state_dict_options(full=not self.sharded))

@@ -30,12 +30,11 @@ from checkpoint import DIGEST_SUFFIX, best_path, list_checkpoints, remove
 from cli import UsageError
 from data import DataError
 from prepare import default_corpus
-from runlog import METRICS_FILE
+from runlog import METRICS_FILE, TENSORBOARD_DIR
 
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.toml"
 TRACE_FILE = "trace.json"  # --profile (telemetry.py)
-TENSORBOARD_DIR = "tensorboard"  # --tensorboard's event files (telemetry.MetricsLog)
 REPORT_FILE, CURVES_FILE, SUMMARY_FILE = "report.md", "curves.png", "summary.json"  # report.py's, at a run's end
 # What a run records of itself, besides its checkpoints: all that a run stopped before its first checkpoint
 # leaves, which a fresh run there replaces without --overwrite (nothing to resume, nothing lost).

@@ -20,21 +20,22 @@ from batch import describe_epochs, plan_warnings
 from cli import plural
 from config import flat_values
 from hardware import cpu_bf16_warning, cpu_flags
+from loop import Run
 from optim import describe_param_groups
-from rundir import TENSORBOARD_DIR
+from runlog import TENSORBOARD_DIR
 from telemetry import message, print_table
 
 KEY_WIDTH = len("activation ckpt")  # the table's longest name, so that the time row, printed later, lines up
 
 
-def announce(run, sources: list, reasons: dict, planned_tokens: int) -> None:
+def announce(run: Run, sources: list, reasons: dict, planned_tokens: int) -> None:
     """Rank 0's start-up table (startup_rows), all but its time row (plan_run)."""
     if run.info.is_main:
         run.telemetry.eval_plan = run.evaluator.describe_val()  # the summary keeps it for report.py
         print_table(startup_rows(run, sources, reasons, planned_tokens), KEY_WIDTH)
 
 
-def plan_run(run, planned_tokens: int) -> None:
+def plan_run(run: Run, planned_tokens: int) -> None:
     """Every rank: refuse a first step that does not fit the memory the process has left (headroom, a
     UsageError on a CPU, a warning on CUDA). Rank 0: time a micro-step on the bare model (plan.step_time, only
     probes that fit), price the optimizer, the evals and the checkpoints, and print the time row and the plan's
@@ -65,7 +66,7 @@ def plan_run(run, planned_tokens: int) -> None:
         message(line)
 
 
-def optimizer_seconds(run) -> float:
+def optimizer_seconds(run: Run) -> float:
     """plan.optimizer_seconds of the run's optimizer: its Newton-Schulz GEMMs timed at their own shape and
     dtype ([d, ffn] x [ffn, d], d the width), its elementwise bytes at the device's copy rate."""
     cfg, info, m = run.cfg, run.info, run.model_cfg
@@ -76,7 +77,7 @@ def optimizer_seconds(run) -> float:
     return plan.optimizer_seconds(work, ns_rate, plan.copy_rate(run.device))
 
 
-def run_extras(run, step: plan.StepTime) -> plan.RunExtras:
+def run_extras(run: Run, step: plan.StepTime) -> plan.RunExtras:
     """The run's evals (Evaluator's cadence: on --eval-interval and at the end) and checkpoints (Checkpointer's:
     on --ckpt-interval and at the end, and a best one at an eval that improves, counted at every eval)."""
     cfg, layout = run.cfg, run.layout
@@ -90,7 +91,7 @@ def run_extras(run, step: plan.StepTime) -> plan.RunExtras:
                            plan.write_rate(cfg.ckpt.out_dir, checkpoint_bytes))
 
 
-def startup_rows(run, sources: list, reasons: dict, planned_tokens: int) -> list[tuple[str, str]]:
+def startup_rows(run: Run, sources: list, reasons: dict, planned_tokens: int) -> list[tuple[str, str]]:
     """The start-up table of a loop.Run: what is active and why, each detected rather than assumed.
     sources: --data's (mixture.parse_data); planned_tokens: what the run will have trained at its last step
     (batch.planned_tokens), which a mixture's sources share by their weights."""

@@ -20,6 +20,7 @@ import model
 import plan
 import telemetry
 import loop
+import runlog
 import train
 from shards import write_shard
 from memory import fits_by_trying, largest_fitting_batch, micro_batch_for
@@ -798,7 +799,7 @@ def test_a_dcp_failure_without_an_os_error_is_the_full_disk_when_the_space_is_go
 
 
 def test_a_log_line_that_cannot_be_written_leaves_the_log_whole(tmp_path, monkeypatch):
-    log = telemetry.MetricsLog(str(tmp_path), start_step=0, wandb_run=None)
+    log = runlog.MetricsLog(str(tmp_path), start_step=0, wandb_run=None)
     log.log({"step": 1, "tokens": 10})
     real_write, calls = os.write, []
 

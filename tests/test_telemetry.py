@@ -11,6 +11,7 @@ import pytest
 import config
 import telemetry
 import loop
+import runlog
 import train
 from cli import UsageError
 from conftest import TINY_FLAGS
@@ -122,7 +123,7 @@ def test_metrics_from_before_one_based_steps_are_cut_at_the_same_step(tmp_path):
 
     old = [{"step": s, "train_loss": 1.0} for s in range(4)]  # 0-based, no time_s: steps 1..4 in today's terms
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
-    log = telemetry.MetricsLog(str(tmp_path), start_step=2, wandb_run=None)
+    log = runlog.MetricsLog(str(tmp_path), start_step=2, wandb_run=None)
     assert [json.loads(line)["step"] for line in open(log.path)] == [0, 1]  # steps 1 and 2 are kept
 
 
@@ -136,12 +137,12 @@ def test_a_resume_restores_the_record_its_checkpoint_holds_when_the_log_lost_it(
 
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(2)))
     restored = {"step": 3, "train_loss": 3.0, "time_s": 0.3}
-    log = telemetry.MetricsLog(str(tmp_path), start_step=3, wandb_run=None, restored=restored)
+    log = runlog.MetricsLog(str(tmp_path), start_step=3, wandb_run=None, restored=restored)
     assert [json.loads(line) for line in open(log.path)] == [*records(2), restored] and log.last_kept == restored
 
     evaluated = [*records(2), {**restored, "val_loss": 2.5}, *records(5)[3:]]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evaluated))
-    log = telemetry.MetricsLog(str(tmp_path), start_step=3, wandb_run=None, restored=restored)
+    log = runlog.MetricsLog(str(tmp_path), start_step=3, wandb_run=None, restored=restored)
     assert [json.loads(line) for line in open(log.path)] == evaluated[:3]
 
 
@@ -213,7 +214,7 @@ def test_a_resumed_run_appends_to_tensorboard_and_hides_the_steps_it_redoes(tmp_
     pytest.importorskip("tensorboard")
 
     def run(start_step, losses):
-        log = telemetry.MetricsLog(str(tmp_path), start_step, None, tensorboard=True)
+        log = runlog.MetricsLog(str(tmp_path), start_step, None, tensorboard=True)
         for step, loss in losses.items():
             log.log({"step": step, "time_s": 0.1 * step, "train_loss": loss, "skipped": False, "mfu": None})
         log.close()
@@ -237,7 +238,7 @@ def test_tensorboard_without_its_package_is_one_line_at_start_up(monkeypatch, tm
 def log_losses(out_dir, start_step, losses, build_before=lambda: None):
     """A MetricsLog with --tensorboard from start_step, logging {step: train_loss}; build_before runs once the log
     is made and before its first point (train.setup replaces an earlier run's outputs there)."""
-    log = telemetry.MetricsLog(str(out_dir), start_step, None, tensorboard=True)
+    log = runlog.MetricsLog(str(out_dir), start_step, None, tensorboard=True)
     build_before()
     for step, loss in losses.items():
         log.log({"step": step, "time_s": 0.1 * step, "train_loss": loss})
@@ -350,11 +351,11 @@ def test_a_resume_drops_a_torn_last_line_with_a_note_and_refuses_damage_elsewher
 
     lines = [json.dumps({"step": s, "tokens": s, "time_s": 0.1 * s}) + "\n" for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 4, "tok')  # killed mid-write
-    log = telemetry.MetricsLog(str(tmp_path), start_step=3, wandb_run=None)
+    log = runlog.MetricsLog(str(tmp_path), start_step=3, wandb_run=None)
     assert open(log.path).read() == "".join(lines) and log.last_kept["step"] == 3
     assert "metrics.jsonl:4: the last line was torn (a process stopped mid-write), skipped" in capsys.readouterr().err
     (tmp_path / "metrics.jsonl").write_text(lines[0] + "garbage\n" + lines[2])
     with pytest.raises(UsageError, match=r"metrics.jsonl:2: not a JSON line: the run's log is damaged there; mend or "
                                          r"delete that line, then resume"):
-        telemetry.MetricsLog(str(tmp_path), start_step=3, wandb_run=None)
+        runlog.MetricsLog(str(tmp_path), start_step=3, wandb_run=None)
     assert open(log.path).read() == lines[0] + "garbage\n" + lines[2]  # nothing dropped unasked

@@ -13,6 +13,7 @@ import batch
 import checkpoint
 import config
 import plan
+import runlog
 import train
 
 from conftest import REPO, TINY_FLAGS as TINY_MODEL, write_tiny_shards
@@ -228,7 +229,7 @@ def test_metrics_survive_a_crash_while_rewritten_at_resume(tmp_path, monkeypatch
 
     monkeypatch.setattr(telemetry.os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
-        telemetry.MetricsLog(str(tmp_path), start_step=2, wandb_run=None)
+        runlog.MetricsLog(str(tmp_path), start_step=2, wandb_run=None)
     assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines)
 
 
