@@ -1,6 +1,7 @@
-"""Data: the shards' data.json record, and the resumable loader that streams training rows.
+"""Data: what the shards' data.json says of their tokenizer, and the resumable loader that streams training rows.
 
-The shards themselves (llm.c's format, read and written, and watched while a run reads them) are shards.py's.
+The shards themselves (llm.c's format, read and written, and watched while a run reads them) and data.json (written
+and read) are shards.py's.
 Each document is preceded by the end-of-text token, as in llm.c and modded-nanogpt (another tokenizer's
 separator: its end-of-text or BOS token). Next to the shards, data.json records the tokenizer (name, sha256,
 n_vocab, separator id, whether its ids need uint32), the counts and each shard's sha256, and a Hugging Face
@@ -15,7 +16,6 @@ import bisect
 import collections
 import glob
 import hashlib
-import json
 import os
 import queue
 import threading
@@ -24,50 +24,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-import records
-from cli import first_line
-from shards import TOKEN_DTYPES, ShardWatch, read_shard
-from atomic import atomic_write
-from tokenizer import DataError, Tokenizer, get_tokenizer, recorded_tokenizer
+from shards import DATA_RECORD, TOKEN_DTYPES, ShardWatch, data_record, read_shard
+from tokenizer import DataError, Tokenizer, recorded_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------
-# Which tokenizer made the shards: data.json
+# Which tokenizer made the shards
 
-DATA_RECORD = "data.json"  # what prepare records about the shards it wrote: the tokenizer and the counts
-# The default corpus's marker (prepare.default_corpus); caches built before data.json existed hold only this.
-CORPUS_MARKER = "complete.json"
 # Models pad their vocabulary to a multiple of this (model.VOCAB_MULTIPLE; data.py does not import the model).
 VOCAB_PAD_MULTIPLE = 128
 # model.ModelConfig's default vocab_size, GPT-2's: what a run has when --vocab-size is not given.
 DEFAULT_VOCAB = 50257
-
-
-def write_data_record(data_dir: str, record: dict) -> None:
-    """Write data_dir/data.json, atomically."""
-    atomic_write(os.path.join(data_dir, DATA_RECORD), json.dumps(record, indent=1).encode())
-
-
-def data_record(data_dir: str) -> dict | None:
-    """What prepare.py recorded about the shards in data_dir: data.json (prepare and the default corpus write it),
-    else the default corpus's complete.json (caches built before data.json existed; it names the tokenizer);
-    None when there is neither, as for shards made by llm.c. DataError for a record that cannot be read."""
-    for name in (DATA_RECORD, CORPUS_MARKER):
-        path = os.path.join(data_dir, name)
-        try:
-            with open(path, encoding="utf-8") as f:
-                record = json.load(f)
-        except FileNotFoundError:
-            continue
-        except (OSError, ValueError) as e:
-            raise DataError(f"{path}: cannot read the data record ({first_line(e)})") from None
-        if name == CORPUS_MARKER:  # an old default corpus's: it names the tokenizer only
-            if not isinstance(record, dict) or not isinstance(record.get("tokenizer"), str):
-                continue  # some other tool's complete.json
-            return {"tokenizer": record["tokenizer"], "n_vocab": get_tokenizer(record["tokenizer"]).n_vocab}
-        if problem := records.problem(record, records.DATA_RECORD):
-            raise DataError(f"{path}: {problem}; prepare the data again (prepare.py --overwrite) to rewrite it")
-        return record
-    return None
 
 
 # What identifies the tokenizer of a data.json record (Tokenizer.record() writes these): a checkpoint keeps them.

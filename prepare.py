@@ -27,7 +27,7 @@ import numpy as np
 
 from atomic import atomic_write
 from cli import ArgumentParser, UsageError, WriteError, int_or_auto, plural, report_error
-from data import CORPUS_MARKER, DATA_RECORD, data_record, write_data_record
+from shards import CORPUS_MARKER, DATA_RECORD, data_record, write_data_record
 from progress import Progress
 from shards import TOKEN_DTYPES, shard_version, write_shard
 import sources

@@ -23,7 +23,8 @@ import torch
 from checkpoint import CheckpointError
 from cli import ArgumentParser, HelpFormatter, UsageError, closed_stdout, plural, report_error
 from config import DEVICES, EvalConfig
-from data import DataError, data_record, tokenizer_id
+from data import DataError, tokenizer_id
+from shards import data_record
 from distributed import DistInfo
 from train_eval import Evaluator
 from hf import check_tokenizer, model_tokenizer, trained_meta

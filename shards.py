@@ -1,4 +1,5 @@
-"""The token shard: llm.c's and modded-nanogpt's format, written and read here, and watched while a run reads it.
+"""The token shard: llm.c's and modded-nanogpt's format, written and read here, and watched while a run reads it;
+and data.json, prepare.py's record of the shards it wrote (the tokenizer, the counts, each shard's sha256).
 
 A shard is a header of 256 little-endian int32 ([0] magic 20240520, [1] version, [2] token count, the rest 0),
 then the tokens. Version 1 stores uint16 tokens (vocabularies up to 65,535 ids, e.g. GPT-2); version 2 is this
@@ -8,17 +9,23 @@ error from the memory map, an overwrite would train on other tokens without a wo
 """
 
 import hashlib
+import json
 import os
 
 import numpy as np
 
+import records
 from atomic import atomic_write
-from tokenizer import DataError
+from cli import first_line
+from tokenizer import DataError, get_tokenizer
 
 SHARD_MAGIC = 20240520
 HEADER_INTS = 256
 HEADER_BYTES = HEADER_INTS * 4
 TOKEN_DTYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # shard version -> token dtype
+DATA_RECORD = "data.json"  # what prepare records about the shards it wrote: the tokenizer and the counts
+# The default corpus's marker (prepare.default_corpus); caches built before data.json existed hold only this.
+CORPUS_MARKER = "complete.json"
 
 
 def shard_version(vocab_size: int) -> int:
@@ -115,3 +122,35 @@ class ShardWatch:
                                 "overwritten since prepare.py wrote it; the run stops rather than train on it: "
                                 "prepare the data again, then resume")
             self.verified.add(i)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data.json
+
+
+def write_data_record(data_dir: str, record: dict) -> None:
+    """Write data_dir/data.json, atomically."""
+    atomic_write(os.path.join(data_dir, DATA_RECORD), json.dumps(record, indent=1).encode())
+
+
+def data_record(data_dir: str) -> dict | None:
+    """What prepare.py recorded about the shards in data_dir: data.json (prepare and the default corpus write it),
+    else the default corpus's complete.json (caches built before data.json existed; it names the tokenizer);
+    None when there is neither, as for shards made by llm.c. DataError for a record that cannot be read."""
+    for name in (DATA_RECORD, CORPUS_MARKER):
+        path = os.path.join(data_dir, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                record = json.load(f)
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: cannot read the data record ({first_line(e)})") from None
+        if name == CORPUS_MARKER:  # an old default corpus's: it names the tokenizer only
+            if not isinstance(record, dict) or not isinstance(record.get("tokenizer"), str):
+                continue  # some other tool's complete.json
+            return {"tokenizer": record["tokenizer"], "n_vocab": get_tokenizer(record["tokenizer"]).n_vocab}
+        if problem := records.problem(record, records.DATA_RECORD):
+            raise DataError(f"{path}: {problem}; prepare the data again (prepare.py --overwrite) to rewrite it")
+        return record
+    return None

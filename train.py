@@ -32,7 +32,8 @@ import report
 from checkpoint import CheckpointError, Checkpointer, config_changes, load_newest, read_meta, tokens_trained
 from cli import UsageError, WriteError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
-from data import DataError, data_record, tokenizer_id
+from data import DataError, tokenizer_id
+from shards import data_record
 from hf import load_hf
 from loop import Run, run_loop
 from model import GPT

@@ -33,7 +33,8 @@ import distributed
 import hardware
 import split
 from cli import UsageError, first_line, plural
-from data import DataError, ShardLoader, data_record, data_tokenizer, padded_vocab
+from data import DataError, ShardLoader, data_tokenizer, padded_vocab
+from shards import data_record
 from mixture import Source, is_mixture, label, parse_data, record_dir
 from model import IGNORE_INDEX
 from progress import Progress

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from data import ShardLoader, data_record  # noqa: E402
+from data import ShardLoader  # noqa: E402
+from shards import data_record  # noqa: E402
 from train_eval import VAL_SEED, eval_batches  # noqa: E402
 
 

@@ -156,8 +156,6 @@ def gpt2_model(seed: int = 0, **overrides) -> GPT:
 def inject_nan(monkeypatch):
     """poison(n): the n-th call of loop.train_step (0-based: step n of a fresh run) gets a NaN loss, once;
     a rollback that redoes that step meets a finite one."""
-    import train
-
     original = loop.train_step
 
     def poison(n):

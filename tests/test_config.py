@@ -380,7 +380,7 @@ def test_a_zero_seq_len_with_the_size_dial_is_a_usage_error():
 
 def test_the_shards_vocabulary_is_settled_with_the_flags_for_the_dial_and_the_config_file(tmp_path):
     import mixture
-    from data import DATA_RECORD
+    from shards import DATA_RECORD
     qwen = tmp_path / "qwen"
     qwen.mkdir()
     (qwen / DATA_RECORD).write_text(json.dumps({"tokenizer": "tokenizer.json", "n_vocab": 151_669}))

@@ -14,7 +14,7 @@ import model
 import prepare
 from conftest import TINY_FLAGS, WORD_TEXT, write_doc_shards
 from data import DataError, ShardLoader
-from shards import read_shard, write_shard
+from shards import CORPUS_MARKER, DATA_RECORD, read_shard, write_data_record, write_shard
 from test_prepare import DOCS
 
 EOT = 50256
@@ -105,14 +105,14 @@ def test_check_vocab_without_a_record(gpt2, tmp_path):
     assert data.check_vocab(151_936, str(wide)) is None
     assert data.check_vocab(151_936, str(tmp_path)) is None  # no shards: the loader says so
     # A default corpus cache from before data.json: its complete.json names the tokenizer only.
-    (corpus / data.CORPUS_MARKER).write_text(json.dumps({"tokens": 100, "tokenizer": "gpt2"}))
+    (corpus / CORPUS_MARKER).write_text(json.dumps({"tokens": 100, "tokenizer": "gpt2"}))
     assert "gpt2 tokenizer (50,257 ids" in data.check_vocab(151_936, str(corpus))
-    (broken / data.DATA_RECORD).write_text("{not json")
-    assert data.check_vocab(50257, str(broken)).startswith(f"{broken / data.DATA_RECORD}: cannot read")
+    (broken / DATA_RECORD).write_text("{not json")
+    assert data.check_vocab(50257, str(broken)).startswith(f"{broken / DATA_RECORD}: cannot read")
 
 
 def test_vocab_from_data_when_vocab_size_is_not_given(tmp_path):
-    (tmp_path / data.DATA_RECORD).write_text(json.dumps({"tokenizer": "words.json", "n_vocab": 70_001}))
+    (tmp_path / DATA_RECORD).write_text(json.dumps({"tokenizer": "words.json", "n_vocab": 70_001}))
     assert data.vocab_from_data(data.DEFAULT_VOCAB, str(tmp_path)) == 70_001  # the model pads it to 70,016
     assert data.vocab_from_data(256, str(tmp_path)) == 256  # given: check_vocab refuses it
     assert data.vocab_from_data(data.DEFAULT_VOCAB, str(tmp_path / "llmc")) == data.DEFAULT_VOCAB  # no record
@@ -550,7 +550,7 @@ def _watched(tmp_path, record_digests=True):
     digests = {name: write_shard(tmp_path / name, tokens[i * 1000:(i + 1) * 1000], 256)
                for i, name in enumerate(["train_000000.bin", "train_000001.bin", "val_000000.bin"])}
     if record_digests:
-        data.write_data_record(str(tmp_path), {"tokenizer": "t.json", "n_vocab": 256, "eot": 0, "sha256": digests})
+        write_data_record(str(tmp_path), {"tokenizer": "t.json", "n_vocab": 256, "eot": 0, "sha256": digests})
     return tokens
 
 

@@ -374,7 +374,7 @@ def test_an_error_on_another_rank_is_its_line_and_rank_0_quotes_it(tmp_path):
     """A shard that rank 1 reads in its first batch and rank 0 does not, damaged after prepare.py recorded its
     sha256: rank 1 stops with its line, prefixed with its rank; rank 0, which meets rank 1's absence in its
     next collective, quotes that line instead of advising a relaunch that would fail the same way."""
-    from data import write_data_record
+    from shards import write_data_record
     from shards import file_sha256
 
     data = tmp_path / "data"

@@ -9,7 +9,8 @@ import score
 import train
 from cli import UsageError
 from conftest import TINY_FLAGS, spawn_on_gloo
-from data import DataError, ShardLoader, write_data_record
+from data import DataError, ShardLoader
+from shards import write_data_record
 from shards import write_shard
 from mixture import (MIX_BLOCK, MixtureLoader, Source, check_sources, open_loader, parse_data, record_dir,
                      row_sources, same_tokenizer)

@@ -22,6 +22,7 @@ import pytest
 import tokenizers
 
 import data
+import shards
 import prepare
 import sources
 import split
@@ -427,7 +428,7 @@ def test_prepare_with_default_args_draws_the_val_documents_of_a_small_corpus(gpt
     assert line.startswith("data: 220 documents") and line.endswith(
         f"val: 16,385 tokens in {stats['val_documents']} documents chosen by a hash of their position (the least: "
         f"one eval batch of 16 x 1,024, plus 1; {16_385 / len(expected):.1%} of the corpus, --val-tokens auto)")
-    record = json.loads((tmp_path / "out" / data.DATA_RECORD).read_text())
+    record = json.loads((tmp_path / "out" / shards.DATA_RECORD).read_text())
     assert {k: record[k] for k in ("tokenizer", "n_vocab", "eot", "documents", "tokens", "val_tokens",
                                    "train_tokens", "val_from", "val_draws")} == {
         "tokenizer": "gpt2", "n_vocab": 50257, "eot": EOT, "documents": 220, "tokens": len(expected),
@@ -651,12 +652,12 @@ def test_default_corpus_is_built_once_and_rebuilt_when_incomplete(gpt2, tmp_path
     with monkeypatch.context() as m:
         m.setattr(prepare, "_build", no_rebuild)
         assert prepare.default_corpus(tmp_path) == path
-    os.remove(os.path.join(path, data.CORPUS_MARKER))  # as if a build had stopped half way
+    os.remove(os.path.join(path, shards.CORPUS_MARKER))  # as if a build had stopped half way
     open(os.path.join(path, "train_000000.bin"), "wb").close()
     assert prepare.default_corpus(tmp_path) == path
     assert _all_tokens(tmp_path / os.path.basename(path)) == split_by_hand(_expected(gpt2[0], texts), 200)
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(path)]  # no temporary directory left
-    assert data.data_record(path)["n_vocab"] == 50257 and data.check_vocab(151_936, path) is not None
+    assert shards.data_record(path)["n_vocab"] == 50257 and data.check_vocab(151_936, path) is not None
 
 
 @pytest.fixture(scope="module")
@@ -667,7 +668,7 @@ def stdlib_corpus(gpt2, tmp_path_factory):
 
 def test_default_corpus_real_build(stdlib_corpus):
     path = stdlib_corpus
-    meta = json.load(open(os.path.join(path, data.CORPUS_MARKER)))
+    meta = json.load(open(os.path.join(path, shards.CORPUS_MARKER)))
     assert meta["tokens"] > 2_000_000 and meta["train_shards"] >= 3 and meta["val_tokens"] == 131_072
     loader = ShardLoader(path, "train", batch_size=2, seq_len=64, prefetch=0)
     x, y = next(loader)
@@ -767,7 +768,7 @@ def test_prepare_cli_tokenizer_mistakes_are_one_line(tmp_path, capsys):
         assert err.startswith("error: ") and err.count("\n") == 1 and words in err
         assert not (tmp_path / "out").exists()
     assert prepare.main([*args, no_separator, "--doc-separator", "[SEP]"]) == 0
-    assert data.data_record(str(tmp_path / "out"))["doc_separator"] == "[SEP]"
+    assert shards.data_record(str(tmp_path / "out"))["doc_separator"] == "[SEP]"
     assert _all_tokens(tmp_path / "out")[0] == 100  # its id
 
 
@@ -796,8 +797,8 @@ def test_train_tokenizer_prepares_shards_with_its_own_ids(tmp_path):
     before = (out / "tokenizer.json").read_bytes()
     args = ["--input", str(tmp_path / "docs.jsonl"), "--out", str(out), "--val-tokens", "20"]
     assert prepare.main([*args, "--train-tokenizer", "300", "--overwrite"]) == 0
-    assert (out / "tokenizer.json").read_bytes() == before and data.data_record(str(out)) == {
-        **record, "seconds": data.data_record(str(out))["seconds"]}
+    assert (out / "tokenizer.json").read_bytes() == before and shards.data_record(str(out)) == {
+        **record, "seconds": shards.data_record(str(out))["seconds"]}
 
 
 def test_train_tokenizer_holds_the_val_splits_documents_out(tmp_path, monkeypatch):
@@ -976,7 +977,7 @@ def test_a_preparation_that_another_finishes_first_says_what_works(gpt2, tmp_pat
     monkeypatch.setattr(prepare, "_move_into_place", the_other_finishes_first("7"))
     record = prepare.prepare(str(tmp_path / "a.txt"), str(out), val_tokens=7)
     assert "another preparation finished --out" in capsys.readouterr().err and record["val_tokens"] == 7
-    assert sorted(os.listdir(tmp_path)) == ["a.txt", "out"] and data.data_record(str(out))["val_tokens"] == 7
+    assert sorted(os.listdir(tmp_path)) == ["a.txt", "out"] and shards.data_record(str(out))["val_tokens"] == 7
 
     shutil.rmtree(out)
     monkeypatch.setattr(prepare, "_move_into_place", the_other_finishes_first("9"))
@@ -985,6 +986,6 @@ def test_a_preparation_that_another_finishes_first_says_what_works(gpt2, tmp_pat
         prepare.prepare(str(tmp_path / "a.txt"), str(out), val_tokens=7)
     advice = re.search(r"`(mv \S+) NEW_DIR`", str(e.value)).group(1)
     subprocess.run(f"{advice} {tmp_path / 'mine'}", shell=True, check=True)  # the advice, as given
-    assert data.data_record(str(tmp_path / "mine"))["val_tokens"] == 7 and data.check_split(str(tmp_path / "mine"),
+    assert shards.data_record(str(tmp_path / "mine"))["val_tokens"] == 7 and data.check_split(str(tmp_path / "mine"),
                                                                                             "train", 8)
-    assert data.data_record(str(out))["val_tokens"] == 9  # theirs, untouched
+    assert shards.data_record(str(out))["val_tokens"] == 9  # theirs, untouched

@@ -14,6 +14,7 @@ import torch
 import checkpoint
 import config
 import data
+import shards
 import records
 import report
 import split
@@ -89,7 +90,7 @@ def test_every_mutation_of_data_json_is_read_or_refused_in_one_line(prepared):
         (root / "data.json").write_text(json.dumps(mutated))
 
         def use():
-            found = data.data_record(str(root))
+            found = shards.data_record(str(root))
             split.describe(found)
             data.vocab_from_data(data.DEFAULT_VOCAB, str(root))
             loader = data.ShardLoader(str(root), batch_size=2, seq_len=16, prefetch=0)
