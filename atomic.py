@@ -23,9 +23,9 @@ def write_synced(path: str, write):
     return result
 
 
-def replace_with(path: str, write):
+def replace_with(path: str, write, what: str = "file", after: str = ""):
     """write(f) into a new file beside path, synced, which then replaces path -> what write returned. On any
-    failure the new file is removed; an OSError becomes cli.WriteError."""
+    failure the new file is removed; an OSError becomes cli.WriteError (write_error's `what` and `after`)."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         result = write_synced(tmp, write)
@@ -35,7 +35,7 @@ def replace_with(path: str, write):
         if os.path.exists(tmp):
             os.remove(tmp)
         if isinstance(e, OSError):  # a full disk, say: one line naming the file and the space left
-            raise write_error("file", path, e) from None
+            raise write_error(what, path, e, after) from None
         raise
 
 

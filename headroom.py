@@ -12,8 +12,8 @@ run's peak resident set meets within 0.88x to 1.14x) exceeds the room is refused
 micro-batch that fits; the room is the least of the RAM the kernel reports available (MemAvailable), the
 process's address-space and data limits, and its cgroup's memory.max, shared by the ranks on the host. On CUDA
 the same estimate is only a warning: it is eager's upper bound (torch.compile saves less), a CUDA out-of-memory
-error is caught and the step retried smaller (loop.shrink_micro_batch), and --batch-size auto probes the GPU
-itself.
+error in a single process is caught and the step retried smaller (loop.shrink_micro_batch), and --batch-size
+auto probes the GPU itself. The ranks of a run agree on the least room (host_room), so they decide alike.
 """
 
 import os
@@ -23,12 +23,14 @@ from typing import NamedTuple
 import torch
 
 import batch
+import distributed
 import fp8
 import memory
 from cli import UsageError, plural
 from model import ModelConfig
 
 GIB = 2**30
+CGROUP_ROOT, PROC_CGROUP = "/sys/fs/cgroup", "/proc/self/cgroup"  # where Linux shows a process's cgroup limits
 
 
 class Room(NamedTuple):
@@ -68,20 +70,38 @@ def _status_bytes(field: str) -> int | None:
     return None
 
 
-def _cgroup_room() -> int | None:
-    """memory.max less memory.current of this process's cgroup (v2), or the v1 equivalents; None without a limit."""
+def _inactive_file(stat_path: str, key: str) -> int:
+    """Page cache the kernel reclaims before it kills (memory.stat's inactive_file): counted in a cgroup's
+    usage, but no obstacle to a run."""
     try:
-        with open("/proc/self/cgroup") as f:
-            paths = [line.rstrip("\n").split(":", 2)[2] for line in f if line.startswith("0::")]
+        with open(stat_path) as f:
+            return next((int(line.split()[1]) for line in f if line.split()[0] == key), 0)
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _cgroup_room() -> int | None:
+    """The least of memory.max less the working set (memory.current less inactive page cache) over this
+    process's cgroup (v2) and its parents, where the limit may sit (a Slurm job's, a systemd slice's), or the v1
+    equivalents; None without a limit."""
+    try:
+        with open(PROC_CGROUP) as f:
+            path = next((line.rstrip("\n").split(":", 2)[2] for line in f if line.startswith("0::")), None)
     except (OSError, IndexError):
-        paths = []
-    for limit_file, used_file in [(f"/sys/fs/cgroup{p}/memory.max", f"/sys/fs/cgroup{p}/memory.current")
-                                  for p in paths] + [("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                                      "/sys/fs/cgroup/memory/memory.usage_in_bytes")]:
+        path = None
+    levels = []
+    while path is not None:
+        base = f"{CGROUP_ROOT}{path.rstrip('/')}"
+        levels.append((f"{base}/memory.max", f"{base}/memory.current", f"{base}/memory.stat", "inactive_file"))
+        path = None if path in ("", "/") else os.path.dirname(path.rstrip("/"))
+    v1 = f"{CGROUP_ROOT}/memory/memory"
+    levels.append((f"{v1}.limit_in_bytes", f"{v1}.usage_in_bytes", f"{v1}.stat", "total_inactive_file"))
+    rooms = []
+    for limit_file, used_file, stat_file, key in levels:
         limit, used = _read_int(limit_file), _read_int(used_file)
         if limit is not None and used is not None and limit < 2**60:  # v1 writes "no limit" as a huge number
-            return max(limit - used, 0)
-    return None
+            rooms.append(max(limit - used + _inactive_file(stat_file, key), 0))
+    return min(rooms, default=None)
 
 
 def cpu_room() -> list[Room]:
@@ -100,17 +120,15 @@ def cpu_room() -> list[Room]:
 
 
 def free_room(device: torch.device, local_ranks: int = 1) -> Room | None:
-    """What this process may still allocate on device: the least of cpu_room's limits, shared by the
-    `local_ranks` processes of the run on this host; on CUDA the GPU's free memory. None where unknown."""
+    """What this process may still allocate on device: the least of cpu_room's limits, the host-wide ones
+    (MemAvailable, the cgroup's) shared by the `local_ranks` processes of the run on this host, the
+    per-process ones (ulimit) not; on CUDA the GPU's free memory. None where unknown."""
     if device.type == "cuda":
         return Room(torch.cuda.mem_get_info(device)[0], "free on the GPU")
-    rooms = cpu_room()
-    if not rooms:
-        return None
-    least = min(rooms, key=lambda r: r.bytes)
-    if local_ranks > 1:
-        return Room(least.bytes // local_ranks, f"{least.why}, a share of {local_ranks} ranks on this host")
-    return least
+    rooms = [room if "ulimit" in room.why or local_ranks == 1 else
+             Room(room.bytes // local_ranks, f"{room.why}, a share of {local_ranks} ranks on this host")
+             for room in cpu_room()]
+    return min(rooms, key=lambda r: r.bytes, default=None)
 
 
 def step_bytes(model_cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: str, act_ckpt: str,
@@ -158,9 +176,18 @@ def first_step_bytes(cfg, model, device: torch.device, autocast_dtype: torch.dty
 
 
 def host_room(device: torch.device, info) -> Room | None:
-    """free_room for this rank: the ranks of a run on one host share its RAM."""
+    """free_room for this rank (the ranks of a run on one host share its RAM), agreed across ranks: the least
+    of theirs, so that every rank takes the same micro-batch and refuses alike. Every rank must call it."""
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if info.mode != "none" else 1
-    return free_room(device, ranks)
+    room = free_room(device, ranks)
+    if info.mode == "none":
+        return room
+    unknown = 2**62
+    mine = torch.tensor(room.bytes if room is not None else unknown, device=device)
+    least = int(distributed.min_across_ranks(mine, info).item())
+    if least >= unknown:
+        return None
+    return room if room is not None and room.bytes == least else Room(least, "the least room of the run's ranks")
 
 
 def auto_micro_batch(cfg, model, device: torch.device, autocast_dtype: torch.dtype | None, info) -> int:
@@ -172,9 +199,11 @@ def auto_micro_batch(cfg, model, device: torch.device, autocast_dtype: torch.dty
     extra = first_step_bytes(cfg, model, device, autocast_dtype, info)
     fitting = per_rank if room is None else min(per_rank, largest_fitting(room.bytes, lambda b: extra(b, seq_len)))
     micro = memory.micro_batch_for(per_rank, fitting, multiple)
+    if micro == 0 and (room is None or fitting):
+        raise UsageError(f"--batch-size auto: no micro-batch of up to {plural(fitting, 'sequence')} that is a "
+                         f"multiple of {multiple} divides the step's {per_rank:,} sequences: change --total-batch-tokens")
     if micro == 0:
-        raise UsageError("--batch-size auto: " + fit_problem(extra(multiple, seq_len), room, multiple, seq_len,
-                                                              fitting, 0, True))
+        raise UsageError("--batch-size auto: " + fit_problem(extra(1, seq_len), room, 1, seq_len, 0, 0, True))
     return micro
 
 
@@ -191,5 +220,6 @@ def check_first_step(cfg, layout, extra, room: Room | None, multiple: int, devic
     problem = fit_problem(needed, room, layout.micro_batch, layout.seq_len, fitting, suggestion, derived)
     if device.type != "cuda":
         raise UsageError(problem)
-    return (f"warning: {problem} (eager's estimate: a compiled step saves less, and an out-of-memory step is "
-            "retried at half the micro-batch)")
+    retry = ("an out-of-memory step is retried at half the micro-batch" if layout.world_size == 1 else
+             "with several ranks an out-of-memory step is not retried")
+    return f"warning: {problem} (eager's estimate: a compiled step saves less; {retry})"

@@ -151,10 +151,12 @@ def step_time(model: torch.nn.Module, layout, device: torch.device, dtype: torch
                     f"a {batch} x {seq}-token micro-batch timed, eager, and scaled by FLOPs x{scale:.3g}")
 
 
-def copy_rate(device: torch.device) -> float:
-    """Bytes/s moved by copying a COPY_BYTES tensor (read and write), repeated for RATE_WINDOW_S after one
-    warm-up: what an elementwise optimizer update, bound by memory, runs at."""
-    a = torch.empty(COPY_BYTES // 4, device=device).fill_(1.0)
+def copy_rate(device: torch.device, moved: int = 2 * COPY_BYTES) -> float:
+    """Bytes/s moved by copying a tensor (read and write), repeated for RATE_WINDOW_S after one warm-up: what
+    an elementwise optimizer update, bound by memory, runs at. moved: the bytes that update moves, which the
+    copy matches (a small model's state sits in cache, as its copy does), at most COPY_BYTES read."""
+    size = max(1 << 20, min(COPY_BYTES, moved // 2))
+    a = torch.empty(size // 4, device=device).fill_(1.0)
     b = torch.empty_like(a)
     b.copy_(a)
     hardware.synchronize(device)
@@ -163,7 +165,7 @@ def copy_rate(device: torch.device) -> float:
         b.copy_(a)
         reps += 1
     hardware.synchronize(device)
-    return 2 * COPY_BYTES * reps / (time.perf_counter() - start)
+    return 2 * (size // 4 * 4) * reps / (time.perf_counter() - start)
 
 
 def optimizer_seconds(work, ns_rate: float | None, byte_rate: float) -> float:
@@ -240,12 +242,13 @@ def describe(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int,
 
 
 def warnings(step: StepTime, grad_accum: int, tokens: int, tokens_per_step: int, length_flag: str,
-             cpu_flops: float | None = None) -> list[str]:
-    """A warning for a run planned to take over LONG_RUN_S, naming length_flag (what sets the run's length)
+             cpu_flops: float | None = None, extras: RunExtras = RunExtras()) -> list[str]:
+    """A warning for a run planned (its evals and checkpoints, extras, included) to take over LONG_RUN_S,
+    naming length_flag (what sets the run's length)
     and, on a CPU (cpu_flops: the run's training FLOPs), what one H100 would take; and one for a step over
     SLOW_STEP_S, naming what sets a step's size. Pure."""
     found = []
-    total, each = run_seconds(step, grad_accum, tokens, tokens_per_step), step_seconds(step, grad_accum)
+    total, each = run_seconds(step, grad_accum, tokens, tokens_per_step, extras), step_seconds(step, grad_accum)
     if total > LONG_RUN_S:
         gpu = ("; this run wants a GPU: one H100 would take about "
                f"{_seconds(cpu_flops / (H100_MEASURED_MFU * H100_PEAK_FLOPS))} (its FLOPs at the "

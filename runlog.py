@@ -10,8 +10,8 @@ record is damage a person should look at: it is refused, naming the file and lin
 import json
 import os
 import sys
-from contextlib import suppress
 
+from atomic import replace_with
 from cli import UsageError, write_error
 from records import row_problem
 
@@ -68,12 +68,14 @@ class MetricsLog:
         self.enabled, self.wandb_run = enabled, wandb_run
         self.tensorboard_dir = os.path.join(out_dir, TENSORBOARD_DIR) if enabled and tensorboard else None
         self.tensorboard = self.purge_step = None  # the writer, opened at the first point (_scalars)
-        self.last_kept = self.truncate(start_step, restored)
+        self.pending = None  # start-up's truncation, written by begin(): a run refused before it starts leaves
+        self.last_kept = self.truncate(start_step, restored, deferred=True)  # the earlier run's log as it was
 
-    def truncate(self, done: int, restored: dict | None = None) -> dict | None:
+    def truncate(self, done: int, restored: dict | None = None, deferred: bool = False) -> dict | None:
         """Keep only the records of steps up to `done` -> the last of them. `restored`: the record of step
         `done` that its checkpoint holds, written in when the log lacks it: the checkpoint precedes its step's
-        eval and log line (loop.run_loop), so a kill between them leaves the log one record short."""
+        eval and log line (loop.run_loop), so a kill between them leaves the log one record short. deferred:
+        written by begin(), when the run starts."""
         if not self.enabled:  # only rank 0 writes
             return None
         self._purge_tensorboard_after(done)
@@ -89,16 +91,28 @@ class MetricsLog:
             # A record without time_s counts its steps from 0 (tested): its step N is step N+1 here.
             records = [r for r in records if r["step"] + ("time_s" not in r) <= done]
             kept, last = [json.dumps(r) + "\n" for r in records], (records[-1] if records else None)
-        if restored is not None and restored["step"] == done and (last is None or last["step"] < done):
+        restored = restored if restored is not None and restored["step"] == done and (
+            last is None or last["step"] < done) else None
+        if restored is not None:
             kept.append(json.dumps(restored) + "\n")
             last = restored
-            self._scalars(restored)
-        self._replace(kept)
+        self.pending = (kept, restored)
+        if not deferred:
+            self.begin()
         return last
+
+    def begin(self) -> None:
+        """Write the truncated log (and a restored record's TensorBoard points), once, as the run starts."""
+        if self.pending is not None:
+            (kept, restored), self.pending = self.pending, None
+            self._replace(kept)
+            if restored is not None:
+                self._scalars(restored)
 
     def amend(self, done: int, fields: dict) -> None:
         """Add to the record of step `done`, the log's last, the `fields` it lacks: the eval a resume measures
         again, whose step's record its checkpoint restored without it (truncate)."""
+        self.begin()
         if not self.enabled or not os.path.exists(self.path):
             return
         with open(self.path) as f:
@@ -109,23 +123,15 @@ class MetricsLog:
             self._scalars({"step": done, **fields})
 
     def _replace(self, lines: list[str]) -> None:
-        """The log becomes `lines`: written to a new file that then replaces the old one, so a crash at any
-        moment leaves one or the other whole."""
-        tmp = f"{self.path}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                f.writelines(lines)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except OSError as e:
-            with suppress(FileNotFoundError):
-                os.remove(tmp)
-            raise write_error("the run's log", self.path, e, f"; {self.path} is as it was") from None
+        """The log becomes `lines`, atomically (atomic.replace_with): a crash at any moment leaves one or the
+        other whole."""
+        replace_with(self.path, lambda f: f.writelines(line.encode() for line in lines), "the run's log",
+                     f"; {self.path} is as it was")
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
+        self.begin()
         line = (json.dumps(record) + "\n").encode()
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -55,13 +55,14 @@ def plan_run(run: Run, planned_tokens: int) -> None:
     step = plan.step_time(run.model, layout, device, run.autocast_dtype, run.fp8_recipe, info.mode == "fsdp",
                           steps * layout.grad_accum, fits)
     step = step._replace(optimizer_s=optimizer_seconds(run))
-    print_table([("time", plan.describe(step, layout.grad_accum, to_train, layout.tokens_per_step,
-                                        run_extras(run, step)))], KEY_WIDTH)
+    extras = run_extras(run, step)
+    print_table([("time", plan.describe(step, layout.grad_accum, to_train, layout.tokens_per_step, extras))],
+                KEY_WIDTH)
     length_flag = "--max-tokens" if cfg.schedule.max_tokens else "--max-steps"
     warnings = [cpu_bf16_warning(cfg.speed.dtype, device.type, cpu_flags()),
                 *plan_warnings(cfg, layout, run.max_steps, run.loader.epoch_plan(planned_tokens)),
                 *plan.warnings(step, layout.grad_accum, to_train, layout.tokens_per_step, length_flag,
-                               run.telemetry.flops_per_token * to_train if device.type == "cpu" else None)]
+                               run.telemetry.flops_per_token * to_train if device.type == "cpu" else None, extras)]
     for line in filter(None, warnings):
         message(line)
 
@@ -74,7 +75,7 @@ def optimizer_seconds(run: Run) -> float:
     work = optim.step_work(run.optimizer, state, info.world_size, info.mode == "fsdp")
     ns_rate = (plan.matmul_rate(run.device, work.ns_dtype, m.n_embd, m.resolved_ffn_dim, m.n_embd)
                if work.ns_flops else None)
-    return plan.optimizer_seconds(work, ns_rate, plan.copy_rate(run.device))
+    return plan.optimizer_seconds(work, ns_rate, plan.copy_rate(run.device, work.elementwise_bytes))
 
 
 def run_extras(run: Run, step: plan.StepTime) -> plan.RunExtras:
@@ -83,8 +84,8 @@ def run_extras(run: Run, step: plan.StepTime) -> plan.RunExtras:
     cfg, layout = run.cfg, run.layout
     start, end, every_eval = run.start_step, run.max_steps, cfg.eval.eval_interval
     evals = plan.steps_due(start, end, every_eval) if every_eval else 0
-    checkpoint_bytes = (memory.state_bytes(run.model.state_dict())
-                        + memory.optimizer_state_bytes_estimate(run.model_cfg, cfg.optim.name))
+    checkpoint_bytes = (memory.state_bytes(run.model.state_dict())  # state, not Muon's working buffers
+                        + memory.optimizer_state_bytes_estimate(run.model_cfg, cfg.optim.name, one_process=False))
     return plan.run_extras(step, layout.micro_batch * layout.seq_len, evals,
                            run.evaluator.tokens_each // run.info.world_size,
                            plan.steps_due(start, end, cfg.ckpt.ckpt_interval, every_eval), checkpoint_bytes,

@@ -384,7 +384,9 @@ class Telemetry:
 
     @contextmanager
     def loop(self):
-        """The step loop's progress bar and profiler, open while it runs; its clock (time_s) starts here."""
+        """The step loop's progress bar and profiler, open while it runs; its clock (time_s) starts here, and the
+        log (truncated to the resumed step, or emptied for a fresh run) is written now that the run starts."""
+        self.metrics.begin()
         self.loop_start = time.perf_counter()
         self.progress = Progress(self.max_steps, "train", unit="step", initial=self.start_step, enabled=self.is_main,
                                  every=self.cfg.log.log_interval)

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 import batch
+import checkpoint
 import config
 import headroom
 import train
 from cli import UsageError
-from conftest import REPO, TINY_FLAGS, write_tiny_shards
+from conftest import REPO, TINY_FLAGS, spawn_on_gloo, write_tiny_shards
 
 GIB = 2**30
 CPU = torch.device("cpu")
@@ -122,3 +123,54 @@ def test_a_preset_under_a_memory_limit_prints_its_table_and_one_line_not_a_kill(
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(r"error: the first step needs ~[\d.]+ GiB more \(micro-batch 16 x", lines[0])
     assert "left under its address-space limit, ulimit -v" in lines[0] and "Traceback" not in result.stderr
+
+
+def test_the_cgroup_room_is_the_least_over_the_parents_less_reclaimable_cache(tmp_path, monkeypatch):
+    root = tmp_path / "cgroup"
+    (proc := tmp_path / "cgroup.txt").write_text("0::/job_7/task_0\n")
+    for level, limit, current, cache in [("job_7", 8 * GIB, 7 * GIB, 3 * GIB), ("job_7/task_0", "max", 7 * GIB, 0)]:
+        (root / level).mkdir(parents=True)
+        (root / level / "memory.max").write_text(f"{limit}\n")
+        (root / level / "memory.current").write_text(f"{current}\n")
+        (root / level / "memory.stat").write_text(f"anon 1\ninactive_file {cache}\nactive_file 5\n")
+    monkeypatch.setattr(headroom, "CGROUP_ROOT", str(root))
+    monkeypatch.setattr(headroom, "PROC_CGROUP", str(proc))
+    assert headroom._cgroup_room() == 4 * GIB  # the job's limit, on its parent; its page cache is no obstacle
+    (proc).write_text("0::/\n")
+    assert headroom._cgroup_room() is None  # the root has no memory.max
+
+
+def test_ulimits_are_each_process_own_and_the_ranks_agree_on_the_least_room(tmp_path, monkeypatch):
+    monkeypatch.setattr(headroom, "cpu_room", lambda: [headroom.Room(8 * GIB, "the RAM the kernel reports "
+                                                                                 "available, MemAvailable"),
+                                                       headroom.Room(5 * GIB, "left under its address-space limit, "
+                                                                              "ulimit -v")])
+    assert headroom.free_room(CPU, local_ranks=2).bytes == 4 * GIB  # MemAvailable is shared: 4 each
+    assert headroom.free_room(CPU).bytes == 5 * GIB
+    spawn_on_gloo(_agree_on_room, 2, tmp_path)
+
+
+def _agree_on_room(rank, world_size):
+    import distributed
+
+    headroom.free_room = lambda device, ranks: headroom.Room((rank + 1) * GIB, f"rank {rank}'s")
+    room = headroom.host_room(CPU, distributed.DistInfo(mode="ddp", rank=rank, world_size=world_size))
+    assert room == headroom.Room(GIB, "rank 0's" if rank == 0 else "the least room of the run's ranks")
+
+
+def test_a_run_refused_at_start_up_leaves_the_earlier_runs_log_as_it_was(tiny_data, tmp_path, monkeypatch, capsys):
+    flags = ["--data", tiny_data, *TINY_FLAGS, "--eval-interval", "0", "--out-dir", str(tmp_path), "--max-steps", "4",
+             "--ckpt-interval", "2", "--keep-ckpts", "2"]
+    train.main(flags)
+    checkpoint.remove(checkpoint.checkpoint_path(str(tmp_path), 4, sharded=False))  # a resume starts at step 2
+    before = (tmp_path / "metrics.jsonl").read_text()
+
+    def refuse(*args):
+        raise UsageError("the first step needs ~9 GiB more (refused for this test)")
+
+    monkeypatch.setattr(headroom, "check_first_step", refuse)
+    for again in (["--overwrite"], ["--max-steps", "6", "--resume"]):
+        with pytest.raises(SystemExit) as e:
+            train.main([*flags, *again])
+        assert e.value.code == 2 and "refused for this test" in capsys.readouterr().err
+        assert (tmp_path / "metrics.jsonl").read_text() == before  # neither emptied nor cut back to step 2

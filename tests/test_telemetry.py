@@ -124,6 +124,7 @@ def test_metrics_from_before_one_based_steps_are_cut_at_the_same_step(tmp_path):
     old = [{"step": s, "train_loss": 1.0} for s in range(4)]  # 0-based, no time_s: steps 1..4 in today's terms
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in old))
     log = runlog.MetricsLog(str(tmp_path), start_step=2, wandb_run=None)
+    log.begin()  # the loop's start writes the truncated log
     assert [json.loads(line)["step"] for line in open(log.path)] == [0, 1]  # steps 1 and 2 are kept
 
 
@@ -138,11 +139,13 @@ def test_a_resume_restores_the_record_its_checkpoint_holds_when_the_log_lost_it(
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(2)))
     restored = {"step": 3, "train_loss": 3.0, "time_s": 0.3}
     log = runlog.MetricsLog(str(tmp_path), start_step=3, wandb_run=None, restored=restored)
+    log.begin()
     assert [json.loads(line) for line in open(log.path)] == [*records(2), restored] and log.last_kept == restored
 
     evaluated = [*records(2), {**restored, "val_loss": 2.5}, *records(5)[3:]]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evaluated))
     log = runlog.MetricsLog(str(tmp_path), start_step=3, wandb_run=None, restored=restored)
+    log.begin()
     assert [json.loads(line) for line in open(log.path)] == evaluated[:3]
 
 
@@ -352,6 +355,7 @@ def test_a_resume_drops_a_torn_last_line_with_a_note_and_refuses_damage_elsewher
     lines = [json.dumps({"step": s, "tokens": s, "time_s": 0.1 * s}) + "\n" for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("".join(lines) + '{"step": 4, "tok')  # killed mid-write
     log = runlog.MetricsLog(str(tmp_path), start_step=3, wandb_run=None)
+    log.begin()
     assert open(log.path).read() == "".join(lines) and log.last_kept["step"] == 3
     assert "metrics.jsonl:4: the last line was torn (a process stopped mid-write), skipped" in capsys.readouterr().err
     (tmp_path / "metrics.jsonl").write_text(lines[0] + "garbage\n" + lines[2])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import atomic
 import batch
 import checkpoint
 import config
@@ -219,17 +220,16 @@ def test_batch_warmup_counts_exact_tokens_and_resumes_bit_identically(tmp_path, 
 
 
 def test_metrics_survive_a_crash_while_rewritten_at_resume(tmp_path, monkeypatch):
-    import telemetry
-
     lines = [json.dumps({"step": s, "train_loss": 1.0}) + "\n" for s in range(1, 4)]
     (tmp_path / "metrics.jsonl").write_text("".join(lines))
 
     def killed(*_):
         raise KeyboardInterrupt  # the process dies between writing the kept lines and putting them in place
 
-    monkeypatch.setattr(telemetry.os, "replace", killed)
+    monkeypatch.setattr(atomic.os, "replace", killed)
+    log = runlog.MetricsLog(str(tmp_path), start_step=2, wandb_run=None)
     with pytest.raises(KeyboardInterrupt):
-        runlog.MetricsLog(str(tmp_path), start_step=2, wandb_run=None)
+        log.begin()  # the resumed run's loop starts: the log is rewritten
     assert (tmp_path / "metrics.jsonl").read_text() == "".join(lines)
 
 
