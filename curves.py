@@ -154,14 +154,17 @@ def draw_runs(runs: dict[str, list[dict]], panels=DEFAULT_PANELS, title: str | N
               target: tuple[float, str] | None = None, loss_ylim: tuple[float, float] | None = None,
               x: str = "tokens", smooth: float | None = None, log_y: bool = False):
     """The figure of plot_runs, not yet saved: -> a matplotlib Figure."""
-    unknown = [p for p in panels if p not in PANELS]
+    logged = {key for records in runs.values() for r in records for key, v in r.items()
+              if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    unknown = [p for p in panels if p not in PANELS and p not in logged]
     if unknown:
-        raise ValueError(f"unknown panel {unknown[0]!r}; choose from {', '.join(PANELS)}")
+        raise ValueError(f"unknown panel {unknown[0]!r}: neither one of {', '.join(PANELS)} nor a number the "
+                         "runs logged")
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 3.2 * len(panels)), sharex=True, squeeze=False)
     divisor = _x_axis(axes[-1, 0], runs, x)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, panel in zip(axes[:, 0], panels):
-        ylabel, keys = PANELS[panel]
+        ylabel, keys = PANELS.get(panel, (panel, (panel,)))  # any logged metric is a panel of its own
         drawn = []
         for i, (label, records) in enumerate(runs.items()):
             for key in keys:
@@ -194,7 +197,8 @@ def draw_runs(runs: dict[str, list[dict]], panels=DEFAULT_PANELS, title: str | N
 def plot_runs(runs: dict[str, list[dict]], out_png: str, panels=DEFAULT_PANELS, title: str | None = None,
               target: tuple[float, str] | None = None, loss_ylim: tuple[float, float] | None = None,
               x: str = "tokens", smooth: float | None = None, log_y: bool = False) -> None:
-    """Draw one panel per name in panels (see PANELS), every run overlaid, and save a PNG.
+    """Draw one panel per name in panels (PANELS, or any number the runs logged, by its metrics.jsonl name),
+    every run overlaid, and save a PNG.
 
     target, as (loss, label), draws a dashed horizontal line on the loss panels: a loss to reach.
     loss_ylim zooms the loss panels, whose first evals are far above the losses worth comparing; without it

@@ -77,9 +77,9 @@ class Run:
 
 
 def train_step(run: Run, interruptible=nullcontext):
-    """One optimizer step over grad_accum micro-batches (run.step_layout's during the batch warm-up) ->
-    (mean loss over ranks, grad norm, finite), tensors on the device: the host queues the step without
-    waiting for the GPU. A stop signal may cut the micro-steps short (StopSignals.interruptible), never the update.
+    """One optimizer step over grad_accum micro-batches (run.step_layout's during the batch warm-up) -> its
+    metrics by name, scalars on the device (train_loss: the mean over ranks, grad_norm, finite): the host
+    queues the step without waiting for the GPU, and read_back fetches them all in one transfer. A stop signal may cut the micro-steps short (StopSignals.interruptible), never the update.
 
     A non-finite loss or gradient norm skips the update: parameters and optimizer state stay exactly as
     they were, decided on the device where the optimizer can (optim.step_if_finite). The fp16 GradScaler's
@@ -109,7 +109,7 @@ def train_step(run: Run, interruptible=nullcontext):
         step_if_finite(run.optimizer, finite)
         run.scaler.update()  # from the overflow check unscale_ made
         run.optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm, finite
+    return {"train_loss": loss, "grad_norm": grad_norm, "finite": finite}  # a device-side metric: one more entry
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -135,7 +135,7 @@ def run_loop(run: Run) -> str | None:
                 loader_state, signals.steps_done = run.loader.state_dict(), step
                 try:
                     with run.telemetry.timing_step():
-                        loss, grad_norm, finite = train_step(run, signals.interruptible)
+                        metrics = train_step(run, signals.interruptible)
                 except StepInterrupted:
                     rewind_step(run, loader_state)
                     return keep_last_step(run, step, taken, signals)
@@ -146,7 +146,7 @@ def run_loop(run: Run) -> str | None:
                     oom_retried = True
                     shrink_micro_batch(run, loader_state, smaller)
                     continue
-                taken.append(Taken(step, loss, grad_norm, finite, run.step_layout, run.telemetry.end_step(),
+                taken.append(Taken(step, metrics, run.step_layout, run.telemetry.end_step(),
                                    run.loader.record_fields()))
                 step += 1
                 if not read_due(run, step, signals):
@@ -216,26 +216,26 @@ class Taken:
     """A step taken whose results are still on the device, with what the host noted as it ended."""
 
     index: int  # 0-based: done once index + 1 steps are
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
-    finite: torch.Tensor
+    metrics: dict  # train_step's: {name: a scalar on the device}
     layout: batch.BatchLayout
     ended: StepEnd
     data: dict  # what the loader said of the data as the step ended (its record_fields)
 
 
 def read_back(window: list[Taken], guard: Guard, telemetry: Telemetry, world_size: int):
-    """The window's losses, grad norms and finite flags, fetched in one transfer, then each step counted in
-    order: the guard observes it, then its record is made -> (done, record) pairs, lazily, so that a rollback
-    ends the window at the step that calls for it. Non-finite steps were skipped on the device as they ran, so
-    the guard's verdict may come later without anything to undo."""
+    """The window's step metrics (train_step's, by name: the loss, grad norm and finite flag, and any other),
+    fetched in one transfer, then each step counted in order: the guard observes it, then its record is made
+    -> (done, record) pairs, lazily, so that a rollback ends the window at the step that calls for it.
+    Non-finite steps were skipped on the device as they ran, so the guard's verdict may come later without
+    anything to undo."""
     if not window:
         return
-    values = torch.stack([v.float() for t in window for v in (t.loss, t.grad_norm, t.finite)]).view(-1, 3).tolist()
-    for t, (loss, grad_norm, finite) in zip(window, values):
-        health = guard.observe(loss, bool(finite))
-        record = telemetry.step_record(t.index, loss, grad_norm, bool(finite), t.ended.seconds(), t.layout,
-                                       world_size, health, t.ended)
+    names = list(window[0].metrics)
+    rows = torch.stack([t.metrics[name].float() for t in window for name in names]).view(-1, len(names)).tolist()
+    for t, row in zip(window, rows):
+        values = dict(zip(names, row))
+        health = guard.observe(values["train_loss"], bool(values["finite"]))
+        record = telemetry.step_record(t.index, values, t.ended.seconds(), t.layout, world_size, health, t.ended)
         record.update(t.data)
         yield t.index + 1, record
 

@@ -42,6 +42,7 @@ from schedule import current_lr
 
 DATA_WAIT_WARN = 0.05  # warn when waiting for batches takes more than this fraction of a step
 PHASES = ("data", "forward", "backward", "optimizer")  # a step's, timed by PhaseTimer
+STEP_METRICS = ("train_loss", "grad_norm", "finite")  # loop.train_step's own; any other it returns is added as is
 # Steps timed to separate torch.compile's one-off compilation (in the first step) from the steady step time.
 COMPILE_TIMING_STEPS = 6
 MICRO_LINE_S = 10.0  # a step running longer than this says which micro-step it is at, this often
@@ -252,6 +253,7 @@ class Telemetry:
         self.progress = self.profiler = None  # the step loop's, opened by loop()
         self.loop_start = None
         self.step_times, self.step_tokens, self.data_warned, self.last_loss = [], [], False, float("nan")
+        self.extra_names = []  # the step metrics beyond STEP_METRICS, for the progress line
         self.done, self.compile_s, self.last_eval = start_step, None, None
         self.eval_plan = None  # the start-up table's eval row: when val is taken, on which tokens
         self.steps_taken = start_step  # queued on the device, read back or not (done: read back)
@@ -295,10 +297,12 @@ class Telemetry:
             self.write(f"micro-step {done:,} of {of:,} of step {self.steps_taken + 1:,}, "
                        f"{duration(now - self.step_start)} into it")
 
-    def step_record(self, step: int, loss: float, grad_norm: float, finite: bool, seconds: float, layout,
-                    world_size: int, health, ended: StepEnd | None = None) -> dict:
+    def step_record(self, step: int, values: dict, seconds: float, layout, world_size: int, health,
+                    ended: StepEnd | None = None) -> dict:
         """The metrics.jsonl line of the step that has index `step` (0-based) and is counted as done=step+1;
         prints the warnings it calls for (skipped update, spike, slow data) and, once, the compilation time.
+        values: the step's metrics read back from the device (loop.train_step's: train_loss, grad_norm, finite,
+        and any other, written under its own name; a skipped step's train_loss and grad_norm are null).
         health: the run's resilience.LossHealth, with this step counted (Guard.observe); only read here.
         seconds: the step's time (ended.seconds()); ended: what end_step noted as the step ended, whose phases,
         time_s, peak memory and LR the line holds; None for a line made as its step ends, which takes them now.
@@ -311,6 +315,8 @@ class Telemetry:
         self.tokens += layout.tokens_per_step
         self.done = done = step + 1
         phases = PhaseTimer.read(ended.spans)
+        loss, grad_norm, finite = values["train_loss"], values["grad_norm"], bool(values["finite"])
+        self.extra_names = [name for name in values if name not in STEP_METRICS]
         tokens_per_sec = layout.tokens_per_step / seconds
         per_device = tokens_per_sec / world_size
         self.last_loss = loss
@@ -325,6 +331,7 @@ class Telemetry:
             "loss_ema": health.ema, "loss_var": health.var, "skipped": not finite, "bad_steps": health.bad_total,
             **{f"time_{phase}_ms": 1000 * s for phase, s in phases.items()},
             "peak_mem_gib": ended.peak_mem_gib,
+            **{name: values[name] for name in self.extra_names},
         }
         if not finite:
             self.write(f"warning: step {done}: loss {loss}, grad norm {grad_norm}: update skipped "
@@ -359,7 +366,8 @@ class Telemetry:
         if "val_loss" in record:
             self._remember_eval(record["step"], record)
         if self.progress is not None:
-            self.progress.set_postfix(f"loss {self.last_loss:.3f}, {record['tokens_per_sec']:,.0f} tok/s")
+            extra = "".join(f", {name} {record[name]:.4g}" for name in self.extra_names)
+            self.progress.set_postfix(f"loss {self.last_loss:.3f}{extra}, {record['tokens_per_sec']:,.0f} tok/s")
             self.progress.update()
 
     def _remember_eval(self, done: int, metrics: dict) -> None:

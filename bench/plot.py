@@ -13,7 +13,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
-from curves import X_KEYS, check_x, plot_runs, read_metrics  # noqa: E402
+from curves import DEFAULT_PANELS, PANELS, X_KEYS, check_x, plot_runs, read_metrics  # noqa: E402
 from runlog import MetricsError  # noqa: E402
 
 
@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "curve's points (none under 100); the raw curve stays, faint, behind it. Val loss and the "
                         "LR are drawn as they are")
     p.add_argument("--log-y", action="store_true", help="log-scale loss axis")
+    p.add_argument("--panels", nargs="+", default=list(DEFAULT_PANELS), metavar="NAME",
+                   help=f"one panel each: {', '.join(PANELS)}, or any number metrics.jsonl holds, by its name "
+                        f"(default: {' '.join(DEFAULT_PANELS)})")
     return p
 
 
@@ -75,7 +78,11 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     out = a.out or os.path.join(a.out_dirs[0], "curves.png")
-    plot_runs(runs, out, title=a.title, x=a.x, smooth=a.smooth, log_y=a.log_y)
+    try:
+        plot_runs(runs, out, panels=a.panels, title=a.title, x=a.x, smooth=a.smooth, log_y=a.log_y)
+    except ValueError as e:  # a panel neither drawn by name nor logged
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     print(f"wrote {out}")
 
 

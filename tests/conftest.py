@@ -177,6 +177,11 @@ def inject_nan(monkeypatch):
     return poison
 
 
+def step_values(loss: float, grad_norm: float = 1.0, finite: bool = True) -> dict:
+    """A step's metrics as the loop reads them back (loop.read_back), for telemetry.step_record."""
+    return {"train_loss": loss, "grad_norm": grad_norm, "finite": float(finite)}
+
+
 def split_by_hand(stream, val_tokens: int, eot: int = 50256) -> list:
     """split.py's rule, written out one document at a time (tests/test_split.py, tests/test_prepare.py): val
     takes documents in order of (draw, position), the last one cut at val_tokens; train is every other token

@@ -75,9 +75,15 @@ def test_read_metrics_rejects_a_corrupt_line(tmp_path):
         curves.read_metrics(out_dir)
 
 
-def test_plot_runs_rejects_an_unknown_panel(tmp_path):
-    with pytest.raises(ValueError, match="unknown panel"):
+def test_plot_runs_rejects_an_unknown_panel_and_draws_any_logged_metric(tmp_path, capsys):
+    with pytest.raises(ValueError, match="unknown panel 'perplexity': neither one of loss, "):
         curves.plot_runs({}, str(tmp_path / "x.png"), panels=("loss", "perplexity"))
+    run = write_run(tmp_path / "run", 4, 5.0, 1e-3)
+    fig = curves.draw_runs({"run": curves.read_metrics(run)}, panels=("grad_norm",), x="step")
+    assert fig.axes[0].get_ylabel() == "grad_norm" and lines_of(fig, "run")["run"][0] == [0, 1, 2, 3]
+    with pytest.raises(SystemExit) as e:
+        plot.main([run, "--panels", "loss", "perplexity"])
+    assert e.value.code == 2 and "unknown panel 'perplexity'" in capsys.readouterr().err
 
 
 def test_ema_is_debiased_and_steps_over_non_finite_values():

@@ -22,7 +22,7 @@ import fp8
 import optim
 import schedule
 from config import ResilienceConfig
-from conftest import REPO, spawn_on_gloo
+from conftest import REPO, spawn_on_gloo, step_values
 from fp8 import TE_MODULES
 from model import GPT, ModelConfig
 from optim import OptimConfig, build_optimizer
@@ -365,7 +365,7 @@ def test_a_resume_trains_with_the_optimizer_settings_it_is_given(name, changed, 
         assert torch.equal(a, b), key
     telemetry = Telemetry(config.parse_args(["--out-dir", str(tmp_path)]), False, torch.device("cpu"), 1, 9, 1.0,
                           None, None, resumed_opt)
-    record = telemetry.step_record(1, 5.0, 1.0, True, 0.1, batch.BatchLayout(2, 32, 1, 1), 1, LossHealth())
+    record = telemetry.step_record(1, step_values(5.0), 0.1, batch.BatchLayout(2, 32, 1, 1), 1, LossHealth())
     assert record["lr"] == 0.5 * cfg.lr
 
 

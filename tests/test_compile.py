@@ -27,7 +27,7 @@ def test_compiled_training_steps_match_eager(tmp_path):
     for mode in ("off", "default"):
         run = train.setup(config.parse_args([*flags, "--compile", mode, "--out-dir", str(tmp_path / mode)]))
         try:
-            losses[mode] = [loop.train_step(run)[0].item() for _ in range(3)]
+            losses[mode] = [loop.train_step(run)["train_loss"].item() for _ in range(3)]
         finally:
             run.close()
     assert losses["default"] == pytest.approx(losses["off"], rel=1e-5)

@@ -239,7 +239,7 @@ def test_train_setup_reports_torchao_and_act_ckpt_from_the_model(tiny_data, tmp_
              "--fp8", "torchao", "--act-ckpt", "alternate", "--eval-interval", "0"]
     run = train.setup(config.parse_args(flags))
     try:
-        loss = loop.train_step(run)[0]
+        loss = loop.train_step(run)["train_loss"]
     finally:
         run.close()
     table = capsys.readouterr().out

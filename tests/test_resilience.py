@@ -26,6 +26,7 @@ from shards import write_shard
 from memory import fits_by_trying, largest_fitting_batch, micro_batch_for
 from schedule import lr_multiplier
 from resilience import EarlyStopping, Guard, LossHealth, StopSignals
+from conftest import step_values
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
@@ -217,8 +218,8 @@ def test_an_injected_nan_is_skipped_and_changes_nothing(data_dir, tmp_path, inje
         optimizer_before = {(id(p), k): v.clone() for p, st in run.optimizer.state.items() for k, v in st.items()}
         loader_before = run.loader.state_dict()
         inject_nan(0)
-        loss, _, finite = loop.train_step(run)
-        assert not finite and not torch.isfinite(loss)
+        metrics = loop.train_step(run)
+        assert not metrics["finite"] and not torch.isfinite(metrics["train_loss"])
         for name, value in run.model.state_dict().items():
             assert torch.equal(value, before[name]), name
         for p, st in run.optimizer.state.items():
@@ -262,8 +263,9 @@ class Diverging:
 
         def step(run, *args):
             self.calls += 1
-            loss, norm, finite = original(run, *args)
-            return (loss, norm, finite) if self.calls <= n else (loss * float("nan"), norm, torch.zeros_like(finite))
+            m = original(run, *args)
+            return m if self.calls <= n else {**m, "train_loss": m["train_loss"] * float("nan"),
+                                              "finite": torch.zeros_like(m["finite"])}
 
         monkeypatch.setattr(loop, "train_step", step)
 
@@ -342,10 +344,10 @@ def test_the_guard_counts_each_step_and_the_record_only_reads_it(tmp_path, capsy
         guard.observe(4.0, True)
     health = guard.observe(9.0, True)
     assert health is guard.health and health.spike and health.seen == 21
-    telemetry.step_record(0, 9.0, 1.0, True, 0.1, BatchLayout(2, 32, 1, 1), 1, health)
+    telemetry.step_record(0, step_values(9.0), 0.1, BatchLayout(2, 32, 1, 1), 1, health)
     assert health.seen == 21 and "loss spike 9.0000" in capsys.readouterr().err
     health = guard.observe(float("nan"), False)
-    record = telemetry.step_record(0, float("nan"), 1.0, False, 0.1, BatchLayout(2, 32, 1, 1), 1, health)
+    record = telemetry.step_record(0, step_values(float("nan"), finite=False), 0.1, BatchLayout(2, 32, 1, 1), 1, health)
     assert health.bad_in_a_row == 1 and record["bad_steps"] == 1 and not guard.must_roll_back()
     assert "update skipped (1 in a row, 1 in all)" in capsys.readouterr().err
     guard.observe(float("nan"), False)

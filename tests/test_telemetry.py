@@ -14,7 +14,7 @@ import loop
 import runlog
 import train
 from cli import UsageError
-from conftest import TINY_FLAGS
+from conftest import TINY_FLAGS, step_values
 from progress import Heartbeat, Progress
 
 FACTS = {"outcome": "finished", "wall_s": 241.4, "compile_s": 25.25, "start_step": 0, "done": 150,
@@ -76,7 +76,7 @@ def test_the_optimizer_state_line_says_per_rank_only_with_ranks(tmp_path, capsys
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         tel = telemetry.Telemetry(config.parse_args(["--out-dir", str(tmp_path)]), True, torch.device("cpu"), 0, 9,
                                   1.0, None, None, optimizer)
-        tel.step_record(0, 4.0, 1.0, True, 0.1, BatchLayout(2, 32, 1, world_size), world_size, LossHealth())
+        tel.step_record(0, step_values(4.0), 0.1, BatchLayout(2, 32, 1, world_size), world_size, LossHealth())
         assert capsys.readouterr().err == expected
 
 
@@ -180,7 +180,7 @@ def test_a_record_made_after_its_step_holds_that_steps_own_time_phases_memory_an
     optimizer.param_groups[0]["lr"] = 0.05  # the next step's, set and timed before the first one's record is made
     with tel.timer("forward"):
         time.sleep(0.05)
-    record = tel.step_record(0, 4.0, 1.0, True, ended.seconds(), BatchLayout(2, 32, 1, 1), 1, LossHealth(), ended)
+    record = tel.step_record(0, step_values(4.0), ended.seconds(), BatchLayout(2, 32, 1, 1), 1, LossHealth(), ended)
     assert ended.seconds() >= 0.02 and record["time_forward_ms"] == 1000 * telemetry.PhaseTimer.read(ended.spans)[
         "forward"] >= 20
     assert record["time_s"] == round(ended.time_s, 3) and ended.time_s < tel.elapsed() - 0.05
@@ -211,6 +211,28 @@ def test_tensorboard_gets_every_number_of_metrics_jsonl(tmp_path, tiny_data, cap
     for tag in ("train_loss", "lr", "tokens", "val_loss"):
         expected = [(r["step"], pytest.approx(r[tag], rel=1e-6)) for r in records if tag in r]  # stored as float32
         assert expected and tensorboard_scalars(tmp_path / "tensorboard", tag) == expected
+
+
+def test_a_device_metric_added_in_one_line_reaches_the_log_the_progress_line_and_tensorboard(tmp_path, tiny_data,
+                                                                                              monkeypatch, capsys):
+    import json
+
+    pytest.importorskip("tensorboard")
+    step = loop.train_step
+
+    def with_half_loss(run, *args):
+        metrics = step(run, *args)
+        metrics["half_loss"] = metrics["train_loss"] / 2  # the one line a new device-side metric takes
+        return metrics
+
+    monkeypatch.setattr(loop, "train_step", with_half_loss)
+    train.main(["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--max-steps", "3", "--eval-interval",
+                "0", "--device", "cpu", "--tensorboard"])
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["half_loss"] for r in records] == [pytest.approx(r["train_loss"] / 2) for r in records]
+    assert f"half_loss {records[0]['half_loss']:.4g}" in capsys.readouterr().err  # the first step's progress line
+    assert tensorboard_scalars(tmp_path / "tensorboard", "half_loss") == [
+        (r["step"], pytest.approx(r["half_loss"], rel=1e-6)) for r in records]
 
 
 def test_a_resumed_run_appends_to_tensorboard_and_hides_the_steps_it_redoes(tmp_path):
