@@ -47,21 +47,10 @@ def _read_int(path: str) -> int | None:
         return None
 
 
-def _meminfo_available() -> int | None:
+def _proc_bytes(path: str, field: str) -> int | None:
+    """A size in kB from a /proc file of `field: N kB` lines (MemAvailable, VmSize, VmData), in bytes."""
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def _status_bytes(field: str) -> int | None:
-    """A size from /proc/self/status (VmSize, VmData), in bytes."""
-    try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
@@ -107,12 +96,12 @@ def _cgroup_room() -> int | None:
 def cpu_room() -> list[Room]:
     """Every limit on what this process may still allocate in RAM that can be read here (Linux)."""
     found = []
-    if (available := _meminfo_available()) is not None:
+    if (available := _proc_bytes("/proc/meminfo", "MemAvailable")) is not None:
         found.append(Room(available, "the RAM the kernel reports available, MemAvailable"))
     for limit, field, name in ((resource.RLIMIT_AS, "VmSize", "address-space limit, ulimit -v"),
                                (resource.RLIMIT_DATA, "VmData", "data-segment limit, ulimit -d")):
         soft = resource.getrlimit(limit)[0]
-        if soft != resource.RLIM_INFINITY and (used := _status_bytes(field)) is not None:
+        if soft != resource.RLIM_INFINITY and (used := _proc_bytes("/proc/self/status", field)) is not None:
             found.append(Room(max(soft - used, 0), f"left under its {name}"))
     if (cgroup := _cgroup_room()) is not None:
         found.append(Room(cgroup, "left under its cgroup's memory.max"))
@@ -143,12 +132,9 @@ def step_bytes(model_cfg: ModelConfig, batch_size: int, seq_len: int, optimizer:
 
 
 def largest_fitting(room: int, extra) -> int:
-    """The largest micro-batch b (sequences) with extra(b) <= room, 0 when not even one fits: a bisection of
-    arithmetic (memory.largest_fitting_batch), up to the first size whose estimate alone passes the room."""
-    limit = 1
-    while extra(limit) <= room and limit < 2**20:
-        limit *= 2
-    return memory.largest_fitting_batch(lambda b: extra(b) <= room, limit)
+    """The largest micro-batch b (sequences, at most 2**20) with extra(b) <= room, 0 when not even one fits:
+    memory.largest_fitting_batch's doubling and bisection, over arithmetic."""
+    return memory.largest_fitting_batch(lambda b: extra(b) <= room, 2**20)
 
 
 def fit_problem(needed: int, room: Room, micro_batch: int, seq_len: int, fitting: int, suggestion: int,

@@ -314,7 +314,6 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, row_blocks: dict[str, li
     return entry.build(roles, cfg, row_blocks, device_type, compile)
 
 
-
 def _build_adamw(roles, cfg, row_blocks, device_type, compile):
     fused = cfg.fused and fused_adamw_available(device_type)
     cls = CautiousAdamW if cfg.cautious_wd else torch.optim.AdamW  # plain torch when off: nothing else changes
@@ -349,7 +348,6 @@ def step_if_finite(optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> No
         optimizer.step()
     finally:
         del optimizer.found_inf
-
 
 
 def _build_adamw8bit(roles, cfg, row_blocks, device_type, compile):
@@ -391,8 +389,6 @@ def _build_muon(roles, cfg, row_blocks, device_type, compile):
                 muon_scale=cfg.muon_scale, betas=cfg.betas, eps=cfg.eps, ns_coeffs=cfg.ns_coeffs,
                 normuon_beta=cfg.normuon_beta if cfg.normuon else None, momentum_warmup=cfg.momentum_warmup,
                 momentum_start=cfg.momentum_start, compile=compile)
-
-
 
 
 class CautiousAdamW(torch.optim.AdamW):

@@ -32,6 +32,7 @@ import torch
 
 import fp8
 import hardware
+from atomic import write_synced
 from sizing import flops_per_token
 from cli import plural
 from progress import duration
@@ -181,10 +182,7 @@ def write_rate(directory: str, at_most: int = WRITE_PROBE_BYTES) -> float | None
     path, size = os.path.join(directory, f".write-rate-{os.getpid()}"), max(1, min(at_most, WRITE_PROBE_BYTES))
     start = time.perf_counter()
     try:
-        with open(path, "wb") as f:
-            f.write(bytes(size))
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(path, lambda f: f.write(bytes(size)))
         return size / max(time.perf_counter() - start, 1e-6)
     except OSError:
         return None

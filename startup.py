@@ -134,7 +134,6 @@ def startup_rows(run: Run, sources: list, reasons: dict, planned_tokens: int) ->
     ]
 
 
-
 def describe_compile(mode: str, device_type: str) -> str:
     if mode == "off":
         return "off (not requested)"

@@ -24,9 +24,8 @@ def linear(per_sequence: int, fixed: int = 0):
 
 
 def test_the_room_is_the_least_limit_and_names_it(monkeypatch):
-    monkeypatch.setattr(headroom, "_meminfo_available", lambda: 20 * GIB)
     monkeypatch.setattr(headroom, "_cgroup_room", lambda: 8 * GIB)
-    monkeypatch.setattr(headroom, "_status_bytes", lambda field: 1 * GIB)
+    monkeypatch.setattr(headroom, "_proc_bytes", lambda path, field: 20 * GIB if field == "MemAvailable" else GIB)
     limits = {resource.RLIMIT_AS: (5 * GIB, resource.RLIM_INFINITY), resource.RLIMIT_DATA: (resource.RLIM_INFINITY,) * 2}
     monkeypatch.setattr(resource, "getrlimit", lambda which: limits[which])
     assert headroom.free_room(CPU) == headroom.Room(4 * GIB, "left under its address-space limit, ulimit -v")
