@@ -1,4 +1,6 @@
-"""Where the batch is decided: how a step's tokens are cut into micro-batches across ranks, how many steps a
+"""BatchLayout: micro-batch, accumulation and world size; the run's steps and epochs; what a resume keeps.
+
+Where the batch is decided: how a step's tokens are cut into micro-batches across ranks, how many steps a
 run takes and how many passes over the data they make, and what a resume keeps of its global batch.
 
     layout = batch_layout(cfg, world_size)             # micro-batch, seq-len, grad accumulation, world size

@@ -1,4 +1,6 @@
-"""Checkpoints: what a training state is, and how it is stored: one file per step for single-device and DDP
+"""What a training state is: atomic checksummed files and DCP directories, resume and pruning.
+
+Checkpoints: what a training state is, and how it is stored: one file per step for single-device and DDP
 runs, a sharded DCP directory for FSDP2.
 
     python checkpoint.py to-file out/ckpt_00001000 ckpt.pt   # DCP directory -> single file
@@ -279,7 +281,7 @@ def config_changes(meta: dict, model_cfg, out_dir: str, check_run_config=None) -
 def load_newest(out_dir: str, read, warn):
     """(path, *read(path)) of the newest checkpoint that read(path) verifies and loads, or None. Each one
     read refuses (CheckpointError) is reported through `warn` and skipped, never deleted: the user may want
-    to look at it. read: load with a template (a resume), or hf.read_checkpoint (sample, export)."""
+    to look at it. read: load with a template (a resume), or trained.read_checkpoint (sample, export)."""
     for path in reversed(list_checkpoints(out_dir)):
         try:
             return (path, *read(path))

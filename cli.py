@@ -1,7 +1,8 @@
-"""What every entry point shares: a mistake the user can fix is one `error:` line on stderr and exit code 2.
+"""What every entry point shares: one-line errors with exit code 2, --help's defaults, the cache directory.
 
-No usage dump and no traceback; a traceback means a bug in this repository. Also shared: --help that states
-each option's default (HelpFormatter), and counts written out with their nouns (plural).
+A mistake the user can fix is one `error:` line on stderr: no usage dump and no traceback; a traceback
+means a bug in this repository. Also shared: --help that states each option's default (HelpFormatter),
+counts written out with their nouns (plural), and the project's cache (cache_root).
 """
 
 import argparse
@@ -18,6 +19,21 @@ STARTUP_ERROR_GRACE_S = 1.0
 
 class UsageError(Exception):
     """A mistake the user can fix from the command line."""
+
+
+class DataError(Exception):
+    """A problem with the user's data or environment. The message is one line and names the file at fault."""
+
+
+CACHE_ENV = "PRETRAIN_CACHE_DIR"
+
+
+def cache_root() -> str:
+    """The project's cache (tokenizer file, default corpus): $PRETRAIN_CACHE_DIR, else ~/.cache/pretrain."""
+    if os.environ.get(CACHE_ENV):
+        return os.environ[CACHE_ENV]
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "pretrain")
 
 
 class WriteError(Exception):

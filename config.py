@@ -1,14 +1,14 @@
-"""train.py's configuration: one dataclass per concern, and the command line generated from them.
+"""The run's settings: the sections' dataclasses, the generated parser, TOML files, checks of the flags alone.
 
     cfg = parse_args(["--n-layer", "12", "--lr", "6e-4"])    # -> Config, validated
     cfg.model.n_layer, cfg.optim.lr, cfg.schedule.warmup      # one section per concern
 
-A field's default and help text are written once, on the field; its flag is generated from it (`--n-layer`
-for `n_layer`, or the field's metadata "flag"), with the default appended to the help. The sections of the
-library modules live with them (model.ModelConfig, optim.OptimConfig, fp8.FP8Config, sizing.SizeConfig), so
-that code which uses a model or an optimizer without train.py gets the same defaults; the sections that only a
-training run has live here, with the choices of their fields. This file is the schema: it imports only those
-section homes and cli, and the modules that act on a setting import from here.
+A field's default and help text are written once, on the field (option.option); its flag is generated from
+it (`--n-layer` for `n_layer`, or the field's metadata "flag"), with the default appended to the help. The
+sections of the library modules live with them (model.ModelConfig, optim.OptimConfig, fp8.FP8Config,
+sizing.SizeConfig), so that code which uses a model or an optimizer without train.py gets the same defaults;
+the sections only a training run has live here. This file is the schema: it imports only the sections' homes
+and the ground below them, and the modules that act on a setting import from here.
 
 Everything that can be checked from the flags alone is checked in validate() before anything is built; the
 quantities derived from several flags (grad accumulation, tokens per step, max steps) are defined once, in
@@ -32,8 +32,9 @@ import sizing
 from atomic import write_synced
 from cli import ArgumentParser, UsageError, int_or_auto
 from fp8 import FP8Config
-from model import INIT_ONLY_FIELDS, ModelConfig, option
+from model import INIT_ONLY_FIELDS, ModelConfig
 from optim import OPTIMIZERS, OptimConfig, with_property
+from option import option
 from sizing import SizeConfig
 
 PROFILE_WAIT, PROFILE_ACTIVE = 5, 3  # torch.profiler: steps skipped, then steps traced (telemetry.py)
@@ -89,7 +90,7 @@ class ScheduleConfig:
 
 @dataclass
 class EvalConfig:
-    """Validation and samples; train_eval.Evaluator decides when."""
+    """Validation and samples; evaluation.Evaluator decides when."""
 
     eval_interval: int = option(50, "steps between val-loss evals (0: off)")
     eval_tokens: int = option(16384, "val tokens per eval")
@@ -218,9 +219,10 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self):
-        """An untied model's embedding and lm_head LRs follow the AdamW side's (optim.untied_lr_defaults): resolved
-        here, where the model and the optimizer meet, so that Config() is what parsing no flag gives."""
-        self.optim = dataclasses.replace(self.optim, **optim.untied_lr_defaults(self.optim, self.model.tie_embeddings))
+        """Unset LRs take their defaults (optim.default_lrs) here, where the model meets the optimizer, so
+        that Config() is what parsing no flag gives and config.toml holds the values."""
+        width = self.model.n_embd if self.size.depth is not None else None
+        self.optim = optim.with_default_lrs(self.optim, self.model.tie_embeddings, width)
 
 
 SECTION_TITLES = {

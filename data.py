@@ -24,8 +24,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from cli import DataError
 from shards import DATA_RECORD, TOKEN_DTYPES, ShardWatch, data_record, read_shard
-from tokenizer import DataError, Tokenizer, recorded_tokenizer
+from tokenizer import Tokenizer, recorded_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------
 # Which tokenizer made the shards

@@ -32,7 +32,8 @@ import torch
 import torch.nn as nn
 
 from cli import UsageError
-from model import GPT, Block, LayerNormMLP, ModelConfig, RMSNorm, apply_rope, gate_heads, option
+from model import GPT, Block, LayerNormMLP, ModelConfig, RMSNorm, apply_rope, gate_heads
+from option import option
 
 FP8_MODES = ("off", "te", "torchao")
 FP8_RECIPES = ("current", "delayed", "rowwise")

@@ -1,4 +1,6 @@
-"""Whether a run's first step fits in the memory this process may still take, asked at start-up once the model
+"""Whether the first step fits the memory the process may still take (RAM, ulimit, cgroup).
+
+Whether a run's first step fits in the memory this process may still take, asked at start-up once the model
 exists and before anything the size of a batch is allocated (the timing probe, the first step).
 
     room = free_room(device)                                   # Room(bytes, what sets it)

@@ -1,4 +1,6 @@
-"""The transformers layouts a model of ours is written in: pure maps between our state dict and config and
+"""The transformers layouts (Qwen3, or Qwen3-Next for a gated model) as pure maps of weights and config.
+
+The transformers layouts a model of ours is written in: pure maps between our state dict and config and
 transformers' weight names and config.json, with the checks that a layout can hold a model. hf.py reads and
 writes the directories.
 

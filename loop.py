@@ -1,4 +1,6 @@
-"""The training loop and everything it does to its Run: one optimizer step (train_step), the loop that asks
+"""The training loop on its Run: the step, the read-back, each step's eval and checkpoint, recovery.
+
+The training loop and everything it does to its Run: one optimizer step (train_step), the loop that asks
 each component whether it is due (run_loop), the read-back of the steps queued on the device, the eval and
 checkpoint of a step, and what happens when a step does not go as planned (a stop signal, an out-of-memory
 error, a streak of non-finite steps). One loop serves a single device, DDP and FSDP2; train.py builds the Run.
@@ -28,13 +30,13 @@ from checkpoint import Checkpointer, tokens_trained
 from cli import UsageError
 from config import Config
 from data import ShardLoader
+from evaluation import Evaluator
 from model import ModelConfig
 from optim import step_if_finite
 from resilience import Guard, StepInterrupted, StopSignals, TrainingHalted
 from rundir import RunLock
 from schedule import lr_multiplier, set_lr
 from telemetry import StepEnd, Telemetry
-from train_eval import Evaluator
 
 
 @dataclass

@@ -1,5 +1,4 @@
-"""Training memory: activation checkpointing, a measurement of what autograd saves, an estimate, and the
-search for the largest micro-batch that fits.
+"""Activation checkpointing, the loss path's chunk size, the memory estimate, --batch-size auto on CUDA.
 
     apply_activation_checkpointing(model, "selective")        # none | full | selective | alternate
     saved_tensor_bytes(model, idx, targets, torch.bfloat16)   # measured: bytes held for backward

@@ -24,9 +24,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from cli import UsageError
-from data import (GPT2_EOT, PACK_BUFFER_DOCS, BatchStream, DataError, Position, ShardLoader, check_split, check_state,
-                  check_vocab, data_record, fingerprint, split_paths, vocab_from_data)
+from cli import DataError, UsageError
+from data import (GPT2_EOT, PACK_BUFFER_DOCS, BatchStream, Position, ShardLoader, check_split, check_state, check_vocab,
+                  data_record, fingerprint, split_paths, vocab_from_data)
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # it becomes a metric name: val_loss/NAME, epoch/NAME
 MIX_BLOCK = 4096  # rows drawn from one seeded generator: a step reads a block or two, never the rows before it

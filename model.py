@@ -1,4 +1,4 @@
-"""A decoder-only transformer in the Qwen3 style, in plain PyTorch.
+"""The plain-PyTorch Qwen3 GPT and ModelConfig, with a chunked loss that never materialises the logits.
 
 Pre-norm RMSNorm, grouped-query attention with a fused QKV projection, per-head RMSNorm on q and k (QK-norm)
 before rotary embeddings (rotate-half convention), causal SDPA, a SwiGLU MLP with a fused [gate; up]
@@ -17,11 +17,13 @@ pre-MLP norm on the MLP, each as `layer_norm_weight`.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from option import option
 
 VOCAB_MULTIPLE = 128
 FFN_MULTIPLE = 128
@@ -39,13 +41,6 @@ LOSS_CHUNK_TOKENS = 1024
 # most this many copies of the chunk body, and each chunk's read-modify-write of the float32 [V, d] weight
 # gradient happens at most this many times per micro-batch.
 MAX_LOSS_CHUNKS = 16
-
-
-def option(default, help, **flag):
-    """A config field, the one way every section's dataclass declares one (here because model.py imports
-    nothing of the project and the other sections import it): its default, its help text and, where the flag
-    needs them, its flag name, choices or type (config.py turns the fields into flags)."""
-    return field(default=default, metadata={"help": help, **flag})
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -1,11 +1,13 @@
-"""Muon (github.com/KellerJordan/Muon; "Muon is Scalable for LLM Training", Moonshot AI 2025): the hidden
+"""Muon: its state, the AdamW side, buckets, the split across DDP ranks and FSDP2 owners, recipe options.
+
+Muon (github.com/KellerJordan/Muon; "Muon is Scalable for LLM Training", Moonshot AI 2025): the hidden
 matrices updated with their orthogonalised Nesterov momentum, AdamW for everything else, in one optimizer.
 
     optimizer = Muon(groups, momentum=0.95, ns_dtype="bf16")   # groups: optim.build_optimizer's
 
 Fused weights are orthogonalised one row block at a time (Q, K and V of qkv.weight; gate and up of fc1_weight),
 since each block is a separate linear map that happens to share a GEMM. optim.py builds the groups and chooses
-between the optimizers; muon_math.py holds the arithmetic (Newton-Schulz, NorMuon, cautious decay), muon_group.py
+between the optimizers; update_math.py holds the arithmetic (Newton-Schulz, NorMuon, cautious decay), muon_stacks.py
 a group's step in one process (its matrices as stacks in flat buffers; one compiled function under compile=True).
 This file holds the optimizer: its state and buffers, the AdamW side, the buckets, and the split of the work
 across DDP ranks and FSDP2's owner-rank exchange.
@@ -19,11 +21,10 @@ import types
 import torch
 
 from hardware import fused_adamw_available
-from muon_group import (GroupViews, at_least_float32, group_layout, group_step_, group_step_on_flats_, group_views,
-                        stack_views)
-from muon_math import (NS_DTYPES, cautious_decay_, muon_scale_factor, newton_schulz, newton_schulz_flops,
-                       normuon_rows, per_step, scalar_dtype)
-from schedule import muon_momentum
+from muon_stacks import (GroupViews, at_least_float32, group_layout, group_step_, group_step_on_flats_, group_views,
+                         stack_views)
+from update_math import (NS_DTYPES, cautious_decay_, muon_scale_factor, newton_schulz, newton_schulz_flops,
+                         normuon_rows, per_step, scalar_dtype)
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -33,6 +34,18 @@ except ImportError:  # torch built without distributed support: no parameter can
 # fp32 bytes of the matrices Muon orthogonalises together: big enough to batch a few layers' blocks (and, under
 # FSDP2, for few collectives: two a bucket), small enough that a rank's full blocks stay a bounded part of memory.
 MUON_BUCKET_BYTES = 256 * 2**20
+
+
+def muon_momentum(step: int | torch.Tensor, warmup: int, start: float, end: float) -> float | torch.Tensor:
+    """Muon's momentum at optimizer step `step` (0-based): linear from start at step 0 to end at step warmup,
+    then end. Written as end - (end - start) * (1 - fraction), so that it is exactly end once warmed up.
+    step may be a scalar tensor, giving one in its dtype: Muon (muon.py) passes its checkpointed count of
+    steps as it is on the device, so that the host never waits for it."""
+    if not warmup:
+        return end
+    fraction = step / warmup
+    fraction = fraction.clamp(max=1.0) if torch.is_tensor(fraction) else min(1.0, fraction)
+    return end - (end - start) * (1 - fraction)
 
 
 def compiled(fn):
@@ -178,7 +191,7 @@ class Muon(torch.optim.Optimizer):
 
     Muon groups carry "row_blocks": for each parameter, the row sizes to orthogonalise separately. In one process
     (or where each DDP rank takes the whole step) the matrices of one shape and split are a stack, a view of the
-    group's flat momentum and update buffers, and muon_group.group_step_ steps them all (with compile=True, one
+    group's flat momentum and update buffers, and muon_stacks.group_step_ steps them all (with compile=True, one
     compiled function a group); an eager step keeps an update buffer as large as the momenta. Across ranks
     the matrices go in buckets (muon_buckets), same-shape blocks through Newton-Schulz in one batched call
     (orthogonalize_blocks; compiled per shape with compile=True). Works on:
@@ -194,7 +207,7 @@ class Muon(torch.optim.Optimizer):
     per-row state "row_sq_avg" is laid out like the parameter's rows, a DTensor sharded like it under FSDP2, so
     that it saves and resumes at any world size; it travels to the owner and back with the rows); a group's
     "cautious_wd" (cautious_decay_); momentum_warmup (not 0: the momentum ramps from momentum_start,
-    schedule.muon_momentum of each matrix's count of steps taken, state "step" like AdamW's, which every
+    muon_momentum of each matrix's count of steps taken, state "step" like AdamW's, which every
     checkpoint carries, so a resumed run continues the ramp exactly).
 
     A step handed found_inf (step_if_finite) is skipped on the device: where it is nonzero the gradients are
@@ -259,7 +272,7 @@ class Muon(torch.optim.Optimizer):
 
     def working_buffers(self) -> list[torch.Tensor]:
         """The buffers Muon keeps between steps beside its state: each group's update buffers (one process's eager
-        step, muon_group.GroupViews), which a checkpoint does not carry."""
+        step, muon_stacks.GroupViews), which a checkpoint does not carry."""
         return [flat for _, views, _ in self._group_buffers.values() for flat in views.updates or []]
 
     def _fused_adamw(self, group) -> bool:
@@ -331,7 +344,7 @@ class Muon(torch.optim.Optimizer):
         return state["momentum_buffer"]
 
     def _momentum_now(self, p, group, skip):
-        """The momentum under a warm-up: schedule.muon_momentum of p's count of steps taken, as a scalar on
+        """The momentum under a warm-up: muon_momentum of p's count of steps taken, as a scalar on
         the device (the host never waits for the count), and the count advanced unless skip."""
         warmup = group["momentum_warmup"]
         state, device = self.state[p], _local(p).device
@@ -359,7 +372,7 @@ class Muon(torch.optim.Optimizer):
         """Muon on todo's (param, row split) pairs in one group_step_ call, the matrices in stacks of one shape,
         split and dtype, laid out in the group's flat buffers (_group_views). A compiled step takes the step's
         numbers as scalars filled on the device (as constants, each new LR would recompile it) and the momentum
-        buffers themselves, with no update buffer (muon_group.GroupViews)."""
+        buffers themselves, with no update buffer (muon_stacks.GroupViews)."""
         stacks: dict[tuple, list] = {}
         for p, split in todo:
             stacks.setdefault((tuple(p.shape), tuple(split), p.dtype), []).append(p)
@@ -396,7 +409,7 @@ class Muon(torch.optim.Optimizer):
         return self._steps[key]
 
     def _group_views(self, group, layout, params: list) -> GroupViews:
-        """The group's flat buffers (muon_group.GroupViews), made on its first step or when its matrices' layout
+        """The group's flat buffers (muon_stacks.GroupViews), made on its first step or when its matrices' layout
         or momenta change: the momenta at zero, or the momenta a checkpoint loaded copied in, once. Each matrix's
         state["momentum_buffer"] is a view of its slice (a DTensor like the matrix, where it is one), so that one
         operation a step updates them all, with no copy in or out."""

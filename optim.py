@@ -1,4 +1,4 @@
-"""Optimizers: AdamW (fused where the device has the kernel), 8-bit AdamW (bitsandbytes) and Muon.
+"""OptimConfig, parameter groups, AdamW, 8-bit AdamW, and the registry of optimizers that all else reads.
 
     cfg = OptimConfig(name="muon", lr=3e-4)
     optimizer = build_optimizer(model, cfg, model.row_blocks(), device.type)
@@ -20,17 +20,17 @@ so none of them names an optimizer.
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from hardware import fused_adamw_available
-from model import option
 from muon import Muon, _is_dtensor, _local
-from muon_math import (MUON_SCALES, NS_COEFF_SCHEMES, NS_DTYPES, cautious_decay_, newton_schulz_flops, per_step,
-                       scalar_dtype)
+from option import option
+from update_math import (MUON_SCALES, NS_COEFF_SCHEMES, NS_DTYPES, cautious_decay_, newton_schulz_flops, per_step,
+                         scalar_dtype)
 
 FP32 = 4
 # bitsandbytes' 8-bit AdamW (0.50): tensors of at least 4096 elements keep two uint8 states plus one float32
@@ -84,6 +84,7 @@ WRAPPER_NAMES = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_modul
 # best (docs/recipe.md#on-top-of-v2). The embedding's rows see sparse gradients and take a much higher LR than
 # a matrix that is also the head could; the head itself wants a little more than the AdamW side's.
 UNTIED_LR_MULTIPLES = {"embed_lr": 10, "head_lr": 2}
+BASE_WIDTH = 128  # the default model's width, where the optimizers' default LRs were measured
 
 
 @dataclass
@@ -131,12 +132,6 @@ class OptimConfig:
                                              "default: --beta1")
     embed_beta2: float | None = option(None, "Adam second-moment decay of the embedding; default: --beta2")
 
-    def __post_init__(self):
-        """Unset LRs take the optimizer's defaults, so that --optimizer adamw alone gets AdamW's LR, not Muon's."""
-        entry = OPTIMIZERS.get(self.name)
-        self.lr = entry.lr if self.lr is None and entry else self.lr
-        self.adam_lr = entry.adam_lr if self.adam_lr is None and entry else self.adam_lr
-
     @property
     def betas(self) -> tuple[float, float]:
         return self.beta1, self.beta2
@@ -152,7 +147,7 @@ class OptimConfig:
     def validate(self):
         if self.name not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.name!r}; choose one of {', '.join(OPTIMIZERS)}")
-        if not self.lr > 0:
+        if self.lr is not None and not self.lr > 0:  # None: the optimizer's default (default_lrs)
             raise ValueError(f"lr must be positive, got {self.lr}")
         if self.adam_lr is not None and not self.adam_lr > 0:
             raise ValueError(f"adam_lr must be positive, got {self.adam_lr}")
@@ -201,14 +196,31 @@ class OptimConfig:
                              f"use --optimizer {' or '.join(with_property('cautious_wd'))}")
 
 
-def untied_lr_defaults(cfg: OptimConfig, tied: bool) -> dict[str, float]:
-    """The embedding's and the lm_head's LRs that cfg leaves unset, for a model whose head is (not) tied:
-    UNTIED_LR_MULTIPLES of --adam-lr under Muon with an untied head, else none (they share the AdamW side's
-    LR). Resolved into the run's config, so that its config.toml and the recipe cache see the values. Pure."""
-    if tied or not OPTIMIZERS[cfg.name].hidden_matrices:
+def default_lrs(cfg: OptimConfig, tied: bool, width: int | None = None) -> dict[str, tuple[float, str]]:
+    """The LRs cfg leaves unset -> {field: (value, its rule)}: the one place an LR default is decided. The
+    registry's LRs were measured on the default model (BASE_WIDTH wide); under the size dial (width: the
+    model's) they scale as BASE_WIDTH/width. Under Muon an untied model's embedding and lm_head take
+    UNTIED_LR_MULTIPLES of the AdamW side's LR, given or derived; otherwise they share it. Pure."""
+    entry = OPTIMIZERS.get(cfg.name)
+    if entry is None:  # refused by validate, with the choices
         return {}
-    return {name: float(f"{multiple * cfg.adam_lr:.3g}") for name, multiple in UNTIED_LR_MULTIPLES.items()
-            if getattr(cfg, name) is None}
+    scaled = width is not None and width >= 1  # a width under 1 is refused with the other flags
+    scale, rule = (BASE_WIDTH / width, f"·{BASE_WIDTH}/n_embd") if scaled else (1.0, "")
+    rule += f"; {entry.lr_rule}" if entry.lr_rule and scaled else ""
+    found = {name: (float(f"{value * scale:.3g}"), f"{value:g}{rule}")
+             for name, value in (("lr", entry.lr), ("adam_lr", entry.adam_lr))
+             if getattr(cfg, name) is None and value is not None}
+    if not tied and entry.hidden_matrices:
+        side = cfg.adam_lr if cfg.adam_lr is not None else found["adam_lr"][0]
+        found |= {name: (float(f"{multiple * side:.3g}"), f"{multiple}·adam_lr")
+                  for name, multiple in UNTIED_LR_MULTIPLES.items() if getattr(cfg, name) is None}
+    return found
+
+
+def with_default_lrs(cfg: OptimConfig, tied: bool, width: int | None = None) -> OptimConfig:
+    """cfg with every unset LR at its default (default_lrs): config.Config resolves a run's this way, so that
+    its config.toml and the recipe cache see the values; build_optimizer, a bare OptimConfig's."""
+    return replace(cfg, **{name: value for name, (value, _) in default_lrs(cfg, tied, width).items()})
 
 
 # ----------------------------------------------------------------------------- settings across a resume
@@ -305,9 +317,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, row_blocks: dict[str, li
     step as one compiled function over its stacks of same-shape matrices (muon.py), for a run that compiles its
     model (--compile); AdamW's fused kernel is one already.
     """
+    entry = OPTIMIZERS.get(cfg.name)
+    roles = split_params(model, use_muon=bool(entry and entry.hidden_matrices))
+    cfg = with_default_lrs(cfg, tied=True)  # a bare config's embedding and head share the AdamW side's LR
     cfg.validate()
-    entry = OPTIMIZERS[cfg.name]
-    roles = split_params(model, use_muon=entry.hidden_matrices)
     if cfg.head_lr is not None and not any(n == "lm_head.weight" for n, _ in roles["decay"]):
         raise ValueError("--head-lr needs an untied lm_head (not --tie-embeddings); a tied one is the embedding: "
                          "use --embed-lr")
@@ -448,7 +461,7 @@ class StepWork(NamedTuple):
 
 
 def step_work(optimizer: torch.optim.Optimizer, state_bytes: int, world_size: int = 1, sharded: bool = False) -> StepWork:
-    """Muon's Newton-Schulz FLOPs (ns_steps iterations of muon_math.newton_schulz_flops on each row block,
+    """Muon's Newton-Schulz FLOPs (ns_steps iterations of update_math.newton_schulz_flops on each row block,
     spread over the ranks, as Muon spreads them), and the elementwise bytes: each parameter read and written,
     its gradient read for clipping's norm, scaled in place and read by the update (24 bytes in float32), and
     the state (state_bytes in all, memory.optimizer_state_bytes_estimate) read and written; a rank's share of
@@ -532,7 +545,7 @@ def _adamw8bit_state(name: str, numel: int, one_process: bool) -> int:
 
 
 def _muon_state(name: str, numel: int, one_process: bool) -> int:
-    """A hidden matrix keeps its momentum, and in one process an update buffer beside it (muon_group.GroupViews;
+    """A hidden matrix keeps its momentum, and in one process an update buffer beside it (muon_stacks.GroupViews;
     counted under compile too, which keeps none, and under DDP, where it errs high); the rest AdamW's two."""
     return (1 + one_process) * FP32 * numel if name.endswith(MUON_MATRICES) else 2 * FP32 * numel
 

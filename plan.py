@@ -1,4 +1,6 @@
-"""What a run will cost, said before its first step: the tokens and steps it plans, and the time a step and the
+"""What a run will cost before its first step: a micro-step timed, the optimizer, evals and checkpoints priced.
+
+What a run will cost, said before its first step: the tokens and steps it plans, and the time a step and the
 whole run will take, with a warning when either is more than a person would wait for without being told.
 
     step = step_time(model, layout, device, dtype, fp8_recipe, sharded)   # at start-up, rank 0
@@ -33,9 +35,9 @@ import torch
 import fp8
 import hardware
 from atomic import write_synced
-from sizing import flops_per_token
 from cli import plural
 from progress import duration
+from sizing import flops_per_token
 
 PROBE_MAX_S = 2.0  # a probe this cheap (by the FLOP estimate) always runs
 PROBE_SHARE = 0.05  # and one costing up to this share of the planned run

@@ -1,4 +1,6 @@
-"""Tokenize a corpus into token shards (data.py's format) and data.json, the record of the tokenizer and the
+"""Tokenize a corpus into llm.c shards and data.json, a directory whole or absent; the default corpus.
+
+Tokenize a corpus into token shards (data.py's format) and data.json, the record of the tokenizer and the
 counts. Reads text, .jsonl and .parquet files, directories and globs of them, datasets save_to_disk
 directories and Hugging Face hub datasets (sources.py). Also builds the embedded default corpus, the Python
 standard library's own sources, which train.py uses when it is given no --data.
@@ -25,16 +27,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from atomic import atomic_write
-from cli import ArgumentParser, UsageError, WriteError, int_or_auto, plural, report_error
-from shards import CORPUS_MARKER, DATA_RECORD, data_record, write_data_record
-from progress import Progress
-from shards import TOKEN_DTYPES, shard_version, write_shard
 import sources
 import split
+from atomic import atomic_write
+from cli import (CACHE_ENV, ArgumentParser, DataError, UsageError, WriteError, cache_root, int_or_auto, plural,
+                 report_error)
+from progress import Progress
+from shards import CORPUS_MARKER, DATA_RECORD, TOKEN_DTYPES, data_record, shard_version, write_data_record, write_shard
 from sources import TEXT_FIELD, file_pieces, source_pieces
-from tokenizer import (CACHE_ENV, TOKENIZER_FILE, TRAINED_SEPARATOR, TRAINED_TOKEN_BYTES, DataError, Tokenizer,
-                       TrainingText, cache_root, load_tokenizer, train_bpe)
+from tokenizer import (TOKENIZER_FILE, TRAINED_SEPARATOR, TRAINED_TOKEN_BYTES, Tokenizer, TrainingText, load_tokenizer,
+                       train_bpe)
 
 ENCODE_CHARS_PER_THREAD = 4 << 20  # characters read but not yet taken back encoded, per tokenizer thread
 ENCODE_BATCH_CHARS = 1 << 16  # characters a tokenizer thread encodes as one task: small, so threads end together

@@ -1,4 +1,4 @@
-"""Progress reporting that suits where the output goes.
+"""Progress reporting that suits where the output goes: bars on a terminal, lines in a log.
 
 On a terminal: a tqdm bar that redraws in place. Anywhere else (CI logs, `> run.log`, a batch
 scheduler's output file): plain lines, since a redrawing bar becomes thousands of carriage-return fragments

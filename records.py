@@ -1,4 +1,4 @@
-"""The fields of the records the project writes and reads back, and the one check their readers make.
+"""The fields of each record read back (data.json, a checkpoint's meta, metrics.jsonl) and their one check.
 
 data.json (prepare.py, read by data.py), a checkpoint's meta (checkpoint.py) and metrics.jsonl's rows
 (runlog.py) are read by code that trusts their shapes: a field of the wrong type would surface as a traceback

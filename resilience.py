@@ -1,4 +1,5 @@
-"""Keeping a long run alive: loss health (non-finite steps, spikes), early stopping and stop signals.
+"""Guard: loss health, early stopping, the rollback policy; stop signals.
+
 Plain logic, no model or data: train.py wires it.
 """
 

@@ -27,8 +27,7 @@ import sys
 import config
 import distributed
 from checkpoint import DIGEST_SUFFIX, best_path, list_checkpoints, remove
-from cli import UsageError
-from data import DataError
+from cli import DataError, UsageError
 from prepare import default_corpus
 from runlog import METRICS_FILE, TENSORBOARD_DIR
 

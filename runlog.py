@@ -1,5 +1,4 @@
-"""A run's metrics.jsonl, written (MetricsLog, which also feeds wandb and TensorBoard) and read (read_metrics,
-the one reader that train.py's resume, report.py and curves.py share).
+"""metrics.jsonl, written (with wandb and TensorBoard beside it) and read back.
 
 A record is one JSON line, written whole and flushed as each step is counted. A process killed mid-write can
 leave its last line torn: no newline, and not JSON. Such a line holds no record anyone could use, so every

@@ -5,7 +5,7 @@
     python sample.py --hf hf_model --greedy --prompt-file prompt.txt
 
 The text streams to the terminal as it is generated, encoded and decoded with the tokenizer the model was
-trained with (hf.model_tokenizer: the one its training data's data.json records, or an --hf directory's
+trained with (trained.model_tokenizer: the one its training data's data.json records, or an --hf directory's
 tokenizer.json; GPT-2's when nothing records one; --tokenizer names another). Without --seed a fresh seed is
 drawn and printed on stderr, so that a sample worth keeping can be repeated. The library side: `generate`
 (token ids in, token ids out) and `sample_text` (a string in, a string out), which train.py calls at eval time.
@@ -22,15 +22,15 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from checkpoint import CheckpointError
-from cli import ArgumentParser, HelpFormatter, UsageError, closed_stdout, report_error
+from cli import ArgumentParser, DataError, HelpFormatter, UsageError, closed_stdout, report_error
 from config import DEVICES
-from hardware import resolve_device
 from data import tokenizer_id
-from hf import check_tokenizer, is_run_directory, load_hf, model_tokenizer, read_ckpt
+from hardware import resolve_device
+from hf import load_hf
 from hf_layout import check_names
 from model import GPT, KVCache
-from tokenizer import DataError, Tokenizer, check_model_vocab, load_tokenizer
-
+from tokenizer import Tokenizer, check_model_vocab, load_tokenizer
+from trained import check_tokenizer, is_run_directory, model_tokenizer, read_ckpt
 
 # Below this, sampling is greedy anyway (at 1e-4 a logit gap of 0.01 already means odds of e^100), and far
 # below it logits / temperature overflows float32 and the draw fails; 0 is the greedy setting.
@@ -189,7 +189,7 @@ def say(line: str) -> None:
 
 def load_model(ckpt: str | None = None, hf: str | None = None, device: torch.device | str = "cpu",
                report=say) -> GPT:
-    """A GPT in eval mode from a train.py checkpoint or run directory (hf.read_ckpt; which checkpoint of a
+    """A GPT in eval mode from a train.py checkpoint or run directory (trained.read_ckpt; which checkpoint of a
     run directory is said through report) or from a Hugging Face directory written by hf.py."""
     if ckpt is not None and is_run_directory(ckpt) and os.path.isfile(os.path.join(ckpt, "config.json")):
         raise UsageError(f"--ckpt {ckpt} is a Hugging Face directory (it has a config.json); pass it as --hf")

@@ -55,18 +55,6 @@ def decay_frac_rule() -> str:
             f"measured to {MEASURED_STEPS} steps, docs/sizing.md")
 
 
-def muon_momentum(step: int | torch.Tensor, warmup: int, start: float, end: float) -> float | torch.Tensor:
-    """Muon's momentum at optimizer step `step` (0-based): linear from start at step 0 to end at step warmup,
-    then end. Written as end - (end - start) * (1 - fraction), so that it is exactly end once warmed up.
-    step may be a scalar tensor, giving one in its dtype: Muon (muon.py) passes its checkpointed count of
-    steps as it is on the device, so that the host never waits for it."""
-    if not warmup:
-        return end
-    fraction = step / warmup
-    fraction = fraction.clamp(max=1.0) if torch.is_tensor(fraction) else min(1.0, fraction)
-    return end - (end - start) * (1 - fraction)
-
-
 def schedule_warning(warmup: int, max_steps: int, schedule: str, decay_frac: float) -> str | None:
     """What is wrong with a warm-up that does not fit the run, for a start-up warning, or None. Not refused:
     a short test run with the default warm-up is legitimate, but the user should know its LR never peaks."""

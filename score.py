@@ -6,12 +6,12 @@
 
 --ckpt takes a train.py checkpoint (a file or a sharded directory) or a Hugging Face directory written by
 hf.py (recognised by its config.json). The figures come from the code training logs them with
-(train_eval.Evaluator), so on the same weights, tokens and precision this script prints what metrics.jsonl
+(evaluation.Evaluator), so on the same weights, tokens and precision this script prints what metrics.jsonl
 holds: hellaswag_acc and hellaswag_acc_sum, or val_loss and val_bpb over the first --n val tokens, taken
 --batch-size sequences of the model's seq_len at a time as a training run with that micro-batch takes them.
 bpb reads the val split of the data the checkpoint trained on unless --data names other shards, and then
 says so; the shards' tokenizer must be the model's, as train.py requires, and counts the bytes. HellaSwag is
-encoded with the model's tokenizer (hf.model_tokenizer: its training data's, or an hf.py directory's).
+encoded with the model's tokenizer (trained.model_tokenizer: its training data's, or an hf.py directory's).
 """
 
 import argparse
@@ -21,18 +21,18 @@ import sys
 import torch
 
 from checkpoint import CheckpointError
-from cli import ArgumentParser, HelpFormatter, UsageError, closed_stdout, plural, report_error
+from cli import ArgumentParser, DataError, HelpFormatter, UsageError, closed_stdout, plural, report_error
 from config import DEVICES, EvalConfig
-from data import DataError, tokenizer_id
-from shards import data_record
+from data import tokenizer_id
 from distributed import DistInfo
-from train_eval import Evaluator
-from hf import check_tokenizer, model_tokenizer, trained_meta
+from evaluation import Evaluator
 from hardware import autocast, resolve_device
 from mixture import check_sources, data_fingerprint, is_mixture, label, parse_data, record_dir, vocab_problem
 from prepare import default_corpus, default_corpus_dir
 from sample import load_model, say
+from shards import data_record
 from tokenizer import load_tokenizer
+from trained import check_tokenizer, model_tokenizer, trained_meta
 
 TASKS = ("hellaswag", "bpb")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the autocast dtype; fp32: none
@@ -78,7 +78,7 @@ def val_data(given: str | None, meta: dict | None, ckpt: str) -> tuple[str | Non
     not there. Data other than the checkpoint's is scored with a note: told by content (the fingerprint of its
     train shards that the checkpoint recorded), so a copy elsewhere is the same data and a directory prepared
     again is not; by path for a checkpoint without a fingerprint. Nothing recorded (an hf.py directory): --data,
-    or the default corpus with a note. meta: the checkpoint's (hf.trained_meta)."""
+    or the default corpus with a note. meta: the checkpoint's (trained.trained_meta)."""
     meta = meta or {}
     recorded = (meta.get("train_config") or {}).get("data") or {}
     if "data" not in recorded:

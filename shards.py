@@ -1,4 +1,6 @@
-"""The token shard: llm.c's and modded-nanogpt's format, written and read here, and watched while a run reads it;
+"""The shard format and data.json, each written and read here; ShardWatch, for shards that change under a run.
+
+The token shard: llm.c's and modded-nanogpt's format, written and read here, and watched while a run reads it;
 and data.json, prepare.py's record of the shards it wrote (the tokenizer, the counts, each shard's sha256).
 
 A shard is a header of 256 little-endian int32 ([0] magic 20240520, [1] version, [2] token count, the rest 0),
@@ -16,8 +18,8 @@ import numpy as np
 
 import records
 from atomic import atomic_write
-from cli import first_line
-from tokenizer import DataError, get_tokenizer
+from cli import DataError, first_line
+from tokenizer import get_tokenizer
 
 SHARD_MAGIC = 20240520
 HEADER_INTS = 256

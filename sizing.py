@@ -1,4 +1,6 @@
-"""One dial for the model's size: `--depth N`, or a named `--preset`, derives the shape and the training
+"""The --depth dial and --preset table (a depth to shape, LR, batch, horizon); parameter counts, FLOPs.
+
+One dial for the model's size: `--depth N`, or a named `--preset`, derives the shape and the training
 settings that go with it, so that a user picks one number instead of seven.
 
     values = derive(12, explicit={})     # {"model.n_embd": (768, "64·depth"), "optim.lr": (0.001, ...), ...}
@@ -11,7 +13,7 @@ The rules, each a constant below:
   projections); an odd head count keeps full multi-head attention, since 2 must divide it;
 - ffn_dim: the model's own default (model.ModelConfig): SwiGLU's 8/3 n_embd rounded up to a multiple of 128,
   ReLU^2's 3/2 of that (the same parameters);
-- peak LRs: the optimizer's default for the width-128 default model (its optim.OPTIMIZERS entry) x 128 / n_embd, inverse
+- peak LRs (optim.default_lrs decides them; config.Config sets them): the default model's x 128 / n_embd, inverse
   in width as muP prescribes for Adam on hidden matrices. For AdamW, 3e-3 x 128 / n_embd lands within 25% of
   GPT-3's published AdamW LRs at GPT-2's four widths (6e-4 at 768, 3e-4 at 1024, 2.5e-4 at 1536, 2e-4 at
   2048). Muon's default update scale (match_rms_adamw) gives its updates AdamW's RMS, so the same rule serves
@@ -35,14 +37,14 @@ derived after it use it: `--depth 12 --n-embd 1024` derives its heads and LR fro
 import math
 from dataclasses import dataclass, replace
 
-from model import ModelConfig, option, value_embed_layers
-from optim import OPTIMIZERS, OptimConfig
+from model import ModelConfig, value_embed_layers
+from optim import OptimConfig, default_lrs
+from option import option
 from schedule import decay_frac_for_steps, decay_frac_rule
 
 ASPECT_RATIO = 64  # width per layer
 HEAD_DIM, SMALL_HEAD_DIM, SMALL_WIDTH = 128, 64, 512
 GQA_RATIO = 2  # query heads per key/value head
-BASE_WIDTH = 128  # the default model's width, where the optimizers' default LRs were measured
 # What the width rule of an optimizer's LRs rests on, for the start-up table: Muon's four LRs swept at x0.5 and x2
 # around the rule at three widths, each within the seed spread of the best (docs/sizing.md's table).
 BATCH_COEFF, BATCH_EXPONENT = 0.292, 0.3271  # DeepSeek LLM (2024), optimal batch in tokens against compute C
@@ -140,14 +142,8 @@ def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
     model_cfg = ModelConfig(**{**base.__dict__, **model_fields})
     width = model_cfg.n_embd
     values["model.ffn_dim"] = (replace(model_cfg, ffn_dim=None).resolved_ffn_dim, FFN_RULES[model_cfg.mlp])
-    optimizer = explicit.get("optim.name", OptimConfig.name)
-    entry = OPTIMIZERS[optimizer]
-    lr, adam_lr = entry.lr, entry.adam_lr
-    measured = f"; {entry.lr_rule}" if entry.lr_rule else ""
-    values["optim.lr"] = (float(f"{lr * BASE_WIDTH / width:.3g}"), f"{lr:g}·{BASE_WIDTH}/n_embd{measured}")
-    if adam_lr is not None:
-        values["optim.adam_lr"] = (float(f"{adam_lr * BASE_WIDTH / width:.3g}"),
-                                   f"{adam_lr:g}·{BASE_WIDTH}/n_embd{measured}")
+    lrs = default_lrs(OptimConfig(name=explicit.get("optim.name", OptimConfig.name)), True, width)
+    values |= {f"optim.{name}": lr for name, lr in lrs.items()}  # said here; config.Config sets them
     params = param_count(model_cfg)
     tokens_per_param = explicit.get("size.tokens_per_param", SizeConfig.tokens_per_param)
     tokens = max(1, round(tokens_per_param * params))  # 0 would be max_tokens' "unset"
@@ -192,7 +188,9 @@ def resolve(explicit: dict, micro_batch: int | str | None = None) -> dict:
     depth = given.get("size.depth")
     if depth is None:
         return preset
-    derived = {key: value for key, (value, _) in derive(depth, given, micro_batch).items() if value is not None}
+    # The LRs' rows only say the rule: config.Config sets the LRs themselves (optim.default_lrs).
+    derived = {key: value for key, (value, _) in derive(depth, given, micro_batch).items()
+               if value is not None and not key.startswith("optim.")}
     if "schedule.max_steps" in given or "schedule.max_tokens" in given:
         derived.pop("schedule.max_tokens")
     if "data.grad_accum" in given or "data.total_batch_tokens" in given:

@@ -17,8 +17,7 @@ import re
 import sys
 import sysconfig
 
-from cli import UsageError, first_line
-from tokenizer import DataError
+from cli import DataError, UsageError, first_line
 
 TEXT_CHUNK_CHARS = 1 << 20  # a large text file is read and tokenized this many characters at a time
 SNIFF_BYTES = 8192  # the start of a file that decides whether it is text

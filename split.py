@@ -1,4 +1,6 @@
-"""Which documents of a corpus are val: a sample drawn by a hash of each document's position, so that the val
+"""Which documents are val: a sample drawn by a hash of each one's position, and its size.
+
+Which documents of a corpus are val: a sample drawn by a hash of each document's position, so that the val
 loss is measured on documents like the ones trained on, wherever they sit in the corpus, and not on its first
 files (a corpus sorted by path or by date would put one kind of document there).
 
@@ -15,8 +17,7 @@ whose tokens wait in memory until the end, when the total, and so the size of --
 
 import numpy as np
 
-from cli import plural
-from tokenizer import DataError
+from cli import DataError, plural
 
 VAL_DRAWS = 64
 # Held whole until then (at most 32 MB of uint32): the corpora whose val split needs more than draw 0.

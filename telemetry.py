@@ -1,5 +1,4 @@
-"""What a run reports as it trains: metrics.jsonl and wandb, the per-step record and its warnings,
-the phase timer, torch.profiler and torch.compile's compilation time.
+"""The per-step record and its warnings, wandb's key, the phase timer, the profiler, the run's summary.
 
     telemetry = Telemetry(cfg, is_main, device, start_step, max_steps, flops, peak, wandb_run, optimizer)
     with telemetry.timer("forward"): ...                      # train_step's phases

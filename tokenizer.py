@@ -1,4 +1,6 @@
-"""The tokenizer: a tiktoken encoding, a tokenizer.json, or a Hugging Face tokenizer directory (local, or
+"""A tiktoken encoding or a tokenizer.json behind one interface, offline for GPT-2; BPE training; HF files.
+
+The tokenizer: a tiktoken encoding, a tokenizer.json, or a Hugging Face tokenizer directory (local, or
 in the Hugging Face cache), behind one interface (Tokenizer); GPT-2's (the default) works offline.
 
 tiktoken downloads an encoding's BPE ranks on first use. For GPT-2 they are also taken from tiktoken's cache
@@ -25,23 +27,7 @@ import numpy as np
 import tiktoken
 
 from atomic import atomic_write
-from cli import first_line
-
-
-class DataError(Exception):
-    """A problem with the user's data or environment. The message is one line and names the file at fault."""
-
-
-CACHE_ENV = "PRETRAIN_CACHE_DIR"
-
-
-def cache_root() -> str:
-    """The project's cache (tokenizer file, default corpus): $PRETRAIN_CACHE_DIR, else ~/.cache/pretrain."""
-    if os.environ.get(CACHE_ENV):
-        return os.environ[CACHE_ENV]
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(xdg, "pretrain")
-
+from cli import DataError, cache_root, first_line
 
 # ----------------------------------------------------------------------------------------------------------
 # GPT-2's ranks, offline
@@ -475,8 +461,7 @@ def train_bpe(texts, n_vocab: int, name: str, separator: str = TRAINED_SEPARATOR
     special token, as the last id (GPT-2's order). Fewer ids when the texts run out of pairs to merge. The
     same texts give the same tokenizer. DataError, before training, for a separator that could also be a merge
     of text (one pre-token), as it would then not mark the documents' starts alone."""
-    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
-    from tokenizers import Tokenizer as Fast
+    from tokenizers import AddedToken, Tokenizer as Fast, decoders, models, pre_tokenizers, trainers
 
     fast = Fast(models.BPE())
     fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

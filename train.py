@@ -1,4 +1,4 @@
-"""Pretrain a Qwen3-style GPT on token shards.
+"""Pretrain a Qwen3-style GPT on token shards: main wires small builders into a loop.Run, then runs the loop.
 
     python train.py                          # small model on the embedded stdlib corpus
     python train.py --data DIR --n-layer 12  # your own shards (see `python prepare.py --help`)
@@ -6,7 +6,7 @@
 
 This file only wires the pieces, and reads top to bottom: config.py turns the flags into a checked Config;
 setup() builds the model (fp8.py, memory.py), wraps it (distributed.py), and builds the optimizer (optim.py),
-the data (data.py) and the components that decide their own cadence: Evaluator (train_eval.py), Checkpointer
+the data (data.py) and the components that decide their own cadence: Evaluator (evaluation.py), Checkpointer
 (checkpoint.py), Guard (resilience.py) and Telemetry (telemetry.py), into a loop.Run; startup.py says what
 it is and what it will cost. loop.run_loop() then steps and asks each of them whether it is due.
 """
@@ -29,11 +29,11 @@ import headroom
 import memory
 import mixture
 import report
-from checkpoint import CheckpointError, Checkpointer, config_changes, load_newest, read_meta, tokens_trained
-from cli import UsageError, WriteError, report_error, report_startup_error
+from checkpoint import Checkpointer, CheckpointError, config_changes, load_newest, read_meta, tokens_trained
+from cli import DataError, UsageError, WriteError, report_error, report_startup_error
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
-from data import DataError, tokenizer_id
-from shards import data_record
+from data import tokenizer_id
+from evaluation import Evaluator
 from hf import load_hf
 from loop import Run, run_loop
 from model import GPT
@@ -41,11 +41,10 @@ from optim import build_optimizer
 from resilience import Guard, TrainingHalted, stop_at_once
 from rundir import NothingToDo, prepare_outputs, replace_outputs
 from schedule import resume_lr
+from shards import data_record
 from sizing import flops_per_token
 from startup import announce, plan_run
 from telemetry import Telemetry, logger_problems, message, start_wandb
-from train_eval import Evaluator
-
 
 # ----------------------------------------------------------------------------- setup
 

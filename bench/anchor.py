@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import ShardLoader  # noqa: E402
+from evaluation import VAL_SEED, eval_batches  # noqa: E402
 from shards import data_record  # noqa: E402
-from train_eval import VAL_SEED, eval_batches  # noqa: E402
 
 
 def gpt2_model(vocab_size: int, n_layer: int, n_embd: int, n_head: int, seq_len: int, seed: int):
@@ -56,7 +56,7 @@ def adamw(model, lr: float) -> torch.optim.AdamW:
 @torch.no_grad()
 def val_loss(model, data: str, batch_size: int, seq_len: int, eval_tokens: int) -> float:
     """Mean loss over the val tokens train.py's eval reads at this batch shape on one rank: the first
-    eval_batches batches of the val split's windows in the permutation train_eval.VAL_SEED draws."""
+    eval_batches batches of the val split's windows in the permutation evaluation.VAL_SEED draws."""
     model.eval()
     loader = ShardLoader(data, split="val", batch_size=batch_size, seq_len=seq_len, shuffle=True, seed=VAL_SEED,
                          prefetch=0)

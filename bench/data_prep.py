@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import prepare  # noqa: E402
 import sources  # noqa: E402
 import tokenizer  # noqa: E402
-from cli import HelpFormatter  # noqa: E402
+from cli import DataError, HelpFormatter  # noqa: E402
 
 
 def parse_args(argv):
@@ -96,7 +96,7 @@ def main(argv=None):
             for _ in range(args.warmup):
                 measure_pair(enc, texts, threads, source, args, scratch)
             pairs = [measure_pair(enc, texts, threads, source, args, scratch) for _ in range(args.repeats)]
-        except (tokenizer.DataError, ValueError, OSError) as e:
+        except (DataError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
 

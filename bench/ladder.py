@@ -35,18 +35,17 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import config  # noqa: E402
 import fp8  # noqa: E402
 import memory  # noqa: E402
-import config  # noqa: E402
 import sizing  # noqa: E402
 import throughput  # noqa: E402
 import train  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
-from cli import HelpFormatter, UsageError  # noqa: E402
-from data import DataError  # noqa: E402
+from cli import DataError, HelpFormatter, UsageError  # noqa: E402
 from model import LOSS_CHUNK_TOKENS, ModelConfig, loss_chunks  # noqa: E402
 from sizing import flops_per_token, param_numels  # noqa: E402
-from muon_math import newton_schulz_flops  # noqa: E402
+from update_math import newton_schulz_flops  # noqa: E402
 
 # The starting point: everything a plain PyTorch loop does without trying.
 BASE = {"dtype": "fp32", "tf32": False, "sdpa": "math", "fused": False, "compile": "off", "fp8": "off",

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import muon  # noqa: E402
-import muon_math  # noqa: E402
+import update_math  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from optim import OptimConfig, build_optimizer  # noqa: E402
@@ -189,18 +189,18 @@ def time_steps(step, bench) -> list[float]:
 
 def newton_schulz_alone(optimizer, bench) -> list[float]:
     """-> seconds per step of each timed window of Newton-Schulz alone on the blocks one eager step orthogonalises,
-    in its batched calls (muon_math.wide_batches): the arithmetic that bounds the step once the matrices are not
+    in its batched calls (update_math.wide_batches): the arithmetic that bounds the step once the matrices are not
     tiny. What the step takes beyond it is its AdamW side, its elementwise passes and its host work."""
     group = next(g for g in optimizer.param_groups if g["kind"] == "muon")
     shapes = [tuple(p.shape) for p in group["params"]]
     splits = [tuple(split) for split in group["row_blocks"]]
     stacks = []
-    for batch in muon_math.wide_batches(shapes, splits):
+    for batch in update_math.wide_batches(shapes, splits):
         s, k = batch[0]
         rows, cols = splits[s][k], shapes[s][1]
         stacks.append(torch.randn(len(batch), min(rows, cols), max(rows, cols)))
-    ns = functools.partial(muon_math.newton_schulz, steps=group["ns_steps"],
-                           dtype=muon_math.NS_DTYPES[group["ns_dtype"]])
+    ns = functools.partial(update_math.newton_schulz, steps=group["ns_steps"],
+                           dtype=update_math.NS_DTYPES[group["ns_dtype"]])
 
     def step():
         for stack in stacks:

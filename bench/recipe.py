@@ -54,12 +54,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 from batch import batch_layout  # noqa: E402
-from cli import HelpFormatter, UsageError  # noqa: E402
-from optimizers import code_line, cpu_model  # noqa: E402
+from cli import DataError, HelpFormatter, UsageError, cache_root  # noqa: E402
 from curves import read_metrics  # noqa: E402
+from data import fingerprint, split_paths  # noqa: E402
+from optimizers import code_line, cpu_model  # noqa: E402
 from runlog import MetricsError  # noqa: E402
-from data import DataError, fingerprint, split_paths  # noqa: E402
-from tokenizer import cache_root  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Set by this script for every run; passed through they would make the runs disagree with the table.

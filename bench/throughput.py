@@ -25,8 +25,7 @@ import hardware  # noqa: E402
 import loop  # noqa: E402
 import memory  # noqa: E402
 import train  # noqa: E402
-from cli import HelpFormatter, UsageError  # noqa: E402
-from data import DataError  # noqa: E402
+from cli import DataError, HelpFormatter, UsageError  # noqa: E402
 from sizing import flops_per_token  # noqa: E402
 
 

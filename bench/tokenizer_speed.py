@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import prepare  # noqa: E402
 import sources  # noqa: E402
 import tokenizer  # noqa: E402
-from cli import HelpFormatter  # noqa: E402
+from cli import DataError, HelpFormatter  # noqa: E402
 from data_prep import copy_default_corpus  # noqa: E402
 
 
@@ -112,7 +112,7 @@ def main(argv=None):
             for _ in range(args.warmup):
                 one_round(own, enc, texts, pieces, source, path, scratch)
             rounds = [one_round(own, enc, texts, pieces, source, path, scratch) for _ in range(args.repeats)]
-        except (tokenizer.DataError, ValueError, OSError) as e:
+        except (DataError, ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
 

@@ -10,7 +10,6 @@ import config
 import data
 from cli import UsageError
 
-
 # ----------------------------------------------------------------------------- the layout of a step
 
 

@@ -13,7 +13,6 @@ import optimizers  # noqa: E402
 import plot  # noqa: E402
 import recipe  # noqa: E402
 import tokenizer_speed  # noqa: E402
-
 from conftest import TINY_FLAGS, WORD_TEXT  # noqa: E402
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -308,7 +307,7 @@ def test_recipe_cache_runs_only_what_it_lacks_and_fresh_runs_all(tmp_path, monke
 
 def test_the_anchor_scores_the_val_tokens_train_pys_eval_reads(tiny_data):
     """The anchor's val loss and train.py's, for one model, on the same windows: the ratio compares like with
-    like. The model is transformers' GPT-2, scored once by anchor.val_loss and once by train_eval.Evaluator."""
+    like. The model is transformers' GPT-2, scored once by anchor.val_loss and once by evaluation.Evaluator."""
     import contextlib
 
     import torch
@@ -317,7 +316,7 @@ def test_the_anchor_scores_the_val_tokens_train_pys_eval_reads(tiny_data):
     import anchor
     import config
     import distributed
-    from train_eval import Evaluator
+    from evaluation import Evaluator
 
     model = anchor.gpt2_model(256, n_layer=1, n_embd=32, n_head=2, seq_len=16, seed=0)
 

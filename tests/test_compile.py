@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import config
-import telemetry
 import loop
+import telemetry
 import train
 from shards import write_shard
 

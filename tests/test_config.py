@@ -2,7 +2,6 @@
 structure of the whole project (no circles, a model.py that knows nothing of the rest)."""
 
 import argparse
-import ast
 import dataclasses
 import glob
 import json
@@ -17,6 +16,7 @@ import telemetry
 from cli import UsageError
 from config import Config
 from conftest import TINY_FLAGS
+from test_structure import import_graph, product_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -134,59 +134,12 @@ def test_build_model_applies_fp8_and_activation_checkpointing(tiny_data):
 # ----------------------------------------------------------------------------- import structure
 
 
-def project_imports() -> dict[str, set[str]]:
-    """{module: the project's top-level modules it imports}, read with ast from every file at the root."""
-    files = sorted(glob.glob(os.path.join(REPO, "*.py")))
-    modules = {os.path.basename(f)[:-3] for f in files}
-    graph = {}
-    for path in files:
-        names = set()
-        for node in ast.walk(ast.parse(open(path).read())):
-            if isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names.add(node.module.split(".")[0])
-        name = os.path.basename(path)[:-3]
-        graph[name] = (names & modules) - {name}
-    return graph
-
-
-def test_no_import_circle():
-    graph = project_imports()
-    done, on_path = set(), []
-
-    def visit(module):
-        assert module not in on_path, "import circle: " + " -> ".join(on_path[on_path.index(module):] + [module])
-        if module in done:
-            return
-        on_path.append(module)
-        for dep in sorted(graph[module]):
-            visit(dep)
-        on_path.pop()
-        done.add(module)
-
-    for module in sorted(graph):
-        visit(module)
-
-
 def test_config_imports_only_the_homes_of_its_sections():
     """The schema sits near the ground: the modules that act on a setting import it, never the reverse."""
     homes = {section.default_factory.__module__ for section in dataclasses.fields(Config)} - {"config"}
     assert homes == {"model", "optim", "fp8", "sizing"}
-    assert project_imports()["config"] == homes | {"cli", "atomic"}  # and the ground: errors, file writes
-
-
-def test_model_imports_nothing_of_the_project_nor_transformer_engine():
-    assert project_imports()["model"] == set()
-    assert "transformer_engine" not in open(os.path.join(REPO, "model.py")).read()
-
-
-def test_train_is_a_thin_file():
-    """train.py wires the components and runs the loop; its size grows with the loop's decisions (checkpoint
-    before eval, rollback, the out-of-memory retry, when to read the device's results back), never with a
-    component's own code."""
-    with open(os.path.join(REPO, "train.py")) as f:
-        assert sum(1 for _ in f) <= 470
+    graph = import_graph(product_files())
+    assert graph["config"] == homes | {"cli", "atomic", "option"}  # and the ground: errors, file writes, fields
 
 
 # ----------------------------------------------------------------------------- configuration files

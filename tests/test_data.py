@@ -12,8 +12,9 @@ import data
 import hf
 import model
 import prepare
+from cli import DataError
 from conftest import TINY_FLAGS, WORD_TEXT, write_doc_shards
-from data import DataError, ShardLoader
+from data import ShardLoader
 from shards import CORPUS_MARKER, DATA_RECORD, read_shard, write_data_record, write_shard
 from test_prepare import DOCS
 

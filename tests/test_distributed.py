@@ -4,8 +4,8 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import signal
+import subprocess
 import sys
 import time
 
@@ -374,8 +374,7 @@ def test_an_error_on_another_rank_is_its_line_and_rank_0_quotes_it(tmp_path):
     """A shard that rank 1 reads in its first batch and rank 0 does not, damaged after prepare.py recorded its
     sha256: rank 1 stops with its line, prefixed with its rank; rank 0, which meets rank 1's absence in its
     next collective, quotes that line instead of advising a relaunch that would fail the same way."""
-    from shards import write_data_record
-    from shards import file_sha256
+    from shards import file_sha256, write_data_record
 
     data = tmp_path / "data"
     data.mkdir()

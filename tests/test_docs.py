@@ -2,6 +2,7 @@
 command, no page retypes a flag table, every relative link (and its #section) resolves, and the README and
 docs name only flags that exist, the default model's true size and the default corpus's true count."""
 
+import ast
 import glob
 import os
 import re
@@ -12,6 +13,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "docs"))
 import make_flags  # noqa: E402
+import make_map  # noqa: E402
 
 README = os.path.join(REPO, "README.md")
 PAGES = [README, os.path.join(REPO, "bench", "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
@@ -35,6 +37,21 @@ def test_check_fails_on_a_stale_file_and_passes_once_written(tmp_path, monkeypat
     assert make_flags.main([]) == 0
     assert make_flags.main(["--check"]) == 0
     assert "| `--lr LR` |" in read(tmp_path / "flags.md")
+
+
+def test_the_readme_map_is_what_the_files_say():
+    trees = make_map.product_files()
+    assert read(README) == make_map.render(read(README), trees), "README's map is stale: run python docs/make_map.py"
+    assert len(make_map.rows(trees)) == len(trees)  # one row a product file, none left over
+
+
+def test_the_map_takes_a_files_first_paragraph_and_keeps_the_other_rows():
+    trees = {"top": ast.parse('"""Wires it all.\n\nMore."""\nimport leaf\n'), "leaf": ast.parse('"""A | leaf."""')}
+    readme = "\n".join(["## Where things live", "", *make_map.TABLE_HEAD, "| `old.py` | gone |", "| `docs/` | kept |"])
+    assert make_map.render(readme, trees).splitlines()[4:] == ["| `top.py` | Wires it all. |",
+                                                               "| `leaf.py` | A \\| leaf. |", "| `docs/` | kept |"]
+    with pytest.raises(ValueError, match="nodoc.py has no docstring"):
+        make_map.rows({"nodoc": ast.parse("x = 1\n")})
 
 
 def test_split_default_takes_only_a_single_trailing_default():

@@ -11,8 +11,8 @@ import types
 import pytest
 import torch
 
-import fp8
 import config
+import fp8
 import loop
 import train
 from conftest import QWEN3_FLAGS, REPO, write_tiny_shards

@@ -1,4 +1,3 @@
-import dataclasses
 import json
 import math
 import os
@@ -12,12 +11,11 @@ import torch
 import checkpoint
 import hf
 import prepare
-from conftest import HELLASWAG_FIXTURE, WORD_TEXT, write_checkpoint, write_word_tokenizer
-from hf import export_hf, load_hf, read_checkpoint
+from conftest import WORD_TEXT, write_checkpoint, write_word_tokenizer
+from hf import export_hf, load_hf
 from hf_layout import ARCHITECTURES, QWEN3_NEXT, hf_config, layout, to_hf
 from model import GPT, QWEN3_VALUES, ModelConfig
 from sample import generate
-from data import tokenizer_id
 from tokenizer import bpe_merges, get_tokenizer, load_tokenizer
 
 # The GPT-2 vocabulary (export checks it against the tokenizer), otherwise tiny: GQA, head_dim not
@@ -220,25 +218,6 @@ def test_export_writes_the_recorded_tokenizer_for_auto_tokenizer(word_tokenizer,
     assert enc.sha256 in (tmp_path / "hf" / "tokenizer_note.txt").read_text()
 
 
-def test_read_checkpoint_drops_extra_state(tmp_path):
-    model = tiny_model(True)
-    write_checkpoint(tmp_path / "ckpt.pt", model)
-    config, state = read_checkpoint(str(tmp_path / "ckpt.pt"))
-    assert config == model.config
-    assert list(state) == list(model.state_dict())
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process, as intended here
-def test_read_checkpoint_from_a_sharded_directory(tmp_path):
-    model = tiny_model(True)
-    write_checkpoint(tmp_path / "ckpt.pt", model)
-    checkpoint.file_to_dcp(str(tmp_path / "ckpt.pt"), str(tmp_path / "ckpt_dcp"))
-    config, state = read_checkpoint(str(tmp_path / "ckpt_dcp"))
-    original = model.state_dict()
-    assert config == model.config and list(state) == list(original)
-    assert all(torch.equal(state[k], original[k]) for k in original)
-
-
 def test_cli(tmp_path, capsys):
     model = tiny_model(False)
     write_checkpoint(tmp_path / "ckpt.pt", model)
@@ -411,58 +390,3 @@ def test_export_refuses_a_model_with_recipe_toggles_in_one_line(tmp_path):
         export_hf(config, {}, str(tmp_path / "out"))
     assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
     assert str(e.value).endswith("(a model trained with --mlp swiglu --no-unet-skips can)")
-
-
-def test_tools_refuse_a_tokenizer_other_than_the_one_the_checkpoint_recorded(tmp_path, capsys, train_in_process):
-    """A run on shards of one tokenizer; its --data prepared again (--overwrite) with another of the same size.
-    The checkpoint recorded the first: sample.py, hf.py and score.py each refuse the data's new tokenizer in one
-    line naming both; following the advice (--tokenizer with the first) samples, exports and scores."""
-    import sample
-    import score
-
-    words = WORD_TEXT.split()
-    first = write_word_tokenizer(tmp_path / "first.json", words, size=300)
-    other = write_word_tokenizer(tmp_path / "other.json", words[::-1], size=300)  # same size, other ids
-    (tmp_path / "docs.jsonl").write_text((json.dumps({"text": WORD_TEXT}) + "\n") * 200)
-    data, out = tmp_path / "data", tmp_path / "out"
-    prepare.prepare(tmp_path / "docs.jsonl", data, first, val_tokens=300)
-    run = train_in_process("--data", data, "--out-dir", out, "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-                           "--n-kv-head", "1", "--seq-len", "32", "--batch-size", "2", "--max-steps", "2",
-                           "--eval-interval", "0", "--device", "cpu", "--dtype", "fp32")
-    assert run.returncode == 0, run.stderr[-2000:]
-    meta = hf.trained_meta(str(out))
-    assert meta["tokenizer"] == tokenizer_id(load_tokenizer(first).record())
-    prepare.prepare(tmp_path / "docs.jsonl", data, other, val_tokens=300, overwrite=True)
-    capsys.readouterr()
-
-    tail = "(its data was prepared again since, or another tokenizer was given): pass {} ({})"
-    commands = {"sample": (sample.main, ["--ckpt", str(out), "--prompt", "the cat", "--max-new-tokens", "3",
-                                         "--greedy", "--device", "cpu"], "--tokenizer"),
-                "export": (hf.main, ["--ckpt", str(out), "--out", str(tmp_path / "hf")], "--tokenizer"),
-                "hellaswag": (score.main, ["--ckpt", str(out), "--task", "hellaswag", "--hellaswag-path",
-                                           HELLASWAG_FIXTURE, "--n", "1", "--device", "cpu"], "--tokenizer")}
-    for name, (main, argv, flag) in commands.items():
-        assert main(argv) == 2, name
-        err = [line for line in capsys.readouterr().err.splitlines() if "Traceback" in line or "error" in line]
-        assert len(err) == 1 and err[0].startswith(f"error: {out} was trained with the tokenizer {first} "), err
-        assert f", not the tokenizer {other} (sha256 " in err[0]
-        assert err[0].endswith(tail.format(f"{flag} with the one it was trained with", first)), err[0]
-        assert main([*argv, "--tokenizer", first]) == 0, (name, capsys.readouterr().err)
-        capsys.readouterr()
-    assert score.main(["--ckpt", str(out), "--task", "bpb", "--device", "cpu", "--n", "64"]) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if "Traceback" in line or "error" in line]
-    assert len(err) == 1 and err[0].endswith(tail.format("--data with shards prepared with it", first)), err
-
-
-def test_a_checkpoint_that_records_no_tokenizer_is_taken_with_a_note(tmp_path, capsys):
-    """Written before checkpoints recorded their tokenizer: a warning, not a refusal."""
-    import sample
-
-    model = tiny_model(False)
-    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": model.state_dict(),
-                          "optimizer": {}, "loader": {}, "rng": {}, "model_config": dataclasses.asdict(model.config),
-                          "train_config": {}}, str(tmp_path / "old.pt"))
-    assert sample.main(["--ckpt", str(tmp_path / "old.pt"), "--prompt", "a", "--max-new-tokens", "2", "--greedy",
-                        "--device", "cpu"]) == 0
-    assert capsys.readouterr().err == (f"note: {tmp_path / 'old.pt'} does not record the tokenizer it was trained "
-                                       "with (it was written before checkpoints did): gpt2 is taken unchecked\n")

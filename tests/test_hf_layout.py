@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from hf_layout import (QWEN3, QWEN3_NEXT, config_from_hf, exportable_problem, from_hf, gated_q_proj, hf_config,
-                       layout, our_names, split_gated_q_proj, to_hf)
+from hf_layout import (QWEN3, QWEN3_NEXT, config_from_hf, exportable_problem, from_hf, gated_q_proj, hf_config, layout,
+                       our_names, split_gated_q_proj, to_hf)
 from model import GPT, QWEN3_VALUES, ModelConfig
 
 TINY = ModelConfig(vocab_size=50257, n_layer=2, n_head=8, n_kv_head=2, n_embd=64, head_dim=16, ffn_dim=96,

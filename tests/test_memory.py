@@ -17,8 +17,8 @@ import train
 from cli import UsageError
 from config import ACT_CKPT_MODES, SpeedConfig
 from model import GPT, QWEN3_VALUES, ModelConfig
-from sizing import param_numels
 from optim import OptimConfig, build_optimizer, canonical_name, optimizer_state_bytes
+from sizing import param_numels
 
 CFG = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
 # A second shape: untied, head_dim set explicitly, an explicit ffn_dim, an odd number of layers.

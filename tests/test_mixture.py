@@ -7,13 +7,12 @@ import torch
 
 import score
 import train
-from cli import UsageError
+from cli import DataError, UsageError
 from conftest import TINY_FLAGS, spawn_on_gloo
-from data import DataError, ShardLoader
-from shards import write_data_record
-from shards import write_shard
-from mixture import (MIX_BLOCK, MixtureLoader, Source, check_sources, open_loader, parse_data, record_dir,
-                     row_sources, same_tokenizer)
+from data import ShardLoader
+from mixture import (MIX_BLOCK, MixtureLoader, Source, check_sources, open_loader, parse_data, record_dir, row_sources,
+                     same_tokenizer)
+from shards import write_data_record, write_shard
 
 T = 8
 WEB, CODE = 0, 3000  # each source's first token: a row's first token says which source and window it is
@@ -364,7 +363,7 @@ def test_bad_mixtures_are_one_line_at_start_up(tmp_path, capsys):
 def test_a_mixtures_val_figures_are_the_training_distributions(sources, monkeypatch):
     from config import EvalConfig
     from distributed import DistInfo
-    from train_eval import Evaluator
+    from evaluation import Evaluator
 
     evaluator = Evaluator(EvalConfig(), f"code={sources[0].dir}:0.2,web={sources[1].dir}:0.8", DistInfo(),
                           torch.device("cpu"), VOCAB, 0)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import fp8
-import model as model_module
 from fp8 import TE_MODULES, TEBlock, plain_to_te_state_dict, te_to_plain_state_dict
 from model import GPT, QWEN3_VALUES, ModelConfig
 

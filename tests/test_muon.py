@@ -1,5 +1,5 @@
 """Tests for muon.py: Muon against torch.optim.Muon, its recipe options, buckets, DDP and FSDP2 on gloo against one
-process, the compiled step against eager (muon_math.py's own functions: tests/test_muon_math.py)."""
+process, the compiled step against eager (update_math.py's own functions: tests/test_update_math.py)."""
 
 import functools
 import io
@@ -13,9 +13,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import muon
-import muon_math
 import optim
+import update_math
 from conftest import spawn_on_gloo, with_spectrum
+from muon import muon_momentum
 from optim import OptimConfig, build_optimizer
 from test_optim import RECIPE, ToyGPT, batches, matrix, train
 
@@ -23,8 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import muon_step  # noqa: E402  (its OpCounter and CollectiveCounter)
 
 
-
-def muon_group(params, row_blocks, lr=0.02, weight_decay=0.1):
+def muon_stacks(params, row_blocks, lr=0.02, weight_decay=0.1):
     return {"params": params, "names": [f"w{i}" for i in range(len(params))], "kind": "muon",
             "row_blocks": row_blocks, "lr": lr, "weight_decay": weight_decay}
 
@@ -55,7 +55,7 @@ def test_muon_matches_torch_muon(shape, scale, ns_dtype, monkeypatch):
     torch.manual_seed(0)
     ours_w = torch.randn(shape)
     ref_w = ours_w.clone()
-    ours = muon.Muon([muon_group([ours_w], [[shape[0]]], lr=0.02, weight_decay=0.1)], momentum=0.9,
+    ours = muon.Muon([muon_stacks([ours_w], [[shape[0]]], lr=0.02, weight_decay=0.1)], momentum=0.9,
                       ns_dtype=ns_dtype, muon_scale=scale)
     ref = torch.optim.Muon([ref_w], lr=0.02, weight_decay=0.1, momentum=0.9, adjust_lr_fn=scale)
     for _ in range(4):
@@ -76,9 +76,9 @@ def test_fused_qkv_update_is_three_independent_updates(scale):
     fused = torch.randn(sum(blocks), cols)
     parts = [t.clone() for t in fused.split(blocks)]
     whole = fused.clone()
-    opt_fused = muon.Muon([muon_group([fused], [blocks])], muon_scale=scale)
-    opt_parts = muon.Muon([muon_group(parts, [[r] for r in blocks])], muon_scale=scale)
-    opt_whole = muon.Muon([muon_group([whole], [[sum(blocks)]])], muon_scale=scale)
+    opt_fused = muon.Muon([muon_stacks([fused], [blocks])], muon_scale=scale)
+    opt_parts = muon.Muon([muon_stacks(parts, [[r] for r in blocks])], muon_scale=scale)
+    opt_whole = muon.Muon([muon_stacks([whole], [[sum(blocks)]])], muon_scale=scale)
     for _ in range(3):
         g = torch.randn(sum(blocks), cols)
         fused.grad, whole.grad = g.clone(), g.clone()
@@ -96,7 +96,7 @@ def test_muon_update_per_block_is_orthogonal_and_scaled():
     torch.manual_seed(0)
     blocks, cols = [16, 8, 8], 8
     w = torch.zeros(sum(blocks), cols)
-    opt = muon.Muon([muon_group([w], [blocks], lr=1.0, weight_decay=0.0)], momentum=0.0, muon_scale="original")
+    opt = muon.Muon([muon_stacks([w], [blocks], lr=1.0, weight_decay=0.0)], momentum=0.0, muon_scale="original")
     w.grad = torch.cat([with_spectrum(r, cols, 1.0, 0.1) * r for r in blocks])
     opt.step()
     for update, scale in zip((-w).split(blocks), [math.sqrt(2), 1.0, 1.0]):
@@ -118,7 +118,7 @@ def test_compiled_stack_step_tracks_eager_skips_exactly_and_resumes_eagerly():
     runs = []
     for compile in (False, True):
         ws = [nn.Parameter(w.clone()) for w in start]
-        runs.append((ws, muon.Muon([muon_group(ws, [[8, 4]] * 2)], ns_dtype="fp32", compile=compile)))
+        runs.append((ws, muon.Muon([muon_stacks(ws, [[8, 4]] * 2)], ns_dtype="fp32", compile=compile)))
     graphs = dynamo_utils.counters["stats"]["unique_graphs"]
     for step, step_grads in enumerate(grads[:3]):
         for ws, opt in runs:
@@ -313,7 +313,7 @@ def test_shard_rows_follow_torch_chunk():
 
 
 def test_assign_owners_balances_the_work():
-    costs = [muon_math.newton_schulz_flops(rows, cols) for rows, cols in
+    costs = [update_math.newton_schulz_flops(rows, cols) for rows, cols in
              [(768, 768), (256, 768), (256, 768), (768, 768), (2048, 768), (2048, 768), (768, 2048)] * 2]
     for world_size in (2, 3, 4):
         owners = muon.assign_owners(costs, world_size)
@@ -343,7 +343,7 @@ def traffic_worker(rank, world_size, out_dir):
         fully_shard(block)
     fully_shard(model)
     with pytest.raises(ValueError, match="laid out alike"):
-        muon.Muon([muon_group([matrix(4, 4), model.blocks[0].attn.proj.weight], [[4], [16]])])
+        muon.Muon([muon_stacks([matrix(4, 4), model.blocks[0].attn.proj.weight], [[4], [16]])])
     muon.MUON_BUCKET_BYTES = 4 * sum(p.numel() for n, p in model.blocks[0].named_parameters() if p.ndim == 2)
     opt = build_optimizer(model, OptimConfig(name="muon", ns_dtype="fp32", **RECIPE), model.row_blocks(), "cpu")
     x, y = batches(1, vocab=7)[0]
@@ -363,10 +363,10 @@ def test_batched_newton_schulz_equals_one_matrix_at_a_time():
     g = torch.Generator().manual_seed(0)
     blocks = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in
               [(8, 4), (4, 8), (8, 4), (6, 6), (8, 4), (4, 8)]]
-    ns = functools.partial(muon_math.newton_schulz, steps=5, dtype=torch.float64)
+    ns = functools.partial(update_math.newton_schulz, steps=5, dtype=torch.float64)
     batched = muon.orthogonalize_blocks(blocks, ns)
     for block, ortho in zip(blocks, batched):
-        torch.testing.assert_close(ortho, muon_math.newton_schulz(block, 5, torch.float64), rtol=0, atol=1e-12)
+        torch.testing.assert_close(ortho, update_math.newton_schulz(block, 5, torch.float64), rtol=0, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- recipe options (issue 14)
@@ -395,20 +395,20 @@ def test_muon_step_with_normuon_and_cautious_decay_by_hand():
     blocks, cols, lr, wd = [8, 4], 6, 0.1, 0.5
     w = torch.randn(sum(blocks), cols)
     w0, grad = w.clone(), torch.randn(sum(blocks), cols)
-    opt = muon.Muon([{**muon_group([w], [blocks], lr=lr, weight_decay=wd), "cautious_wd": True}], momentum=0.0,
+    opt = muon.Muon([{**muon_stacks([w], [blocks], lr=lr, weight_decay=wd), "cautious_wd": True}], momentum=0.0,
                      ns_dtype="fp64", ns_coeffs="polar-express", normuon_beta=0.9)
     w.grad = grad
     opt.step()
     for rows, start in zip(blocks, (0, 8)):
         block = slice(start, start + rows)
-        ortho = muon_math.newton_schulz(grad[block], 5, torch.float64, "polar-express").float()
+        ortho = update_math.newton_schulz(grad[block], 5, torch.float64, "polar-express").float()
         v = 0.1 * ortho.square().mean(1)
-        normed = ortho / (v.sqrt() + muon_math.NORMUON_EPS)[:, None]
+        normed = ortho / (v.sqrt() + update_math.NORMUON_EPS)[:, None]
         update = normed * ortho.norm() / normed.norm()
         decayed = torch.where(update * w0[block] >= 0, w0[block] * (1 - lr * wd), w0[block])
-        expected = decayed - lr * muon_math.muon_scale_factor(rows, cols, "match_rms_adamw") * update
+        expected = decayed - lr * update_math.muon_scale_factor(rows, cols, "match_rms_adamw") * update
         torch.testing.assert_close(w[block], expected, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(opt.state[w]["row_sq_avg"][:8], 0.1 * muon_math.newton_schulz(
+    torch.testing.assert_close(opt.state[w]["row_sq_avg"][:8], 0.1 * update_math.newton_schulz(
         grad[:8], 5, torch.float64, "polar-express").float().square().mean(1))
 
 
@@ -474,11 +474,17 @@ def test_muon_recipe_under_fsdp_with_a_sharded_resume_matches_single_process(tmp
 
 
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_muon_momentum_warmup_follows_schedule_muon_momentum_step_by_step(nesterov, monkeypatch):
-    from schedule import muon_momentum
+def test_muon_momentum_ramps_linearly_then_holds_exactly():
+    assert muon_momentum(0, 300, 0.85, 0.95) == 0.85
+    assert muon_momentum(150, 300, 0.85, 0.95) == pytest.approx(0.90)
+    assert muon_momentum(300, 300, 0.85, 0.95) == muon_momentum(10**6, 300, 0.85, 0.95) == 0.95
+    assert muon_momentum(0, 0, 0.85, 0.95) == 0.95  # no warm-up
+
+
+def test_muon_momentum_warmup_follows_muon_momentum_step_by_step(nesterov, monkeypatch):
 
     w = nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))
-    opt = muon.Muon([muon_group([w], [[4]], lr=0.0, weight_decay=0.0)], nesterov=nesterov, momentum=0.95,
+    opt = muon.Muon([muon_stacks([w], [[4]], lr=0.0, weight_decay=0.0)], nesterov=nesterov, momentum=0.95,
                      momentum_warmup=3, momentum_start=0.6)
     updates = []  # what enters Newton-Schulz: the (Nesterov-corrected) momentum
     original = muon.newton_schulz

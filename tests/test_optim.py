@@ -16,8 +16,11 @@ import config
 import optim
 import train as train_py
 from cli import UsageError
+from config import Config
 from conftest import TINY_FLAGS
+from model import ModelConfig
 from optim import OptimConfig, build_optimizer, describe_param_groups, optimizer_state_bytes
+from sizing import SizeConfig
 
 # ----------------------------------------------------------------------------- a stand-in model
 # Same parameter names and shapes as model.py's contract, with a cheap mixing rule in place of
@@ -111,7 +114,7 @@ MATRICES = ["attn.qkv.weight", "attn.proj.weight", "mlp.fc1_weight", "mlp.fc2_we
 NORMS = ["attn.qkv.layer_norm_weight", "attn.q_norm.weight", "attn.k_norm.weight", "mlp.layer_norm_weight"]
 
 
-def test_muon_groups_hidden_matrices_and_decays_only_matrices():
+def test_muon_stackss_hidden_matrices_and_decays_only_matrices():
     model = ToyGPT(n_layer=2, tied=False)
     opt = build_optimizer(model, OptimConfig(name="muon", lr=0.02, adam_lr=0.003, weight_decay=0.1),
                           model.row_blocks(), "cpu")
@@ -376,12 +379,26 @@ def test_value_embedding_tables_train_in_the_embeddings_group():
 def test_an_untied_muon_run_gets_the_embedding_and_head_lrs_the_recipe_sweep_chose():
     """10x and 2x the AdamW side's LR, resolved into the config (its config.toml, the recipe cache), for an
     untied head under Muon only: a tied matrix is also the head, and AdamW runs have no AdamW side of their own."""
-    muon = OptimConfig(name="muon", adam_lr=1.5e-3)
-    assert optim.untied_lr_defaults(muon, tied=False) == {"embed_lr": 0.015, "head_lr": 0.003}
-    assert optim.untied_lr_defaults(muon, tied=True) == {}
-    assert optim.untied_lr_defaults(OptimConfig(name="adamw"), tied=False) == {}
+    def values(cfg, tied, width=None):
+        return {name: value for name, (value, _) in optim.default_lrs(cfg, tied, width).items()}
+
+    muon = OptimConfig(name="muon", lr=6e-3, adam_lr=1.5e-3)
+    assert values(muon, tied=False) == {"embed_lr": 0.015, "head_lr": 0.003}
+    assert values(muon, tied=True) == {}
+    assert values(OptimConfig(name="adamw", lr=3e-3), tied=False) == {}
     given = dataclasses.replace(muon, head_lr=1e-3)  # a given LR stays; the other is still derived
-    assert optim.untied_lr_defaults(given, tied=False) == {"embed_lr": 0.015}
+    assert values(given, tied=False) == {"embed_lr": 0.015}
+
+
+def test_every_lr_default_is_decided_by_default_lrs_and_scales_with_width_under_the_dial():
+    """The registry's LRs at the default width; 1/width under the size dial (width given), each with its rule;
+    the untied embedding and head follow the derived AdamW side."""
+    lrs = optim.default_lrs(OptimConfig(name="muon"), tied=False, width=512)
+    assert lrs["lr"] == (0.0015, "0.006·128/n_embd; held at widths 128-512, docs/sizing.md")
+    assert (lrs["adam_lr"][0], lrs["embed_lr"][0], lrs["head_lr"][0]) == (0.00075, 0.0075, 0.0015)
+    assert optim.default_lrs(OptimConfig(name="adamw"), tied=True) == {"lr": (0.003, "0.003")}
+    assert Config().optim.lr == 6e-3 and Config(size=SizeConfig(depth=8), model=ModelConfig(n_embd=512)).optim.lr \
+        == 0.0015  # config.Config is where a run's are set
 
 
 @pytest.mark.parametrize("bad,message", [

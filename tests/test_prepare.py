@@ -22,13 +22,13 @@ import pytest
 import tokenizers
 
 import data
-import shards
 import prepare
+import shards
 import sources
 import split
-from cli import UsageError
+from cli import DataError, UsageError
 from conftest import WORD_TEXT, split_by_hand, write_word_tokenizer
-from data import DataError, ShardLoader
+from data import ShardLoader
 from shards import read_shard, write_shard
 from tokenizer import TrainingText
 

@@ -3,9 +3,7 @@ checkpoint's meta, metrics.jsonl, summary.json, config.toml), mutated field by f
 swapped for one of another type or out of range, a field added), is read and used without a traceback: it
 works, or it is refused in one line naming the file and the field."""
 
-import dataclasses
 import json
-import os
 
 import numpy as np
 import pytest
@@ -14,18 +12,17 @@ import torch
 import checkpoint
 import config
 import data
-import shards
 import records
 import report
+import shards
 import split
 from checkpoint import CheckpointError
-from cli import UsageError
+from cli import DataError, UsageError
 from conftest import write_checkpoint
-from data import DataError
-from hf import read_checkpoint
 from model import GPT, ModelConfig
-from runlog import MetricsError, read_metrics
+from runlog import MetricsError
 from shards import file_sha256, write_shard
+from trained import read_checkpoint
 
 SWAPS = [None, "x", -1, 1.5, True, [], {}, 10**30]
 REFUSALS = (CheckpointError, DataError, MetricsError, UsageError, ValueError)

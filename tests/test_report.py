@@ -8,8 +8,8 @@ import signal
 import pytest
 import torch
 
-import report
 import loop
+import report
 import train
 from conftest import TINY_FLAGS
 

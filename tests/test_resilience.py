@@ -16,17 +16,17 @@ import torch
 
 import checkpoint
 import cli
+import loop
 import model
 import plan
-import telemetry
-import loop
 import runlog
+import telemetry
 import train
-from shards import write_shard
-from memory import fits_by_trying, largest_fitting_batch, micro_batch_for
-from schedule import lr_multiplier
-from resilience import EarlyStopping, Guard, LossHealth, StopSignals
 from conftest import step_values
+from memory import fits_by_trying, largest_fitting_batch, micro_batch_for
+from resilience import EarlyStopping, Guard, LossHealth, StopSignals
+from schedule import lr_multiplier
+from shards import write_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",

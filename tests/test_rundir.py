@@ -16,7 +16,6 @@ from cli import UsageError
 from config import CheckpointConfig
 from conftest import REPO, TINY_FLAGS
 
-
 NO_CHECKPOINT = r"--resume: --out-dir d holds no checkpoint to resume from: "
 
 

@@ -1,4 +1,3 @@
-import dataclasses
 import math
 import os
 import re
@@ -204,7 +203,8 @@ def test_cli_prints_text(tmp_path, capsys, source, gated):
     path = tmp_path / "ckpt.pt"
     write_checkpoint(path, model)
     if source == "hf":
-        from hf import export_hf, read_checkpoint
+        from hf import export_hf
+        from trained import read_checkpoint
 
         path = tmp_path / "hf"
         export_hf(*read_checkpoint(str(tmp_path / "ckpt.pt")), str(path))
@@ -257,7 +257,8 @@ def test_cli_samples_with_the_tokenizer_the_model_was_trained_with(word_tokenize
     """A checkpoint's data.json names a 70,001-id tokenizer.json: sample.py encodes and decodes with it, from
     the checkpoint (through its recorded --data) and from its export (through the export's tokenizer.json)."""
     import prepare
-    from hf import export_hf, read_checkpoint
+    from hf import export_hf
+    from trained import read_checkpoint
 
     (tmp_path / "docs.jsonl").write_text('{"text": "the cat sat"}\n' * 4)
     prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "data", word_tokenizer, val_tokens=4)

@@ -8,7 +8,7 @@ import pytest
 import config
 import schedule
 from cli import UsageError
-from schedule import lr_multiplier, muon_momentum, schedule_warning
+from schedule import lr_multiplier, schedule_warning
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd"])
@@ -48,13 +48,6 @@ def test_the_decay_fraction_grows_with_the_runs_steps_between_the_measured_lengt
     assert fractions == sorted(fractions)
     assert schedule.decay_frac_rule() == ("0.2 to 64 steps, 0.4 from 128, by log steps between; measured to 256 "
                                           "steps, docs/sizing.md")
-
-
-def test_muon_momentum_ramps_linearly_then_holds_exactly():
-    assert muon_momentum(0, 300, 0.85, 0.95) == 0.85
-    assert muon_momentum(150, 300, 0.85, 0.95) == pytest.approx(0.90)
-    assert muon_momentum(300, 300, 0.85, 0.95) == muon_momentum(10**6, 300, 0.85, 0.95) == 0.95
-    assert muon_momentum(0, 0, 0.85, 0.95) == 0.95  # no warm-up
 
 
 def test_a_cosine_run_too_short_to_decay_is_warned_and_one_that_decays_is_not():

@@ -14,15 +14,14 @@ import tokenizers
 import torch
 
 import checkpoint
-import train_eval
+import evaluation
 import hf
 import prepare
 import score
 import train
-from cli import UsageError
+from cli import DataError, UsageError
 from conftest import REPO, TINY_FLAGS, gpt2_model, write_tiny_shards
-from data import DataError
-from train_eval import load_hellaswag
+from evaluation import load_hellaswag
 from model import GPT, IGNORE_INDEX, QWEN3_VALUES, ModelConfig
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.jsonl")
@@ -168,7 +167,7 @@ def test_score_says_why_there_is_no_val_bpb(tmp_path, tiny_data, capsys, monkeyp
     def unavailable(data_dir):
         raise DataError("could not load tokenizer 'cl100k_base'")
 
-    monkeypatch.setattr(train_eval, "data_tokenizer", unavailable)
+    monkeypatch.setattr(evaluation, "data_tokenizer", unavailable)
     model, ckpt = gpt2_model(), str(tmp_path / "ckpt.pt")
     checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": model.state_dict(),
                           "model_config": dataclasses.asdict(model.config), "train_config": {},

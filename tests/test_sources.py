@@ -1,7 +1,6 @@
 import random
 
 import pytest
-
 import regex
 import tiktoken_ext.openai_public as openai_public
 

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 import split
+from cli import DataError
 from conftest import split_by_hand
-from tokenizer import DataError
 
 EOT = 9
 

@@ -9,9 +9,9 @@ import types
 import pytest
 
 import config
-import telemetry
 import loop
 import runlog
+import telemetry
 import train
 from cli import UsageError
 from conftest import TINY_FLAGS, step_values

@@ -4,13 +4,13 @@ import subprocess
 
 import pytest
 import tiktoken
-import tokenizers
 import tiktoken.load
 import tiktoken.registry
+import tokenizers
 
 import tokenizer
+from cli import DataError
 from conftest import WORD_TEXT, no_network, write_word_tokenizer
-from tokenizer import DataError
 
 EOT = 50256
 R50K_FILE = hashlib.sha1(tokenizer.R50K_URL.encode()).hexdigest()

@@ -16,7 +16,6 @@ import config
 import plan
 import runlog
 import train
-
 from conftest import REPO, TINY_FLAGS as TINY_MODEL, write_tiny_shards
 
 
@@ -413,7 +412,7 @@ def test_samples_run_under_the_training_autocast(tiny_data):
     autocast the sample's first matmul would mix dtypes."""
     import torch
 
-    from train_eval import Evaluator
+    from evaluation import Evaluator
     from model import GPT, ModelConfig
 
     cfg = config.parse_args(["--sample-tokens", "3", "--sample-prompt", "x"]).eval

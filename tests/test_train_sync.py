@@ -9,8 +9,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import config
-import optim
 import loop
+import optim
 import train
 from conftest import TINY_FLAGS
 

@@ -1,7 +1,10 @@
-"""The arithmetic of a Muon update, as functions of tensors that know nothing of optimizers or ranks:
-Newton-Schulz with its polynomials (the quintic, Polar Express) and which blocks share a batched call,
-NorMuon's row normalisation, cautious weight decay and the update's scale. muon.py holds the optimizer: its
-state, the stacks it steps and the split of the work across ranks.
+"""An update's arithmetic: Newton-Schulz, NorMuon's rows, the update's scale, cautious weight decay.
+
+The arithmetic of an optimizer's update, as functions of tensors that know nothing of optimizers or ranks:
+Muon's Newton-Schulz with its polynomials (the quintic, Polar Express) and which blocks share a batched call,
+NorMuon's row normalisation and the update's scale; cautious weight decay, which AdamW uses too; the step's
+scalars on the device. muon.py holds the optimizer: its state, the stacks it steps and the split of the work
+across ranks; optim.py holds AdamW.
 """
 
 import math
@@ -16,7 +19,7 @@ NS_COEFF_SCHEMES = ("quintic", "polar-express")
 # Polar Express (Amsel, Persson, Musco, Gower 2025, Algorithm 1): per iteration, the odd quintic a x + b x^3 +
 # c x^5 that is the minimax (equioscillating) approximation of 1 on the interval the previous ones leave, from
 # [1e-3, 1], cushioned at 0.0240733 x the upper end and recentred on 1; the 8th repeats from then on.
-# tests/test_muon_math.py re-derives them. Each but the last is applied as p(x / 1.01) against round-off growth.
+# tests/test_update_math.py re-derives them. Each but the last is applied as p(x / 1.01) against round-off growth.
 POLAR_EXPRESS_COEFFICIENTS = (
     (8.28721201814563, -23.595886519098837, 17.300387312530933),
     (4.107059111542203, -2.9478499167379106, 0.5448431082926601),

@@ -1,4 +1,6 @@
-"""Evaluation during training (and after it, through score.py): validation loss and bits per byte over a fixed
+"""Evaluator: validation loss and bits per byte, HellaSwag, samples, during training and in score.py.
+
+Evaluation during training (and after it, through score.py): validation loss and bits per byte over a fixed
 slice of the val split, HellaSwag accuracy, and a text sample, at a cadence the Evaluator decides itself.
 
     evaluator = Evaluator(cfg.eval, data, info, device, vocab_size, seed)   # data: --data, one dir or a mixture
@@ -32,13 +34,13 @@ import torch
 import distributed
 import hardware
 import split
-from cli import UsageError, first_line, plural
-from data import DataError, ShardLoader, data_tokenizer, padded_vocab
-from shards import data_record
+from cli import DataError, UsageError, first_line, plural
+from data import ShardLoader, data_tokenizer, padded_vocab
 from mixture import Source, is_mixture, label, parse_data, record_dir
 from model import IGNORE_INDEX
 from progress import Progress
 from sample import sample_text
+from shards import data_record
 from telemetry import message
 from tokenizer import Tokenizer, load_tokenizer
 

@@ -1,7 +1,9 @@
-"""Muon's step for all of a group's matrices in one process (one device, or a DDP rank that takes the whole step):
+"""Muon's step in one process: a group's matrices as stacks in flat buffers, a fixed number of operations.
+
+Muon's step for all of a group's matrices in one process (one device, or a DDP rank that takes the whole step):
 the matrices in stacks of one shape, row split and dtype, their momenta in one flat buffer a dtype, each stack a
 view of it, so that a step is a few operations on whole buffers and stacks, the same number whatever the depth.
-muon.py keeps the buffers (GroupViews) and calls group_step_, compiled or not; muon_math.py holds the arithmetic.
+muon.py keeps the buffers (GroupViews) and calls group_step_, compiled or not; update_math.py holds the arithmetic.
 """
 
 import math
@@ -9,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-from muon_math import NS_EPS, cautious_decay_, normuon_rows, per_step, scalar_dtype, wide, wide_batches
+from update_math import NS_EPS, cautious_decay_, normuon_rows, per_step, scalar_dtype, wide, wide_batches
 
 
 class GroupLayout(NamedTuple):
@@ -39,7 +41,7 @@ def stack_views(flats: list, layout: GroupLayout) -> list[torch.Tensor]:
 
 
 def wide_blocks(update_flats: list, layout: GroupLayout) -> list[list[torch.Tensor]]:
-    """blocks[s][k]: stack s's row block k of the updates, turned wide (muon_math.wide) as Newton-Schulz takes it."""
+    """blocks[s][k]: stack s's row block k of the updates, turned wide (update_math.wide) as Newton-Schulz takes it."""
     return [[wide(block) for block in (u.split(split, dim=1) if len(split) > 1 else (u,))]
             for u, split in zip(stack_views(update_flats, layout), layout.splits)]
 

@@ -1,4 +1,4 @@
-"""train_eval.py: per-token losses, validation bits per byte, the HellaSwag loader and scorer (score.py's figures
+"""evaluation.py: per-token losses, validation bits per byte, the HellaSwag loader and scorer (score.py's figures
 from a checkpoint and an export: tests/test_score.py)."""
 
 import json
@@ -15,16 +15,15 @@ import torch.nn.functional as F
 
 import config
 import distributed
-import train_eval
+import evaluation
 import prepare
 import train
-from cli import UsageError
+from cli import DataError, UsageError
 from conftest import REPO, TINY_FLAGS, WORD_TEXT, gpt2_model
-from data import DataError
-from shards import write_shard
-from train_eval import (Evaluator, Example, bits_per_byte, bpb_sums, choice_batch, ending_scores, load_hellaswag,
-                      token_byte_lengths)
+from evaluation import (Evaluator, Example, bits_per_byte, bpb_sums, choice_batch, ending_scores, load_hellaswag,
+                        token_byte_lengths)
 from model import GPT, IGNORE_INDEX, ModelConfig, linear_cross_entropy
+from shards import write_shard
 from tokenizer import get_tokenizer, load_tokenizer
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.jsonl")
@@ -160,7 +159,7 @@ def test_an_unloadable_tokenizer_leaves_val_bpb_out_and_training_goes_on(word_da
     def unavailable(data_dir):
         raise DataError("could not load tokenizer 'cl100k_base'")
 
-    monkeypatch.setattr(train_eval, "data_tokenizer", unavailable)
+    monkeypatch.setattr(evaluation, "data_tokenizer", unavailable)
     model = word_model()
     evaluator = Evaluator(eval_config("--eval-tokens", "32"), word_data, distributed.DistInfo(), torch.device("cpu"),
                           70_001, seed=0)
@@ -188,28 +187,28 @@ def test_hellaswag_and_the_prompt_use_the_recorded_tokenizer(word_data, word_tok
 
 
 def test_eval_batches_never_read_a_val_window_twice():
-    assert train_eval.eval_batches(16384, 1000, 4, 32, 1) == 128  # the split holds more than is asked for
-    assert train_eval.eval_batches(16384, 62, 4, 32, 1) == 15  # 62 windows hold 15 whole batches of 4
-    assert train_eval.eval_batches(16384, 62, 4, 32, 3) == 5  # a batch of 4 on each of 3 ranks takes 12 windows
-    assert train_eval.eval_batches(10, 62, 4, 32, 1) == 1  # at least one batch
-    assert train_eval.eval_batches(16384, 3, 4, 32, 1) == 1  # even when the split holds less than one
-    assert train_eval.eval_tokens_note(256, 62, 2000, 4, 32, 1) is None
-    assert train_eval.eval_tokens_note(256, 3, 100, 4, 32, 1) == (
+    assert evaluation.eval_batches(16384, 1000, 4, 32, 1) == 128  # the split holds more than is asked for
+    assert evaluation.eval_batches(16384, 62, 4, 32, 1) == 15  # 62 windows hold 15 whole batches of 4
+    assert evaluation.eval_batches(16384, 62, 4, 32, 3) == 5  # a batch of 4 on each of 3 ranks takes 12 windows
+    assert evaluation.eval_batches(10, 62, 4, 32, 1) == 1  # at least one batch
+    assert evaluation.eval_batches(16384, 3, 4, 32, 1) == 1  # even when the split holds less than one
+    assert evaluation.eval_tokens_note(256, 62, 2000, 4, 32, 1) is None
+    assert evaluation.eval_tokens_note(256, 3, 100, 4, 32, 1) == (
         "note: the val split (100 tokens) holds 3 windows of 32, fewer than one batch on every rank; each eval "
         "reads 128 tokens (1 batch of 4 x 32 on each of 1 rank), some twice")
-    assert train_eval.eval_tokens_note(256, 1, 33, 4, 32, 1).startswith("note: the val split (33 tokens) holds 1 window "
+    assert evaluation.eval_tokens_note(256, 1, 33, 4, 32, 1).startswith("note: the val split (33 tokens) holds 1 window "
                                                                       "of 32, fewer")
 
 
 
 def test_eval_tokens_below_one_batch_say_they_round_up():
-    assert train_eval.eval_tokens_note(1, 62, 2000, 4, 32, 1) == (
+    assert evaluation.eval_tokens_note(1, 62, 2000, 4, 32, 1) == (
         "note: --eval-tokens 1 rounds up to one whole batch: each eval reads 128 tokens (1 batch of 4 x 32 on "
         "each of 1 rank)")
-    assert train_eval.eval_tokens_note(300, 62, 2000, 4, 32, 3) == (
+    assert evaluation.eval_tokens_note(300, 62, 2000, 4, 32, 3) == (
         "note: --eval-tokens 300 rounds up to one whole batch: each eval reads 384 tokens (1 batch of 4 x 32 on "
         "each of 3 ranks)")
-    assert train_eval.eval_tokens_note(128, 62, 2000, 4, 32, 1) is None  # exactly one batch
+    assert evaluation.eval_tokens_note(128, 62, 2000, 4, 32, 1) is None  # exactly one batch
 
 
 @pytest.mark.parametrize("phase", ["val", "hellaswag"])
@@ -241,7 +240,7 @@ def test_eval_tokens_beyond_the_val_split_read_it_once_with_one_note(tmp_path, c
     write_shard(tmp_path / "train_000000.bin", np.arange(2000), vocab_size=50257)
     write_shard(tmp_path / "val_000000.bin", np.arange(2000), vocab_size=50257)
     # Each rank's own sums: the all-reduce (a mean) is replaced by this rank's share of it.
-    monkeypatch.setattr(train_eval.distributed, "mean_across_ranks", lambda value, info: value / info.world_size)
+    monkeypatch.setattr(evaluation.distributed, "mean_across_ranks", lambda value, info: value / info.world_size)
     batches = 15 // world_size
     seen = []
 
@@ -418,8 +417,8 @@ def test_ranks_split_the_examples(monkeypatch):
     expected = whole.hellaswag(model)
     # Each rank's own share: the all-reduce (a mean) is replaced by this rank's count over the world size,
     # and rank 0's broadcast of the rows by the rows.
-    monkeypatch.setattr(train_eval.distributed, "mean_across_ranks", lambda value, info: value / info.world_size)
-    monkeypatch.setattr(train_eval.distributed, "broadcast_object", lambda obj, info: (load_hellaswag(FIXTURE), None))
+    monkeypatch.setattr(evaluation.distributed, "mean_across_ranks", lambda value, info: value / info.world_size)
+    monkeypatch.setattr(evaluation.distributed, "broadcast_object", lambda obj, info: (load_hellaswag(FIXTURE), None))
     forwards, total = [], {"hellaswag_acc": 0.0, "hellaswag_acc_sum": 0.0}
     for rank in range(3):
         info = distributed.DistInfo(rank=rank, world_size=3)

@@ -1,4 +1,4 @@
-"""Tests for muon_group.py: where a group's stacks lie in its flat buffers, the views a step uses, and a step whose
+"""Tests for muon_stacks.py: where a group's stacks lie in its flat buffers, the views a step uses, and a step whose
 matrices change between steps (the optimizer itself against torch.optim.Muon: tests/test_muon.py)."""
 
 import copy
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import muon
+from muon_stacks import group_layout, group_views, stack_views
 from optim import optimizer_state_bytes
-from muon_group import group_layout, group_views, stack_views
 
 
 def test_group_layout_puts_each_dtypes_stacks_one_after_another_in_its_own_buffer():

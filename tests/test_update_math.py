@@ -1,4 +1,4 @@
-"""Tests for muon_math.py: Newton-Schulz's quintic band and Polar Express's polynomials (re-derived from the paper's
+"""Tests for update_math.py: Newton-Schulz's quintic band and Polar Express's polynomials (re-derived from the paper's
 construction), which blocks share a Newton-Schulz call, NorMuon's rows and cautious decay."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import muon_math
+import update_math
 from conftest import with_spectrum
 
 
@@ -15,7 +15,7 @@ def test_newton_schulz_singular_values_in_quintic_band():
     # max on the band is p(0.5545) = 1.2023 and its local min is p(1.050) = 0.6818.
     torch.manual_seed(0)
     for rows, cols in [(32, 16), (16, 16), (8, 16)]:
-        s = torch.linalg.svdvals(muon_math.newton_schulz(with_spectrum(rows, cols, 3.0, 0.3), 5, torch.float32))
+        s = torch.linalg.svdvals(update_math.newton_schulz(with_spectrum(rows, cols, 3.0, 0.3), 5, torch.float32))
         assert s.min() > 0.68 and s.max() < 1.21, (rows, cols, s)
 
 
@@ -54,15 +54,15 @@ def polar_express_construction(lo, steps, cushion=0.02407327424182761):
 
 
 def test_polar_express_coefficients_are_the_papers_construction():
-    derived = polar_express_construction(1e-3, len(muon_math.POLAR_EXPRESS_COEFFICIENTS))
-    for ours, theirs in zip(muon_math.POLAR_EXPRESS_COEFFICIENTS, derived):
+    derived = polar_express_construction(1e-3, len(update_math.POLAR_EXPRESS_COEFFICIENTS))
+    for ours, theirs in zip(update_math.POLAR_EXPRESS_COEFFICIENTS, derived):
         assert ours == pytest.approx(theirs, rel=1e-8, abs=1e-12)
-    schedule, safety = muon_math.ns_coefficients("polar-express", 10)
+    schedule, safety = update_math.ns_coefficients("polar-express", 10)
     assert safety == 1.01 and len(schedule) == 10
-    a, b, c = muon_math.POLAR_EXPRESS_COEFFICIENTS[0]
+    a, b, c = update_math.POLAR_EXPRESS_COEFFICIENTS[0]
     assert schedule[0] == (a / 1.01, b / 1.01**3, c / 1.01**5)
     assert schedule[7:] == [(1.875, -1.25, 0.375)] * 3  # the last, unscaled, repeats
-    assert muon_math.ns_coefficients("quintic", 3) == ([muon_math.NS_COEFFICIENTS] * 3, 1.0)
+    assert update_math.ns_coefficients("quintic", 3) == ([update_math.NS_COEFFICIENTS] * 3, 1.0)
 
 
 @pytest.mark.parametrize("shape", [(32, 64), (64, 64), (96, 32)])
@@ -71,8 +71,8 @@ def test_polar_express_is_closer_to_the_polar_factor_than_the_quintic(shape):
     m = torch.randn(shape, generator=g)
     u, _, vh = torch.linalg.svd(m.double(), full_matrices=False)
     polar = u @ vh
-    errors = {(coeffs, steps): (muon_math.newton_schulz(m, steps, torch.float32, coeffs).double() - polar).norm()
-              / polar.norm() for coeffs in muon_math.NS_COEFF_SCHEMES for steps in (5, 8)}
+    errors = {(coeffs, steps): (update_math.newton_schulz(m, steps, torch.float32, coeffs).double() - polar).norm()
+              / polar.norm() for coeffs in update_math.NS_COEFF_SCHEMES for steps in (5, 8)}
     # Closer at Muon's 5 steps; and it keeps converging, where the quintic stalls near 0.2 by design (a square
     # Gaussian matrix has singular values below the 1e-3 the polynomials were built for, so it is slower there).
     assert errors["polar-express", 5] < errors["quintic", 5], errors
@@ -83,37 +83,37 @@ def test_normuon_evens_out_the_rows_and_keeps_the_rms():
     g = torch.Generator().manual_seed(0)
     ortho = torch.randn(6, 10, generator=g) * torch.tensor([0.1, 1, 2, 3, 4, 5])[:, None]
     state = torch.zeros(6)
-    out = muon_math.normuon_rows(ortho, state, beta=0.9)
+    out = update_math.normuon_rows(ortho, state, beta=0.9)
     torch.testing.assert_close(state, 0.1 * ortho.square().mean(1))
     row_norms = out.norm(dim=1)
     torch.testing.assert_close(row_norms, row_norms.mean().expand(6), rtol=1e-5, atol=0)
     torch.testing.assert_close(out.norm(), ortho.norm())
-    zeros = muon_math.normuon_rows(torch.zeros(3, 4), torch.zeros(3), beta=0.9)  # no gradient yet: no NaN
+    zeros = update_math.normuon_rows(torch.zeros(3, 4), torch.zeros(3), beta=0.9)  # no gradient yet: no NaN
     assert torch.equal(zeros, torch.zeros(3, 4))
 
 
 def test_cautious_decay_only_where_update_and_parameter_agree():
     param = torch.tensor([1.0, -1.0, 2.0, -2.0, 0.0, 3.0])
     update = torch.tensor([0.5, -0.5, -0.5, 0.5, 1.0, 0.0])
-    muon_math.cautious_decay_(param, update, 0.1)
+    update_math.cautious_decay_(param, update, 0.1)
     assert param.tolist() == pytest.approx([0.9, -0.9, 2.0, -2.0, 0.0, 2.7])
     agree, plain = torch.tensor([1.0, -2.0]), torch.tensor([1.0, -2.0])
-    muon_math.cautious_decay_(agree, torch.tensor([3.0, -1.0]), 0.1)
+    update_math.cautious_decay_(agree, torch.tensor([3.0, -1.0]), 0.1)
     assert torch.equal(agree, plain.mul_(1 - 0.1))
 
 
 def test_wide_batches_put_blocks_of_one_shape_once_turned_wide_in_one_call():
     shapes = [(1280, 768), (768, 768), (6144, 768), (768, 3072)]  # GPT-2 small's qkv, proj, fc1, fc2
     splits = [(768, 256, 256), (768,), (3072, 3072), (768,)]
-    assert muon_math.wide_batches(shapes, splits) == [[(0, 0), (1, 0)], [(0, 1), (0, 2)], [(2, 0), (2, 1), (3, 0)]]
-    assert muon_math.wide_batches([(4, 8), (16, 4)], [(4,), (8, 8)]) == [[(0, 0), (1, 0), (1, 1)]]
+    assert update_math.wide_batches(shapes, splits) == [[(0, 0), (1, 0)], [(0, 1), (0, 2)], [(2, 0), (2, 1), (3, 0)]]
+    assert update_math.wide_batches([(4, 8), (16, 4)], [(4,), (8, 8)]) == [[(0, 0), (1, 0), (1, 1)]]
 
 
 def test_newton_schulz_with_an_infinite_eps_gives_zeros():
     """A skipped step's eps: the division by norm + inf makes any finite input zeros, which the iteration keeps."""
     g = torch.randn(3, 4, 6)
     for dtype in (torch.bfloat16, torch.float32):
-        out = muon_math.newton_schulz(g, 5, dtype, eps=torch.tensor(math.inf))
+        out = update_math.newton_schulz(g, 5, dtype, eps=torch.tensor(math.inf))
         assert out.dtype == dtype and torch.equal(out, torch.zeros_like(out))
-    assert torch.equal(muon_math.newton_schulz(g, 5, torch.float32, eps=torch.tensor(muon_math.NS_EPS)),
-                       muon_math.newton_schulz(g, 5, torch.float32))
+    assert torch.equal(update_math.newton_schulz(g, 5, torch.float32, eps=torch.tensor(update_math.NS_EPS)),
+                       update_math.newton_schulz(g, 5, torch.float32))
