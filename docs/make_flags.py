@@ -87,23 +87,27 @@ def render() -> str:
     return "\n".join(lines)
 
 
+def write_or_check(path: str, text: str, check: bool, command: str) -> int:
+    """Write a generated page (or, with check, exit 1 when the page there differs from text); docs/make_map.py
+    shares it."""
+    if check:
+        current = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+        if current != text:
+            print(f"{path} is stale: run {command}", file=sys.stderr)
+            return 1
+        return 0
+    temporary = path + ".tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(temporary, path)
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/flags.md is stale; write nothing")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        current = open(FLAGS_MD, encoding="utf-8").read() if os.path.exists(FLAGS_MD) else ""
-        if current != text:
-            print(f"{FLAGS_MD} is stale: run python docs/make_flags.py", file=sys.stderr)
-            return 1
-        return 0
-    temporary = FLAGS_MD + ".tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(temporary, FLAGS_MD)
-    print(f"wrote {FLAGS_MD}")
-    return 0
+    return write_or_check(FLAGS_MD, render(), parser.parse_args(argv).check, "python docs/make_flags.py")
 
 
 if __name__ == "__main__":

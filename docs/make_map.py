@@ -17,6 +17,9 @@ import glob
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_flags import write_or_check  # noqa: E402
+
 DOCS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(DOCS)
 README = os.path.join(REPO, "README.md")
@@ -90,20 +93,8 @@ def render(readme: str, trees: dict[str, ast.Module]) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 if the README's map is stale; write nothing")
-    args = parser.parse_args(argv)
-    current = open(README, encoding="utf-8").read()
-    text = render(current, product_files())
-    if args.check:
-        if current != text:
-            print(f"{README}'s map is stale: run python docs/make_map.py", file=sys.stderr)
-            return 1
-        return 0
-    temporary = README + ".tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(temporary, README)
-    print(f"wrote {README}")
-    return 0
+    text = render(open(README, encoding="utf-8").read(), product_files())
+    return write_or_check(README, text, parser.parse_args(argv).check, "python docs/make_map.py")
 
 
 if __name__ == "__main__":

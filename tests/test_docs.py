@@ -54,6 +54,14 @@ def test_the_map_takes_a_files_first_paragraph_and_keeps_the_other_rows():
         make_map.rows({"nodoc": ast.parse("x = 1\n")})
 
 
+def test_make_map_check_fails_on_a_stale_map_and_a_run_rewrites_it(tmp_path, monkeypatch):
+    stale = read(README).replace("| `train.py` |", "| `train.py` | typed by hand |", 1)
+    (tmp_path / "README.md").write_text(stale)
+    monkeypatch.setattr(make_map, "README", str(tmp_path / "README.md"))
+    assert make_map.main(["--check"]) == 1
+    assert make_map.main([]) == 0 and read(tmp_path / "README.md") == read(README)
+
+
 def test_split_default_takes_only_a_single_trailing_default():
     assert make_flags.split_default("tokens per shard (default: 100)") == ("tokens per shard", "100")
     inside = "the split (default: train), or none"
