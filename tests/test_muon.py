@@ -473,7 +473,6 @@ def test_muon_recipe_under_fsdp_with_a_sharded_resume_matches_single_process(tmp
         torch.testing.assert_close(resumed.get_parameter(name), p, rtol=0, atol=1e-10, msg=name)
 
 
-@pytest.mark.parametrize("nesterov", [True, False])
 def test_muon_momentum_ramps_linearly_then_holds_exactly():
     assert muon_momentum(0, 300, 0.85, 0.95) == 0.85
     assert muon_momentum(150, 300, 0.85, 0.95) == pytest.approx(0.90)
@@ -481,6 +480,7 @@ def test_muon_momentum_ramps_linearly_then_holds_exactly():
     assert muon_momentum(0, 0, 0.85, 0.95) == 0.95  # no warm-up
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
 def test_muon_momentum_warmup_follows_muon_momentum_step_by_step(nesterov, monkeypatch):
 
     w = nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))
