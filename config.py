@@ -10,7 +10,7 @@ sizing.SizeConfig), so that code which uses a model or an optimizer without trai
 the sections only a training run has live here. This file is the schema: it imports only the sections' homes
 and the ground below them, and the modules that act on a setting import from here.
 
-Everything that can be checked from the flags alone is checked in validate() before anything is built; the
+Everything that can be checked from the flags alone is checked (checks.validate) before anything is built; the
 quantities derived from several flags (grad accumulation, tokens per step, max steps) are defined once, in
 batch.py. A Config is not changed after start-up.
 """
@@ -20,21 +20,20 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import math
 import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
 
-import fp8
+import checks
 import optim
 import sizing
 from atomic import write_synced
 from cli import ArgumentParser, UsageError, int_or_auto
 from fp8 import FP8Config
 from model import INIT_ONLY_FIELDS, ModelConfig
-from optim import OPTIMIZERS, OptimConfig, with_property
-from option import option
+from optim import OptimConfig
+from option import flag_name, option
 from sizing import SizeConfig
 
 PROFILE_WAIT, PROFILE_ACTIVE = 5, 3  # torch.profiler: steps skipped, then steps traced (telemetry.py)
@@ -237,10 +236,6 @@ SECTION_TITLES = {
 # ----------------------------------------------------------------------------- the generated parser
 
 
-def flag_name(f: dataclasses.Field) -> str:
-    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
-
-
 def _value_type(cls, f: dataclasses.Field):
     """The type a flag's text converts to: metadata "type", else the field's annotation (X | None -> X)."""
     if "type" in f.metadata:
@@ -332,12 +327,12 @@ def parse_command_line(argv=None, description: str | None = None, machine_checks
     if given.get("schedule.max_tokens", 1) < 1:  # 0 is the field's "unset", not a length a user can ask for
         raise UsageError(f"--max-tokens must be >= 1, got {given['schedule.max_tokens']}")
     as_given = _config(given)
-    _refuse([*_integer_problems(as_given), *_dial_problems(as_given)])
+    checks.refuse([*checks.integer_problems(as_given), *checks.dial_problems(as_given)])
     if data_vocab and not as_given.ckpt.from_hf:  # --from-hf's directory gives the shape, vocabulary included
         vocab = data_vocab(as_given.data.data, as_given.model.vocab_size)
         given = given if vocab == as_given.model.vocab_size else {**given, "model.vocab_size": vocab}
     cfg = _config({**sizing.resolve(given, DataConfig.batch_size), **given})
-    validate(cfg, () if cfg.speed.estimate_memory else machine_checks)
+    checks.validate(cfg, () if cfg.speed.estimate_memory else machine_checks)
     return cfg, command_line
 
 
@@ -546,131 +541,6 @@ def check_resume(saved: dict, cfg: Config) -> list[str]:
 def describe_change(change: tuple) -> str:
     key, old, new = change
     return f"{key} {old!r} -> {new!r}"
-
-
-# ----------------------------------------------------------------------------- start-up checks
-
-
-def validate(cfg: Config, machine_checks=()) -> None:
-    """Every check that needs only the flags, and those of the machine that cost nothing (machine_checks:
-    functions Config -> problems, such as CUDA or a W&B key); UsageError with one line naming every problem at
-    once, so that a user fixes a command in one round. Shapes against the machine (FP8, memory) are checked in
-    fp8.prepare and train.setup, still before the first step."""
-    machine = [problem for check in machine_checks for problem in check(cfg)]
-    problems = [*_range_problems(cfg), *_combination_problems(cfg), *machine]
-    for check in (cfg.model.validate, lambda: fp8.check_fp8_flags(cfg.fp8.mode, cfg.fp8.recipe, cfg.fp8.attn)):
-        try:
-            check()
-        except ValueError as e:
-            problems.append(str(e))
-    _refuse(problems)
-
-
-def _refuse(problems: list[str]) -> None:
-    """UsageError with one line naming every problem, if there is one."""
-    if len(problems) == 1:
-        raise UsageError(problems[0])
-    if problems:
-        raise UsageError(f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
-
-
-def _flag_values(*sections):
-    """(flag, value) of every field of these config sections."""
-    for values in sections:
-        for f in dataclasses.fields(values):
-            yield flag_name(f), getattr(values, f.name)
-
-
-def _finite_problems(cfg: Config):
-    """Every float flag: nan and inf pass every comparison below unnoticed (nan < 0 is False)."""
-    for flag, value in _flag_values(*vars(cfg).values()):
-        if isinstance(value, float) and not math.isfinite(value):
-            yield f"{flag} must be a finite number, got {value}"
-
-
-def _integer_problems(cfg: Config):
-    """Every integer flag, as given: no tensor, file format or C library takes more than 64 bits, and the size
-    checks' float arithmetic (parameters x 4 bytes / 2**30) overflows long before Python's ints do. Checked
-    before the size dial, whose derived values (tokens of a huge model) may rightly be larger."""
-    for flag, value in _flag_values(*vars(cfg).values()):
-        if type(value) is int and not -2**63 <= value < 2**63:
-            yield f"{flag} must be a 64-bit integer, in [-2**63, 2**63), got {value}"
-
-
-# The model sizes the size dial computes with: each must be a positive count when it is given.
-DIAL_SIZES = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim", "ffn_dim", "max_seq_len")
-
-
-def _dial_problems(cfg: Config):
-    """The size dial's own ranges, and when it runs (--depth, --preset), the sizes it computes with, as given,
-    checked before it does: a width of 0 divides by zero, a negative one makes a negative parameter count.
-    validate checks the sizes again, with everything else."""
-    try:
-        cfg.size.validate()
-    except ValueError as e:
-        yield str(e)
-    if cfg.size.depth is None and cfg.size.preset is None:
-        return
-    sizes = [(flag_name(f), getattr(cfg.model, f.name)) for f in dataclasses.fields(cfg.model)
-             if f.name in DIAL_SIZES and getattr(cfg.model, f.name) is not None]
-    if cfg.data.batch_size != "auto":
-        sizes.append(("--batch-size", cfg.data.batch_size))
-    yield from (f"{flag} must be >= 1, got {value}" for flag, value in sizes if value < 1)
-
-
-def _range_problems(cfg: Config):
-    yield from _finite_problems(cfg)
-    d, s, e = cfg.data, cfg.schedule, cfg.eval
-    positive = {"--batch-size": 1 if d.batch_size == "auto" else d.batch_size, "--grad-accum": d.grad_accum,
-                "--seq-len": cfg.model.max_seq_len, "--log-interval": cfg.log.log_interval,
-                "--keep-ckpts": cfg.ckpt.keep_ckpts}
-    yield from (f"{name} must be >= 1, got {value}" for name, value in positive.items() if value < 1)
-    non_negative = {"--max-steps": s.max_steps, "--max-tokens": s.max_tokens, "--warmup": s.warmup,
-                    "--sample-tokens": e.sample_tokens, "--eval-interval": e.eval_interval,
-                    "--eval-hellaswag": e.eval_hellaswag,
-                    "--ckpt-interval": cfg.ckpt.ckpt_interval, "--total-batch-tokens": d.total_batch_tokens,
-                    "--grad-clip": s.grad_clip, "--peak-tflops": cfg.log.peak_tflops, "--seed": d.seed,
-                    "--loss-chunk-tokens": cfg.speed.loss_chunk_tokens}
-    yield from (f"{name} must be >= 0, got {value}" for name, value in non_negative.items() if value < 0)
-    if e.eval_interval and e.eval_tokens < 1:
-        yield "--eval-tokens must be >= 1 when evaluating"
-    if d.seed >= 2**63:
-        yield f"--seed must be < 2**63, got {d.seed}"
-    r = cfg.resilience
-    if (r.max_bad_steps < 1 or not 0 < r.rollback_lr_factor <= 1 or r.spike_factor < 0 or r.early_stop_patience < 0
-            or r.max_rollbacks < 0):
-        yield ("--max-bad-steps must be >= 1, --rollback-lr-factor in (0, 1], --spike-factor, --early-stop-patience "
-               "and --max-rollbacks >= 0")
-    if not 0 <= s.min_lr_ratio <= 1 or not 0 < s.decay_frac <= 1:
-        yield "--min-lr-ratio must be in [0, 1] and --decay-frac in (0, 1]"
-    if s.batch_warmup_steps < 0 or not 0 < s.batch_warmup_start <= 1:
-        yield "--batch-warmup-steps must be >= 0 and --batch-warmup-start in (0, 1]"
-    if s.batch_warmup_steps and d.grad_accum == 1 and not d.total_batch_tokens:
-        yield "--batch-warmup-steps ramps the micro-steps of each step: it needs --grad-accum > 1 (or --total-batch-tokens)"
-    if cfg.dist.ddp_bucket_mb <= 0:
-        yield f"--ddp-bucket-mb must be positive, got {cfg.dist.ddp_bucket_mb}"
-
-
-def _combination_problems(cfg: Config):
-    """Combinations that cannot work, refused at start-up instead of crashing mid-run."""
-    mode = cfg.dist.dist
-    if cfg.data.batch_size == "auto":
-        if not cfg.data.total_batch_tokens or mode == "fsdp":
-            yield ("--batch-size auto needs --total-batch-tokens (the global batch it keeps), and --dist none or ddp "
-                   "(under FSDP2 a probe that runs out of memory would stall the other ranks)")
-    if mode == "fsdp" and cfg.speed.dtype == "fp16":
-        yield "--dist fsdp with --dtype fp16 is not supported (needs a sharded grad scaler); use bf16"
-    if mode == "fsdp" and not OPTIMIZERS[cfg.optim.name].fsdp:
-        yield (f"--optimizer {cfg.optim.name} does not support FSDP2's sharded (DTensor) parameters; use --optimizer "
-               f"{' or '.join(with_property('fsdp'))}, or --dist ddp")
-    if cfg.ckpt.overwrite and cfg.ckpt.resume == "on":
-        yield "--overwrite replaces an earlier run and --resume continues it: give one of them"
-    if cfg.eval.eval_hellaswag and not cfg.eval.eval_interval:
-        yield "--eval-hellaswag runs at evals: it needs --eval-interval > 0"
-    if cfg.speed.target_gpu and not cfg.speed.estimate_memory:
-        yield "--target-gpu names the GPU for --estimate-memory; a training run uses the GPU it runs on"
-    if cfg.fp8.mode == "te" and cfg.eval.sample_tokens:
-        yield "--sample-tokens needs the plain backend's KV cache; it does not run with --fp8 te"
 
 
 # ----------------------------------------------------------------------------- comparing configurations

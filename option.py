@@ -6,10 +6,15 @@ their fields into flags, --help and docs/flags.md, so a field's default and help
 A leaf: it imports nothing of the project, so that model.py stays readable on its own.
 """
 
-from dataclasses import field
+from dataclasses import Field, field
 
 
 def option(default, help, **flag):
     """A config field: its default, its help text and, where the flag needs them, its flag name, choices or
     type (flag="--optimizer", choices=(...), type=...)."""
     return field(default=default, metadata={"help": help, **flag})
+
+
+def flag_name(f: Field) -> str:
+    """A field's flag: its metadata's "flag", else --the-field-name."""
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))

@@ -24,6 +24,7 @@ import config
 import hardware
 from atomic import atomic_write, replace_with
 from cli import ArgumentParser, UsageError, first_line, report_error
+from option import flag_name
 from progress import duration
 from rundir import CONFIG_FILE, CURVES_FILE, REPORT_FILE, SUMMARY_FILE
 from runlog import METRICS_FILE, MetricsError, is_count, read_metrics
@@ -127,7 +128,7 @@ def config_rows(values: dict) -> list[tuple[str, str, str, str]]:
     """(setting, flag, this run's value, the default) of every setting in `values` ("section.field" -> value, as
     config.read_config_file gives OUT/config.toml) that differs from config.Config's default."""
     defaults = config.flat_values(config.Config())
-    flags = {f"{section.name}.{f.name}": config.flag_name(f) for section in fields(config.Config)
+    flags = {f"{section.name}.{f.name}": flag_name(f) for section in fields(config.Config)
              for f in fields(section.default_factory)}
     return [(key, f"`{flags[key]}`", shown(value), shown(defaults[key]))
             for key, value in values.items() if key in defaults and value != defaults[key]]

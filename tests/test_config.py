@@ -16,6 +16,7 @@ import telemetry
 from cli import UsageError
 from config import Config
 from conftest import TINY_FLAGS
+from option import flag_name
 from test_structure import import_graph, product_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +38,7 @@ def test_every_field_has_one_flag_with_help():
     assert len(flags) == len(set(flags))
     for section, _, f in all_fields():
         action = actions[f"{section}.{f.name}"]
-        assert config.flag_name(f) in action.option_strings
+        assert flag_name(f) in action.option_strings
         assert f.metadata["help"] and f.metadata["help"] in action.help, f.name
 
 
@@ -139,7 +140,7 @@ def test_config_imports_only_the_homes_of_its_sections():
     homes = {section.default_factory.__module__ for section in dataclasses.fields(Config)} - {"config"}
     assert homes == {"model", "optim", "fp8", "sizing"}
     graph = import_graph(product_files())
-    assert graph["config"] == homes | {"cli", "atomic", "option"}  # and the ground: errors, file writes, fields
+    assert graph["config"] == homes | {"cli", "atomic", "option", "checks"}  # the ground, and its start-up checks
 
 
 # ----------------------------------------------------------------------------- configuration files

@@ -1,0 +1,139 @@
+"""Every check a run's settings get from the flags alone, before anything is built: ranges, combinations
+that cannot work, and the size dial's inputs; one UsageError naming every problem at once.
+
+    validate(cfg, machine_checks)    # config.parse_command_line's last step; cfg: a config.Config
+
+Each check reads a Config's sections by name and yields the problems it finds, in the flags' own words, so
+that a user fixes a command in one round. Shapes against the machine (FP8, memory) are checked later, still
+before the first step (fp8.prepare, headroom.py).
+"""
+
+import dataclasses
+import math
+
+import fp8
+from cli import UsageError
+from optim import OPTIMIZERS, with_property
+from option import flag_name
+
+
+def validate(cfg, machine_checks=()) -> None:
+    """Every check that needs only the flags, and those of the machine that cost nothing (machine_checks:
+    functions Config -> problems, such as CUDA or a W&B key); UsageError with one line naming every problem at
+    once, so that a user fixes a command in one round. Shapes against the machine (FP8, memory) are checked in
+    fp8.prepare and train.setup, still before the first step."""
+    machine = [problem for check in machine_checks for problem in check(cfg)]
+    problems = [*_range_problems(cfg), *_combination_problems(cfg), *machine]
+    for check in (cfg.model.validate, lambda: fp8.check_fp8_flags(cfg.fp8.mode, cfg.fp8.recipe, cfg.fp8.attn)):
+        try:
+            check()
+        except ValueError as e:
+            problems.append(str(e))
+    refuse(problems)
+
+
+def refuse(problems: list[str]) -> None:
+    """UsageError with one line naming every problem, if there is one."""
+    if len(problems) == 1:
+        raise UsageError(problems[0])
+    if problems:
+        raise UsageError(f"{len(problems)} problems: " + "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1)))
+
+
+def _flag_values(*sections):
+    """(flag, value) of every field of these config sections."""
+    for values in sections:
+        for f in dataclasses.fields(values):
+            yield flag_name(f), getattr(values, f.name)
+
+
+def _finite_problems(cfg):
+    """Every float flag: nan and inf pass every comparison below unnoticed (nan < 0 is False)."""
+    for flag, value in _flag_values(*vars(cfg).values()):
+        if isinstance(value, float) and not math.isfinite(value):
+            yield f"{flag} must be a finite number, got {value}"
+
+
+def integer_problems(cfg):
+    """Every integer flag, as given: no tensor, file format or C library takes more than 64 bits, and the size
+    checks' float arithmetic (parameters x 4 bytes / 2**30) overflows long before Python's ints do. Checked
+    before the size dial, whose derived values (tokens of a huge model) may rightly be larger."""
+    for flag, value in _flag_values(*vars(cfg).values()):
+        if type(value) is int and not -2**63 <= value < 2**63:
+            yield f"{flag} must be a 64-bit integer, in [-2**63, 2**63), got {value}"
+
+
+# The model sizes the size dial computes with: each must be a positive count when it is given.
+DIAL_SIZES = ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "head_dim", "ffn_dim", "max_seq_len")
+
+
+def dial_problems(cfg):
+    """The size dial's own ranges, and when it runs (--depth, --preset), the sizes it computes with, as given,
+    checked before it does: a width of 0 divides by zero, a negative one makes a negative parameter count.
+    validate checks the sizes again, with everything else."""
+    try:
+        cfg.size.validate()
+    except ValueError as e:
+        yield str(e)
+    if cfg.size.depth is None and cfg.size.preset is None:
+        return
+    sizes = [(flag_name(f), getattr(cfg.model, f.name)) for f in dataclasses.fields(cfg.model)
+             if f.name in DIAL_SIZES and getattr(cfg.model, f.name) is not None]
+    if cfg.data.batch_size != "auto":
+        sizes.append(("--batch-size", cfg.data.batch_size))
+    yield from (f"{flag} must be >= 1, got {value}" for flag, value in sizes if value < 1)
+
+
+def _range_problems(cfg):
+    yield from _finite_problems(cfg)
+    d, s, e = cfg.data, cfg.schedule, cfg.eval
+    positive = {"--batch-size": 1 if d.batch_size == "auto" else d.batch_size, "--grad-accum": d.grad_accum,
+                "--seq-len": cfg.model.max_seq_len, "--log-interval": cfg.log.log_interval,
+                "--keep-ckpts": cfg.ckpt.keep_ckpts}
+    yield from (f"{name} must be >= 1, got {value}" for name, value in positive.items() if value < 1)
+    non_negative = {"--max-steps": s.max_steps, "--max-tokens": s.max_tokens, "--warmup": s.warmup,
+                    "--sample-tokens": e.sample_tokens, "--eval-interval": e.eval_interval,
+                    "--eval-hellaswag": e.eval_hellaswag,
+                    "--ckpt-interval": cfg.ckpt.ckpt_interval, "--total-batch-tokens": d.total_batch_tokens,
+                    "--grad-clip": s.grad_clip, "--peak-tflops": cfg.log.peak_tflops, "--seed": d.seed,
+                    "--loss-chunk-tokens": cfg.speed.loss_chunk_tokens}
+    yield from (f"{name} must be >= 0, got {value}" for name, value in non_negative.items() if value < 0)
+    if e.eval_interval and e.eval_tokens < 1:
+        yield "--eval-tokens must be >= 1 when evaluating"
+    if d.seed >= 2**63:
+        yield f"--seed must be < 2**63, got {d.seed}"
+    r = cfg.resilience
+    if (r.max_bad_steps < 1 or not 0 < r.rollback_lr_factor <= 1 or r.spike_factor < 0 or r.early_stop_patience < 0
+            or r.max_rollbacks < 0):
+        yield ("--max-bad-steps must be >= 1, --rollback-lr-factor in (0, 1], --spike-factor, --early-stop-patience "
+               "and --max-rollbacks >= 0")
+    if not 0 <= s.min_lr_ratio <= 1 or not 0 < s.decay_frac <= 1:
+        yield "--min-lr-ratio must be in [0, 1] and --decay-frac in (0, 1]"
+    if s.batch_warmup_steps < 0 or not 0 < s.batch_warmup_start <= 1:
+        yield "--batch-warmup-steps must be >= 0 and --batch-warmup-start in (0, 1]"
+    if s.batch_warmup_steps and d.grad_accum == 1 and not d.total_batch_tokens:
+        yield "--batch-warmup-steps ramps the micro-steps of each step: it needs --grad-accum > 1 (or --total-batch-tokens)"
+    if cfg.dist.ddp_bucket_mb <= 0:
+        yield f"--ddp-bucket-mb must be positive, got {cfg.dist.ddp_bucket_mb}"
+
+
+def _combination_problems(cfg):
+    """Combinations that cannot work, refused at start-up instead of crashing mid-run."""
+    mode = cfg.dist.dist
+    if cfg.data.batch_size == "auto":
+        if not cfg.data.total_batch_tokens or mode == "fsdp":
+            yield ("--batch-size auto needs --total-batch-tokens (the global batch it keeps), and --dist none or ddp "
+                   "(under FSDP2 a probe that runs out of memory would stall the other ranks)")
+    if mode == "fsdp" and cfg.speed.dtype == "fp16":
+        yield "--dist fsdp with --dtype fp16 is not supported (needs a sharded grad scaler); use bf16"
+    if mode == "fsdp" and not OPTIMIZERS[cfg.optim.name].fsdp:
+        yield (f"--optimizer {cfg.optim.name} does not support FSDP2's sharded (DTensor) parameters; use --optimizer "
+               f"{' or '.join(with_property('fsdp'))}, or --dist ddp")
+    if cfg.ckpt.overwrite and cfg.ckpt.resume == "on":
+        yield "--overwrite replaces an earlier run and --resume continues it: give one of them"
+    if cfg.eval.eval_hellaswag and not cfg.eval.eval_interval:
+        yield "--eval-hellaswag runs at evals: it needs --eval-interval > 0"
+    if cfg.speed.target_gpu and not cfg.speed.estimate_memory:
+        yield "--target-gpu names the GPU for --estimate-memory; a training run uses the GPU it runs on"
+    if cfg.fp8.mode == "te" and cfg.eval.sample_tokens:
+        yield "--sample-tokens needs the plain backend's KV cache; it does not run with --fp8 te"
