@@ -124,6 +124,9 @@ def _combination_problems(cfg):
         if not cfg.data.total_batch_tokens or mode == "fsdp":
             yield ("--batch-size auto needs --total-batch-tokens (the global batch it keeps), and --dist none or ddp "
                    "(under FSDP2 a probe that runs out of memory would stall the other ranks)")
+    if cfg.speed.activation_dtype == "bf16" and cfg.speed.dtype in ("fp16", "fp32"):
+        yield (f"--activation-dtype bf16 runs between bf16 autocast's GEMMs: it needs --dtype bf16 (or auto), not "
+               f"{cfg.speed.dtype}")
     if mode == "fsdp" and cfg.speed.dtype == "fp16":
         yield "--dist fsdp with --dtype fp16 is not supported (needs a sharded grad scaler); use bf16"
     if mode == "fsdp" and not OPTIMIZERS[cfg.optim.name].fsdp:

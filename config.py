@@ -165,6 +165,10 @@ class SpeedConfig:
                                 "where a probe matmul runs faster; else fp32); fp16 adds a GradScaler", choices=DTYPES)
     tf32: bool = option(True, "CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa); --no-tf32 keeps them "
                               "true fp32")
+    activation_dtype: str = option("fp32", "the residual stream between bf16 autocast's GEMMs: fp32 (autocast's "
+                                           "own), or bf16 end to end (norms accumulate in fp32 inside their "
+                                           "kernels; parameters, optimizer state and the loss stay fp32)",
+                                   choices=("fp32", "bf16"))
     compile: str = option("off", "torch.compile mode for the model (Muon's step compiles too, in default mode)",
                           choices=("off", "default", "reduce-overhead", "max-autotune"))
     act_ckpt: str = option("none", "activation checkpointing: every block, every other block, or each "

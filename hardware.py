@@ -154,6 +154,25 @@ def resolve_dtype(requested: str, device: torch.device) -> tuple[torch.dtype | N
     return None, "fp32 (requested)"
 
 
+def activation_dtype(requested: str, autocast_dtype: torch.dtype | None) -> torch.dtype | None:
+    """--activation-dtype as model.GPT.activation_dtype: None keeps the residual stream float32 (autocast's own);
+    bf16 runs it in bf16. UsageError where the run's autocast is not bf16 (--dtype auto that chose fp32)."""
+    if requested == "fp32":
+        return None
+    if autocast_dtype != torch.bfloat16:
+        raise UsageError("--activation-dtype bf16 runs between bf16 autocast's GEMMs, and this run has none "
+                         "(--dtype resolved to fp32 or fp16): leave --activation-dtype fp32")
+    return torch.bfloat16
+
+
+def describe_precision(dtype_reason: str, activation: torch.dtype | None, autocast_dtype) -> str:
+    """The start-up table's precision row: the autocast dtype and why, and under autocast the residual stream's."""
+    if autocast_dtype is None:
+        return dtype_reason
+    stream = "bf16 end to end" if activation == torch.bfloat16 else "fp32 between the GEMMs"
+    return f"{dtype_reason}; activations {stream} (--activation-dtype)"
+
+
 def autocast(device: torch.device, dtype: torch.dtype | None):
     """torch's autocast to `dtype` for a forward pass, or a no-op for plain fp32 (dtype None)."""
     return nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)

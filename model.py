@@ -253,10 +253,15 @@ def _offset_causal_mask(T: int, start: int, device: torch.device) -> torch.Tenso
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in x's dtype. Under FSDP2's mixed precision a block's weights arrive in bf16 while the
-    residual stream stays float32 (as under DDP); with mixed dtypes PyTorch falls back from its fused kernel,
-    so the weight is cast to x's dtype instead."""
-    return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
+    """RMSNorm computed in x's dtype (its kernels accumulate in float32 for bf16). CUDA's autocast would run it
+    in float32 and return float32 for a bf16 x (the QK-norm's, or a bf16 residual stream's), so it is left out
+    of autocast. Under FSDP2's mixed precision a block's weights arrive in bf16 while the residual stream stays
+    float32 (as under DDP); with mixed dtypes PyTorch falls back from its fused kernel, so the weight is cast to
+    x's dtype instead."""
+    if x.dtype == torch.float32 or not torch.is_autocast_enabled(x.device.type):
+        return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
+    with torch.autocast(x.device.type, enabled=False):
+        return F.rms_norm(x, weight.shape, weight.to(x.dtype), eps)
 
 
 def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
@@ -560,6 +565,9 @@ def value_embed_layers(config: ModelConfig) -> dict[int, int]:
 
 class GPT(nn.Module):
     loss_chunk_tokens = LOSS_CHUNK_TOKENS  # tokens per chunk of the fused lm_head + loss (linear_cross_entropy)
+    # The residual stream's dtype, or None for the embedding's (float32): under bf16 autocast the GEMMs run in
+    # bf16 either way, and bf16 here halves the bytes of every norm, gate and residual add between them.
+    activation_dtype: torch.dtype | None = None
 
     def __init__(self, config: ModelConfig, block: type[Block] = Block):
         """block: the class of every transformer block; a subclass of Block with the same parameter names
@@ -645,8 +653,8 @@ class GPT(nn.Module):
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} positions, {start + T} needed")
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        x = self.embed(idx)
-        tables = [table(idx) for table in self.value_embeds] if self.config.value_embeds else []
+        x = self.embed(idx).to(self.activation_dtype or self.embed.weight.dtype)
+        tables = [table(idx).to(x.dtype) for table in self.value_embeds] if self.config.value_embeds else []
         n_skips = self.config.n_layer // 2 if self.config.unet_skips else 0
         skips = []  # outputs of the first n_skips blocks; block n_layer-1-i takes skips[i]
         ve_slots = {layer: slot for slot, layer in enumerate(self.ve_layers)}  # value_embed_lambdas' index

@@ -19,7 +19,7 @@ import sizing
 from batch import describe_epochs, plan_warnings
 from cli import plural
 from config import flat_values
-from hardware import cpu_bf16_warning, cpu_flags
+from hardware import cpu_bf16_warning, cpu_flags, describe_precision
 from loop import Run
 from optim import describe_param_groups
 from runlog import TENSORBOARD_DIR
@@ -102,7 +102,7 @@ def startup_rows(run: Run, sources: list, reasons: dict, planned_tokens: int) ->
         ("device", f"{run.device.type} ({reasons['device']})"),
         ("distributed", f"{info.mode}, {plural(info.world_size, 'process', 'processes')}" if info.mode != "none"
                         else "off (single process)"),
-        ("precision", reasons["dtype"]),
+        ("precision", describe_precision(reasons["dtype"], run.model.activation_dtype, run.autocast_dtype)),
         ("TF32 matmuls", reasons["tf32"]),
         ("size", sizing.describe(cfg.size, flat_values(cfg))),
         ("model", f"{run.model.num_params() / 1e6:.2f}M params, {plural(m.n_layer, 'layer')}, d={m.n_embd}, "

@@ -91,6 +91,7 @@ def test_flags_land_in_their_section(argv, section, name, value):
     (["--ddp-bucket-mb", "0"], "--ddp-bucket-mb must be positive"),
     (["--n-layer", str(10**20)], "--n-layer must be a 64-bit integer"),
     (["--n-embd", str(-10**30)], "--n-embd must be a 64-bit integer"),
+    (["--activation-dtype", "bf16", "--dtype", "fp32"], "--activation-dtype bf16 .* needs --dtype bf16 .*not fp32$"),
 ])
 def test_contradictions_are_caught_from_the_flags_alone(argv, message):
     with pytest.raises(UsageError, match=message):

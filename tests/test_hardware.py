@@ -8,6 +8,7 @@ import torch
 
 import config
 import hardware
+from cli import UsageError
 from conftest import REPO
 
 
@@ -96,3 +97,16 @@ def test_bf16_on_a_cpu_without_native_bf16_is_warned():
     assert hardware.cpu_bf16_warning("bf16", "cpu", {"avx2", "avx512_bf16"}) is None
     assert hardware.cpu_bf16_warning("auto", "cpu", {"avx2"}) is None  # auto decides by itself
     assert hardware.cpu_bf16_warning("bf16", "cuda", set()) is None
+
+
+def test_activation_dtype_needs_bf16_autocast_and_the_precision_row_says_which_stream_runs():
+    assert hardware.activation_dtype("fp32", torch.bfloat16) is None
+    assert hardware.activation_dtype("bf16", torch.bfloat16) == torch.bfloat16
+    for resolved in (None, torch.float16):  # --dtype auto that chose fp32; fp16 on a GPU
+        with pytest.raises(UsageError, match="^--activation-dtype bf16 runs between bf16 autocast's GEMMs, and this"):
+            hardware.activation_dtype("bf16", resolved)
+    assert hardware.describe_precision("fp32 (requested)", None, None) == "fp32 (requested)"
+    assert hardware.describe_precision("bf16 autocast (requested)", torch.bfloat16, torch.bfloat16) == (
+        "bf16 autocast (requested); activations bf16 end to end (--activation-dtype)")
+    assert hardware.describe_precision("bf16 autocast (requested)", None, torch.bfloat16).endswith(
+        "activations fp32 between the GEMMs (--activation-dtype)")

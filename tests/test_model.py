@@ -631,3 +631,35 @@ def test_the_chunk_gradient_is_softmax_minus_one_hot_bit_for_bit_and_zero_on_ign
     expected.scatter_add_(1, targets.clamp(min=0)[:, None], torch.full((6, 1), -1.0))
     expected[3] = 0.0
     assert torch.equal(grad, expected)
+
+
+def test_bf16_activations_keep_the_residual_stream_in_bf16_and_the_loss_in_fp32():
+    """GPT.activation_dtype (--activation-dtype bf16): under bf16 autocast every block takes and returns bf16 (the
+    value embeddings' and skips' too), the loss is float32 and within bf16's error of the float32 stream's, the
+    parameters and their gradients stay float32; compiled as one graph it is what eager gives."""
+    cfg = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32, value_embeds=1,
+                      unet_skips=True)
+    idx = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), generator=torch.Generator().manual_seed(0))
+
+    def run(activation_dtype, compiled=False):
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        model.activation_dtype = activation_dtype
+        dtypes = []
+        for block in model.blocks:
+            block.register_forward_hook(lambda module, args, out: dtypes.append((args[0].dtype, out.dtype)))
+        forward = torch.compile(model, backend="aot_eager", fullgraph=True) if compiled else model
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = forward(idx, idx)[1]
+        loss.backward()
+        return loss, dtypes, {n: p.grad for n, p in model.named_parameters()}, model
+
+    loss32, dtypes32, _, _ = run(None)
+    loss16, dtypes16, grads, model = run(torch.bfloat16)
+    assert set(dtypes32) == {(torch.float32, torch.float32)} and set(dtypes16) == {(torch.bfloat16, torch.bfloat16)}
+    assert loss16.dtype == torch.float32 and abs(loss16.item() - loss32.item()) < 0.02 * loss32.item()
+    assert {p.dtype for p in model.parameters()} == {g.dtype for g in grads.values()} == {torch.float32}
+    compiled_loss, _, compiled_grads, _ = run(torch.bfloat16, compiled=True)
+    torch.testing.assert_close(compiled_loss, loss16, rtol=1e-3, atol=1e-3)
+    for name, grad in grads.items():
+        torch.testing.assert_close(compiled_grads[name], grad, rtol=2e-2, atol=2e-3, msg=name)
