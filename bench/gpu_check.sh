@@ -9,8 +9,13 @@
 #     bash bench/gpu_check.sh fp8    OUT   # bf16 against TE and torchao FP8 at about 1B (d=2048, seq 2048) -> OUT/fp8_1b.md
 #     bash bench/gpu_check.sh gate   OUT   # gpt2-124m's step with and without attention gates -> OUT/gate.md
 #     bash bench/gpu_check.sh all    OUT   # all of them in a row (about 28 minutes)
-#     bash bench/gpu_check.sh lease  OUT   # tests, the gates' cost, TE FP8 at 1B: one command (at most 8 min 10 s)
+#     bash bench/gpu_check.sh lease  OUT   # what decides a default first, within 8 min 30 s -> OUT/lease.md
 #
+# lease: the 124M step profiled in each mode a default could take (bf16 autocast, --activation-dtype bf16, CUDA
+# graphs through --compile reduce-overhead), then the FP8 rungs at about 1B profiled the same way (bf16, TE
+# current and delayed scaling, TE with FP8 attention, torchao tensorwise and rowwise), then the GPU tests, each
+# started only while the budget (LEASE_BUDGET_S, 510 s) has room for it; OUT/lease.md gathers each rung's tokens/s,
+# MFU and ms by kernel category from its profile_*.md.
 # tests: TE vs plain parity on the same weights, TE FP8 (both recipes, FP8 attention) through train.py, the
 # activation estimate against CUDA's saved tensors. ladder: bench/ladder.py on its GPU defaults (12 layers,
 # d=768, head_dim 128, batch 16 x 1024). mfu: the gpt2-124m preset at batch 8 and 16 for each sequence length.
@@ -171,6 +176,64 @@ run_gate() { # [LIMIT_S for each]: GPT2_124M with and without the attention gate
         --attn-gate --no-attn-gate
 }
 
+LEASE_BUDGET_S=${LEASE_BUDGET_S:-510}
+# A lighter profile for the lease: 3 warm-up steps (compilation), 2 timed windows of 4 steps, 2 profiled steps.
+LEASE_PROFILE="--warmup-steps 3 --windows 2 --steps-per-window 4 --steps 2"
+
+room() { # NEEDED_S NAME: whether the lease's budget still has NEEDED_S seconds; else NAME's row says it was skipped
+    if [ $((LEASE_BUDGET_S - SECONDS)) -ge "$1" ]; then return 0; fi
+    echo "| $2 | skipped: needs $1 s, $((LEASE_BUDGET_S - SECONDS)) s of ${LEASE_BUDGET_S} left | | | | | | | | |" \
+        | tee -a "$OUT/lease.md"
+    return 1
+}
+
+lease_rung() { # NAME LIMIT_S [train.py flags]: one profiled rung if the budget has room: a row of lease.md, its
+    # whole profile onto lease_profiles.md (5 files in all come back: the device returns at most 8)
+    local name=$1 limit=$2 rc md
+    shift 2
+    room "$limit" "$name" || return 0
+    # shellcheck disable=SC2086
+    run_profile "$name" "$limit" $LEASE_PROFILE "$@"
+    rc=$?
+    md="$OUT/profile_$name.md"
+    [ -f "$md" ] || return $rc
+    awk -v name="$name" -F'|' '
+        /tokens\/s \(median/ { match($0, /unprofiled: [0-9,]+ tokens\/s/); tps = substr($0, RSTART + 12, RLENGTH - 21)
+                                match($0, /MFU [^,]+/); mfu = substr($0, RSTART + 4, RLENGTH - 4) }
+        /^\|/ && !done { key = $2; sub(/^ +/, "", key); sub(/ .*/, "", key); ms[key] = $(NF - 2) + 0; table = 1; next }
+        table { done = 1 }
+        END { printf "| %s | %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", name, tps, mfu, ms["step"],
+              ms["GEMM"], ms["attention"], ms["loss"], ms["norm/elementwise"], ms["optimizer"], ms["idle"] }
+    ' "$md" >> "$OUT/lease.md"
+    { echo; cat "$md"; } >> "$OUT/lease_profiles.md" && rm "$md"
+    return $rc
+}
+
+run_lease() { # the 124M modes, the 1B FP8 rungs, the tests, in that order, within LEASE_BUDGET_S
+    {
+        echo "# GPU lease, $(date '+%Y-%m-%d %H:%M'), budget ${LEASE_BUDGET_S} s (profiles: lease_profiles.md)"
+        echo
+        echo "| rung | tokens/s | MFU | ms/step (profiled) | GEMM | attention | loss | norm/elementwise | optimizer | idle |"
+        echo "|---|---|---|---|---|---|---|---|---|---|"
+    } > "$OUT/lease.md"
+    local rc=0
+    # shellcheck disable=SC2086
+    lease_rung 124m_bf16 100 $GPT2_124M --optimizer adamw || rc=1
+    # shellcheck disable=SC2086
+    lease_rung 124m_act_bf16 70 $GPT2_124M --optimizer adamw --activation-dtype bf16 || rc=1
+    # shellcheck disable=SC2086
+    lease_rung 124m_cuda_graphs 90 ${GPT2_124M/--compile default/--compile reduce-overhead} --optimizer adamw || rc=1
+    local rung flags
+    for rung in "1b_bf16:" "1b_te:--fp8 te" "1b_te_delayed:--fp8 te --fp8-recipe delayed" \
+        "1b_te_attn:--fp8 te --fp8-attn" "1b_torchao:--fp8 torchao" "1b_torchao_rowwise:--fp8 torchao --fp8-recipe rowwise"; do
+        flags=${rung#*:}
+        # shellcheck disable=SC2086
+        lease_rung "${rung%%:*}" 100 $SHAPE_1B $flags || rc=1
+    done
+    room 60 "the GPU tests" && { run_tests $((LEASE_BUDGET_S - SECONDS)) -n 4 || rc=1; }
+    return $rc
+}
+
 case "$WHAT" in
 tests) run_tests ;;
 gate) run_gate ;;
@@ -180,11 +243,7 @@ profile) run_profiles ;;
 fp8) run_fp8 ;;
 all) run_tests; r1=$?; run_gate; r2=$?; run_profiles; r3=$?; run_fp8; r4=$?; run_ladder 480 330; r5=$?; run_mfu
     r6=$?; (exit $((r1 | r2 | r3 | r4 | r5 | r6))) ;;
-# Four pytest workers: the GPU tests are independent runs, each mostly start-up and compilation on the CPU (the TE
-# parity tests cover the default gated blocks). Then, in the order of what the defaults depend on: what the
-# default attention gates cost per step at 124M, and the default (gated) model under TE FP8 against bf16 at 1B.
-# The profiles, the ladder's rungs and the MFU sweep have their own commands (profile, ladder, mfu).
-lease) run_tests 120 -n 4; r1=$?; run_gate 75; r2=$?; run_fp8 110 "off te"; r3=$?; (exit $((r1 | r2 | r3))) ;;
+lease) run_lease ;;
 esac
 rc=$?
 echo "results in $OUT: $(ls "$OUT" | tr '\n' ' ')"
