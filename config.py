@@ -173,8 +173,9 @@ class SpeedConfig:
                           choices=("off", "default", "reduce-overhead", "max-autotune"))
     act_ckpt: str = option("none", "activation checkpointing: every block, every other block, or each "
                                    "block's MLP", choices=ACT_CKPT_MODES)
-    loss_chunk_tokens: int = option(0, "tokens per chunk of the fused lm_head + loss (0: on CUDA what 1/16 of "
-                                       "the GPU's memory holds, at least 1024; 1024 on a CPU or under fp16)")
+    loss_chunk_tokens: int = option(0, "tokens per chunk of the fused lm_head + loss (0: what 1/16 of the "
+                                       "device's memory holds, a GPU's or the CPU's RAM, at least 1024; 1024 "
+                                       "under fp16)")
     estimate_memory: bool = option(False, "print the memory estimate for these flags (every --act-ckpt mode) "
                                           "and exit")
     target_gpu: str | None = option(None, "--estimate-memory for a GPU this machine need not have: a name "

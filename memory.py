@@ -84,8 +84,8 @@ def configure(model: nn.Module, speed, device: torch.device, autocast_dtype: tor
     """The model's two memory settings (a config.SpeedConfig's): --act-ckpt, and the loss path's tokens per
     chunk (--loss-chunk-tokens, else loss_chunk_tokens from the device's memory)."""
     apply_activation_checkpointing(model, speed.act_ckpt)
-    model.loss_chunk_tokens = loss_chunk_tokens(model.config, autocast_dtype, device.type,
-                                                device_capacity_bytes(device), speed.loss_chunk_tokens)
+    model.loss_chunk_tokens = loss_chunk_tokens(model.config, autocast_dtype, device_capacity_bytes(device),
+                                                speed.loss_chunk_tokens)
 
 
 def _checkpoint_wrapper(module: nn.Module, checkpoint_fn) -> nn.Module:
@@ -259,17 +259,17 @@ def loss_chunk_bytes(cfg: ModelConfig, tokens: int, act: int, chunk_tokens: int 
     return rows * loss_bytes_per_token(cfg, act) + act * cfg.padded_vocab_size * cfg.n_embd
 
 
-def loss_chunk_tokens(cfg: ModelConfig, autocast_dtype: torch.dtype | None, device_type: str,
-                      capacity: int | None, requested: int = 0) -> int:
+def loss_chunk_tokens(cfg: ModelConfig, autocast_dtype: torch.dtype | None, capacity: int | None,
+                      requested: int = 0) -> int:
     """Tokens per chunk of model.linear_cross_entropy (GPT.loss_chunk_tokens): `requested`
-    (--loss-chunk-tokens) when given; on CUDA, as many as 1/LOSS_CHUNK_SHARE of the device's memory holds,
-    never fewer than LOSS_CHUNK_TOKENS; on a CPU, or under fp16 (each chunk's weight-gradient GEMM sums its
-    rows in fp16, which must stay in range), LOSS_CHUNK_TOKENS. Few large chunks cost a GPU less: each chunk
-    reads and writes the float32 [V, d] weight gradient once and launches its own kernels, while the memory
-    they take is transient (the forward's end)."""
+    (--loss-chunk-tokens) when given; else as many as 1/LOSS_CHUNK_SHARE of the device's memory holds (a GPU's,
+    or a CPU's RAM), never fewer than LOSS_CHUNK_TOKENS; LOSS_CHUNK_TOKENS where the memory is unknown, or under
+    fp16 (each chunk's weight-gradient GEMM sums its rows in fp16, which must stay in range). Few large chunks
+    cost less: each chunk reads and writes the float32 [V, d] weight gradient once and launches its own
+    kernels, while the memory they take is transient (the forward's end)."""
     if requested:
         return requested
-    if device_type != "cuda" or capacity is None or autocast_dtype == torch.float16:
+    if capacity is None or autocast_dtype == torch.float16:
         return LOSS_CHUNK_TOKENS
     act = act_bytes(autocast_dtype)
     return max(LOSS_CHUNK_TOKENS, capacity // LOSS_CHUNK_SHARE // loss_bytes_per_token(cfg, act))
@@ -480,7 +480,7 @@ def memory_report(cfg) -> str:
     shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.dist.dist == "fsdp" else 1
     runtime = runtime_bytes() if device_type == "cpu" else 0
     capacity = target[0] if target else device_capacity_bytes(torch.device(device_type))
-    loss_chunk = loss_chunk_tokens(model_cfg, autocast_dtype, device_type, capacity, cfg.speed.loss_chunk_tokens)
+    loss_chunk = loss_chunk_tokens(model_cfg, autocast_dtype, capacity, cfg.speed.loss_chunk_tokens)
     estimates = {mode: estimate_memory(model_cfg, batch_size, model_cfg.max_seq_len, cfg.optim.name, mode,
                                        autocast_dtype, device_type, shards, runtime, loss_chunk)
                  for mode in ACT_CKPT_MODES}

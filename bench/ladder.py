@@ -469,7 +469,7 @@ def estimated_step_parts(cfg: ModelConfig, seq_len: int, micro_batch: int, step_
     f_blocks = flops_per_token(cfg, seq_len) - f_attn - f_head
     act = L * (memory.attention_bytes_per_token(cfg, 2, True) + memory.mlp_bytes_per_token(cfg, 2, True))
     tokens = micro_batch * seq_len
-    chunks = loss_chunks(tokens, chunk_tokens or memory.loss_chunk_tokens(cfg, torch.bfloat16, "cuda", H100_MEMORY))
+    chunks = loss_chunks(tokens, chunk_tokens or memory.loss_chunk_tokens(cfg, torch.bfloat16, H100_MEMORY))
     loss_bytes = LOSS_BYTES_PER_LOGIT * V + 4 * V * D * (2 * chunks - 1) / tokens
     bw, flops = hbm_eff * hbm, gemm_eff * peak
     n_params = sum(param_numels(cfg).values())

@@ -150,23 +150,24 @@ GPT2_124M = ModelConfig(n_layer=12, n_head=6, n_kv_head=3, n_embd=768, head_dim=
 @pytest.mark.parametrize("gpu, most_chunks", [("h100", 1), ("a100-40gb", 2), ("rtx4090", 4), ("l4", 4)])
 def test_a_gpu_with_room_runs_gpt2s_loss_in_few_chunks_within_its_share_of_memory(gpu, most_chunks):
     capacity, _ = memory.TARGET_GPUS[gpu]
-    chunk = memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, "cuda", capacity)
+    chunk = memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, capacity)
     assert model_module.loss_chunks(16 * 1024, chunk) <= most_chunks
     assert chunk * memory.loss_bytes_per_token(GPT2_124M, 2) <= capacity // memory.LOSS_CHUNK_SHARE
     assert memory.loss_chunk_bytes(GPT2_124M, 16 * 1024, 2, chunk) > memory.loss_chunk_bytes(GPT2_124M, 16 * 1024, 2)
 
 
-def test_the_loss_chunk_stays_small_on_a_cpu_under_fp16_or_without_a_capacity_and_a_request_wins():
+def test_the_loss_chunk_is_sized_by_memory_on_a_cpu_too_small_under_fp16_or_without_a_capacity_and_a_request_wins():
     h100, _ = memory.TARGET_GPUS["h100"]
     small = model_module.LOSS_CHUNK_TOKENS
-    assert memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, "cpu", 2**40) == small
-    assert memory.loss_chunk_tokens(GPT2_124M, torch.float16, "cuda", h100) == small
-    assert memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, "cuda", None) == small
-    assert memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, "cuda", 2**20) == small  # a tiny budget: the floor
-    assert memory.loss_chunk_tokens(GPT2_124M, None, "cuda", h100) < \
-        memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, "cuda", h100)  # fp32 logits take more per token
-    assert memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, "cuda", h100, requested=512) == 512
-    assert memory.loss_chunk_tokens(GPT2_124M, None, "cpu", None, requested=4096) == 4096
+    ram = 24 * 2**30  # a CPU's RAM is its capacity: the default micro-batch (16 x 128) in one chunk
+    assert memory.loss_chunk_tokens(ModelConfig(), None, ram) >= 16 * 128
+    assert memory.loss_chunk_tokens(GPT2_124M, torch.float16, h100) == small
+    assert memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, None) == small
+    assert memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, 2**20) == small  # a tiny budget: the floor
+    assert memory.loss_chunk_tokens(GPT2_124M, None, h100) < \
+        memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, h100)  # fp32 logits take more per token
+    assert memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, h100, requested=512) == 512
+    assert memory.loss_chunk_tokens(GPT2_124M, None, None, requested=4096) == 4096
 
 
 def test_configure_sets_the_models_loss_chunk_and_the_table_describes_it():
@@ -177,7 +178,8 @@ def test_configure_sets_the_models_loss_chunk_and_the_table_describes_it():
         "fused lm_head + cross-entropy in 3 chunks of about 64 tokens per micro-batch (--loss-chunk-tokens: 64 "
         "a chunk)")
     memory.configure(model, SpeedConfig(), torch.device("cpu"), None)
-    assert model.loss_chunk_tokens == model_module.LOSS_CHUNK_TOKENS
+    assert model.loss_chunk_tokens == memory.loss_chunk_tokens(CFG2, None, memory.device_capacity_bytes(
+        torch.device("cpu")))
 
 
 def test_estimate_memory_flag_prints_every_mode_and_builds_nothing(monkeypatch, capsys):
