@@ -1,11 +1,12 @@
 """The default run (`python train.py`, no flags) across git revisions: steady-state tokens/s and the share of
 wall time spent in the kernel (system time), measured interleaved so that all revisions see the same machine.
 
-    python bench/default_run.py [--revs 648b5b0,026f3bf --rounds 3 --short 4 --long 24]
+    python bench/default_run.py [--revs 648b5b0,026f3bf --rounds 3 --short 4 --long 24] [--flags "--dtype fp32"]
 
 Each revision runs from a detached git worktree (this tree runs as it is, uncommitted changes included) as
 `python train.py --max-steps N --eval-interval 0 --out-dir TMP`, once untimed (it prepares the default corpus
-and warms the file cache), then in each round a short and a long run, revisions interleaved. The steady state
+and warms the file cache), then in each round a short and a long run, revisions interleaved; --flags adds train.py flags to every run (--dtype fp32: the default run of a CPU
+without native bf16, on one that has it). The steady state
 is the difference between the two: tokens/s = (long - short) steps x tokens per step / (long - short) wall
 seconds, and the system share = the difference in system time over the difference in wall time, so start-up,
 the final evaluation and the checkpoint cancel out. The table gives the median over rounds, and each
@@ -29,10 +30,11 @@ from cli import HelpFormatter  # noqa: E402
 TOKENS_PER_STEP = 16 * 128  # train.py's default micro-batch and sequence, one micro-step
 
 
-def timed_run(tree: str, steps: int, scratch: str) -> tuple[float, float]:
+def timed_run(tree: str, steps: int, scratch: str, flags: list[str]) -> tuple[float, float]:
     """-> (wall seconds, system seconds) of one train.py run of `steps` steps in `tree`."""
     out_dir = tempfile.mkdtemp(dir=scratch)
-    command = [sys.executable, "train.py", "--max-steps", str(steps), "--eval-interval", "0", "--out-dir", out_dir]
+    command = [sys.executable, "train.py", "--max-steps", str(steps), "--eval-interval", "0", "--out-dir", out_dir,
+               *flags]
     t0 = time.perf_counter()
     child = subprocess.Popen(command, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(child.pid, 0)
@@ -50,14 +52,15 @@ def worktree(rev: str, scratch: str) -> str:
     return path
 
 
-def measure(trees: dict[str, str], rounds: int, short: int, long: int, scratch: str) -> dict[str, list[tuple]]:
+def measure(trees: dict[str, str], rounds: int, short: int, long: int, scratch: str,
+            flags: list[str]) -> dict[str, list[tuple]]:
     for tree in trees.values():
-        timed_run(tree, short, scratch)  # untimed: corpus preparation, caches
+        timed_run(tree, short, scratch, flags)  # untimed: corpus preparation, caches
     samples = {rev: [] for rev in trees}
     for _ in range(rounds):
         for rev, tree in trees.items():
-            wall_short, sys_short = timed_run(tree, short, scratch)
-            wall_long, sys_long = timed_run(tree, long, scratch)
+            wall_short, sys_short = timed_run(tree, short, scratch, flags)
+            wall_long, sys_long = timed_run(tree, long, scratch, flags)
             wall, system = wall_long - wall_short, sys_long - sys_short
             samples[rev].append(((long - short) * TOKENS_PER_STEP / wall, system / wall, wall_long))
     return samples
@@ -85,12 +88,13 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table reports their median")
     p.add_argument("--short", type=int, default=4, help="steps of the short run")
     p.add_argument("--long", type=int, default=24, help="steps of the long run")
+    p.add_argument("--flags", default="", help="train.py flags for every run, as one string (e.g. \"--dtype fp32\")")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         revs = [r for r in args.revs.split(",") if r] + ["this tree"]
         trees = {rev: worktree(rev, scratch) for rev in revs}
         try:
-            samples = measure(trees, args.rounds, args.short, args.long, scratch)
+            samples = measure(trees, args.rounds, args.short, args.long, scratch, shlex.split(args.flags))
         finally:
             for rev, tree in trees.items():
                 if tree != REPO:
