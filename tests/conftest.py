@@ -27,6 +27,11 @@ from model import GPT, ModelConfig
 from shards import write_shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# pytest.ini runs a worker a core (pytest-xdist): one thread each, and so their train.py children, or the
+# workers' thread pools would fight over the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 # A model and batch small enough for a CPU test to train a few steps in about a second.
 TINY_FLAGS = ["--vocab-size", "256", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "64",
               "--seq-len", "32", "--batch-size", "4"]
