@@ -310,10 +310,12 @@ def _chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     loss = losses.sum()
     if not with_grad:
         return loss, None
-    grad = logits.sub_(lse[:, None]).exp_()
-    # Minus one-hot, pointwise (compile fuses it into the softmax), bit for bit a scatter's x - 1 at each target.
-    grad.add_(torch.arange(grad.shape[1], device=grad.device) == safe, alpha=-1)
-    grad.masked_fill_(~valid[:, None], 0.0)
+    # An ignored row's softmax is exp(z - inf) = 0: its zero gradient costs no pass of its own over [C, V].
+    grad = logits.sub_(torch.where(valid, lse, torch.inf)[:, None]).exp_()
+    if torch.compiler.is_compiling():  # minus one-hot pointwise, which compile fuses into the softmax's kernel
+        grad.add_((torch.arange(grad.shape[1], device=grad.device) == safe) & valid[:, None], alpha=-1)
+    else:  # eager: the C target entries alone, bit for bit the pointwise form's x - 1
+        grad.scatter_add_(1, safe, -valid[:, None].to(grad.dtype))
     if tanh is not None:
         grad.mul_(tanh.square_().neg_().add_(1.0))
     return loss, grad.to(x.dtype)

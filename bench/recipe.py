@@ -57,6 +57,7 @@ from batch import batch_layout  # noqa: E402
 from cli import DataError, HelpFormatter, UsageError, cache_root  # noqa: E402
 from curves import read_metrics  # noqa: E402
 from data import fingerprint, split_paths  # noqa: E402
+from docs_corpus import default_dir as docs_dir  # noqa: E402
 from optimizers import code_line, cpu_model  # noqa: E402
 from runlog import MetricsError  # noqa: E402
 
@@ -160,9 +161,10 @@ def parse_bench_args(argv):
     """-> (bench args, train.py flags to pass through). --smoke fills in what the command line left unset."""
     p = _Parser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--optimizer", default="muon", help="train.py's --optimizer for every run")
-    p.add_argument("--corpus", choices=("prose", "stdlib"),
-                   help="prose: bench/prose_corpus.sh's shards; stdlib: train.py's embedded corpus; a --data "
-                        "among the train.py flags instead names its own (default: prose)")
+    p.add_argument("--corpus", choices=("prose", "docs", "stdlib"),
+                   help="prose: bench/prose_corpus.sh's shards; docs: bench/docs_corpus.py's (the standard "
+                        "library's docstrings and comments); stdlib: train.py's embedded corpus (its code); a "
+                        "--data among the train.py flags instead names its own (default: prose)")
     p.add_argument("--max-tokens", type=int, nargs="+", metavar="TOKENS",
                    help="the horizons: one run each, its schedule ending there (default: 65536 131072 262144)")
     p.add_argument("--seeds", type=int, nargs="+", help="one run per seed per toggle and horizon (default: 1 2 3)")
@@ -201,6 +203,13 @@ def prose_dir() -> str:
     return os.path.join(cache_root(), "bench", "linux-doc-6.1")
 
 
+# The corpora prepared outside train.py: where each one's shards are, and the command that makes them.
+PREPARED_CORPORA = {
+    "prose": (prose_dir, "sh bench/prose_corpus.sh (apt-get install linux-doc-6.1, then prepare.py)"),
+    "docs": (docs_dir, "python bench/docs_corpus.py (the standard library's docstrings and comments)"),
+}
+
+
 def corpus_of(a, train_argv) -> tuple[list[str], str, str]:
     """-> (the --data flags for the runs, the corpus id the cache keys on, its description for the header).
     The id is the corpus's name (its corpus.json's id, from bench/prose_corpus.sh, or else the directory's path)
@@ -209,12 +218,12 @@ def corpus_of(a, train_argv) -> tuple[list[str], str, str]:
     data = flag_value(train_argv, "--data")
     if data is None and a.corpus == "stdlib":
         return [], "stdlib", "train.py's embedded stdlib corpus (Python source)"
-    flags = [] if data is not None else ["--data", prose_dir()]
-    data = data or prose_dir()
+    where, make = PREPARED_CORPORA[a.corpus]
+    flags = [] if data is not None else ["--data", where()]
+    data = data or where()
     described = os.path.join(data, "corpus.json")
-    if data == prose_dir() and not os.path.exists(described):
-        raise BenchError(f"{data}: no prose corpus there; make it with `sh bench/prose_corpus.sh` (apt-get install "
-                         "linux-doc-6.1, then prepare.py)")
+    if data == where() and not os.path.exists(described):
+        raise BenchError(f"{data}: no {a.corpus} corpus there; make it with `{make}`")
     try:
         shards = fingerprint(split_paths(data, "train") + split_paths(data, "val"))
     except DataError as e:
