@@ -9,6 +9,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import curves  # noqa: E402
+import docs_corpus  # noqa: E402
 import optimizers  # noqa: E402
 import plot  # noqa: E402
 import recipe  # noqa: E402
@@ -380,3 +381,26 @@ def test_plan_accuracy_plans_and_times_a_run(tiny_data):
     assert m["steps"] == 3 and m["planned_step"] > 0 and m["measured_step"] > 0 and m["measured_run"] > 0
     assert m["planned_run"] > 0 and m["besides"] == "with 2 evals of" + m["besides"].split("evals of")[1]
     assert plan_accuracy.read_seconds("4m05s") == 245 and plan_accuracy.read_seconds("1.5 days") == 129600
+
+
+def test_the_docs_corpus_keeps_a_modules_docstrings_and_comments_in_order_and_leaves_out_its_code(tmp_path):
+    source = tmp_path / "mod.py"
+    source.write_text('''#!/usr/bin/env python3
+"""The module's docstring."""
+# A comment that runs
+# over two lines.
+x = 1  # a trailing comment
+#
+class A:
+    """A class's docstring."""
+    def f(self):
+        """A method's docstring."""
+        return "not prose"
+''')
+    assert docs_corpus.module_prose(str(source)) == (
+        "The module's docstring.\n\nA class's docstring.\n\nA method's docstring.\n\n"
+        "A comment that runs over two lines. a trailing comment")
+    (tmp_path / "broken.py").write_text("def (:\n")
+    (tmp_path / "bare.py").write_text("x = 1\n")
+    assert docs_corpus.module_prose(str(tmp_path / "broken.py")) is None
+    assert docs_corpus.module_prose(str(tmp_path / "bare.py")) is None
