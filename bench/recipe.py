@@ -427,19 +427,43 @@ def verdict_text(verdict: bool | None) -> str:
     return {None: "-", True: "**yes**", False: "no"}[verdict]
 
 
-def step_cost(times: dict[str, list[float]], base_times: dict[str, list[float]], here: str,
-              step_tokens: float = 1.0) -> str:
-    """A toggle's step time against the baseline's on one CPU: times, base_times: CPU -> step times of the runs
-    measured on it. The CPU is this machine's if both have runs on it, else the one most of the toggle's runs
-    were timed on that the baseline's were too; losses pool across CPUs, times do not. step_tokens: the toggle's
-    tokens per step over the baseline's; the ratio is per token, so a smaller batch is not counted as faster."""
+def step_ratio(times: dict[str, list[float]], base_times: dict[str, list[float]], here: str,
+               step_tokens: float = 1.0) -> tuple[float | None, str | None, float | None]:
+    """A toggle's step time against the baseline's on one CPU -> (per-token ratio, that CPU, the toggle's median
+    step seconds), or (None, None, None) with no CPU both were timed on. times, base_times: CPU -> step times of
+    the runs measured on it. The CPU is this machine's if both have runs on it, else the one most of the
+    toggle's runs were timed on that the baseline's were too; losses pool across CPUs, times do not.
+    step_tokens: the toggle's tokens per step over the baseline's, so a smaller batch is not counted as faster."""
     shared = [cpu for cpu in times if cpu in base_times]
     if not shared:
-        return f"n/a (no baseline run timed on {', '.join(times) or 'any CPU'})"
+        return None, None, None
     cpu = here if here in shared else max(shared, key=lambda c: len(times[c]))
     toggle, base = statistics.median(times[cpu]), statistics.median(base_times[cpu])
+    return toggle / base / step_tokens, cpu, toggle
+
+
+def step_cost(times: dict[str, list[float]], base_times: dict[str, list[float]], here: str,
+              step_tokens: float = 1.0) -> str:
+    """step_ratio as the table's text."""
+    ratio, cpu, seconds = step_ratio(times, base_times, here, step_tokens)
+    if ratio is None:
+        return f"n/a (no baseline run timed on {', '.join(times) or 'any CPU'})"
     notes = ("" if step_tokens == 1 else " per token") + ("" if cpu == here else f", on {cpu}")
-    return f"{toggle * 1000:,.0f} ms ({toggle / base / step_tokens:.2f}x{notes})"
+    return f"{seconds * 1000:,.0f} ms ({ratio:.2f}x{notes})"
+
+
+def results_record(corpus: str, selected: dict, losses: dict, horizons: list[int], step_s: dict,
+                   step_tokens: dict) -> dict:
+    """What bench/recipe_verdict.py reads of a table (written beside it as .json): each runnable toggle's flags,
+    per-seed final losses by horizon and per-token step cost against the baseline."""
+    toggles = {}
+    for name, (flags, why) in selected.items():
+        if why is None:
+            ratio = step_ratio(step_s[name], step_s["baseline"], cpu_model(),
+                               step_tokens[name] / step_tokens["baseline"])[0]
+            toggles[name] = {"flags": flags, "losses": {str(h): losses[name, h] for h in horizons},
+                             "step_cost": ratio}
+    return {"corpus": corpus, "horizons": horizons, "toggles": toggles}
 
 
 def toggle_table(selected: dict, losses: dict, horizons: list[int], step_s: dict, params: dict,
@@ -586,6 +610,8 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         f.write(report)
+    with open(os.path.splitext(a.out)[0] + ".json", "w") as f:  # bench/recipe_verdict.py's input
+        json.dump(results_record(corpus, selected, losses, a.max_tokens, step_s, step_tokens), f, indent=1)
     print()
     print(report)
     print(f"wrote {a.out}")

@@ -13,6 +13,7 @@ import docs_corpus  # noqa: E402
 import optimizers  # noqa: E402
 import plot  # noqa: E402
 import recipe  # noqa: E402
+import recipe_verdict  # noqa: E402
 import tokenizer_speed  # noqa: E402
 from conftest import TINY_FLAGS, WORD_TEXT  # noqa: E402
 
@@ -359,6 +360,9 @@ def test_recipe_smoke_runs_toggles_and_anchor_then_reads_them_from_the_cache(tmp
     assert len(rows) == 4 and "`--cautious-wd`" in rows[1] and "| 128 |" in rows[0] and "(1.00x)" in rows[0]
     assert "| lr-x2" not in text  # added as a toggle, but not chosen by --only
     assert "| 0.001 (tuned) |" in text and "Tokens for ours to reach the anchor's final loss" in text
+    record = json.loads((tmp_path / "recipe.json").read_text())  # beside the table, for bench/recipe_verdict.py
+    assert set(record["toggles"]) == {"baseline", "cautious-wd"} and record["toggles"]["baseline"]["step_cost"] == 1
+    assert len(record["toggles"]["cautious-wd"]["losses"]["128"]) == 1
     recipe.main(argv)
     assert "3 of 3 runs cached; running 0" in capsys.readouterr().out
     assert out.read_text().split("- time:")[0] == text.split("- time:")[0]
@@ -404,3 +408,29 @@ class A:
     (tmp_path / "bare.py").write_text("x = 1\n")
     assert docs_corpus.module_prose(str(tmp_path / "broken.py")) is None
     assert docs_corpus.module_prose(str(tmp_path / "bare.py")) is None
+
+
+def test_a_toggle_is_adopted_only_where_it_wins_on_every_corpus_within_its_step_cost(tmp_path, capsys):
+    """Wins beyond both spreads at 2 of 3 horizons on both corpora: adopted; on one: reported, not adopted; a win
+    at 1 of 3, a loss, or a step cost over 10%: no."""
+    def record(corpus, toggles):
+        base = {"flags": [], "losses": {h: [3.0, 3.01] for h in ("1", "2", "3")}, "step_cost": 1.0}
+        return {"corpus": corpus, "horizons": [1, 2, 3], "toggles": {"baseline": base, **{
+            name: {"flags": [], "losses": dict(zip(("1", "2", "3"), losses)), "step_cost": cost}
+            for name, (losses, cost) in toggles.items()}}}
+
+    better, same, worse = [2.9, 2.91], [3.0, 3.01], [3.1, 3.11]
+    prose = record("prose", {"both": ([better, better, same], 1.05), "one": ([better] * 3, 1.0),
+                             "slow": ([better] * 3, 1.2), "once": ([better, same, same], 1.0)})
+    docs = record("docs", {"both": ([same, better, better], 1.0), "one": ([worse] * 3, 1.0),
+                           "slow": ([better] * 3, 1.2), "once": ([better, same, same], 1.0)})
+    assert recipe_verdict.wins(prose, "both") == [1, 2] and recipe_verdict.wins(docs, "one") == []
+    assert [recipe_verdict.verdict([prose, docs], n) for n in ("both", "one", "slow", "once")] == [
+        "**adopt**", "holds on prose only: not adopted", "no", "no"]
+    paths = []
+    for r in (prose, docs):
+        paths.append(str(tmp_path / f"{r['corpus']}.json"))
+        with open(paths[-1], "w") as f:
+            json.dump(r, f)
+    assert recipe_verdict.main([*paths, "--out", str(tmp_path / "v.md")]) == 0
+    assert "| both | 2 of 3 (1, 2) / 1.05x | 2 of 3 (2, 3) / 1.00x | **adopt** |" in (tmp_path / "v.md").read_text()

@@ -1,0 +1,92 @@
+"""The recipe's adoption rule across corpora: a toggle is adopted only where it wins on every corpus.
+
+    python bench/recipe_verdict.py bench/results/recipe_prose.json bench/results/recipe_docs.json [--out V.md]
+
+Each input is the .json that bench/recipe.py writes beside its table (one corpus each: its toggles' per-seed
+final val losses by horizon and their step cost). A toggle wins at a horizon when its mean loss is below the
+baseline's by more than both seed spreads (recipe.py's "beyond both spreads", in the right direction). It is
+adopted when, on every corpus, it wins at two thirds of the horizons or more (2 of 3) and its step costs at most
+MAX_STEP_COST of the baseline's. A toggle that holds on some corpora only is reported as holding there, and
+not adopted: a rule tuned on one kind of text is not a default for another.
+"""
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cli import HelpFormatter  # noqa: E402
+
+MAX_STEP_COST = 1.10  # a toggle may cost at most 10% more time a token than the baseline
+
+
+def wins(record: dict, name: str) -> list[int]:
+    """The horizons at which toggle `name` beats the baseline beyond both seed spreads (two seeds or more)."""
+    won = []
+    for h in record["horizons"]:
+        base, toggle = record["toggles"]["baseline"]["losses"][str(h)], record["toggles"][name]["losses"][str(h)]
+        if len(base) < 2 or len(toggle) < 2:
+            continue
+        delta = statistics.fmean(toggle) - statistics.fmean(base)
+        if delta < 0 and -delta > max(max(base) - min(base), max(toggle) - min(toggle)):
+            won.append(h)
+    return won
+
+
+def holds(record: dict, name: str) -> bool:
+    """Whether the toggle wins at two thirds of the corpus's horizons or more, within the step cost."""
+    needed = math.ceil(2 * len(record["horizons"]) / 3)
+    cost = record["toggles"][name]["step_cost"]
+    return len(wins(record, name)) >= needed and cost is not None and cost <= MAX_STEP_COST
+
+
+def verdict(records: list[dict], name: str) -> str:
+    """"adopt" where the toggle holds on every corpus; else where it holds, or "no"."""
+    where = [r["corpus"] for r in records if name in r["toggles"] and holds(r, name)]
+    if len(where) == len(records):
+        return "**adopt**"
+    return f"holds on {', '.join(where)} only: not adopted" if where else "no"
+
+
+def table(records: list[dict]) -> list[str]:
+    names = [n for n in records[0]["toggles"] if n != "baseline" and all(n in r["toggles"] for r in records)]
+    head = " | ".join(f"{r['corpus']}: wins at / step cost" for r in records)
+    lines = [f"| toggle | {head} | verdict |", "|---|" + "---|" * len(records) + "---|"]
+    for name in names:
+        cells = []
+        for r in records:
+            won, cost = wins(r, name), r["toggles"][name]["step_cost"]
+            cells.append(f"{len(won)} of {len(r['horizons'])} ({', '.join(f'{h:,}' for h in won) or 'none'}) / "
+                         + ("n/a" if cost is None else f"{cost:.2f}x"))
+        lines.append(f"| {name} | {' | '.join(cells)} | {verdict(records, name)} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("records", nargs="+", help="bench/recipe.py's .json files, one a corpus")
+    p.add_argument("--out", help="also write the table to this markdown file")
+    a = p.parse_args(argv)
+    try:
+        records = [json.load(open(path)) for path in a.records]
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    lines = [f"Command: `{shlex.join(['python', 'bench/recipe_verdict.py', *argv])}` (rule: wins beyond both "
+             f"spreads at two thirds of the horizons, at most {MAX_STEP_COST:.2f}x the step time, on every corpus)",
+             "", *table(records)]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
