@@ -7,6 +7,7 @@ import dataclasses
 import os
 import re
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -42,6 +43,14 @@ HELLASWAG_FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.json
 WORD_TEXT = "the cat sat on the mat . a dog ran to the park , and the cat slept !"
 # The GPT-2 vocabulary (HellaSwag's text needs it), otherwise as small as TINY_FLAGS.
 GPT2_TINY = dict(vocab_size=50257, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=32)
+
+
+@pytest.fixture(autouse=True)
+def fresh_compile_caches():
+    """Each test compiles from empty Dynamo caches: the tests a worker ran before it, in whatever order the
+    workers took them, must not have used up a code object's recompile limit (a fullgraph test then fails)."""
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
 
 
 @pytest.fixture(autouse=True)
