@@ -317,10 +317,10 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, row_blocks: dict[str, li
     step as one compiled function over its stacks of same-shape matrices (muon.py), for a run that compiles its
     model (--compile); AdamW's fused kernel is one already.
     """
-    entry = OPTIMIZERS.get(cfg.name)
-    roles = split_params(model, use_muon=bool(entry and entry.hidden_matrices))
+    cfg.validate()  # unset LRs pass: they are filled below
+    entry = OPTIMIZERS[cfg.name]
+    roles = split_params(model, use_muon=entry.hidden_matrices)
     cfg = with_default_lrs(cfg, tied=True)  # a bare config's embedding and head share the AdamW side's LR
-    cfg.validate()
     if cfg.head_lr is not None and not any(n == "lm_head.weight" for n, _ in roles["decay"]):
         raise ValueError("--head-lr needs an untied lm_head (not --tie-embeddings); a tied one is the embedding: "
                          "use --embed-lr")

@@ -73,7 +73,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="also write the table to this markdown file")
     a = p.parse_args(argv)
     try:
-        records = [json.load(open(path)) for path in a.records]
+        records = []
+        for path in a.records:
+            with open(path) as f:
+                records.append(json.load(f))
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
