@@ -220,9 +220,16 @@ def peak_flops(device: torch.device, override_tflops: float) -> tuple[float | No
 
 
 def peak_memory_gib(device: torch.device) -> float:
-    """Peak memory so far: allocated by tensors on CUDA; the process's peak resident set elsewhere."""
+    """Peak memory so far: allocated by tensors on CUDA; the process's peak resident set elsewhere. On Linux
+    that is /proc/self/status's VmHWM, this program's own: getrusage's ru_maxrss also counts the process it was
+    spawned from, whose peak the kernel carries over into a child started by vfork (as Python's subprocess does)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) * 1024 / 2**30
+    except (OSError, StopIteration, ValueError, IndexError):
+        pass
     import resource  # POSIX only: imported here so that Windows can still import this module
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB on Linux

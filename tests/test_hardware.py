@@ -92,6 +92,23 @@ def test_a_cpu_run_reuses_freed_large_blocks_instead_of_faulting_them_in_again()
     assert not hardware.keep_freed_memory(torch.device("meta"))  # a no-op off the CPU
 
 
+PEAK_OF_A_CHILD = """
+import subprocess, sys
+held = bytearray(1024 * 2**20)  # the parent's peak: 1 GiB, written and freed before the child starts
+del held
+child = "import torch, hardware; print(hardware.peak_memory_gib(torch.device('cpu')))"
+print(subprocess.run([sys.executable, "-c", child], check=True, capture_output=True, text=True).stdout)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/status")
+def test_a_cpu_peak_is_the_process_own_not_the_peak_of_the_process_that_started_it():
+    """A run started by a large process (a test runner, a notebook) reports its own peak resident set."""
+    peak = float(subprocess.run([sys.executable, "-c", PEAK_OF_A_CHILD], cwd=REPO, check=True,
+                                capture_output=True, text=True).stdout)
+    assert 0.05 < peak < 0.75, peak  # the child imports torch: a few hundred MiB, never the parent's 1 GiB
+
+
 def test_bf16_on_a_cpu_without_native_bf16_is_warned():
     assert "bf16 is emulated" in hardware.cpu_bf16_warning("bf16", "cpu", {"avx2", "fma"})
     assert hardware.cpu_bf16_warning("bf16", "cpu", {"avx2", "avx512_bf16"}) is None
