@@ -45,6 +45,14 @@ WORD_TEXT = "the cat sat on the mat . a dog ran to the park , and the cat slept 
 GPT2_TINY = dict(vocab_size=50257, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, max_seq_len=32)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The machine, beside the slowest tests at the end of every run's output (-q too): a time means little
+    without it."""
+    import hardware
+
+    terminalreporter.write_line(f"machine: {hardware.cpu_name()}; torch {torch.__version__}")
+
+
 @pytest.fixture(autouse=True)
 def fresh_compile_caches():
     """Each test compiles from empty Dynamo caches: the tests a worker ran before it, in whatever order the
