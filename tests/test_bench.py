@@ -421,16 +421,23 @@ def test_a_toggle_is_adopted_only_where_it_wins_on_every_corpus_within_its_step_
 
     better, same, worse = [2.9, 2.91], [3.0, 3.01], [3.1, 3.11]
     prose = record("prose", {"both": ([better, better, same], 1.05), "one": ([better] * 3, 1.0),
-                             "slow": ([better] * 3, 1.2), "once": ([better, same, same], 1.0)})
+                             "slow": ([better] * 3, 1.2), "once": ([better, same, same], 1.0),
+                             "lr": ([better] * 3, 1.3)})
     docs = record("docs", {"both": ([same, better, better], 1.0), "one": ([worse] * 3, 1.0),
-                           "slow": ([better] * 3, 1.2), "once": ([better, same, same], 1.0)})
+                           "slow": ([better] * 3, 1.2), "once": ([better, same, same], 1.0),
+                           "lr": ([better] * 3, 1.0)})
+    for r in (prose, docs):  # an LR alone runs the baseline's kernels: a slower measurement is the machine's
+        r["toggles"]["lr"]["flags"] = ["--lr", "1e-3", "--head-lr=2e-3"]
     assert recipe_verdict.wins(prose, "both") == [1, 2] and recipe_verdict.wins(docs, "one") == []
-    assert [recipe_verdict.verdict([prose, docs], n) for n in ("both", "one", "slow", "once")] == [
-        "**adopt**", "holds on prose only: not adopted", "no", "no"]
+    assert [recipe_verdict.verdict([prose, docs], n) for n in ("both", "one", "slow", "once", "lr")] == [
+        "**adopt**", "holds on prose only: not adopted", "no", "no", "**adopt**"]
+    assert not recipe_verdict.same_work(["--lr", "1e-3", "--normuon"]) and not recipe_verdict.same_work([])
     paths = []
     for r in (prose, docs):
         paths.append(str(tmp_path / f"{r['corpus']}.json"))
         with open(paths[-1], "w") as f:
             json.dump(r, f)
     assert recipe_verdict.main([*paths, "--out", str(tmp_path / "v.md")]) == 0
-    assert "| both | 2 of 3 (1, 2) / 1.05x | 2 of 3 (2, 3) / 1.00x | **adopt** |" in (tmp_path / "v.md").read_text()
+    text = (tmp_path / "v.md").read_text()
+    assert "| both | 2 of 3 (1, 2) / 1.05x | 2 of 3 (2, 3) / 1.00x | **adopt** |" in text
+    assert "| lr | 3 of 3 (1, 2, 3) / same work (1.30x) | 3 of 3 (1, 2, 3) / same work (1.00x) | **adopt** |" in text
