@@ -223,10 +223,10 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self):
-        """Unset LRs take their defaults (optim.default_lrs) here, where the model meets the optimizer, so
-        that Config() is what parsing no flag gives and config.toml holds the values."""
-        width = self.model.n_embd if self.size.depth is not None else None
-        self.optim = optim.with_default_lrs(self.optim, self.model.tie_embeddings, width)
+        """Unset LRs take their defaults (optim.default_lrs, by the model's width, whether flags or the size dial
+        gave it) here, where the model meets the optimizer, so that Config() is what parsing no flag gives and
+        config.toml holds the values."""
+        self.optim = optim.with_default_lrs(self.optim, self.model.tie_embeddings, self.model.n_embd)
 
 
 SECTION_TITLES = {

@@ -54,7 +54,9 @@ class OptimizerEntry:
     shared_state_bytes: int = 0  # state shared by all parameters (bitsandbytes' quantisation maps)
     fsdp: bool = True  # takes FSDP2's DTensor parameters
     cautious_wd: bool = True  # can decay cautiously (it keeps the update's sign)
-    lr_rule: str = ""  # how its LR's rule across widths was checked, for the size dial's row (sizing.derive)
+    # Its default LRs at width w: those at BASE_WIDTH x (BASE_WIDTH / w) ** width_exponent, for every run.
+    width_exponent: float = 1.0
+    lr_rule: str = ""  # how its LRs' rule across widths was checked, for the start-up table
 
 
 OPTIMIZERS: dict[str, OptimizerEntry] = {}  # --optimizer's choices, in the order registered
@@ -93,13 +95,15 @@ class OptimConfig:
 
     name: str = option("muon", "muon: Muon for the hidden matrices + AdamW for the rest; adamw: fused AdamW; "
                                "adamw8bit: bitsandbytes' 8-bit AdamW", flag="--optimizer", choices=OPTIMIZERS)
-    lr: float | None = option(None, "peak learning rate; for muon, the Muon matrices' (default: the optimizer's for "
-                                    "the small default model, 6e-3 for muon, 3e-3 for adamw and adamw8bit)")
+    lr: float | None = option(None, "peak learning rate; for muon, the Muon matrices' (default: the optimizer's at "
+                                    "width 128, 6e-3 for muon, 3e-3 for adamw and adamw8bit, scaled to the model's "
+                                    "width: docs/sizing.md)")
     weight_decay: float = option(0.1, "decoupled, matrices only")
     beta1: float = option(0.9, "Adam first-moment decay")
     beta2: float = option(0.95, "Adam second-moment decay")
     eps: float = option(1e-8, "Adam's epsilon", flag="--adam-eps")
-    adam_lr: float | None = option(None, "peak LR of the AdamW side of a Muon run (embeddings, norms; default: 3e-3)")
+    adam_lr: float | None = option(None, "peak LR of the AdamW side of a Muon run (embeddings, norms; default: 3e-3 at "
+                                         "width 128, scaled as --lr)")
     momentum: float = option(0.95, "Muon's momentum", flag="--muon-momentum")
     momentum_warmup: int = option(0, "Muon: ramp the momentum linearly from --muon-momentum-start to --muon-momentum "
                                      "over this many optimizer steps (0: off)", flag="--muon-momentum-warmup")
@@ -197,17 +201,24 @@ class OptimConfig:
 
 
 def default_lrs(cfg: OptimConfig, tied: bool, width: int | None = None) -> dict[str, tuple[float, str]]:
-    """The LRs cfg leaves unset -> {field: (value, its rule)}: the one place an LR default is decided. The
-    registry's LRs were measured on the default model (BASE_WIDTH wide); under the size dial (width: the
-    model's) they scale as BASE_WIDTH/width. Under Muon an untied model's embedding and lm_head take
-    UNTIED_LR_MULTIPLES of the AdamW side's LR, given or derived; otherwise they share it. Pure."""
+    """The LRs cfg leaves unset -> {field: (value, its rule)}: the one place an LR default is decided, for a
+    shape given by flags and by the size dial alike. The registry's LRs were measured on the default model
+    (BASE_WIDTH wide); at the model's width (None: BASE_WIDTH) they scale as (BASE_WIDTH / width) to the
+    entry's width_exponent. Under Muon an untied model's embedding and lm_head take UNTIED_LR_MULTIPLES of the
+    AdamW side's LR, given or derived; otherwise they share it. Pure."""
     entry = OPTIMIZERS.get(cfg.name)
     if entry is None:  # refused by validate, with the choices
         return {}
-    scaled = width is not None and width >= 1  # a width under 1 is refused with the other flags
-    scale, rule = (BASE_WIDTH / width, f"·{BASE_WIDTH}/n_embd") if scaled else (1.0, "")
-    rule += f"; {entry.lr_rule}" if entry.lr_rule and scaled else ""
-    found = {name: (float(f"{value * scale:.3g}"), f"{value:g}{rule}")
+    width = width if width is not None and width >= 1 else BASE_WIDTH  # a width under 1 is refused elsewhere
+    scale = (BASE_WIDTH / width) ** entry.width_exponent
+    power = "" if entry.width_exponent == 1 else f"^{entry.width_exponent:g}"
+
+    def rule(value: float, checked: str) -> str:
+        if width == BASE_WIDTH:
+            return "default"
+        return f"{value:g}·{BASE_WIDTH}/n_embd" if not power else f"{value:g}·({BASE_WIDTH}/n_embd){power}" + checked
+
+    found = {name: (float(f"{value * scale:.3g}"), rule(value, f"; {entry.lr_rule}" if entry.lr_rule and name == "lr" else ""))
              for name, value in (("lr", entry.lr), ("adam_lr", entry.adam_lr))
              if getattr(cfg, name) is None and value is not None}
     if not tied and entry.hidden_matrices:
@@ -554,4 +565,5 @@ register("adamw", OptimizerEntry(build=_build_adamw, lr=3e-3, state_bytes=_adamw
 register("adamw8bit", OptimizerEntry(build=_build_adamw8bit, lr=3e-3, state_bytes=_adamw8bit_state,
                                      shared_state_bytes=BNB_QMAPS, fsdp=False, cautious_wd=False))
 register("muon", OptimizerEntry(build=_build_muon, lr=6e-3, adam_lr=3e-3, state_bytes=_muon_state,
-                                hidden_matrices=True, lr_rule="held at widths 128-512, docs/sizing.md"))
+                                hidden_matrices=True, width_exponent=0.5,
+                                lr_rule="measured at widths 128-512 on two corpora, docs/sizing.md"))

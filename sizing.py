@@ -13,11 +13,11 @@ The rules, each a constant below:
   projections); an odd head count keeps full multi-head attention, since 2 must divide it;
 - ffn_dim: the model's own default (model.ModelConfig): SwiGLU's 8/3 n_embd rounded up to a multiple of 128,
   ReLU^2's 3/2 of that (the same parameters);
-- peak LRs (optim.default_lrs decides them; config.Config sets them): the default model's x 128 / n_embd, inverse
-  in width as muP prescribes for Adam on hidden matrices. For AdamW, 3e-3 x 128 / n_embd lands within 25% of
-  GPT-3's published AdamW LRs at GPT-2's four widths (6e-4 at 768, 3e-4 at 1024, 2.5e-4 at 1536, 2e-4 at
-  2048). Muon's default update scale (match_rms_adamw) gives its updates AdamW's RMS, so the same rule serves
-  its matrices (6e-3 at width 128) and its AdamW side (3e-3);
+- peak LRs (optim.default_lrs decides them, for a shape given by flags too; config.Config sets them): the
+  default model's x (128 / n_embd)^0.5 under Muon, for its matrices (6e-3 at width 128) and its AdamW side
+  (3e-3), measured at widths 128-512 on two corpora (docs/sizing.md); x 128 / n_embd under AdamW, muP's rule
+  for Adam on hidden matrices, which lands within 25% of GPT-3's published AdamW LRs at GPT-2's four widths
+  (6e-4 at 768, 3e-4 at 1024, 2.5e-4 at 1536, 2e-4 at 2048);
 - global batch: DeepSeek LLM's fitted compute-optimal batch, B = 0.292 x C^0.3271 tokens with C = 6 x params x
   training tokens (--max-tokens when given, else the horizon below), rounded to a power of two (and to whole
   micro-batches), and capped at training tokens / MIN_STEPS (150), so that a short run still takes that many
@@ -209,7 +209,7 @@ def describe(size: SizeConfig, values: dict) -> str:
     """The start-up table's account of the dial: each derived value with its rule, or where it came from
     instead (the preset, or the user). values: the run's resolved "section.field" -> value."""
     if size.depth is None:
-        return "off (shape from the model flags; --depth N or --preset derives it)"
+        return f"off (shape from the model flags; {plain_lrs(values)}; --depth N or --preset derives it all)"
     preset = {k: v for k, v in PRESETS.get(size.preset, {}).items() if k != "size.depth"}
     derived_keys = derive(size.depth, {}).keys()
     inputs = {k: v for k, v in values.items() if k not in derived_keys}  # seq-len, optimizer, micro-batch, ...
@@ -239,6 +239,21 @@ def describe(size: SizeConfig, values: dict) -> str:
         parts.append(f"{name} {f'{actual:.3g}' if isinstance(actual, float) else f'{actual:,}'} ({source})")
     name = f"preset {size.preset}, " if size.preset else ""
     return f"{name}depth {size.depth}: " + ", ".join(parts)
+
+
+def plain_lrs(values: dict) -> str:
+    """The LRs of a run whose shape flags gave, each with its rule (optim.default_lrs, by the model's width, as
+    the dial's), or "given". values: the run's resolved "section.field" -> value."""
+    given = OptimConfig(name=values["optim.name"])
+    while True:  # an LR that differs from its rule was given; the ones derived from it (untied) follow it
+        rules = default_lrs(given, values["model.tie_embeddings"], values["model.n_embd"])
+        differs = [name for name, (value, _) in rules.items() if values[f"optim.{name}"] != value]
+        if not differs:
+            break
+        given = replace(given, **{differs[0]: values[f"optim.{differs[0]}"]})
+    parts = [f"{name} {values[f'optim.{name}']:.3g} ({rules[name][1] if name in rules else 'given'})"
+             for name in ("lr", "adam_lr", "embed_lr", "head_lr") if name in rules or getattr(given, name) is not None]
+    return ", ".join(parts)
 
 
 # ----------------------------------------------------------------------------- what a shape costs

@@ -117,7 +117,7 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
         "recipe-v1": (["--no-attn-gate", "--warmup", "15"], False),
         "batch-8": (["--batch-size", "8"], False),
         "batch-4": (["--batch-size", "4"], False),
-        # lr-half at width 256 is the size dial's rule (sizing.py: the width-128 defaults x 128 / n_embd)
+        # The runs' LRs (their width's defaults, optim.default_lrs, unless given) x0.5 and x2
         "lr-half": (["--lr", f"{lr / 2:g}", "--adam-lr", f"{side_lr / 2:g}"], False),
         "lr-double": (["--lr", f"{lr * 2:g}", "--adam-lr", f"{side_lr * 2:g}"], False),
     }

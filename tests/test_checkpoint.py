@@ -376,7 +376,7 @@ def test_extending_a_decayed_run_is_refused_unless_the_rewarm_is_asked_for(tiny_
     from conftest import TINY_FLAGS
 
     flags = ["--data", tiny_data, "--out-dir", str(tmp_path), *TINY_FLAGS, "--eval-interval", "0", "--warmup", "1",
-             "--device", "cpu", "--dtype", "fp32"]
+             "--device", "cpu", "--dtype", "fp32", "--lr", "6e-3"]
     train.main([*flags, "--max-steps", "4"])
     with pytest.raises(SystemExit) as refused:
         train.main([*flags, "--max-steps", "6", "--resume"])

@@ -390,15 +390,18 @@ def test_an_untied_muon_run_gets_the_embedding_and_head_lrs_the_recipe_sweep_cho
     assert values(given, tied=False) == {"embed_lr": 0.015}
 
 
-def test_every_lr_default_is_decided_by_default_lrs_and_scales_with_width_under_the_dial():
-    """The registry's LRs at the default width; 1/width under the size dial (width given), each with its rule;
-    the untied embedding and head follow the derived AdamW side."""
+def test_every_lr_default_is_decided_by_default_lrs_and_follows_the_width_with_or_without_the_dial():
+    """The registry's LRs at the default width; (128/width) to the entry's exponent elsewhere (Muon's 0.5,
+    AdamW's 1), each with its rule; the untied embedding and head follow the derived AdamW side."""
     lrs = optim.default_lrs(OptimConfig(name="muon"), tied=False, width=512)
-    assert lrs["lr"] == (0.0015, "0.006·128/n_embd; held at widths 128-512, docs/sizing.md")
-    assert (lrs["adam_lr"][0], lrs["embed_lr"][0], lrs["head_lr"][0]) == (0.00075, 0.0075, 0.0015)
-    assert optim.default_lrs(OptimConfig(name="adamw"), tied=True) == {"lr": (0.003, "0.003")}
-    assert Config().optim.lr == 6e-3 and Config(size=SizeConfig(depth=8), model=ModelConfig(n_embd=512)).optim.lr \
-        == 0.0015  # config.Config is where a run's are set
+    assert lrs["lr"] == (0.003, "0.006·(128/n_embd)^0.5; measured at widths 128-512 on two corpora, docs/sizing.md")
+    assert lrs["adam_lr"] == (0.0015, "0.003·(128/n_embd)^0.5") and (lrs["embed_lr"], lrs["head_lr"]) == (
+        (0.015, "10·adam_lr"), (0.003, "2·adam_lr"))
+    assert optim.default_lrs(OptimConfig(name="adamw"), tied=True, width=512) == {"lr": (0.00075, "0.003·128/n_embd")}
+    assert optim.default_lrs(OptimConfig(name="adamw"), tied=True) == {"lr": (0.003, "default")}
+    # config.Config is where a run's are set: by the model's width, whether the dial or a flag gave it.
+    dial, plain = Config(size=SizeConfig(depth=8), model=ModelConfig(n_embd=512)), Config(model=ModelConfig(n_embd=512))
+    assert Config().optim.lr == 6e-3 and dial.optim == plain.optim and plain.optim.head_lr == 0.003
 
 
 @pytest.mark.parametrize("bad,message", [
@@ -455,7 +458,7 @@ def test_an_optimizer_registered_from_a_test_trains_plans_and_resumes(tiny_data,
              str(tmp_path), "--ckpt-interval", "3"]
     train_py.main([*flags, "--max-steps", "3"])
     out = capsys.readouterr().out
-    assert "peak lr 0.05" in out and "  time             a step ~" in out  # its LR, and the plan priced its step
+    assert "peak lr 0.1" in out and "  time             a step ~" in out  # its LR (x 128/64), and the plan priced its step
     train_py.main([*flags, "--max-steps", "5", "--resume"])
     assert "resume           from step 3" in capsys.readouterr().out
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

@@ -245,7 +245,7 @@ def test_a_skipped_step_is_logged_and_never_checkpointed(data_dir, tmp_path, inj
 def test_too_many_bad_steps_roll_back_with_a_lower_lr(data_dir, tmp_path, capsys, inject_nan):
     inject_nan(3)
     train.main(["--data", data_dir, "--out-dir", str(tmp_path), *MODEL, "--max-steps", "6", "--ckpt-interval", "2",
-                "--max-bad-steps", "1"])
+                "--max-bad-steps", "1", "--lr", "6e-3"])
     err = capsys.readouterr().err
     assert "rolled back to step 2" in err and "LR now x0.5" in err
     with open(tmp_path / "metrics.jsonl") as f:

@@ -38,7 +38,7 @@ def test_shape_rules(depth, width, head_dim, heads, kv_heads):
 def test_derived_training_settings():
     values = {key: value for key, (value, _) in sizing.derive(12, {"model.tie_embeddings": True}).items()}
     params = param_count(config.parse_args(["--preset", "gpt2-124m"]).model)  # depth 12, tied as GPT-2
-    assert (values["optim.lr"], values["optim.adam_lr"]) == (pytest.approx(6e-3 * 128 / 768), 5e-4)  # Muon
+    assert (values["optim.lr"], values["optim.adam_lr"]) == (0.00245, 0.00122)  # Muon: x (128/768)^0.5
     adamw = {key: value for key, (value, _) in sizing.derive(12, {"optim.name": "adamw"}).items()}
     assert adamw["optim.lr"] == pytest.approx(3e-3 * 128 / 768) and "optim.adam_lr" not in adamw
     assert values["model.ffn_dim"] == 2048
@@ -81,7 +81,10 @@ def test_describe_names_each_value_and_its_source():
     assert text.startswith("preset gpt2-350m, depth 24: ")
     assert "n_embd 1,024 (preset)" in text and "lr 0.001 (given)" in text and "n_head 8 (n_embd/head_dim)" in text
     assert "max_tokens not derived" in text
-    assert sizing.describe(config.parse_args([]).size, {}).startswith("off")
+    plain = config.parse_args(["--n-embd", "512", "--adam-lr", "1e-3"])  # no dial: the LRs by width, as the dial's
+    text = sizing.describe(plain.size, config.flat_values(plain))
+    assert text.startswith("off (shape from the model flags; lr 0.003 (0.006·(128/n_embd)^0.5; measured")
+    assert "adam_lr 0.001 (given), embed_lr 0.01 (10·adam_lr), head_lr 0.002 (2·adam_lr)" in text
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -119,7 +122,7 @@ def test_describe_derives_from_the_runs_own_inputs():
     text = sizing.describe(cfg.size, config.flat_values(cfg))
     assert "(given)" not in text and "lr 0.002 (0.003·128/n_embd)" in text and "10/param" in text
     muon = config.parse_args(["--depth", "3"])  # Muon's rule names the sweep it rests on
-    assert "lr 0.004 (0.006·128/n_embd; held at widths 128-512, docs/sizing.md)" in sizing.describe(
+    assert "lr 0.0049 (0.006·(128/n_embd)^0.5; measured at widths 128-512 on two corpora, docs/sizing.md)" in sizing.describe(
         muon.size, config.flat_values(muon))
 
 

@@ -261,7 +261,7 @@ def test_resume_names_the_settings_that_changed(tmp_path, tiny_data, train_in_pr
                                                       "that cannot change within a run: optim.name 'muon' -> 'adamw'")
     result = train_in_process(*common, "--lr", "1e-3")
     assert result.returncode == 0, result.stderr
-    assert "setting changed since the checkpoint: optim.lr 0.006 -> 0.001" in result.stderr
+    assert "setting changed since the checkpoint: optim.lr 0.00849 -> 0.001" in result.stderr  # 6e-3 at width 64
     assert "schedule.max_steps 2 -> 3" in result.stderr
 
 
@@ -269,7 +269,7 @@ def test_the_resolved_config_is_written_and_reproduces_the_run(tmp_path, tiny_da
     tiny_run(tiny_data, tmp_path, "--depth", "1", "--max-tokens", "256")  # the tiny model's flags override it
     saved = config.read_config_file(str(tmp_path / "config.toml"))
     assert saved["size.depth"] == 1 and saved["schedule.max_tokens"] == 256 and "schedule.max_steps" not in saved
-    assert saved["optim.lr"] == 6e-3 * 128 / 64  # derived from the given width
+    assert saved["optim.lr"] == 0.00849  # derived from the given width: 6e-3 x (128/64)^0.5
     again = config.parse_args(["--config", str(tmp_path / "config.toml")])
     assert config.flat_values(again) == {**config.flat_values(again), **saved}
     assert (again.model.n_layer, again.model.n_embd, again.data.data) == (2, 64, tiny_data)
@@ -297,7 +297,7 @@ def test_a_hand_edited_config_toml_is_applied_with_its_own_config_flag_and_other
             "--resume to apply the edits, or undo them"]
     path.write_text(edited)
     records = tiny_run(tiny_data, tmp_path, "--config", str(path), "--max-steps", "3", "--resume")
-    assert records[-1]["step"] == 3 and "optim.lr 0.006 -> 0.001" in capsys.readouterr().err
+    assert records[-1]["step"] == 3 and "optim.lr 0.00849 -> 0.001" in capsys.readouterr().err
     assert config.read_config_file(str(path))["optim.lr"] == 0.001 and not config.hand_edited(path.read_text())
 
 
