@@ -75,8 +75,7 @@ class ScheduleConfig:
     schedule: str = option("wsd", "warmup-stable-decay, with a linear decay over the last --decay-frac "
                                   "(docs/recipe.md), or cosine decay", choices=("wsd", "cosine"))
     min_lr_ratio: float = option(0.1, "final LR as a fraction of peak")
-    decay_frac: float = option(0.2, "wsd: fraction of steps spent decaying (the size dial derives it from the "
-                                    "run's steps: docs/sizing.md)")
+    decay_frac: float = option(0.2, "wsd: fraction of steps spent decaying (docs/sizing.md)")
     grad_clip: float = option(1.0, "max global grad norm (0: off)")
     batch_warmup_steps: int = option(0, "batch-size warm-up: the global batch ramps linearly from "
                                         "--batch-warmup-start of itself to all of it over this many steps, in whole "

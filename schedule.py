@@ -32,29 +32,6 @@ def lr_multiplier(step: int, max_steps: int, warmup: int, schedule: str, min_lr_
     return 1.0 - (1 - min_lr_ratio) * progress
 
 
-# WSD's decay fraction by the run's length in optimizer steps, which the size dial derives (sizing.py), from the
-# recipe sweep on prose at width 256 (docs/recipe.md#the-size-dial-at-these-horizons): against 20%, a 40% decay
-# lost 0.033 at 32 steps and 0.011 at 64, and gained 0.014 at 128 and 0.017 at 256 (each the mean of two seeds,
-# both seeds the same way). So: the short fraction up to the first length, the long one from the second, linear
-# in log(steps) between; held at 40% past the longest run measured (30% to 60% scored alike at 256 steps).
-DECAY_FRAC_BY_STEPS = ((64, 0.2), (128, 0.4))
-MEASURED_STEPS = 256  # the longest run of that sweep
-
-
-def decay_frac_for_steps(steps: int) -> float:
-    """The WSD decay fraction for a run of `steps` optimizer steps (DECAY_FRAC_BY_STEPS), to 3 decimals."""
-    (short_steps, short_frac), (long_steps, long_frac) = DECAY_FRAC_BY_STEPS
-    position = math.log(max(steps, short_steps) / short_steps) / math.log(long_steps / short_steps)
-    return round(short_frac + (long_frac - short_frac) * min(1.0, position), 3)
-
-
-def decay_frac_rule() -> str:
-    """DECAY_FRAC_BY_STEPS in words, for the start-up table."""
-    (short_steps, short_frac), (long_steps, long_frac) = DECAY_FRAC_BY_STEPS
-    return (f"{short_frac:g} to {short_steps} steps, {long_frac:g} from {long_steps}, by log steps between; "
-            f"measured to {MEASURED_STEPS} steps, docs/sizing.md")
-
-
 def schedule_warning(warmup: int, max_steps: int, schedule: str, decay_frac: float) -> str | None:
     """What is wrong with a warm-up that does not fit the run, for a start-up warning, or None. Not refused:
     a short test run with the default warm-up is legitimate, but the user should know its LR never peaks."""

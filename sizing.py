@@ -23,9 +23,8 @@ The rules, each a constant below:
   micro-batches), and capped at training tokens / MIN_STEPS (150), so that a short run still takes that many
   steps; below one default micro-batch, the micro-batch itself shrinks to the cap, in whole sequences;
 - horizon: --tokens-per-param x params training tokens (Chinchilla's 20 by default), params counting the
-  embedding;
-- WSD decay: over 20% of a run of up to 64 steps, 40% of one of 128 or more, by log steps between
-  (schedule.decay_frac_for_steps, measured on prose at width 256: docs/recipe.md).
+  embedding. The WSD decay stays --decay-frac's default at every length: a longer decay for longer runs did
+  not hold on both corpora (docs/sizing.md).
 
 The end of the file is what a shape costs, by arithmetic on its config alone (no model is built): each
 parameter's shape, the parameter count, and the training FLOPs per token that MFU and the plan divide by.
@@ -40,7 +39,6 @@ from dataclasses import dataclass, replace
 from model import ModelConfig, value_embed_layers
 from optim import OptimConfig, default_lrs
 from option import option
-from schedule import decay_frac_for_steps, decay_frac_rule
 
 ASPECT_RATIO = 64  # width per layer
 HEAD_DIM, SMALL_HEAD_DIM, SMALL_WIDTH = 128, 64, 512
@@ -160,23 +158,7 @@ def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
         values["data.batch_size"] = (batch // model_cfg.max_seq_len, f"max_tokens/{MIN_STEPS} steps in sequences")
     values["data.total_batch_tokens"] = (batch, "DeepSeek's batch fit" if batch == optimal else
                                          f"DeepSeek's fit {optimal:,}, capped at max_tokens/{MIN_STEPS} steps")
-    values["schedule.decay_frac"] = decay_frac(explicit, budget, batch)
     return values
-
-
-def decay_frac(explicit: dict, budget: int, batch: int) -> tuple[float | None, str]:
-    """The WSD decay fraction for the run's steps (schedule.decay_frac_for_steps): --max-steps, else the budget
-    over the global batch in tokens (the dial's or --total-batch-tokens). (None, why) where the steps are not
-    known before the run starts: a batch in micro-steps (--grad-accum) is one per rank, and the batch warm-up's
-    smaller steps are whole micro-steps, so both depend on the world size."""
-    steps = explicit.get("schedule.max_steps")
-    if not steps:
-        if explicit.get("schedule.batch_warmup_steps"):
-            return None, "the batch warm-up's steps depend on the world size; --max-steps fixes them"
-        if "data.grad_accum" in explicit and not explicit.get("data.total_batch_tokens"):
-            return None, "a batch in --grad-accum depends on the world size; --total-batch-tokens fixes it"
-        steps = -(-budget // (explicit.get("data.total_batch_tokens") or batch))  # a last, partial step counts
-    return decay_frac_for_steps(steps), f"{steps:,} steps: {decay_frac_rule()}"
 
 
 def resolve(explicit: dict, micro_batch: int | str | None = None) -> dict:

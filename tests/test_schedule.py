@@ -37,17 +37,7 @@ def test_a_warmup_that_does_not_fit_the_run_is_named():
     assert "the LR never decays" in schedule_warning(10, 10, "cosine", 0.2)  # the peak, but no decay after it
 
 
-def test_the_decay_fraction_grows_with_the_runs_steps_between_the_measured_lengths():
-    """20% up to 64 steps and 40% from 128 (the recipe sweep's lengths), linear in log(steps) between, held
-    beyond: a longer run gives a fraction at least as long."""
-    (short, low), (long, high) = schedule.DECAY_FRAC_BY_STEPS
-    assert [schedule.decay_frac_for_steps(n) for n in (1, 32, short)] == [low] * 3
-    assert [schedule.decay_frac_for_steps(n) for n in (long, 4 * long, 10**12)] == [high] * 3
-    assert schedule.decay_frac_for_steps(91) == pytest.approx((low + high) / 2, abs=2e-3)  # 91 = 64 * sqrt(2)
-    fractions = [schedule.decay_frac_for_steps(n) for n in range(1, 600)]
-    assert fractions == sorted(fractions)
-    assert schedule.decay_frac_rule() == ("0.2 to 64 steps, 0.4 from 128, by log steps between; measured to 256 "
-                                          "steps, docs/sizing.md")
+
 
 
 def test_a_cosine_run_too_short_to_decay_is_warned_and_one_that_decays_is_not():
