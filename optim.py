@@ -211,14 +211,14 @@ def default_lrs(cfg: OptimConfig, tied: bool, width: int | None = None) -> dict[
         return {}
     width = width if width is not None and width >= 1 else BASE_WIDTH  # a width under 1 is refused elsewhere
     scale = (BASE_WIDTH / width) ** entry.width_exponent
-    power = "" if entry.width_exponent == 1 else f"^{entry.width_exponent:g}"
+    per_width = (f"·{BASE_WIDTH}/n_embd" if entry.width_exponent == 1
+                 else f"·({BASE_WIDTH}/n_embd)^{entry.width_exponent:g}")
+    checked = f"; {entry.lr_rule}" if entry.lr_rule else ""  # said once, on the main LR
 
-    def rule(value: float, checked: str) -> str:
-        if width == BASE_WIDTH:
-            return "default"
-        return f"{value:g}·{BASE_WIDTH}/n_embd" if not power else f"{value:g}·({BASE_WIDTH}/n_embd){power}" + checked
+    def rule(name: str, value: float) -> str:
+        return "default" if width == BASE_WIDTH else f"{value:g}{per_width}{checked if name == 'lr' else ''}"
 
-    found = {name: (float(f"{value * scale:.3g}"), rule(value, f"; {entry.lr_rule}" if entry.lr_rule and name == "lr" else ""))
+    found = {name: (float(f"{value * scale:.3g}"), rule(name, value))
              for name, value in (("lr", entry.lr), ("adam_lr", entry.adam_lr))
              if getattr(cfg, name) is None and value is not None}
     if not tied and entry.hidden_matrices:

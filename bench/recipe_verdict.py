@@ -8,8 +8,8 @@ baseline's by more than both seed spreads (recipe.py's "beyond both spreads", in
 adopted when, on every corpus, it wins at two thirds of the horizons or more (2 of 3) and its step costs at most
 MAX_STEP_COST of the baseline's. A toggle of SAME_WORK_FLAGS alone (LRs, the schedule) runs the very kernels
 its baseline does, so its step costs the same by construction: its measured ratio, which other work on the
-machine moves by more than 10%, is shown and not held against it. A toggle that holds on some corpora only is reported as holding there, and
-not adopted: a rule tuned on one kind of text is not a default for another.
+machine moves by more than 10%, is shown and not held against it. A toggle that holds on some corpora only is
+reported as holding there, and not adopted: a rule tuned on one kind of text is not a default for another.
 """
 
 import argparse

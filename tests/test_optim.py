@@ -458,7 +458,8 @@ def test_an_optimizer_registered_from_a_test_trains_plans_and_resumes(tiny_data,
              str(tmp_path), "--ckpt-interval", "3"]
     train_py.main([*flags, "--max-steps", "3"])
     out = capsys.readouterr().out
-    assert "peak lr 0.1" in out and "  time             a step ~" in out  # its LR (x 128/64), and the plan priced its step
+    # Its LR (x 128/64 at TINY_FLAGS' width), and the plan priced its step.
+    assert "peak lr 0.1" in out and "  time             a step ~" in out
     train_py.main([*flags, "--max-steps", "5", "--resume"])
     assert "resume           from step 3" in capsys.readouterr().out
     records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

@@ -121,8 +121,8 @@ def test_describe_derives_from_the_runs_own_inputs():
     text = sizing.describe(cfg.size, config.flat_values(cfg))
     assert "(given)" not in text and "lr 0.002 (0.003·128/n_embd)" in text and "10/param" in text
     muon = config.parse_args(["--depth", "3"])  # Muon's rule names the sweep it rests on
-    assert "lr 0.0049 (0.006·(128/n_embd)^0.5; measured at widths 128-512 on two corpora, docs/sizing.md)" in sizing.describe(
-        muon.size, config.flat_values(muon))
+    rule = "lr 0.0049 (0.006·(128/n_embd)^0.5; measured at widths 128-512 on two corpora, docs/sizing.md)"
+    assert rule in sizing.describe(muon.size, config.flat_values(muon))
 
 
 def test_the_dials_batch_leaves_a_short_run_its_steps():
