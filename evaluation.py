@@ -37,7 +37,7 @@ import split
 from cli import DataError, UsageError, first_line, plural
 from data import ShardLoader, data_tokenizer, padded_vocab
 from mixture import Source, is_mixture, label, parse_data, record_dir
-from model import IGNORE_INDEX
+from loss import IGNORE_INDEX
 from progress import Progress
 from sample import sample_text
 from shards import data_record

@@ -30,7 +30,8 @@ import fp8
 import hardware
 from cli import UsageError, plural
 from config import ACT_CKPT_MODES
-from model import LOSS_CHUNK_TOKENS, ModelConfig, loss_chunks
+from loss import LOSS_CHUNK_TOKENS, loss_chunks
+from model import ModelConfig
 from optim import OPTIMIZERS
 from sizing import block_shapes, outer_shapes, param_count
 
@@ -228,7 +229,7 @@ def mlp_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
 
 
 def head_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
-    """Token ids, final norm, and the float32 gradient of the lm_head input that model.linear_cross_entropy
+    """Token ids, final norm, and the float32 gradient of the lm_head input that loss.linear_cross_entropy
     computes in its forward and keeps (the logits themselves are never kept: see loss_head_bytes); with value
     embeddings, each table's float32 lookup, which its layers' scalars keep."""
     ve = FP32 * cfg.value_embeds * cfg.n_kv_head * cfg.resolved_head_dim
@@ -252,7 +253,7 @@ def loss_bytes_per_token(cfg: ModelConfig, act: int) -> int:
 
 
 def loss_chunk_bytes(cfg: ModelConfig, tokens: int, act: int, chunk_tokens: int = LOSS_CHUNK_TOKENS) -> int:
-    """The transient peak of model.linear_cross_entropy: one chunk's rows (loss_bytes_per_token) and its
+    """The transient peak of loss.linear_cross_entropy: one chunk's rows (loss_bytes_per_token) and its
     [V, d] weight-gradient GEMM output. Chunks grow with the micro-batch beyond MAX_LOSS_CHUNKS x chunk_tokens
     tokens, so this does too."""
     rows = -(-tokens // loss_chunks(tokens, chunk_tokens))
@@ -261,7 +262,7 @@ def loss_chunk_bytes(cfg: ModelConfig, tokens: int, act: int, chunk_tokens: int 
 
 def loss_chunk_tokens(cfg: ModelConfig, autocast_dtype: torch.dtype | None, capacity: int | None,
                       requested: int = 0) -> int:
-    """Tokens per chunk of model.linear_cross_entropy (GPT.loss_chunk_tokens): `requested`
+    """Tokens per chunk of loss.linear_cross_entropy (GPT.loss_chunk_tokens): `requested`
     (--loss-chunk-tokens) when given; else as many as 1/LOSS_CHUNK_SHARE of the device's memory holds (a GPU's,
     or a CPU's RAM), never fewer than LOSS_CHUNK_TOKENS; LOSS_CHUNK_TOKENS where the memory is unknown, or under
     fp16 (each chunk's weight-gradient GEMM sums its rows in fp16, which must stay in range). Few large chunks
@@ -311,7 +312,7 @@ def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, act_ckpt: 
 
 def describe_loss_path(model: nn.Module, tokens: int, autocast_dtype: torch.dtype | None = None) -> str:
     """The start-up table's row: the fused lm_head + cross-entropy's chunks for a micro-batch of `tokens` (under
-    fp16 their count has no cap: model._chunked_loss_and_grads)."""
+    fp16 their count has no cap: loss._chunked_loss_and_grads)."""
     chunk = model.loss_chunk_tokens
     count = loss_chunks(tokens, chunk, capped=autocast_dtype != torch.float16)
     return (f"fused lm_head + cross-entropy in {count} chunk{'s' if count > 1 else ''} of about "

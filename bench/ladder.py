@@ -43,7 +43,8 @@ import throughput  # noqa: E402
 import train  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
 from cli import DataError, HelpFormatter, UsageError  # noqa: E402
-from model import LOSS_CHUNK_TOKENS, ModelConfig, loss_chunks  # noqa: E402
+from loss import LOSS_CHUNK_TOKENS, loss_chunks  # noqa: E402
+from model import ModelConfig  # noqa: E402
 from sizing import flops_per_token, param_numels  # noqa: E402
 from update_math import newton_schulz_flops  # noqa: E402
 

@@ -2,7 +2,7 @@
 
     python bench/loss_compile.py [--micro-batches 4,16,64 --seq-len 1024 --dim 768 --baseline REV]
 
-Compile: model.linear_cross_entropy is compiled once with Dynamo and AOTAutograd (backend aot_eager: the
+Compile: loss.linear_cross_entropy is compiled once with Dynamo and AOTAutograd (backend aot_eager: the
 trace, without Inductor's code generation) and called at each micro-batch in turn, forward and backward; the
 table gives each call's wall time, tracing included, and the graphs compiled so far. What tracing costs
 depends on the number of chunks, not on the width or the vocabulary, so these calls use GPT-2's token counts
@@ -14,7 +14,8 @@ forward and backward, against the unfused F.cross_entropy(F.linear(x, W).float()
 (shapes and dtypes without data) make this instant at any shape; a dispatch mode counts each new storage
 from its creation until its last tensor is freed.
 
---baseline REV runs the same measurement with model.py as it is at git revision REV, for comparison.
+--baseline REV runs the same measurement with the fused loss as it is at git revision REV (loss.py, or model.py
+at revisions before loss.py held it), for comparison.
 """
 
 import argparse
@@ -93,12 +94,12 @@ def unfused(x, weight, targets):
     return F.cross_entropy(F.linear(x, weight).float().flatten(0, 1), targets.flatten())
 
 
-def measure(model_module, micro_batches: list[int], seq_len: int, dim: int) -> list[dict]:
+def measure(loss_module, micro_batches: list[int], seq_len: int, dim: int) -> list[dict]:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model_module.linear_cross_entropy, backend="aot_eager")
+    compiled = torch.compile(loss_module.linear_cross_entropy, backend="aot_eager")
     rows = []
     for batch in micro_batches:
         x, weight, targets = loss_inputs(batch, seq_len, TRACE_DIM, TRACE_VOCAB)
@@ -106,30 +107,32 @@ def measure(model_module, micro_batches: list[int], seq_len: int, dim: int) -> l
         compiled(x, weight, targets).backward()
         seconds = time.perf_counter() - t0
         tokens = batch * seq_len
-        chunks = (model_module.loss_chunks(tokens, model_module.LOSS_CHUNK_TOKENS)
-                  if hasattr(model_module, "loss_chunks") else -(-tokens // model_module.LOSS_CHUNK_TOKENS))
+        chunks = (loss_module.loss_chunks(tokens, loss_module.LOSS_CHUNK_TOKENS)
+                  if hasattr(loss_module, "loss_chunks") else -(-tokens // loss_module.LOSS_CHUNK_TOKENS))
         rows.append(dict(batch=batch, seconds=seconds, graphs=counters["stats"]["unique_graphs"], chunks=chunks,
                          chunk_tokens=-(-tokens // chunks),
-                         peak=peak_bytes(model_module.linear_cross_entropy, batch, seq_len, dim),
+                         peak=peak_bytes(loss_module.linear_cross_entropy, batch, seq_len, dim),
                          unfused_peak=peak_bytes(unfused, batch, seq_len, dim)))
     return rows
 
 
-def model_at(rev: str):
-    """model.py as it is at git revision rev, imported under another name."""
-    source = subprocess.run(["git", "show", f"{rev}:model.py"], cwd=REPO, check=True, capture_output=True,
-                            text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(), f"model_{rev}.py")
+def loss_at(rev: str):
+    """The module that held the fused loss at git revision rev (loss.py, else model.py), imported under another
+    name."""
+    shown = [subprocess.run(["git", "show", f"{rev}:{name}"], cwd=REPO, capture_output=True, text=True)
+             for name in ("loss.py", "model.py")]
+    source = next(s.stdout for s in shown if s.returncode == 0)
+    path = os.path.join(tempfile.mkdtemp(), f"loss_{rev}.py")
     with open(path, "w") as f:
         f.write(source)
-    spec = importlib.util.spec_from_file_location(f"model_{rev}", path)
+    spec = importlib.util.spec_from_file_location(f"loss_{rev}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def table(results: dict[str, list[dict]], seq_len: int) -> str:
-    lines = ["| model.py | micro-batch | tokens | chunks x tokens | compile + first call | graphs so far "
+    lines = ["| loss at | micro-batch | tokens | chunks x tokens | compile + first call | graphs so far "
              "| peak loss-path bytes | unfused | ratio |", "|---|---|---|---|---|---|---|---|---|"]
     for name, rows in results.items():
         for r in rows:
@@ -145,15 +148,15 @@ def main(argv=None):
     p.add_argument("--micro-batches", default="4,16,64", help="comma-separated, called in this order")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--dim", type=int, default=768, help="hidden width of the peak-bytes measurement (GPT-2 small's)")
-    p.add_argument("--baseline", default=None, help="also measure model.py at this git revision")
+    p.add_argument("--baseline", default=None, help="also measure the fused loss at this git revision")
     args = p.parse_args(argv)
     micro_batches = [int(b) for b in args.micro_batches.split(",")]
-    import model
+    import loss
 
     results = {}
     if args.baseline:
-        results[args.baseline] = measure(model_at(args.baseline), micro_batches, args.seq_len, args.dim)
-    results["this tree"] = measure(model, micro_batches, args.seq_len, args.dim)
+        results[args.baseline] = measure(loss_at(args.baseline), micro_batches, args.seq_len, args.dim)
+    results["this tree"] = measure(loss, micro_batches, args.seq_len, args.dim)
     print(f"Command: `python bench/loss_compile.py {shlex.join(argv)}` (CPU: {hardware.cpu_name()}, torch "
           f"{torch.__version__}, backend aot_eager; peak bytes: bf16 loss path, d={args.dim}, seq {args.seq_len}, "
           f"vocab {PADDED_VOCAB:,} padded)\n")

@@ -4,8 +4,8 @@
 
 The loss path is what follows the final norm: the lm_head GEMM and the float32 cross-entropy, on hidden
 states [B, T, d] that require grad, against a [V, d] weight. Unfused is GPT.forward's loss before the fused
-one, F.cross_entropy(F.linear(x, W).float(), targets); chunked is model.linear_cross_entropy, chunks of
-model.LOSS_CHUNK_TOKENS tokens. Saved for backward: memory.saved_tensor_bytes (saved-tensor hooks, distinct
+one, F.cross_entropy(F.linear(x, W).float(), targets); chunked is loss.linear_cross_entropy, chunks of
+loss.LOSS_CHUNK_TOKENS tokens. Saved for backward: memory.saved_tensor_bytes (saved-tensor hooks, distinct
 storages; the weight itself is a parameter and not counted, an autocast copy of it is). Time: one forward and
 backward, the median over timed windows after warm-up steps. On CUDA also the peak memory allocated during
 one forward + backward above what was allocated before it (the CPU has no such counter).
@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import memory  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
-from model import LOSS_CHUNK_TOKENS, ModelConfig, linear_cross_entropy  # noqa: E402
+from loss import LOSS_CHUNK_TOKENS, linear_cross_entropy  # noqa: E402
+from model import ModelConfig  # noqa: E402
 
 VOCAB = ModelConfig().vocab_size  # GPT-2's 50,257, padded to 50,304 below
 PADDED_VOCAB = ModelConfig().padded_vocab_size

@@ -89,6 +89,15 @@ def train_in_process(capsys):
     return run
 
 
+def targets_with_ignored(shape=(2, 32), vocab=200, seed=1) -> torch.Tensor:
+    """Random targets with ignored (-100) entries: a row's head, and every third of the last row."""
+    g = torch.Generator().manual_seed(seed)
+    targets = torch.randint(0, vocab, shape, generator=g)
+    targets[0, :5] = -100
+    targets[-1, ::3] = -100
+    return targets
+
+
 def write_tiny_shards(root, train_tokens=(5000, 5000, 5000), val_tokens=2000, seed=0, vocab_size=256) -> str:
     """Random uint16 tokens below vocab_size, drawn in order (train shards, then val) from one seeded
     generator, as llm.c shards under root; -> root as a string."""

@@ -22,7 +22,8 @@ from cli import DataError, UsageError
 from conftest import REPO, TINY_FLAGS, WORD_TEXT, gpt2_model
 from evaluation import (Evaluator, Example, bits_per_byte, bpb_sums, choice_batch, ending_scores, load_hellaswag,
                         token_byte_lengths)
-from model import GPT, IGNORE_INDEX, ModelConfig, linear_cross_entropy
+from loss import IGNORE_INDEX, linear_cross_entropy
+from model import GPT, ModelConfig
 from shards import write_shard
 from tokenizer import get_tokenizer, load_tokenizer
 

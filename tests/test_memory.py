@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
+import loss
 import memory
-import model as model_module
 import train
 from cli import UsageError
 from config import ACT_CKPT_MODES, SpeedConfig
@@ -151,14 +151,14 @@ GPT2_124M = ModelConfig(n_layer=12, n_head=6, n_kv_head=3, n_embd=768, head_dim=
 def test_a_gpu_with_room_runs_gpt2s_loss_in_few_chunks_within_its_share_of_memory(gpu, most_chunks):
     capacity, _ = memory.TARGET_GPUS[gpu]
     chunk = memory.loss_chunk_tokens(GPT2_124M, torch.bfloat16, capacity)
-    assert model_module.loss_chunks(16 * 1024, chunk) <= most_chunks
+    assert loss.loss_chunks(16 * 1024, chunk) <= most_chunks
     assert chunk * memory.loss_bytes_per_token(GPT2_124M, 2) <= capacity // memory.LOSS_CHUNK_SHARE
     assert memory.loss_chunk_bytes(GPT2_124M, 16 * 1024, 2, chunk) > memory.loss_chunk_bytes(GPT2_124M, 16 * 1024, 2)
 
 
 def test_the_loss_chunk_is_sized_by_memory_on_a_cpu_too_small_under_fp16_or_without_a_capacity_and_a_request_wins():
     h100, _ = memory.TARGET_GPUS["h100"]
-    small = model_module.LOSS_CHUNK_TOKENS
+    small = loss.LOSS_CHUNK_TOKENS
     ram = 24 * 2**30  # a CPU's RAM is its capacity: the default micro-batch (16 x 128) in one chunk
     assert memory.loss_chunk_tokens(ModelConfig(), None, ram) >= 16 * 128
     assert memory.loss_chunk_tokens(GPT2_124M, torch.float16, h100) == small

@@ -5,8 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import loss as loss_module
 import model as model_module
-from model import GPT, ModelConfig, linear_cross_entropy
+from model import GPT, ModelConfig
+from conftest import targets_with_ignored
 from sizing import flops_per_token, param_count, param_numels
 
 # GQA with 4 query heads per kv head, a head_dim that is not n_embd // n_head, a vocab that needs padding
@@ -225,14 +227,6 @@ def test_param_count_costs_nothing_whatever_the_depth():
 # ----------------------------------------------------------------------------- the fused lm_head + loss
 
 
-def targets_with_ignored(shape=(2, 32), vocab=200, seed=1) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    targets = torch.randint(0, vocab, shape, generator=g)
-    targets[0, :5] = -100
-    targets[-1, ::3] = -100
-    return targets
-
-
 def reference_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The unfused loss: the full logits of the no-targets path, then F.cross_entropy in float32."""
     logits, _ = model(idx)
@@ -251,35 +245,6 @@ def assert_close_relative(actual: torch.Tensor, expected: torch.Tensor, tol: flo
     own size, so small entries of a gradient carry large relative errors however good the whole is."""
     err = (actual - expected).abs().max() / expected.abs().max()
     assert err < tol, f"{name}: relative error {err:.2e}"
-
-
-@pytest.mark.parametrize("chunk", [1, 7, 100])  # one token, a non-divisor of the 33 tokens, all in one chunk
-def test_linear_cross_entropy_matches_f_cross_entropy(chunk):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(3, 11, 16, generator=g).requires_grad_()
-    weight = (0.5 * torch.randn(64, 16, generator=g)).requires_grad_()
-    targets = targets_with_ignored((3, 11), vocab=64)
-    loss = linear_cross_entropy(x, weight, targets, chunk)
-    (2.5 * loss).backward()  # a grad_output other than 1
-    grads = x.grad, weight.grad
-    x.grad = weight.grad = None
-    expected = F.cross_entropy(F.linear(x, weight).float().flatten(0, 1), targets.flatten(), ignore_index=-100)
-    (2.5 * expected).backward()
-    torch.testing.assert_close(loss, expected)
-    torch.testing.assert_close(grads[0], x.grad)
-    torch.testing.assert_close(grads[1], weight.grad)
-
-
-def test_linear_cross_entropy_backward_can_run_twice():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(9, 8, generator=g).requires_grad_()
-    weight = torch.randn(32, 8, generator=g).requires_grad_()
-    loss = linear_cross_entropy(x, weight, torch.randint(0, 32, (9,), generator=g), chunk=4)
-    loss.backward(retain_graph=True)
-    first = x.grad.clone(), weight.grad.clone()
-    loss.backward()
-    torch.testing.assert_close(x.grad, 2 * first[0])
-    torch.testing.assert_close(weight.grad, 2 * first[1])
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -317,13 +282,13 @@ def test_no_grad_loss_computes_no_gradients(monkeypatch):
     model.loss_chunk_tokens = 7
     idx, targets = torch.randint(0, 200, (2, 32)), targets_with_ignored()
     with_grad = []
-    chunk_loss = model_module._chunk_loss_and_grad
+    chunk_loss = loss_module._chunk_loss_and_grad
 
     def spy(x, weight, chunk_targets, grad, *rest):
         with_grad.append(grad)
         return chunk_loss(x, weight, chunk_targets, grad, *rest)
 
-    monkeypatch.setattr(model_module, "_chunk_loss_and_grad", spy)
+    monkeypatch.setattr(loss_module, "_chunk_loss_and_grad", spy)
     with torch.no_grad():
         logits, loss = model(idx, targets)
         expected = reference_loss(model, idx, targets)
@@ -335,38 +300,13 @@ def test_no_grad_loss_computes_no_gradients(monkeypatch):
     assert with_grad[10:] == [True] * 10
 
 
-def test_loss_chunks_are_near_equal_and_at_most_max_loss_chunks():
-    assert model_module.loss_chunks(2048, 1024) == 2  # train.py's default micro-batch, 16 x 128
-    assert model_module.loss_chunks(16 * 1024, 1024) == model_module.MAX_LOSS_CHUNKS == 16  # GPT-2's 16 x 1024
-    assert model_module.loss_chunks(128 * 1024, 1024) == 16  # a larger micro-batch: larger chunks, not more
-    assert model_module.loss_chunks(1, 1024) == model_module.loss_chunks(0, 1024) == 1
-    for n in (1, 64, 1000, 16 * 1024 + 3, 128 * 1024):
-        rows = model_module._row_chunks(n, 1024)
-        sizes = [r.stop - r.start for r in rows]
-        assert rows[0].start == 0 and rows[-1].stop == n and max(sizes) - min(sizes) <= 1
-        assert all(a.stop == b.start for a, b in zip(rows, rows[1:]))
-
-
-def test_fp16_loss_chunks_keep_their_size_so_the_weight_gradient_sums_stay_in_range(monkeypatch):
-    calls = []
-    chunk_loss = model_module._chunk_loss_and_grad
-    monkeypatch.setattr(model_module, "_chunk_loss_and_grad", lambda *a: calls.append(a[0].shape[0]) or chunk_loss(*a))
-    monkeypatch.setattr(model_module, "MAX_LOSS_CHUNKS", 2)
-    for dtype, rows in ((torch.float32, [32, 32]), (torch.float16, [8] * 8)):
-        calls.clear()
-        x = torch.randn(64, 8, dtype=dtype, requires_grad=True)
-        weight = torch.randn(32, 8, dtype=dtype, requires_grad=True)
-        linear_cross_entropy(x, weight, torch.randint(0, 32, (64,)), chunk=8).backward()
-        assert calls == rows, dtype
-
-
 @pytest.mark.parametrize("tied", [True, False])
 def test_compiled_loss_matches_eager_and_a_new_micro_batch_recompiles_once(tied, monkeypatch):
     """Dynamo traces one copy of the chunk body per chunk, so the chunk count is bounded; micro-batches with the
     same count share one graph once the first other size has made the token count dynamic."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(model_module, "MAX_LOSS_CHUNKS", 3)  # fewer copies of the chunk body to trace
+    monkeypatch.setattr(loss_module, "MAX_LOSS_CHUNKS", 3)  # fewer copies of the chunk body to trace
     torch._dynamo.reset()
     counters.clear()
     model = tiny_model(n_layer=1, tie_embeddings=tied)
@@ -620,17 +560,6 @@ def test_head_init_zero_zeroes_only_an_untied_lm_head():
     assert tiny_model(tie_embeddings=False).lm_head.weight.std() > 0.015
     with pytest.raises(ValueError, match="--head-init zero needs an untied lm_head"):
         tiny_config(head_init="zero", tie_embeddings=True).validate()
-
-
-def test_the_chunk_gradient_is_softmax_minus_one_hot_bit_for_bit_and_zero_on_ignored_rows():
-    torch.manual_seed(0)
-    x, w = torch.randn(6, 8), torch.randn(11, 8)
-    targets = torch.tensor([3, 0, 10, model_module.IGNORE_INDEX, 7, 3])
-    _, grad = model_module._chunk_loss_and_grad(x, w, targets, with_grad=True)
-    expected = (x @ w.t()).sub(torch.logsumexp(x @ w.t(), dim=-1, keepdim=True)).exp()
-    expected.scatter_add_(1, targets.clamp(min=0)[:, None], torch.full((6, 1), -1.0))
-    expected[3] = 0.0
-    assert torch.equal(grad, expected)
 
 
 def test_bf16_activations_keep_the_residual_stream_in_bf16_and_the_loss_in_fp32():

@@ -22,7 +22,8 @@ import train
 from cli import DataError, UsageError
 from conftest import REPO, TINY_FLAGS, gpt2_model, write_tiny_shards
 from evaluation import load_hellaswag
-from model import GPT, IGNORE_INDEX, QWEN3_VALUES, ModelConfig
+from loss import IGNORE_INDEX
+from model import GPT, QWEN3_VALUES, ModelConfig
 
 FIXTURE = os.path.join(REPO, "tests", "fixtures", "hellaswag_mini.jsonl")
 

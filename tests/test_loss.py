@@ -1,0 +1,75 @@
+"""loss.linear_cross_entropy against F.cross_entropy over the full logits: the loss, both gradients, the chunks
+it cuts and the gradient of one chunk. tests/test_model.py checks the model's loss, which calls it."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import loss as loss_module
+from conftest import targets_with_ignored
+from loss import linear_cross_entropy
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 100])  # one token, a non-divisor of the 33 tokens, all in one chunk
+def test_linear_cross_entropy_matches_f_cross_entropy(chunk):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 11, 16, generator=g).requires_grad_()
+    weight = (0.5 * torch.randn(64, 16, generator=g)).requires_grad_()
+    targets = targets_with_ignored((3, 11), vocab=64)
+    loss = linear_cross_entropy(x, weight, targets, chunk)
+    (2.5 * loss).backward()  # a grad_output other than 1
+    grads = x.grad, weight.grad
+    x.grad = weight.grad = None
+    expected = F.cross_entropy(F.linear(x, weight).float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+    (2.5 * expected).backward()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grads[0], x.grad)
+    torch.testing.assert_close(grads[1], weight.grad)
+
+
+def test_linear_cross_entropy_backward_can_run_twice():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 8, generator=g).requires_grad_()
+    weight = torch.randn(32, 8, generator=g).requires_grad_()
+    loss = linear_cross_entropy(x, weight, torch.randint(0, 32, (9,), generator=g), chunk=4)
+    loss.backward(retain_graph=True)
+    first = x.grad.clone(), weight.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(x.grad, 2 * first[0])
+    torch.testing.assert_close(weight.grad, 2 * first[1])
+
+
+def test_loss_chunks_are_near_equal_and_at_most_max_loss_chunks():
+    assert loss_module.loss_chunks(2048, 1024) == 2  # train.py's default micro-batch, 16 x 128
+    assert loss_module.loss_chunks(16 * 1024, 1024) == loss_module.MAX_LOSS_CHUNKS == 16  # GPT-2's 16 x 1024
+    assert loss_module.loss_chunks(128 * 1024, 1024) == 16  # a larger micro-batch: larger chunks, not more
+    assert loss_module.loss_chunks(1, 1024) == loss_module.loss_chunks(0, 1024) == 1
+    for n in (1, 64, 1000, 16 * 1024 + 3, 128 * 1024):
+        rows = loss_module._row_chunks(n, 1024)
+        sizes = [r.stop - r.start for r in rows]
+        assert rows[0].start == 0 and rows[-1].stop == n and max(sizes) - min(sizes) <= 1
+        assert all(a.stop == b.start for a, b in zip(rows, rows[1:]))
+
+
+def test_fp16_loss_chunks_keep_their_size_so_the_weight_gradient_sums_stay_in_range(monkeypatch):
+    calls = []
+    chunk_loss = loss_module._chunk_loss_and_grad
+    monkeypatch.setattr(loss_module, "_chunk_loss_and_grad", lambda *a: calls.append(a[0].shape[0]) or chunk_loss(*a))
+    monkeypatch.setattr(loss_module, "MAX_LOSS_CHUNKS", 2)
+    for dtype, rows in ((torch.float32, [32, 32]), (torch.float16, [8] * 8)):
+        calls.clear()
+        x = torch.randn(64, 8, dtype=dtype, requires_grad=True)
+        weight = torch.randn(32, 8, dtype=dtype, requires_grad=True)
+        linear_cross_entropy(x, weight, torch.randint(0, 32, (64,)), chunk=8).backward()
+        assert calls == rows, dtype
+
+
+def test_the_chunk_gradient_is_softmax_minus_one_hot_bit_for_bit_and_zero_on_ignored_rows():
+    torch.manual_seed(0)
+    x, w = torch.randn(6, 8), torch.randn(11, 8)
+    targets = torch.tensor([3, 0, 10, loss_module.IGNORE_INDEX, 7, 3])
+    _, grad = loss_module._chunk_loss_and_grad(x, w, targets, with_grad=True)
+    expected = (x @ w.t()).sub(torch.logsumexp(x @ w.t(), dim=-1, keepdim=True)).exp()
+    expected.scatter_add_(1, targets.clamp(min=0)[:, None], torch.full((6, 1), -1.0))
+    expected[3] = 0.0
+    assert torch.equal(grad, expected)
