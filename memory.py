@@ -231,9 +231,13 @@ def mlp_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
 def head_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
     """Token ids, final norm, and the float32 gradient of the lm_head input that loss.linear_cross_entropy
     computes in its forward and keeps (the logits themselves are never kept: see loss_head_bytes); with value
-    embeddings, each table's float32 lookup, which its layers' scalars keep."""
+    embeddings, each table's float32 lookup, which its layers' scalars keep; with the smear, the float32
+    embedding its norm keeps, the gate GEMM's input and the shifted embedding the gate multiplies; with the
+    bigram embedding, its rows' indices. Embedding skips keep the first block's input, kept anyway."""
     ve = FP32 * cfg.value_embeds * cfg.n_kv_head * cfg.resolved_head_dim
-    return INDEX + _norm_bytes(cfg.n_embd, fused_norm) + FP32 * cfg.n_embd + ve
+    smear = (2 * FP32 + act) * cfg.n_embd if cfg.smear else 0
+    bigram = INDEX if cfg.bigram_embed else 0
+    return INDEX + _norm_bytes(cfg.n_embd, fused_norm) + FP32 * cfg.n_embd + ve + smear + bigram
 
 
 def loss_head_bytes(cfg: ModelConfig) -> int:

@@ -8,7 +8,8 @@ never holds the full logits.
 
 The numerics match Hugging Face transformers' Qwen3ForCausalLM (tests/test_model.py checks the logits).
 The recipe toggles (QWEN3_VALUES: a ReLU^2 MLP, logit soft-capping, value embeddings, U-net skips,
-attention output gates; docs/recipe.md) leave that architecture. The gates, on by default, are the one
+attention output gates, the smear, a bigram hash embedding, embedding skips; docs/recipe.md) leave that
+architecture. The gates, on by default, are the one
 transformers holds too: Qwen3NextForCausalLM's output gate, as hf_layout.py writes it.
 
 Module and parameter names mirror Transformer Engine's LayerNormLinear / LayerNormMLP / Linear, so that a
@@ -42,10 +43,15 @@ MLP_KINDS = ("swiglu", "relu2")
 # The ModelConfig fields that leave the Qwen3 architecture, at Qwen3's values: away from these (but for
 # attn_gate, which Qwen3-Next holds) hf.py cannot export the model; a record that lacks one was trained at
 # Qwen3's value.
-QWEN3_VALUES = {"mlp": "swiglu", "logit_softcap": 0.0, "value_embeds": 0, "unet_skips": False, "attn_gate": False}
+QWEN3_VALUES = {"mlp": "swiglu", "logit_softcap": 0.0, "value_embeds": 0, "unet_skips": False, "attn_gate": False,
+                "smear": False, "bigram_embed": 0, "embed_skips": False}
 ARCHITECTURE_TOGGLES = tuple(QWEN3_VALUES)
 # Those of them the Transformer Engine blocks (fp8.TEBlock) do not implement.
 PLAIN_BACKEND_TOGGLES = ("value_embeds",)
+ZERO_INIT = ("attn.gate_weight", "smear_weight", "bigram_embed.weight")  # parameters that start at 0 (init_weights)
+NO_TOKEN = -1  # previous_tokens' id for "no token before this position": a sequence's first
+# The bigram hash's multiplier: a prime, so that (previous, token) pairs a bucket count apart do not collide.
+BIGRAM_HASH_MULTIPLIER = 1_000_003
 
 
 def with_qwen3_toggles(record: dict) -> dict:
@@ -113,6 +119,14 @@ class ModelConfig:
     attn_gate: bool = option(True, "per-head output gates in attention: each head's output times sigmoid(x W_g), x the "
                                    "normed attention input, W_g [n_head, n_embd] zero-initialised (every gate starts "
                                    "at 1/2)")
+    smear: bool = option(False, "smear: each position's token embedding plus the previous token's, times the gate "
+                                "sigmoid(e w), e the normed embedding, w [1, n_embd] zero-initialised (every gate starts "
+                                "at 1/2): a one-token look-back before the first block")
+    bigram_embed: int = option(0, "bigram hash embedding: a table of this many rows (zero-initialised, trained as the "
+                                  "embedding), indexed by a hash of (previous token, token), added to the token "
+                                  "embedding (0: off)")
+    embed_skips: bool = option(False, "embedding skips: the embedding is added (times a learned per-block scalar, init "
+                                      "1) to the input of every block after the first")
 
     def validate(self) -> None:
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd", "max_seq_len"):
@@ -149,8 +163,12 @@ class ModelConfig:
         if not 0 <= self.value_embeds <= most:
             raise ValueError(f"value_embeds must be in 0..{most} (each table feeds a layer of each half of the "
                              f"{self.n_layer}), got {self.value_embeds}")
-        if self.unet_skips and self.n_layer < 2:
-            raise ValueError(f"unet_skips needs at least 2 layers, got n_layer {self.n_layer}")
+        for name in ("unet_skips", "embed_skips"):
+            if getattr(self, name) and self.n_layer < 2:
+                raise ValueError(f"{name} needs at least 2 layers, got n_layer {self.n_layer}")
+        if self.bigram_embed < 0 or self.bigram_embed == 1:
+            raise ValueError(f"bigram_embed must be 0 (off) or at least 2 rows (the last is the first position's, "
+                             f"which has no previous token), got {self.bigram_embed}")
 
     def toggles_on(self, names: tuple[str, ...] = ARCHITECTURE_TOGGLES) -> list[str]:
         """Each of `names` that is not at Qwen3's value, as its flag and value ("--mlp relu2")."""
@@ -222,6 +240,7 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.pos = 0
+        self.last = None  # [B, 1]: the token at pos - 1, which smear and the bigram embedding read at pos
 
 
 def _cache_write(kv: tuple[torch.Tensor, torch.Tensor], k: torch.Tensor, v: torch.Tensor, start: int):
@@ -383,6 +402,28 @@ def value_embed_layers(config: ModelConfig) -> dict[int, int]:
     return dict(sorted(layers.items()))
 
 
+def previous_tokens(idx: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
+    """The id of the token before each position of idx [B, T]: `before` [B, 1] (the token ahead of idx, a
+    KV cache's last) at the first position, or NO_TOKEN there when None (a sequence's first token)."""
+    first = torch.full_like(idx[:, :1], NO_TOKEN) if before is None else before
+    return torch.cat([first, idx[:, :-1]], dim=1)
+
+
+def bigram_rows(previous: torch.Tensor, idx: torch.Tensor, rows: int) -> torch.Tensor:
+    """The bigram table's row of each (previous token, token) pair: a hash into the first rows - 1 rows, and
+    the last row for a token with no previous one."""
+    hashed = (previous * BIGRAM_HASH_MULTIPLIER + idx) % (rows - 1)
+    return torch.where(previous == NO_TOKEN, rows - 1, hashed)
+
+
+def smear(e: torch.Tensor, e_before: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Token embeddings e [B, T, D] plus each one's predecessor times sigmoid(ê w), ê the normed e: e_before
+    [B, 1, D] is the embedding ahead of the first position (a KV cache's), or None where there is none."""
+    first = torch.zeros_like(e[:, :1]) if e_before is None else e_before.to(e.dtype)
+    gate = torch.sigmoid(F.linear(F.rms_norm(e, (e.shape[-1],), eps=eps), weight.to(e.dtype)))
+    return e + gate * torch.cat([first, e[:, :-1]], dim=1)
+
+
 class GPT(nn.Module):
     loss_chunk_tokens = LOSS_CHUNK_TOKENS  # tokens per chunk of the fused lm_head + loss (linear_cross_entropy)
     # The residual stream's dtype, or None for the embedding's (float32): under bf16 autocast the GEMMs run in
@@ -415,6 +456,12 @@ class GPT(nn.Module):
             self.value_embed_lambdas = nn.Parameter(torch.empty(len(self.ve_layers)))  # one per layer fed
         if config.unet_skips:
             self.unet_weights = nn.Parameter(torch.empty(config.n_layer // 2))  # one per skip
+        if config.smear:
+            self.smear_weight = nn.Parameter(torch.empty(1, dim))
+        if config.bigram_embed:
+            self.bigram_embed = nn.Embedding(config.bigram_embed, dim)
+        if config.embed_skips:
+            self.embed_skip_weights = nn.Parameter(torch.empty(config.n_layer - 1))  # blocks 1.. take the embedding
         # Non-persistent: derived from the config, so checkpoints stay exactly the parameter contract.
         self.register_buffer("rope_cos", torch.empty(config.max_seq_len, config.resolved_head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(config.max_seq_len, config.resolved_head_dim), persistent=False)
@@ -429,8 +476,9 @@ class GPT(nn.Module):
         does not grow with depth, or with config.zero_init_proj are zero, so that every block starts as the
         identity and the gradient first reaches them alone (modded-nanogpt's recipe; they still draw from the
         generator, so the other weights are the same either way). Norm weights and the toggles' scalars
-        (value_embed_lambdas, unet_weights): 1. Attention gate weights: 0, every gate 1/2 and alike at the start
-        (a random W_g would gate heads by noise). An untied lm_head: normal(0, 0.02), or 0 with
+        (value_embed_lambdas, unet_weights, embed_skip_weights): 1. Attention and smear gate weights: 0, every
+        gate 1/2 and alike at the start (a random W_g would gate heads by noise). The bigram table: 0, so that it
+        starts as no change to the embedding; at the embedding's LR its rows move fast. An untied lm_head: normal(0, 0.02), or 0 with
         config.head_init "zero" (modded-nanogpt's: the first logits are uniform). Safe to call on a model materialised from the meta device
         (`to_empty`), which also breaks the embedding tie, so the tie is restored here.
         """
@@ -444,7 +492,7 @@ class GPT(nn.Module):
                 nn.init.normal_(param, std=residual_std)
                 if self.config.zero_init_proj:
                     nn.init.zeros_(param)
-            elif name.endswith("attn.gate_weight") or (name == "lm_head.weight" and self.config.head_init == "zero"):
+            elif name.endswith(ZERO_INIT) or (name == "lm_head.weight" and self.config.head_init == "zero"):
                 nn.init.zeros_(param)
             else:
                 nn.init.normal_(param, std=INIT_STD)
@@ -473,7 +521,7 @@ class GPT(nn.Module):
         if cache is not None and start + T > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} positions, {start + T} needed")
         cos, sin = self.rope_cos[start:start + T], self.rope_sin[start:start + T]
-        x = self.embed(idx).to(self.activation_dtype or self.embed.weight.dtype)
+        x = x0 = self.embed_inputs(idx, None if cache is None or start == 0 else cache.last)
         tables = [table(idx).to(x.dtype) for table in self.value_embeds] if self.config.value_embeds else []
         n_skips = self.config.n_layer // 2 if self.config.unet_skips else 0
         skips = []  # outputs of the first n_skips blocks; block n_layer-1-i takes skips[i]
@@ -482,6 +530,8 @@ class GPT(nn.Module):
             mirror = self.config.n_layer - 1 - i
             if mirror < n_skips:
                 x = x + self.unet_weights[mirror] * skips[mirror]
+            if i and self.config.embed_skips:
+                x = x + self.embed_skip_weights[i - 1] * x0
             extra = {} if cache is None else {"kv": (cache.k[i], cache.v[i]), "start": start}
             if i in ve_slots:
                 extra["value_embed"] = self.value_embed_lambdas[ve_slots[i]] * tables[self.ve_layers[i]]
@@ -489,13 +539,25 @@ class GPT(nn.Module):
             if i < n_skips:
                 skips.append(x)
         if cache is not None:
-            cache.pos += T
+            cache.pos, cache.last = start + T, idx[:, -1:]
         x = self.norm(x)
         cap = self.config.logit_softcap
         if targets is None:
             return soft_cap(self.lm_head(x), cap), None
         return None, linear_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunk_tokens, reduction,
                                           softcap=cap)
+
+    def embed_inputs(self, idx: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
+        """The first block's input, in the residual stream's dtype: the token embedding of idx [B, T], with
+        the smear and the bigram embedding when on. before [B, 1]: the token ahead of idx (a KV cache's last),
+        which the first position looks back at; None at a sequence's start."""
+        c = self.config
+        x = self.embed(idx)
+        if c.smear:
+            x = smear(x, None if before is None else self.embed(before), self.smear_weight, c.norm_eps)
+        if c.bigram_embed:
+            x = x + self.bigram_embed(bigram_rows(previous_tokens(idx, before), idx, c.bigram_embed))
+        return x.to(self.activation_dtype or self.embed.weight.dtype)
 
     def row_blocks(self) -> dict[str, list[int]]:
         """Row split of each fused weight, by parameter name: qkv into [Q, K, V], fc1 into [gate, up]."""

@@ -75,9 +75,10 @@ def with_property(prop: str) -> list[str]:
 MUON_MATRICES = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1_weight", "mlp.fc2_weight")
 # bitsandbytes advises 32-bit optimizer state for embedding layers, where 8-bit state hurts stability.
 FULL_PRECISION_STATE = ("embed.weight", "lm_head.weight")
-# The value embeddings' tables (model.py's --value-embeds) are token-indexed like the embedding: a step updates
-# only its batch's rows, so they train as the embedding does, in its group (its LR, betas and 32-bit state).
-VALUE_EMBED_PREFIX = "value_embeds."
+# The value embeddings' and the bigram embedding's tables (model.py's --value-embeds, --bigram-embed) are indexed
+# by tokens like the embedding: a step updates only its batch's rows, so they train as the embedding does, in its
+# group (its LR, betas and 32-bit state).
+TOKEN_TABLE_PREFIXES = ("value_embeds.", "bigram_embed.")
 # Module names that wrappers (torch.compile, activation checkpointing, FSDP1) insert into names.
 WRAPPER_NAMES = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
 
@@ -279,9 +280,9 @@ def param_role(name: str, p: torch.Tensor, use_muon: bool) -> str:
 
 
 def as_embedding(name: str) -> str:
-    """The name whose optimizer settings a parameter takes: "embed.weight" for a value-embedding table, else its
-    own."""
-    return "embed.weight" if name.startswith(VALUE_EMBED_PREFIX) else name
+    """The name whose optimizer settings a parameter takes: "embed.weight" for a value-embedding or bigram
+    table, else its own."""
+    return "embed.weight" if name.startswith(TOKEN_TABLE_PREFIXES) else name
 
 
 def split_params(model: nn.Module, use_muon: bool) -> dict[str, list[tuple[str, nn.Parameter]]]:

@@ -265,6 +265,12 @@ def outer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes["value_embed_lambdas"] = (len(value_embed_layers(cfg)),)
     if cfg.unet_skips:
         shapes["unet_weights"] = (cfg.n_layer // 2,)
+    if cfg.smear:
+        shapes["smear_weight"] = (1, D)
+    if cfg.bigram_embed:
+        shapes["bigram_embed.weight"] = (cfg.bigram_embed, D)
+    if cfg.embed_skips:
+        shapes["embed_skip_weights"] = (cfg.n_layer - 1,)
     return shapes
 
 
@@ -288,8 +294,8 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward), the convention of the PaLM paper and nanoGPT's MFU.
 
     6 * N, where N counts the weights of every matrix multiply: qkv, proj, fc1, fc2 (and an attention gate) in
-    each block plus the lm_head over the padded vocabulary (the embedding and value-embedding lookups, norm
-    weights and the toggles' scalars are not matmuls; a tied matrix counts once, as the lm_head). Plus attention scores and the weighted sum, 2 matmuls * 2 FLOPs * seq_len *
+    each block plus the lm_head over the padded vocabulary, and the smear's gate (the embedding, value-embedding
+    and bigram lookups, norm weights and the toggles' scalars are not matmuls; a tied matrix counts once, as the lm_head). Plus attention scores and the weighted sum, 2 matmuls * 2 FLOPs * seq_len *
     n_head * head_dim per layer forward, times 3 for forward + backward: 12 * n_layer * n_head * head_dim *
     seq_len. The attention term counts the full T x T square even though causal kernels skip half of it.
     """
@@ -301,6 +307,6 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
         + ffn * dim
         + (config.n_head * dim if config.attn_gate else 0)
     )
-    matmul_params = config.n_layer * per_layer + config.padded_vocab_size * dim
+    matmul_params = config.n_layer * per_layer + config.padded_vocab_size * dim + (dim if config.smear else 0)
     attention = 12 * config.n_layer * config.n_head * hd * seq_len
     return float(6 * matmul_params + attention)

@@ -115,6 +115,10 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
         "decay-0.5": (["--decay-frac", "0.5"], False),
         # The defaults before recipe v2 adopted --attn-gate and --warmup 3 (docs/recipe.md)
         "recipe-v1": (["--no-attn-gate", "--warmup", "15"], False),
+        # From the 2026 speed records (docs/recipe.md): look-backs at the previous token, the embedding at every block
+        "smear": (["--smear"], False),
+        "bigram-embed": (["--bigram-embed", "50304"], False),
+        "embed-skips": (["--embed-skips"], False),
         "batch-8": (["--batch-size", "8"], False),
         "batch-4": (["--batch-size", "4"], False),
         # The runs' LRs (their width's defaults, optim.default_lrs, unless given) x0.5 and x2

@@ -25,6 +25,7 @@ CFG = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, m
 CFG2 = ModelConfig(vocab_size=1000, n_layer=5, n_head=6, n_kv_head=2, n_embd=96, head_dim=32, ffn_dim=320,
                    max_seq_len=48, tie_embeddings=False)
 B = 2
+LOOK_BACK = {"smear": True, "bigram_embed": 512, "embed_skips": True}  # the toggles that read the previous token
 
 
 def batch(cfg, seed=0):
@@ -108,13 +109,24 @@ def test_optimizer_state_estimate_matches_the_allocated_state(name):
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ACT_CKPT_MODES)
 @pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["tied", "untied"])
-@pytest.mark.parametrize("architecture", [{}, QWEN3_VALUES, {"mlp": "relu2"}], ids=["default", "qwen3", "relu2"])
+@pytest.mark.parametrize("architecture", [{}, QWEN3_VALUES, {"mlp": "relu2"}, LOOK_BACK], ids=["default", "qwen3", "relu2", "look-back"])
 def test_activation_estimate_is_within_10_percent_of_saved_tensor_bytes(cfg, architecture, mode, dtype):
     cfg = dataclasses.replace(cfg, **architecture)
     idx, targets = batch(cfg)
     measured = memory.saved_tensor_bytes(model_with(cfg, mode), idx, targets, dtype)
     estimated, _ = memory.activation_bytes(cfg, B, cfg.max_seq_len, mode, dtype, "cpu")
     assert estimated == pytest.approx(measured, rel=0.10)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("toggle", LOOK_BACK)
+def test_what_a_look_back_toggle_adds_to_the_saved_bytes_is_estimated(toggle, dtype):
+    """The toggles' own bytes, too small to show within the whole step's 10%: each one's delta, within 10%."""
+    on = dataclasses.replace(CFG, **{toggle: LOOK_BACK[toggle]})
+    idx, targets = batch(CFG)
+    measured = [memory.saved_tensor_bytes(model_with(c, "none"), idx, targets, dtype) for c in (CFG, on)]
+    estimated = [memory.activation_bytes(c, B, CFG.max_seq_len, "none", dtype, "cpu")[0] for c in (CFG, on)]
+    assert estimated[1] - estimated[0] == pytest.approx(measured[1] - measured[0], rel=0.10, abs=64)
 
 
 def test_each_mode_saves_what_it_promises():

@@ -174,6 +174,9 @@ def test_defaults_resolve():
         (dict(logit_softcap=-1.0), "logit_softcap must be >= 0"),
         (dict(value_embeds=2, n_layer=2), r"value_embeds must be in 0..1"),
         (dict(unet_skips=True, n_layer=1), "unet_skips needs at least 2 layers"),
+        (dict(embed_skips=True, n_layer=1), "embed_skips needs at least 2 layers"),
+        (dict(bigram_embed=1), "bigram_embed must be 0 .off. or at least 2 rows"),
+        (dict(bigram_embed=-3), "bigram_embed must be 0"),
     ],
 )
 def test_validate_rejects_bad_config(overrides, message):
@@ -396,7 +399,8 @@ def test_zero_init_proj_is_not_part_of_the_exported_architecture(gate):
 
 # ----------------------------------------------------------------------------- recipe toggles (docs/recipe.md)
 
-ALL_TOGGLES = dict(mlp="relu2", logit_softcap=3.0, value_embeds=1, unet_skips=True, attn_gate=True)
+ALL_TOGGLES = dict(mlp="relu2", logit_softcap=3.0, value_embeds=1, unet_skips=True, attn_gate=True, smear=True,
+                   bigram_embed=64, embed_skips=True)
 
 
 @pytest.mark.parametrize("toggles", [{}, ALL_TOGGLES], ids=["off", "all-on"])
@@ -405,7 +409,8 @@ def test_toggles_param_count_numels_and_flops_follow_the_model(toggles):
     c = model.config
     assert param_numels(c) == {n: p.numel() for n, p in model.named_parameters()}
     assert param_count(c) == model.num_params()
-    lookups = sum(p.numel() for n, p in model.named_parameters() if p.ndim == 1 or n.startswith(("embed", "value_")))
+    lookups = sum(p.numel() for n, p in model.named_parameters()
+                  if p.ndim == 1 or n.startswith(("embed", "value_", "bigram_")))
     assert flops_per_token(c, 32) == 6 * (model.num_params() - lookups) + 12 * 3 * 8 * 16 * 32
 
 
@@ -413,12 +418,14 @@ def test_the_default_toggle_is_the_gate_and_toggles_are_named_by_their_flags():
     assert ModelConfig().toggles_on() == ["--attn-gate"]
     assert tiny_config().toggles_on() == []
     assert tiny_config(**ALL_TOGGLES).toggles_on() == [
-        "--mlp relu2", "--logit-softcap 3.0", "--value-embeds 1", "--unet-skips", "--attn-gate"]
+        "--mlp relu2", "--logit-softcap 3.0", "--value-embeds 1", "--unet-skips", "--attn-gate", "--smear",
+        "--bigram-embed 64", "--embed-skips"]
 
 
 def test_toggles_say_how_to_get_back_to_qwen3_and_old_records_were_qwen3():
     assert tiny_config(**ALL_TOGGLES).qwen3_flags() == (
-        "--mlp swiglu --logit-softcap 0 --value-embeds 0 --no-unet-skips --no-attn-gate")
+        "--mlp swiglu --logit-softcap 0 --value-embeds 0 --no-unet-skips --no-attn-gate --no-smear --bigram-embed 0 "
+        "--no-embed-skips")
     on = tiny_config(mlp="relu2", value_embeds=1, attn_gate=True)
     assert on.qwen3_flags(model_module.PLAIN_BACKEND_TOGGLES) == "--value-embeds 0"
     record = dataclasses.asdict(tiny_config(**ALL_TOGGLES))
@@ -432,7 +439,8 @@ def test_toggles_state_dict_round_trip_restores_every_new_parameter():
     model = tiny_model(seed=0, n_layer=3, **ALL_TOGGLES)
     with torch.no_grad():  # move the new parameters off their init, so a reload that skipped them would show
         for name, p in model.named_parameters():
-            if name.startswith(("value_embed", "unet_")) or name.endswith("gate_weight"):
+            if name.startswith(("value_embed", "unet_", "smear_", "bigram_", "embed_skip")) or \
+                    name.endswith("gate_weight"):
                 p.add_(torch.randn_like(p))
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
@@ -470,6 +478,77 @@ def test_logit_softcap_applies_under_the_kv_cache():
         pieces = torch.cat([model(idx[:, :5], cache=cache)[0], model(idx[:, 5:], cache=cache)[0]], dim=1)
         torch.testing.assert_close(pieces, model(idx)[0], rtol=1e-5, atol=1e-6)
     assert pieces.abs().max() < 0.5
+
+
+@pytest.mark.parametrize("toggles", [dict(smear=True), dict(bigram_embed=64), dict(smear=True, bigram_embed=64)],
+                         ids=["smear", "bigram", "both"])
+def test_the_look_back_toggles_give_the_full_pass_under_the_kv_cache_in_pieces(toggles):
+    """A piece fed after others looks back at the last token of the piece before it (KVCache.last), so
+    decoding token by token gives the logits of one pass; a cache rewound to 0 starts a sequence again."""
+    model = tiny_model(**toggles)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.any():  # off their zero init, so that the look-back shows in the logits
+                p.normal_(std=0.5)
+    idx = torch.randint(0, 200, (2, 8))
+    cache = model_module.KVCache(model.config, batch_size=2)
+    with torch.no_grad():
+        full = model(idx)[0]
+        pieces = [model(idx[:, :5], cache=cache)[0]] + [model(idx[:, t:t + 1], cache=cache)[0] for t in range(5, 8)]
+        torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-6)
+        cache.pos = 0
+        torch.testing.assert_close(model(idx[:, 4:], cache=cache)[0], model(idx[:, 4:])[0], rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(model(idx[:, 4:])[0][:, 0], full[:, 4], atol=1e-3)  # it does look back
+
+
+def test_smear_adds_each_previous_embedding_gated_at_one_half_at_init():
+    model = tiny_model(smear=True)
+    assert model.smear_weight.shape == (1, 64) and not model.smear_weight.any()
+    idx = torch.randint(0, 200, (2, 16))
+    with torch.no_grad():
+        e = model.embed(idx)
+        torch.testing.assert_close(model.embed_inputs(idx), e + 0.5 * torch.cat([torch.zeros_like(e[:, :1]),
+                                                                                 e[:, :-1]], dim=1))
+    _, grads = loss_and_grads(model, lambda: model(idx, idx)[1])
+    assert grads["smear_weight"].abs().sum() > 0
+
+
+def test_bigram_rows_hash_each_pair_and_keep_the_last_row_for_a_first_token():
+    idx = torch.tensor([[5, 7, 5, 7, 9], [7, 5, 7, 9, 9]])
+    previous = model_module.previous_tokens(idx)
+    assert previous.tolist() == [[-1, 5, 7, 5, 7], [-1, 7, 5, 7, 9]]
+    assert model_module.previous_tokens(idx, before=torch.tensor([[3], [4]]))[:, 0].tolist() == [3, 4]
+    rows = model_module.bigram_rows(previous, idx, 64)
+    assert rows[:, 0].tolist() == [63, 63] and bool((rows[:, 1:] < 63).all()) and bool((rows >= 0).all())
+    assert rows[0, 1] == rows[0, 3] == rows[1, 2]  # the pair (5, 7) wherever it stands
+    assert len({int(r) for r in rows[0, 1:3]}) == 2  # (5, 7) and (7, 5) are different pairs
+
+
+def test_bigram_embed_starts_at_zero_and_trains_only_its_batch_rows():
+    model = tiny_model(bigram_embed=64)
+    idx = torch.randint(0, 200, (2, 16))
+    assert model.bigram_embed.weight.shape == (64, 64) and not model.bigram_embed.weight.any()
+    with torch.no_grad():
+        torch.testing.assert_close(model.embed_inputs(idx), model.embed(idx))  # no change at init
+    _, grads = loss_and_grads(model, lambda: model(idx, idx)[1])
+    rows = model_module.bigram_rows(model_module.previous_tokens(idx), idx, 64).unique()
+    touched = grads["bigram_embed.weight"].abs().sum(dim=1) > 0
+    assert touched.nonzero().flatten().tolist() == rows.tolist()
+
+
+def test_embed_skips_add_the_embedding_to_every_block_after_the_first():
+    model = tiny_model(n_layer=3, embed_skips=True)
+    assert model.embed_skip_weights.shape == (2,) and bool((model.embed_skip_weights == 1).all())
+    with torch.no_grad():
+        model.embed_skip_weights.copy_(torch.tensor([0.3, -0.7]))
+    idx = torch.randint(0, 200, (2, 16))
+    cos, sin = model.rope_cos[:16], model.rope_sin[:16]
+    with torch.no_grad():
+        e = model.embed(idx)
+        x1 = model.blocks[0](e, cos, sin)
+        x2 = model.blocks[1](x1 + 0.3 * e, cos, sin)
+        x3 = model.blocks[2](x2 - 0.7 * e, cos, sin)
+        torch.testing.assert_close(model(idx)[0], model.lm_head(model.norm(x3)))
 
 
 def test_relu2_mlp_has_swiglus_parameters_and_computes_relu_squared():

@@ -357,22 +357,22 @@ def test_embedding_and_head_lrs_get_groups_of_their_own(name):
         build_optimizer(ToyGPT(n_layer=1, tied=True), OptimConfig(name=name, head_lr=0.1), {}, "cpu")
 
 
-def test_value_embedding_tables_train_in_the_embeddings_group():
+def test_value_embedding_and_bigram_tables_train_in_the_embeddings_group():
     """Token-indexed like the embedding (a step updates only its batch's rows): its LR, betas and, under
     bitsandbytes, 32-bit state; without an embedding LR of its own, the decayed matrices' group as before."""
     from model import GPT, ModelConfig
 
     model = GPT(ModelConfig(vocab_size=64, n_layer=2, n_embd=32, n_head=2, n_kv_head=1, max_seq_len=16,
-                            value_embeds=1))
+                            value_embeds=1, bigram_embed=16))
     cfg = OptimConfig(name="muon", adam_lr=1e-3, embed_lr=0.01, embed_beta1=0.8)
     groups = build_optimizer(model, cfg, model.row_blocks(), "cpu").param_groups
     embed = next(g for g in groups if "embed.weight" in g["names"])
-    assert embed["names"] == ["embed.weight", "value_embeds.0.weight"]
+    assert embed["names"] == ["embed.weight", "value_embeds.0.weight", "bigram_embed.weight"]
     assert (embed["base_lr"], embed["betas"]) == (0.01, (0.8, 0.95))
     plain = build_optimizer(model, OptimConfig(name="muon", adam_lr=1e-3), model.row_blocks(), "cpu").param_groups
     shared = next(g for g in plain if "embed.weight" in g["names"])
     assert {"value_embeds.0.weight", "lm_head.weight", "blocks.0.attn.gate_weight"} <= set(shared["names"])
-    assert optim.as_embedding("value_embeds.0.weight") == "embed.weight"
+    assert optim.as_embedding("value_embeds.0.weight") == optim.as_embedding("bigram_embed.weight") == "embed.weight"
     assert optim.as_embedding("blocks.0.attn.qkv.weight") == "blocks.0.attn.qkv.weight"
 
 

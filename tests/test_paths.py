@@ -34,6 +34,9 @@ MODELS = {
     "softcap": ["--logit-softcap", "15"],
     "value-embeds": ["--value-embeds", "1"],
     "unet-skips": ["--unet-skips"],
+    "smear": ["--smear"],
+    "bigram-embed": ["--bigram-embed", "512"],
+    "embed-skips": ["--embed-skips"],
     "tied": ["--tie-embeddings"],
 }
 COLUMNS = ("DDP", "FSDP2", "compile", "torchao FP8", "TE FP8", "resume", "export", "sample.py", "score.py")
