@@ -59,6 +59,7 @@ from curves import read_metrics  # noqa: E402
 from data import fingerprint, split_paths  # noqa: E402
 from docs_corpus import default_dir as docs_dir  # noqa: E402
 from optimizers import code_line, cpu_model  # noqa: E402
+from model import QWEN3_VALUES  # noqa: E402
 from runlog import MetricsError  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -308,9 +309,27 @@ LOCATION_FIELDS = ("data.data", "ckpt.out_dir", "ckpt.resume", "ckpt.overwrite")
 def cache_key(corpus: str, flags: list[str]) -> str:
     """flags: the run's whole train.py command line but its --out-dir (toggle, horizon and seed among them). The
     key is the configuration they resolve to, every field's value, so that a changed default (a toggle adopted)
-    is a different run, never a cached one; any new field makes every entry a miss, which errs towards running."""
+    is a different run, never a cached one. A model toggle at Qwen3's value is left out: that is how every run
+    trained before the toggle existed (model.with_qwen3_toggles), so a new toggle keeps the entries reachable;
+    any other new field makes every entry a miss, which errs towards running."""
     values = config.flat_values(config.parse_args(flags))
-    return json.dumps([corpus, {k: v for k, v in values.items() if k not in LOCATION_FIELDS}], sort_keys=True)
+    return settings_key(corpus, {k: v for k, v in values.items() if k not in LOCATION_FIELDS})
+
+
+def settings_key(corpus: str, values: dict) -> str:
+    """The key of a run of these flat config values, leaving out the model toggles at Qwen3's values."""
+    at_qwen3 = {f"model.{name}" for name, value in QWEN3_VALUES.items() if values.get(f"model.{name}") == value}
+    return json.dumps([corpus, {k: v for k, v in values.items() if k not in at_qwen3}], sort_keys=True)
+
+
+def current_key(key: str) -> str:
+    """A stored key as cache_key writes it now (entries written before it left out the toggles at Qwen3's values
+    hold them); an anchor's key, or any other, as it is."""
+    try:
+        parts = json.loads(key)
+    except ValueError:
+        return key
+    return settings_key(*parts) if isinstance(parts, list) and len(parts) == 2 and isinstance(parts[1], dict) else key
 
 
 def anchor_key(corpus: str, flags: list[str]) -> str:
@@ -330,7 +349,7 @@ class Cache:
     def _read(self) -> dict:
         try:
             with open(self.path) as f:
-                return json.load(f)
+                return {current_key(key): entry for key, entry in json.load(f).items()}
         except FileNotFoundError:
             return {}
         except (OSError, ValueError) as e:
