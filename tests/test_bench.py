@@ -454,3 +454,26 @@ def test_a_toggle_is_adopted_only_where_it_wins_on_every_corpus_within_its_step_
     text = (tmp_path / "v.md").read_text()
     assert "| both | 2 of 3 (1, 2) / 1.05x | 2 of 3 (2, 3) / 1.00x | **adopt** |" in text
     assert "| lr | 3 of 3 (1, 2, 3) / same work (1.30x) | 3 of 3 (1, 2, 3) / same work (1.00x) | **adopt** |" in text
+
+
+def test_tail_ema_averages_the_checkpoints_from_each_start_and_keeps_the_last_weights(tmp_path):
+    import tail_ema
+    import torch
+
+    from conftest import write_checkpoint
+    from model import GPT, ModelConfig
+
+    cfg = ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, max_seq_len=8)
+    models = []
+    for step in (2, 3, 4):
+        torch.manual_seed(step)
+        models.append(GPT(cfg))
+        write_checkpoint(tmp_path / f"ckpt_{step}.pt", models[-1])
+    paths = [str(tmp_path / f"ckpt_{step}.pt") for step in (2, 3, 4)]
+    emas, last = tail_ema.emas_of(paths, starts=[3], decays=[0.75])
+    w = [m.state_dict()["embed.weight"] for m in models]
+    torch.testing.assert_close(emas[3, 0.75]["embed.weight"], 0.75 * w[1] + 0.25 * w[2])
+    torch.testing.assert_close(last["embed.weight"], w[2])
+    assert list(emas) == [(3, 0.75)]
+    with pytest.raises(recipe.BenchError, match="--starts and --decays must be in"):
+        tail_ema.parse_args(["--decays", "1"])
