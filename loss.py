@@ -108,7 +108,8 @@ def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torc
     Each chunk's gradient is its softmax minus one-hot, entries in [-1, 1], rounded to the GEMM dtype before
     any scaling: under fp16 that is as safe as the reference's loss-scaled gradient, and one chunk's fp16 weight
     GEMM output sums only that chunk's rows, so under fp16 the chunks keep about `chunk` rows, however many
-    (a sum over N/16 rows of a frequent target could pass fp16's 65,504). The 1/count of the mean is applied in float32 at the end.
+    (a sum over N/16 rows of a frequent target could pass fp16's 65,504). The 1/count of the mean is applied in
+    float32 at the end.
     """
     dtype = _gemm_dtype(x)
     w = weight.to(dtype)
@@ -176,10 +177,10 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     (log-softmax over all V columns; targets equal to IGNORE_INDEX left out of the sum and the count) and the
     same gradients w.r.t. x and weight, computed a chunk of rows at a time (about `chunk` tokens, at most
     MAX_LOSS_CHUNKS chunks), so the [N, V] logits, their float32 copy and their gradient never exist at
-    once. The GEMMs run in the dtype nn.Linear's would (autocast's, when on). Without autograd (torch.no_grad, or nothing requiring grad) no gradient is
-    computed. reduction "none" gives each token's loss, shaped like targets (0 where ignored), for
-    evaluation (bits per byte, multiple-choice scoring): it has no backward, so it refuses to run where
-    autograd would want one.
+    once. The GEMMs run in the dtype nn.Linear's would (autocast's, when on). Without autograd (torch.no_grad,
+    or nothing requiring grad) no gradient is computed. reduction "none" gives each token's loss, shaped like
+    targets (0 where ignored), for evaluation (bits per byte, multiple-choice scoring): it has no backward, so
+    it refuses to run where autograd would want one.
     """
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")

@@ -9,8 +9,8 @@ never holds the full logits.
 The numerics match Hugging Face transformers' Qwen3ForCausalLM (tests/test_model.py checks the logits).
 The recipe toggles (QWEN3_VALUES: a ReLU^2 MLP, logit soft-capping, value embeddings, U-net skips,
 attention output gates, the smear, a bigram hash embedding, embedding skips; docs/recipe.md) leave that
-architecture. The gates, on by default, are the one
-transformers holds too: Qwen3NextForCausalLM's output gate, as hf_layout.py writes it.
+architecture. The gates, on by default, are the one transformers holds too: Qwen3NextForCausalLM's output
+gate, as hf_layout.py writes it.
 
 Module and parameter names mirror Transformer Engine's LayerNormLinear / LayerNormMLP / Linear, so that a
 TE-backed block can load the same state dict: the pre-attention norm lives on the qkv projection and the
@@ -120,8 +120,8 @@ class ModelConfig:
                                    "normed attention input, W_g [n_head, n_embd] zero-initialised (every gate starts "
                                    "at 1/2)")
     smear: bool = option(False, "smear: each position's token embedding plus the previous token's, times the gate "
-                                "sigmoid(e w), e the normed embedding, w [1, n_embd] zero-initialised (every gate starts "
-                                "at 1/2): a one-token look-back before the first block")
+                                "sigmoid(e w), e the normed embedding, w [1, n_embd] zero-initialised (every gate "
+                                "starts at 1/2): a one-token look-back before the first block")
     bigram_embed: int = option(0, "bigram hash embedding: a table of this many rows (zero-initialised, trained as the "
                                   "embedding), indexed by a hash of (previous token, token), added to the token "
                                   "embedding (0: off)")
@@ -478,9 +478,10 @@ class GPT(nn.Module):
         generator, so the other weights are the same either way). Norm weights and the toggles' scalars
         (value_embed_lambdas, unet_weights, embed_skip_weights): 1. Attention and smear gate weights: 0, every
         gate 1/2 and alike at the start (a random W_g would gate heads by noise). The bigram table: 0, so that it
-        starts as no change to the embedding; at the embedding's LR its rows move fast. An untied lm_head: normal(0, 0.02), or 0 with
-        config.head_init "zero" (modded-nanogpt's: the first logits are uniform). Safe to call on a model materialised from the meta device
-        (`to_empty`), which also breaks the embedding tie, so the tie is restored here.
+        starts as no change to the embedding; at the embedding's LR its rows move fast. An untied lm_head:
+        normal(0, 0.02), or 0 with config.head_init "zero" (modded-nanogpt's: the first logits are uniform).
+        Safe to call on a model materialised from the meta device (`to_empty`), which also breaks the embedding
+        tie, so the tie is restored here.
         """
         if self.config.tie_embeddings and self.lm_head.weight is not self.embed.weight:
             self.lm_head.weight = self.embed.weight

@@ -109,7 +109,8 @@ def test_optimizer_state_estimate_matches_the_allocated_state(name):
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ACT_CKPT_MODES)
 @pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["tied", "untied"])
-@pytest.mark.parametrize("architecture", [{}, QWEN3_VALUES, {"mlp": "relu2"}, LOOK_BACK], ids=["default", "qwen3", "relu2", "look-back"])
+@pytest.mark.parametrize("architecture", [{}, QWEN3_VALUES, {"mlp": "relu2"}, LOOK_BACK],
+                         ids=["default", "qwen3", "relu2", "look-back"])
 def test_activation_estimate_is_within_10_percent_of_saved_tensor_bytes(cfg, architecture, mode, dtype):
     cfg = dataclasses.replace(cfg, **architecture)
     idx, targets = batch(cfg)
