@@ -297,7 +297,8 @@ def flops_per_token(config: ModelConfig, seq_len: int) -> float:
     each block plus the lm_head over the padded vocabulary, and the smear's gate (the embedding, value-embedding
     and bigram lookups, norm weights and the toggles' scalars are not matmuls; a tied matrix counts once, as the
     lm_head). Plus attention scores and the weighted sum, 2 matmuls * 2 FLOPs * seq_len * n_head * head_dim per
-    layer forward, times 3 for forward + backward: 12 * n_layer * n_head * head_dim * seq_len. The attention term counts the full T x T square even though causal kernels skip half of it.
+    layer forward, times 3 for forward + backward: 12 * n_layer * n_head * head_dim * seq_len. The attention
+    term counts the full T x T square even though causal kernels skip half of it.
     """
     hd, ffn, dim = config.resolved_head_dim, config.resolved_ffn_dim, config.n_embd
     per_layer = (
