@@ -39,8 +39,10 @@ from optimizers import code_line, cpu_model  # noqa: E402
 from runlog import MetricsError  # noqa: E402
 from trained import read_checkpoint  # noqa: E402
 
-# The last weights' loss, evaluated here, against the run's logged one: fp32 on one machine, the same windows.
-SAME_LOSS = 1e-4
+# The last weights' loss, evaluated here, against the run's logged one: the same weights and windows in fp32, but
+# train.py sizes its loss chunks from the machine's memory, so sums run in another order (measured: 1.1e-4 at
+# 4.64); other windows would differ by about 1e-2.
+SAME_LOSS = 1e-3
 
 
 def parse_args(argv):
