@@ -10,6 +10,10 @@ MAX_STEP_COST of the baseline's. A toggle of SAME_WORK_FLAGS alone (LRs, the sch
 its baseline does, so its step costs the same by construction: its measured ratio, which other work on the
 machine moves by more than 10%, is shown and not held against it. A toggle that holds on some corpora only is
 reported as holding there, and not adopted: a rule tuned on one kind of text is not a default for another.
+
+--step-cost NAME=RATIO gives a toggle's time a token against the baseline's as measured side by side on an
+otherwise idle machine (bench/throughput.py, one thread each): it replaces, on every corpus, the ratio of
+recipe.py's runs, whose step times other work on the machine moves by far more than 10%.
 """
 
 import argparse
@@ -73,10 +77,33 @@ def table(records: list[dict]) -> list[str]:
         for r in records:
             won, cost = wins(r, name), r["toggles"][name]["step_cost"]
             measured = "n/a" if cost is None else f"{cost:.2f}x"
+            measured += " side by side" if r["toggles"][name].get("side_by_side") else ""
             cells.append(f"{len(won)} of {len(r['horizons'])} ({', '.join(f'{h:,}' for h in won) or 'none'}) / "
                          + (f"same work ({measured})" if same_work(r["toggles"][name]["flags"]) else measured))
         lines.append(f"| {name} | {' | '.join(cells)} | {verdict(records, name)} |")
     return lines
+
+
+def step_cost(text: str) -> tuple[str, float]:
+    """--step-cost's NAME=RATIO."""
+    name, _, ratio = text.partition("=")
+    try:
+        value = float(ratio)
+    except ValueError:
+        value = math.nan
+    if not name or not value > 0:
+        raise argparse.ArgumentTypeError(f"expected NAME=RATIO with a positive ratio, got {text!r}")
+    return name, value
+
+
+def with_step_costs(records: list[dict], costs: list[tuple[str, float]]) -> None:
+    """Each (toggle, ratio) measured side by side replaces that toggle's step cost on every corpus."""
+    for name, ratio in costs:
+        if not any(name in r["toggles"] for r in records):
+            raise ValueError(f"--step-cost {name}: no such toggle in these records")
+        for r in records:
+            if name in r["toggles"]:
+                r["toggles"][name].update(step_cost=ratio, side_by_side=True)
 
 
 def main(argv=None) -> int:
@@ -84,12 +111,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("records", nargs="+", help="bench/recipe.py's .json files, one a corpus")
     p.add_argument("--out", help="also write the table to this markdown file")
+    p.add_argument("--step-cost", type=step_cost, action="append", default=[], metavar="NAME=RATIO",
+                   help="a toggle's time a token over the baseline's, measured side by side (repeatable)")
     a = p.parse_args(argv)
     try:
         records = []
         for path in a.records:
             with open(path) as f:
                 records.append(json.load(f))
+        with_step_costs(records, a.step_cost)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

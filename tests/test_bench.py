@@ -454,6 +454,14 @@ def test_a_toggle_is_adopted_only_where_it_wins_on_every_corpus_within_its_step_
     text = (tmp_path / "v.md").read_text()
     assert "| both | 2 of 3 (1, 2) / 1.05x | 2 of 3 (2, 3) / 1.00x | **adopt** |" in text
     assert "| lr | 3 of 3 (1, 2, 3) / same work (1.30x) | 3 of 3 (1, 2, 3) / same work (1.00x) | **adopt** |" in text
+    # The slow one's runs shared the machine: measured side by side it costs 1.02x, on every corpus.
+    assert recipe_verdict.main([*paths, "--step-cost", "slow=1.02", "--out", str(tmp_path / "v.md")]) == 0
+    assert "| slow | 3 of 3 (1, 2, 3) / 1.02x side by side | 3 of 3 (1, 2, 3) / 1.02x side by side | **adopt** |" \
+        in (tmp_path / "v.md").read_text()
+    assert recipe_verdict.main([*paths, "--step-cost", "nosuch=1.0"]) == 2
+    assert "no such toggle" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        recipe_verdict.main([*paths, "--step-cost", "slow=fast"])
 
 
 def test_tail_ema_averages_the_checkpoints_from_each_start_and_keeps_the_last_weights(tmp_path):
