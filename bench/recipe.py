@@ -58,8 +58,8 @@ from cli import DataError, HelpFormatter, UsageError, cache_root  # noqa: E402
 from curves import read_metrics  # noqa: E402
 from data import fingerprint, split_paths  # noqa: E402
 from docs_corpus import default_dir as docs_dir  # noqa: E402
-from optimizers import code_line, cpu_model  # noqa: E402
 from model import QWEN3_VALUES  # noqa: E402
+from optimizers import code_line, cpu_model  # noqa: E402
 from runlog import MetricsError  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

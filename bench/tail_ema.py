@@ -88,10 +88,9 @@ def val_loss(cfg, data: str, weights: dict) -> float:
     return evaluator.val_metrics(model, model, contextlib.nullcontext, micro_batch, cfg.model.max_seq_len)["val_loss"]
 
 
-def one_seed(a, flags: list[str], data: str, seed: int, runs_dir: str) -> list[tuple]:
-    """One run -> rows (seed, start step, decay, EMA loss, last weights' loss)."""
+def one_seed(a, flags: list[str], data: str, seed: int, steps: int, runs_dir: str) -> list[tuple]:
+    """One run of `steps` optimizer steps -> rows (seed, start step, decay, EMA loss, last weights' loss)."""
     cfg = config.parse_args([*flags, "--max-tokens", str(a.max_tokens), "--seed", str(seed)])
-    steps = max_steps(cfg, batch_layout(cfg))
     starts = sorted({max(1, round(s * steps)) for s in a.starts})
     out_dir = os.path.join(runs_dir, f"seed{seed}")
     cmd = [sys.executable, os.path.join(REPO, "train.py"), *flags, "--max-tokens", str(a.max_tokens), "--seed",
@@ -122,13 +121,12 @@ def main(argv=None):
         data_flags, _, corpus_text = recipe.corpus_of(a, train_argv)
         flags = [*recipe.common_flags(a, train_argv), *data_flags]
         cfg = config.parse_args([*flags, "--max-tokens", str(a.max_tokens)])
-        data = cfg.data.data
+        data, steps = cfg.data.data, max_steps(cfg, batch_layout(cfg))  # the seed changes neither
         with tempfile.TemporaryDirectory(prefix="tail_ema_") as runs_dir:
-            rows = [row for seed in a.seeds for row in one_seed(a, flags, data, seed, runs_dir)]
+            rows = [row for seed in a.seeds for row in one_seed(a, flags, data, seed, steps, runs_dir)]
     except (recipe.BenchError, MetricsError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    steps = max_steps(cfg, batch_layout(cfg))
     lines = ["# A tail EMA of the weights, evaluated", "",
              f"- command: `{shlex.join(['python', 'bench/tail_ema.py', *argv])}`", f"- corpus: {corpus_text}",
              f"- train.py flags: `{shlex.join(flags)} --max-tokens {a.max_tokens}`",
