@@ -1,5 +1,5 @@
-"""Training curves from train.py's metrics.jsonl: loss, tokens/s and learning rate against tokens, steps or
-wall-clock time, several runs overlaid, one colour each.
+"""Training curves from train.py's metrics.jsonl: loss, tokens/s and LR against tokens, steps or time, runs
+overlaid.
 
     records = read_metrics(out_dir)                      # the run's records (runlog.read_metrics)
     fig = draw_runs({"run": records}, x="step")         # a matplotlib figure, one panel per PANELS name

@@ -38,8 +38,8 @@ import torch
 from checkpoint import CheckpointError
 from cli import ArgumentParser, DataError, UsageError, closed_stdout, first_line, plural, report_error
 from data import tokenizer_id
-from hf_layout import (ARCHITECTURES, check_hf_weights, config_from_hf, exportable_problem, from_hf, hf_config, layout,
-                       to_hf)
+from hf_layout import (LOOK_BACK_MODULE, architecture, check_hf_weights, config_from_hf, exportable_problem, from_hf,
+                       hf_config, looks_back, to_hf)
 from model import ModelConfig
 from tokenizer import (HFTokenizer, TiktokenTokenizer, Tokenizer, check_model_vocab, load_tokenizer,
                        write_gpt2_tokenizer, write_hf_tokenizer)
@@ -48,7 +48,8 @@ from trained import check_tokenizer, model_tokenizer, read_ckpt
 # What an export writes, and what transformers would read along with it (another exporter's sharded weights,
 # a fast tokenizer): an export into a directory holding any of these must replace them all, or refuse.
 EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
-                "tokenizer_note.txt", "vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json")
+                "tokenizer_note.txt", "vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json",
+                LOOK_BACK_MODULE + ".py")
 SHARD_PATTERN = "model-*.safetensors"
 STAGING_PREFIX = ".export-"  # export_hf writes here inside the target, then moves the files out
 
@@ -215,6 +216,9 @@ def write_export(config: ModelConfig, weights: dict, enc: Tokenizer, directory: 
     os.chmod(path, _file_mode())  # safetensors writes a private (0600) temporary file and renames it
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf_config(config, enc.eot), f, indent=2)
+    if looks_back(config):  # the classes config.json's auto_map names
+        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), LOOK_BACK_MODULE + ".py")
+        shutil.copyfile(source, os.path.join(directory, LOOK_BACK_MODULE + ".py"))
     generation = {"bos_token_id": enc.eot, "eos_token_id": enc.eot,
                   "suppress_tokens": list(range(config.vocab_size, config.padded_vocab_size))}
     with open(os.path.join(directory, "generation_config.json"), "w") as f:
@@ -281,7 +285,7 @@ def main(argv=None) -> int:
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
     try:
-        print(f"wrote {args.out}: {ARCHITECTURES[layout(config)]}, {plural(config.n_layer, 'layer')}, "
+        print(f"wrote {args.out}: {architecture(config)}, {plural(config.n_layer, 'layer')}, "
               f"vocab {config.padded_vocab_size} (padded from {config.vocab_size}), "
               f"{'tied' if config.tie_embeddings else 'untied'} embeddings", flush=True)
     except BrokenPipeError:

@@ -30,9 +30,14 @@ from sizing import block_shapes, outer_shapes, param_numels
 
 QWEN3, QWEN3_NEXT = "qwen3", "qwen3_next"  # config.json's model_type of each layout
 ARCHITECTURES = {QWEN3: "Qwen3ForCausalLM", QWEN3_NEXT: "Qwen3NextForCausalLM"}
-# Recipe toggles that neither layout holds: away from Qwen3's value (QWEN3_VALUES), a model cannot be exported.
+# The look-back toggles: a model with either is its layout's class from hf_look_back.py, which the export
+# carries (remote code), under the layout's model_type plus LOOK_BACK_SUFFIX.
+LOOK_BACK_TOGGLES = ("smear", "bigram_embed")
+LOOK_BACK_MODULE = "hf_look_back"
+LOOK_BACK_SUFFIX = "_look_back"
+# Recipe toggles that no layout holds: away from Qwen3's value (QWEN3_VALUES), a model cannot be exported.
 # attn_gate is not among them: it picks the layout.
-UNEXPORTABLE_TOGGLES = tuple(name for name in QWEN3_VALUES if name != "attn_gate")
+UNEXPORTABLE_TOGGLES = tuple(name for name in QWEN3_VALUES if name not in ("attn_gate", *LOOK_BACK_TOGGLES))
 
 # Per-block weights that map one to one: our name -> the Hugging Face name under model.layers.{i}.
 BLOCK_RENAMES = {
@@ -51,7 +56,8 @@ BLOCK_FUSED = {
 }
 GATE = "attn.gate_weight"
 TOP_RENAMES = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-               "lm_head.weight": "lm_head.weight"}
+               "lm_head.weight": "lm_head.weight", "smear_weight": "look_back.smear_weight",
+               "bigram_embed.weight": "look_back.bigram_embed.weight"}
 # Our RMSNorm weights: Qwen3-Next stores each as w - 1.
 NORMS = ("attn.qkv.layer_norm_weight", "attn.q_norm.weight", "attn.k_norm.weight", "mlp.layer_norm_weight",
          "norm.weight")
@@ -64,9 +70,9 @@ FULL_ATTENTION = "full_attention"
 HF_CONFIG_TYPES = {
     "an integer": ("vocab_size", UNPADDED_VOCAB_KEY, "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
-                   "num_experts"),
+                   "num_experts", "bigram_embed"),
     "a number": ("rms_norm_eps", "rope_theta", "partial_rotary_factor"),
-    "true or false": ("tie_word_embeddings",),
+    "true or false": ("tie_word_embeddings", "smear"),
     "an object": ("rope_parameters",),
     "a list": ("layer_types", "mlp_only_layers"),
 }
@@ -76,6 +82,16 @@ JSON_TYPES = {"an integer": int, "a number": (int, float), "true or false": bool
 def layout(config: ModelConfig) -> str:
     """The layout a model is exported in: Qwen3-Next's for a gated one, else Qwen3's."""
     return QWEN3_NEXT if config.attn_gate else QWEN3
+
+
+def looks_back(config: ModelConfig) -> bool:
+    """Whether the model has a look-back toggle on, so that its export is hf_look_back.py's class."""
+    return bool(config.toggles_on(LOOK_BACK_TOGGLES))
+
+
+def architecture(config: ModelConfig) -> str:
+    """The transformers class an export of this model is (config.json's architectures)."""
+    return ("LookBack" if looks_back(config) else "") + ARCHITECTURES[layout(config)]
 
 
 def exportable_problem(config: ModelConfig) -> str | None:
@@ -89,11 +105,13 @@ def exportable_problem(config: ModelConfig) -> str | None:
 
 
 def our_names(config: ModelConfig) -> list[str]:
-    """Every parameter name of GPT(config) that a layout holds, in the state dict's order."""
-    names = ["embed.weight"]
+    """Every parameter name of GPT(config) that a layout holds, in the state dict's order (a module's own
+    parameters, such as smear_weight, before its submodules')."""
+    outer = outer_shapes(config)
+    names = [name for name in ("smear_weight", "embed.weight") if name in outer]
     for i in range(config.n_layer):
         names += [f"blocks.{i}.{n}" for n in block_shapes(config)]
-    return names + ["norm.weight", "lm_head.weight"]
+    return names + ["norm.weight", "lm_head.weight"] + (["bigram_embed.weight"] if "bigram_embed.weight" in outer else [])
 
 
 def hf_names(name: str) -> tuple[str, ...]:
@@ -273,9 +291,16 @@ def hf_config(config: ModelConfig, eot: int) -> dict:
                  "num_experts": 0, "partial_rotary_factor": 1.0}
     else:
         shape = {"use_sliding_window": False, "sliding_window": None}
+    look_back = {}
+    if looks_back(config):
+        name = f"{LOOK_BACK_MODULE}.{architecture(config)}"
+        look_back = {"auto_map": {"AutoConfig": name.removesuffix("ForCausalLM") + "Config",
+                                  "AutoModelForCausalLM": name},
+                     "smear": config.smear, "bigram_embed": config.bigram_embed}
     return {
-        "architectures": [ARCHITECTURES[kind]],
-        "model_type": kind,
+        "architectures": [architecture(config)],
+        "model_type": kind + (LOOK_BACK_SUFFIX if look_back else ""),
+        **look_back,
         "vocab_size": config.padded_vocab_size,
         UNPADDED_VOCAB_KEY: config.vocab_size,
         "hidden_size": config.n_embd,
@@ -337,11 +362,14 @@ def next_variant_problems(d: dict, rope: dict) -> list[str]:
 
 
 def config_from_hf(d: dict) -> ModelConfig:
-    """ModelConfig from a Qwen3 or Qwen3-Next config.json dict; ValueError (one line) for a model this code
-    cannot run."""
-    kind = d.get("model_type")
+    """ModelConfig from a Qwen3 or Qwen3-Next config.json dict, or its look-back variant's (hf_look_back.py);
+    ValueError (one line) for a model this code cannot run."""
+    model_type = d.get("model_type")
+    kind = model_type.removesuffix(LOOK_BACK_SUFFIX) if isinstance(model_type, str) else None
     if kind not in ARCHITECTURES:
-        raise ValueError(f"model_type is {kind!r}; only {' and '.join(map(repr, ARCHITECTURES))} can be loaded")
+        known = [*ARCHITECTURES, *(k + LOOK_BACK_SUFFIX for k in ARCHITECTURES)]
+        raise ValueError(f"model_type is {model_type!r}; only {', '.join(map(repr, known))} can be loaded")
+    look_back = kind != model_type
     check_json_types(d, HF_CONFIG_TYPES)
     rope = d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
     check_json_types(rope, {"a number": ("rope_theta", "partial_rotary_factor")})
@@ -354,13 +382,16 @@ def config_from_hf(d: dict) -> ModelConfig:
     if unsupported:
         raise ValueError(f"unsupported {ARCHITECTURES[kind]} variant: {', '.join(unsupported)}")
     vocab = d.get(UNPADDED_VOCAB_KEY, d["vocab_size"])
+    toggles = {"attn_gate": kind == QWEN3_NEXT}
+    if look_back:
+        toggles.update(smear=bool(d.get("smear")), bigram_embed=d.get("bigram_embed") or 0)
     n_embd, n_head, ffn = d["hidden_size"], d["num_attention_heads"], d["intermediate_size"]
     config = ModelConfig(
         vocab_size=vocab, n_layer=d["num_hidden_layers"], n_head=n_head,
         n_kv_head=d.get("num_key_value_heads") or n_head, n_embd=n_embd,
         max_seq_len=d["max_position_embeddings"], rope_theta=float(rope["rope_theta"]),
         norm_eps=d.get("rms_norm_eps", 1e-6), tie_embeddings=d.get("tie_word_embeddings", False),
-        **{**QWEN3_VALUES, "attn_gate": kind == QWEN3_NEXT},
+        **{**QWEN3_VALUES, **toggles},
     )
     # Explicit sizes only where they differ from the defaults, so an exported config comes back equal.
     head_dim = d.get("head_dim") or n_embd // n_head

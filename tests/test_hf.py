@@ -13,21 +13,26 @@ import hf
 import prepare
 from conftest import WORD_TEXT, write_checkpoint, write_word_tokenizer
 from hf import export_hf, load_hf
-from hf_layout import ARCHITECTURES, QWEN3_NEXT, hf_config, layout, to_hf
+from hf_layout import QWEN3_NEXT, architecture, hf_config, layout, looks_back, to_hf
 from model import GPT, QWEN3_VALUES, ModelConfig
 from sample import generate
 from tokenizer import bpe_merges, get_tokenizer, load_tokenizer
 
 # The GPT-2 vocabulary (export checks it against the tokenizer), otherwise tiny: GQA, head_dim not
-# n_embd // n_head, a small rope_theta so the rotation matters; Qwen3's architecture (QWEN3_VALUES), or with
-# gated=True the default model's attention gates: the two the export writes.
+# n_embd // n_head, a small rope_theta so the rotation matters; Qwen3's architecture (QWEN3_VALUES), with
+# gated=True the attention gates, with look_back=True the smear and a small bigram table too: what the export
+# writes.
 TINY = dict(vocab_size=50257, n_layer=2, n_head=8, n_kv_head=2, n_embd=64, head_dim=16, ffn_dim=96,
             max_seq_len=32, rope_theta=500.0, **QWEN3_VALUES)
 
 
-def tiny_model(tied: bool, seed: int = 0, gated: bool = False) -> GPT:
+LOOK_BACK = {"smear": True, "bigram_embed": 300}
+
+
+def tiny_model(tied: bool, seed: int = 0, gated: bool = False, look_back: bool = False) -> GPT:
     torch.manual_seed(seed)
-    model = GPT(ModelConfig(**{**TINY, "attn_gate": gated}, tie_embeddings=tied)).eval()
+    toggles = {"attn_gate": gated or look_back, **(LOOK_BACK if look_back else {})}
+    model = GPT(ModelConfig(**{**TINY, **toggles}, tie_embeddings=tied)).eval()
     # Norm weights away from 1 (a swapped or dropped norm would show) and matrices large enough that
     # attention is far from uniform and greedy argmaxes are far from ties.
     with torch.no_grad():
@@ -36,11 +41,13 @@ def tiny_model(tied: bool, seed: int = 0, gated: bool = False) -> GPT:
     return model
 
 
-@pytest.fixture(scope="module", params=[(True, False), (False, False), (True, True), (False, True)],
-                ids=["qwen3-tied", "qwen3-untied", "next-tied", "next-untied"])
+@pytest.fixture(scope="module",
+                params=[(True, False, False), (False, False, False), (True, True, False), (False, True, False),
+                        (False, True, True)],
+                ids=["qwen3-tied", "qwen3-untied", "next-tied", "next-untied", "look-back"])
 def exported(request, tmp_path_factory):
-    tied, gated = request.param
-    model = tiny_model(tied, gated=gated)
+    tied, gated, look_back = request.param
+    model = tiny_model(tied, gated=gated, look_back=look_back)
     out = tmp_path_factory.mktemp("hf")
     state = model.state_dict()
     state["blocks.1.mlp._extra_state"] = torch.zeros(0)  # as a Transformer Engine block writes
@@ -49,16 +56,16 @@ def exported(request, tmp_path_factory):
 
 
 def load_transformers(out, monkeypatch):
-    """The directory as transformers loads it, offline."""
+    """The directory as transformers loads it, offline (a look-back export's class is its own file's)."""
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, trust_remote_code=True).eval()
 
 
 def test_transformers_loads_the_export(exported, monkeypatch):
     model, out = exported
     qwen = load_transformers(out, monkeypatch)
-    assert type(qwen).__name__ == ARCHITECTURES[layout(model.config)]
+    assert type(qwen).__name__ == architecture(model.config)
     assert qwen.config.tie_word_embeddings == model.config.tie_embeddings
     assert (qwen.lm_head.weight.data_ptr() == qwen.model.embed_tokens.weight.data_ptr()) == model.config.tie_embeddings
     assert qwen.config.rope_parameters["rope_theta"] == model.config.rope_theta
@@ -83,14 +90,46 @@ def test_transformers_loads_the_export(exported, monkeypatch):
         with torch.no_grad():
             qwen.model.layers[0].self_attn.q_proj.weight.view(8, 2, 16, 64)[:, 1] = 0
             assert (qwen(input_ids=idx).logits - expected).abs().max() > 1e-2
+    if looks_back(model.config):  # each of the two parts counts: without it the logits move
+        for part in (qwen.look_back.smear_weight, qwen.look_back.bigram_embed.weight):
+            with torch.no_grad():
+                before = qwen(input_ids=idx).logits
+                part.zero_()
+                assert (qwen(input_ids=idx).logits - before).abs().max() > 1e-2
+
+
+def test_a_look_back_export_generates_a_left_padded_batch_as_each_prompt_alone(monkeypatch, tmp_path):
+    model = tiny_model(False, look_back=True)
+    export_hf(model.config, model.state_dict(), str(tmp_path))
+    qwen = load_transformers(tmp_path, monkeypatch)
+    eot = get_tokenizer().eot_token
+    long, short = torch.randint(0, eot, (6,), generator=torch.Generator().manual_seed(3)).split([4, 2])
+    long = torch.cat([short, long])
+    batch = torch.stack([long, torch.cat([torch.full((4,), eot), short])])
+    mask = torch.tensor([[1] * 6, [0] * 4 + [1] * 2])
+    with torch.no_grad():
+        out = qwen.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=eot)
+    for row, prompt in zip(out[:, 6:].tolist(), (long, short)):
+        ours = generate(model, prompt, 8, temperature=0, eot=eot)
+        assert row[:len(ours)] == ours
+
+
+def test_a_look_back_export_needs_trust_remote_code(monkeypatch, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = tiny_model(False, look_back=True)
+    export_hf(model.config, model.state_dict(), str(tmp_path))
+    with pytest.raises(ValueError, match="trust_remote_code"):  # never a plain Qwen3 without the look-back
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=False)
 
 
 def test_the_written_config_loads_with_auto_config_offline(exported, monkeypatch):
     transformers = pytest.importorskip("transformers")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model, out = exported
-    config = transformers.AutoConfig.from_pretrained(out)
-    assert config.model_type == layout(model.config) and config.architectures == [ARCHITECTURES[layout(model.config)]]
+    config = transformers.AutoConfig.from_pretrained(out, trust_remote_code=looks_back(model.config))
+    assert config.model_type == hf_config(model.config, 50256)["model_type"]
+    assert config.architectures == [architecture(model.config)]
     assert config.num_hidden_layers == model.config.n_layer and config.head_dim == model.config.resolved_head_dim
     if layout(model.config) == QWEN3_NEXT:  # the Qwen3 block and a gate: no linear attention, no experts
         assert config.layer_types == ["full_attention"] * model.config.n_layer
@@ -114,6 +153,7 @@ def test_export_directory_contents(exported):
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["suppress_tokens"] == list(range(50257, model.config.padded_vocab_size))
     assert "GPT-2" in (out / "tokenizer_note.txt").read_text()
+    assert (out / "hf_look_back.py").is_file() == looks_back(model.config)
 
 
 def test_load_hf_round_trips(exported):
@@ -356,7 +396,7 @@ def test_cli_refuses_a_non_empty_directory_and_writes_into_an_empty_one(tmp_path
     assert capsys.readouterr().err == f"error: {tmp_path / 'ckpt.pt'} exists and is not a directory\n"
     (out / "notes.txt").unlink()
     assert hf.main(argv) == 0  # an empty directory is fine
-    assert {p.name for p in out.iterdir()} == set(hf.EXPORT_FILES) - {"model.safetensors.index.json"}
+    assert {p.name for p in out.iterdir()} == set(hf.EXPORT_FILES) - {"model.safetensors.index.json", "hf_look_back.py"}
 
 
 def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, capsys, monkeypatch):

@@ -41,7 +41,10 @@ MODELS = {
 }
 COLUMNS = ("DDP", "FSDP2", "compile", "torchao FP8", "TE FP8", "resume", "export", "sample.py", "score.py")
 # What each cell does: "yes" (works), a layout name (export works, in that transformers class), or "refused".
-EXPORT = {"default": "Qwen3-Next", "no-attn-gate": "Qwen3", "tied": "Qwen3-Next"}
+EXPORT = {"default": "Qwen3-Next", "no-attn-gate": "Qwen3", "tied": "Qwen3-Next", "smear": "look-back Qwen3-Next",
+          "bigram-embed": "look-back Qwen3-Next"}
+CLASSES = {"Qwen3": "Qwen3ForCausalLM", "Qwen3-Next": "Qwen3NextForCausalLM",
+           "look-back Qwen3-Next": "LookBackQwen3NextForCausalLM"}
 PATHS = {model: {column: "refused" if (column, model) == ("TE FP8", "value-embeds") else
                  EXPORT.get(model, "refused") if column == "export" else "yes" for column in COLUMNS}
          for model in MODELS}
@@ -149,7 +152,7 @@ def test_checkpoint_resume_export_sample_and_score(name, tiny_data, tmp_path, tr
     else:
         assert export == 0 and "Traceback" not in err
         written = json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"]
-        assert written == [{"Qwen3": "Qwen3ForCausalLM", "Qwen3-Next": "Qwen3NextForCausalLM"}[PATHS[name]["export"]]]
+        assert written == [CLASSES[PATHS[name]["export"]]]
         sources.append(["--hf", str(tmp_path / "hf")])
     texts, figures = [], []
     for source in sources:
