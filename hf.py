@@ -2,13 +2,14 @@
 
 Hugging Face import and export: our checkpoints as transformers directories and back, in the layout
 hf_layout.py maps (Qwen3ForCausalLM for a model without attention gates, Qwen3NextForCausalLM for a gated
-one). The command line exports; train.py --from-hf, sample.py --hf and score.py import (load_hf).
+one; with the smear or the bigram table, as the default model has, that class with the look-back, from
+hf_look_back.py, which the export carries). The command line exports; train.py --from-hf, sample.py --hf and score.py import (load_hf).
 
     python hf.py --ckpt out/ckpt_00000150.pt --out hf_model   # export: write a transformers directory
     python hf.py --ckpt out --out hf_model                    # a run directory: its newest good checkpoint
     python sample.py --hf hf_model                            # import: read it back (load_hf)
 
-The directory holds config.json, model.safetensors (float32, the vocabulary padded as in training; a
+The directory holds config.json, hf_look_back.py for a look-back model, model.safetensors (float32, the vocabulary padded as in training; a
 Qwen3-Next export's zero-centred norm weights float64, so that they read back bit for bit: hf_layout),
 generation_config.json (the document separator as bos/eos, the padding ids suppressed so transformers'
 generate never picks them), tokenizer_note.txt, and the transformers tokenizer files of the tokenizer the

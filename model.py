@@ -9,8 +9,9 @@ never holds the full logits.
 The numerics match Hugging Face transformers' Qwen3ForCausalLM (tests/test_model.py checks the logits).
 The recipe toggles (QWEN3_VALUES: a ReLU^2 MLP, logit soft-capping, value embeddings, U-net skips,
 attention output gates, the smear, a bigram hash embedding, embedding skips; docs/recipe.md) leave that
-architecture. The gates, on by default, are the one transformers holds too: Qwen3NextForCausalLM's output
-gate, as hf_layout.py writes it.
+architecture. Three are on by default: the gates, which transformers holds too (Qwen3NextForCausalLM's
+output gate, as hf_layout.py writes it), and the smear and the bigram table, which an export carries as
+code of its own (hf_look_back.py).
 
 Module and parameter names mirror Transformer Engine's LayerNormLinear / LayerNormMLP / Linear, so that a
 TE-backed block can load the same state dict: the pre-attention norm lives on the qkv projection and the
@@ -80,7 +81,7 @@ class ModelConfig:
     of SwiGLU's (a multiple of 64): two matrices of 3F/2 rows hold exactly the parameters of SwiGLU's three
     of F (768 -> 3072).
 
-    The shape defaults are train.py's small model (13.67M parameters, minutes on a laptop CPU). Each field's
+    The shape defaults are train.py's small model (20.11M parameters, minutes on a laptop CPU). Each field's
     option() gives each its help text: config.py generates train.py's flags from these fields.
     """
 
@@ -105,8 +106,8 @@ class ModelConfig:
                                          "exported architecture)")
     head_init: str = option("normal", "init of an untied lm_head (not with --tie-embeddings): normal(0, 0.02) like the "
                                       "embedding, or zero, so every logit starts at 0 (init only)", choices=HEAD_INITS)
-    # Recipe toggles (QWEN3_VALUES), each on by default only once the recipe sweep showed it wins
-    # (docs/recipe.md): attn_gate.
+    # Recipe toggles (QWEN3_VALUES), each on by default only once the recipe sweep showed it wins on both tuning
+    # corpora (docs/recipe.md): attn_gate, smear, bigram_embed.
     mlp: str = option("swiglu", "MLP: SwiGLU (3 matrices) or ReLU^2, relu(x W1)^2 W2 (2 matrices, hidden 3/2 of "
                                 "SwiGLU's default: the same parameters)", choices=MLP_KINDS)
     logit_softcap: float = option(0.0, "soft-cap the logits to (-C, C) with C tanh(logits / C), in training, "
@@ -119,12 +120,13 @@ class ModelConfig:
     attn_gate: bool = option(True, "per-head output gates in attention: each head's output times sigmoid(x W_g), x the "
                                    "normed attention input, W_g [n_head, n_embd] zero-initialised (every gate starts "
                                    "at 1/2)")
-    smear: bool = option(False, "smear: each position's token embedding plus the previous token's, times the gate "
+    smear: bool = option(True, "smear: each position's token embedding plus the previous token's, times the gate "
                                 "sigmoid(e w), e the normed embedding, w [1, n_embd] zero-initialised (every gate "
                                 "starts at 1/2): a one-token look-back before the first block")
-    bigram_embed: int = option(0, "bigram hash embedding: a table of this many rows (zero-initialised, trained as the "
-                                  "embedding), indexed by a hash of (previous token, token), added to the token "
-                                  "embedding (0: off)")
+    bigram_embed: int = option(50304, "bigram hash embedding: a table of this many rows (zero-initialised, trained as "
+                                      "the embedding), indexed by a hash of (previous token, token), added to the token "
+                                      "embedding (0: off; the default is GPT-2's padded vocabulary, whatever the "
+                                      "tokenizer's)")
     embed_skips: bool = option(False, "embedding skips: the embedding is added (times a learned per-block scalar, init "
                                       "1) to the input of every block after the first")
 

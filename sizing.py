@@ -23,7 +23,7 @@ The rules, each a constant below:
   micro-batches), and capped at training tokens / MIN_STEPS (150), so that a short run still takes that many
   steps; below one default micro-batch, the micro-batch itself shrinks to the cap, in whole sequences;
 - horizon: --tokens-per-param x params training tokens (Chinchilla's 20 by default), params counting the
-  embedding. The WSD decay stays --decay-frac's default at every length: a longer decay for longer runs did
+  embedding but not the bigram table (dial_params). The WSD decay stays --decay-frac's default at every length: a longer decay for longer runs did
   not hold on both corpora (docs/sizing.md).
 
 The end of the file is what a shape costs, by arithmetic on its config alone (no model is built): each
@@ -142,7 +142,7 @@ def derive(depth: int, explicit: dict, micro_batch: int | str | None = None,
     values["model.ffn_dim"] = (replace(model_cfg, ffn_dim=None).resolved_ffn_dim, FFN_RULES[model_cfg.mlp])
     lrs = default_lrs(OptimConfig(name=explicit.get("optim.name", OptimConfig.name)), True, width)
     values |= {f"optim.{name}": lr for name, lr in lrs.items()}  # said here; config.Config sets them
-    params = param_count(model_cfg)
+    params = dial_params(model_cfg)
     tokens_per_param = explicit.get("size.tokens_per_param", SizeConfig.tokens_per_param)
     tokens = max(1, round(tokens_per_param * params))  # 0 would be max_tokens' "unset"
     values["schedule.max_tokens"] = (tokens, f"{tokens_per_param:g}/param x {params / 1e6:.1f}M params")
@@ -278,6 +278,13 @@ def param_count(cfg: ModelConfig) -> int:
     """Every parameter, the embedding included, by arithmetic on the shapes."""
     block = sum(math.prod(shape) for shape in block_shapes(cfg).values())
     return sum(math.prod(shape) for shape in outer_shapes(cfg).values()) + cfg.n_layer * block
+
+
+def dial_params(cfg: ModelConfig) -> int:
+    """The parameters the dial sizes a run by: param_count less the bigram table, whose row count is the hash's
+    (GPT-2's padded vocabulary at every width), not the model's: counted, it would make a 124M model's horizon
+    and batch those of a 155M one for a lookup that does no matmul."""
+    return param_count(replace(cfg, bigram_embed=0))
 
 
 def param_numels(cfg: ModelConfig) -> dict[str, int]:

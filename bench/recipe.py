@@ -81,6 +81,7 @@ SMOKE_SHAPE = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--n-kv-head
 SMOKE_BATCH = ["--batch-size", "4", "--grad-accum", "1"]
 SMOKE = {"corpus": "stdlib", "max_tokens": [1024, 2048], "seeds": [1], "anchor_lrs": [1e-3, 3e-3]}
 BATCH_WARMUP_STEPS = 30  # a fifth of the default budget's 150 steps
+RECIPE_V3 = ["--no-smear", "--bigram-embed", "0"]  # recipe v3's model: v4's without the look-back
 STEP_TIME_SKIP = 3  # first steps left out of the median step time: allocation and warm caches
 
 
@@ -114,11 +115,14 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
         "embed-beta1": (["--embed-beta1", "0.8"], False),
         "warmup-15": (["--warmup", "15"], False),
         "decay-0.5": (["--decay-frac", "0.5"], False),
-        # The defaults before recipe v2 adopted --attn-gate and --warmup 3 (docs/recipe.md)
-        "recipe-v1": (["--no-attn-gate", "--warmup", "15"], False),
-        # From the 2026 speed records (docs/recipe.md): look-backs at the previous token, the embedding at every block
-        "smear": (["--smear"], False),
-        "bigram-embed": (["--bigram-embed", "50304"], False),
+        # The defaults before recipe v2 adopted --attn-gate and --warmup 3, and before recipe v4 adopted the smear and
+        # the bigram table (docs/recipe.md)
+        "recipe-v1": (["--no-attn-gate", "--warmup", "15", *RECIPE_V3], False),
+        "recipe-v3": (RECIPE_V3, False),
+        # From the 2026 speed records (docs/recipe.md): look-backs at the previous token (on by default), the
+        # embedding at every block
+        "no-smear": (["--no-smear"], False),
+        "no-bigram-embed": (["--bigram-embed", "0"], False),
         "embed-skips": (["--embed-skips"], False),
         "batch-8": (["--batch-size", "8"], False),
         "batch-4": (["--batch-size", "4"], False),

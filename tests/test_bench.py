@@ -289,13 +289,14 @@ def test_recipe_cache_keys_outlive_a_new_model_toggle(tmp_path):
     """A run keyed before a toggle existed trained at the toggle's Qwen3 value: the same run as one keyed now."""
     key = recipe.cache_key("corpus", ["--max-tokens", "4096"])
     corpus, values = json.loads(key)
-    assert "model.smear" not in values and values["model.attn_gate"] is True  # the gate is on by default
+    assert "model.unet_skips" not in values and values["model.attn_gate"] is True  # the gate is on by default
+    assert values["model.smear"] is True and values["model.bigram_embed"] == 50304  # so are the look-backs
     stored = json.dumps([corpus, {**values, "model.unet_skips": False}])  # as written before: every toggle
     with open(tmp_path / "cache.json", "w") as f:
         json.dump({stored: {"val_loss": 5.0}, json.dumps(["corpus", "anchor", "--lr", "1"]): {"val_loss": 6.0}}, f)
     entries = recipe.Cache(str(tmp_path / "cache.json")).entries
     assert entries[key] == {"val_loss": 5.0} and entries['["corpus", "anchor", "--lr", "1"]'] == {"val_loss": 6.0}
-    assert recipe.cache_key("corpus", ["--max-tokens", "4096", "--smear"]) != key
+    assert recipe.cache_key("corpus", ["--max-tokens", "4096", "--no-smear"]) != key
 
 
 def test_recipe_cache_runs_only_what_it_lacks_and_fresh_runs_all(tmp_path, monkeypatch):

@@ -118,7 +118,7 @@ def test_a_preset_under_a_memory_limit_prints_its_table_and_one_line_not_a_kill(
                              "256", "--out-dir", str(tmp_path / "out")], cwd=REPO, preexec_fn=limited,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
-    assert "  model            78.13M params, 12 layers" in result.stdout and "  plan  " in result.stdout
+    assert "  model            116.77M params, 12 layers" in result.stdout and "  plan  " in result.stdout
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match(r"error: the first step needs ~[\d.]+ GiB more \(micro-batch 16 x", lines[0])
     assert "left under its address-space limit, ulimit -v" in lines[0] and "Traceback" not in result.stderr

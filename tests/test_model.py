@@ -414,8 +414,8 @@ def test_toggles_param_count_numels_and_flops_follow_the_model(toggles):
     assert flops_per_token(c, 32) == 6 * (model.num_params() - lookups) + 12 * 3 * 8 * 16 * 32
 
 
-def test_the_default_toggle_is_the_gate_and_toggles_are_named_by_their_flags():
-    assert ModelConfig().toggles_on() == ["--attn-gate"]
+def test_the_default_toggles_are_the_gate_and_the_look_backs_and_toggles_are_named_by_their_flags():
+    assert ModelConfig().toggles_on() == ["--attn-gate", "--smear", "--bigram-embed 50304"]
     assert tiny_config().toggles_on() == []
     assert tiny_config(**ALL_TOGGLES).toggles_on() == [
         "--mlp relu2", "--logit-softcap 3.0", "--value-embeds 1", "--unet-skips", "--attn-gate", "--smear",

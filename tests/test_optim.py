@@ -286,8 +286,10 @@ def test_groups_real_model():
     groups = {(g["kind"], g["weight_decay"]): g for g in opt.param_groups}
     muon = groups["muon", 0.1]
     assert muon["names"] == [f"blocks.{i}.{s}" for i in range(2) for s in MATRICES]
-    # Tied: lm_head is the embedding. The attention gates' [n_head, n_embd] matrices are no Muon matrix.
-    assert groups["adamw", 0.1]["names"] == ["embed.weight", "blocks.0.attn.gate_weight", "blocks.1.attn.gate_weight"]
+    # Tied: lm_head is the embedding. The attention gates' [n_head, n_embd] matrices, the smear's [1, n_embd] and
+    # the bigram table are no Muon matrix.
+    assert groups["adamw", 0.1]["names"] == ["smear_weight", "embed.weight", "blocks.0.attn.gate_weight",
+                                             "blocks.1.attn.gate_weight", "bigram_embed.weight"]
     assert all(p.ndim == 1 for p in groups["adamw", 0.0]["params"])
     blocks = model.row_blocks()
     for name, p, split in zip(muon["names"], muon["params"], muon["row_blocks"]):

@@ -20,13 +20,14 @@ import config
 import distributed
 import fp8
 import hf
+import hf_layout
 import sample
 import score
 from conftest import REPO, spawn_on_gloo
 from model import ARCHITECTURE_TOGGLES, GPT, ModelConfig
 from runlog import read_metrics
 
-# Each model by the flags that make it from the defaults (attention gates on).
+# Each model by the flags that make it from the defaults (attention gates, the smear and the bigram table on).
 MODELS = {
     "default": [],
     "no-attn-gate": ["--no-attn-gate"],
@@ -34,17 +35,18 @@ MODELS = {
     "softcap": ["--logit-softcap", "15"],
     "value-embeds": ["--value-embeds", "1"],
     "unet-skips": ["--unet-skips"],
-    "smear": ["--smear"],
-    "bigram-embed": ["--bigram-embed", "512"],
+    "no-smear": ["--no-smear"],
+    "no-bigram-embed": ["--bigram-embed", "0"],
+    "qwen3-next": ["--no-smear", "--bigram-embed", "0"],
     "embed-skips": ["--embed-skips"],
     "tied": ["--tie-embeddings"],
 }
 COLUMNS = ("DDP", "FSDP2", "compile", "torchao FP8", "TE FP8", "resume", "export", "sample.py", "score.py")
 # What each cell does: "yes" (works), a layout name (export works, in that transformers class), or "refused".
-EXPORT = {"default": "Qwen3-Next", "no-attn-gate": "Qwen3", "tied": "Qwen3-Next", "smear": "look-back Qwen3-Next",
-          "bigram-embed": "look-back Qwen3-Next"}
+EXPORT = {"default": "look-back Qwen3-Next", "no-attn-gate": "look-back Qwen3", "no-smear": "look-back Qwen3-Next",
+          "no-bigram-embed": "look-back Qwen3-Next", "qwen3-next": "Qwen3-Next", "tied": "look-back Qwen3-Next"}
 CLASSES = {"Qwen3": "Qwen3ForCausalLM", "Qwen3-Next": "Qwen3NextForCausalLM",
-           "look-back Qwen3-Next": "LookBackQwen3NextForCausalLM"}
+           "look-back Qwen3": "LookBackQwen3ForCausalLM", "look-back Qwen3-Next": "LookBackQwen3NextForCausalLM"}
 PATHS = {model: {column: "refused" if (column, model) == ("TE FP8", "value-embeds") else
                  EXPORT.get(model, "refused") if column == "export" else "yes" for column in COLUMNS}
          for model in MODELS}
@@ -67,7 +69,7 @@ def refusal(stderr: str) -> str:
 
 def toggle_flags(name: str) -> str:
     """How a refusal names the model's toggle: as ModelConfig.toggles_on writes it."""
-    return ", ".join(model_config(name).toggles_on([t for t in ARCHITECTURE_TOGGLES if t != "attn_gate"]))
+    return ", ".join(model_config(name).toggles_on(hf_layout.UNEXPORTABLE_TOGGLES))
 
 
 def test_every_toggle_has_a_row():

@@ -11,9 +11,12 @@ from sizing import param_count
 
 @pytest.mark.parametrize("name", list(sizing.PRESETS))
 def test_presets_match_the_published_gpt2_sizes(name):
-    """Within 10% of GPT-2's parameter counts with this architecture (GQA, SwiGLU, tied embedding)."""
-    params = param_count(config.parse_args(["--preset", name]).model)
+    """Within 10% of GPT-2's parameter counts with this architecture (GQA, SwiGLU, tied embedding), the bigram
+    table aside (a lookup of the hash's size: dial_params)."""
+    model = config.parse_args(["--preset", name]).model
+    params = sizing.dial_params(model)
     assert abs(params / sizing.PUBLISHED_PARAMS[name] - 1) < 0.10
+    assert param_count(model) - params == 50304 * model.n_embd
 
 
 def test_param_count_is_the_built_models():
@@ -36,7 +39,7 @@ def test_shape_rules(depth, width, head_dim, heads, kv_heads):
 
 def test_derived_training_settings():
     values = {key: value for key, (value, _) in sizing.derive(12, {"model.tie_embeddings": True}).items()}
-    params = param_count(config.parse_args(["--preset", "gpt2-124m"]).model)  # depth 12, tied as GPT-2
+    params = sizing.dial_params(config.parse_args(["--preset", "gpt2-124m"]).model)  # depth 12, tied as GPT-2
     assert (values["optim.lr"], values["optim.adam_lr"]) == (0.00245, 0.00122)  # Muon: x (128/768)^0.5
     adamw = {key: value for key, (value, _) in sizing.derive(12, {"optim.name": "adamw"}).items()}
     assert adamw["optim.lr"] == pytest.approx(3e-3 * 128 / 768) and "optim.adam_lr" not in adamw
