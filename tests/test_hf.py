@@ -169,8 +169,8 @@ def test_load_hf_round_trips(exported):
 
 def test_tokenizer_files_match_tiktoken(exported):
     transformers = pytest.importorskip("transformers")
-    _, out = exported
-    tok = transformers.AutoTokenizer.from_pretrained(out)
+    model, out = exported
+    tok = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=looks_back(model.config))
     enc = get_tokenizer()
     assert tok.encode("Hello world") == [15496, 995]
     text = "Hello world\n\n    def f(x):\treturn x**2  # héllo wörld 日本語 🤖 it's   \r\n<|endoftext|>"
