@@ -57,6 +57,7 @@ TE_FP8_ATTN_MIN_VERSION = (2, 8)
 # "Leading dimension requirement on A for FP8 GEMM. Caller must pad."). The forward alone only needs 8, so a
 # count of 8 passes the forward and crashes at the first backward. torchao's torch._scaled_mm wants the same.
 FP8_TOKEN_MULTIPLE = 16
+FLOAT8_CAPABILITY = (8, 9)  # the first CUDA compute capability with float8 GEMMs (Ada, then Hopper)
 # The TE modules of a block, by name; each adds a `<name>._extra_state` entry to the state dict.
 TE_MODULES = ("attn.qkv", "attn.core_attention", "attn.proj", "mlp")
 # The fp8_meta entry a TE module gets when TE's activation recompute first stashes its delayed-scaling state:
@@ -72,6 +73,9 @@ class FP8Config:
                                     "delayed (te: from an amax history) or rowwise (torchao: one scale per row)",
                          flag="--fp8-recipe", choices=FP8_RECIPES)
     attn: bool = option(False, "--fp8 te: FP8 attention too (needs head_dim 128)", flag="--fp8-attn")
+    head: bool = option(False, "the lm_head's three GEMMs in float8 inside the fused loss (current scaling: e4m3 "
+                               "activations and weight, e5m2 logit gradients), with or without --fp8",
+                        flag="--fp8-head")
 
 
 def check_fp8_flags(mode: str, recipe: str, fp8_attn: bool) -> None:
@@ -131,7 +135,8 @@ def gemm_dims(cfg: ModelConfig) -> dict[str, int]:
 
 
 def check_fp8_config(mode: str, recipe: str, fp8_attn: bool, cfg: ModelConfig, batch_size: int, seq_len: int,
-                     *, cuda: bool, te: tuple[int, int] | None, have_torchao: bool) -> None:
+                     *, cuda: bool, te: tuple[int, int] | None, have_torchao: bool, head: bool = False,
+                     capability: tuple[int, int] | None = None) -> None:
     """Raise ValueError (one line) when the FP8 flags cannot work on this model, batch and machine.
 
     Pure: the machine's facts come in as arguments (prepare() passes CUDA's presence, te_version() and
@@ -140,8 +145,17 @@ def check_fp8_config(mode: str, recipe: str, fp8_attn: bool, cfg: ModelConfig, b
     assert_dim_for_fp8_exec), so every block GEMM dim must be a multiple of 16; the tokens of a micro-batch
     are the inner dim of the weight-gradient GEMM, so batch * seq must be a multiple of FP8_TOKEN_MULTIPLE
     (16) on either path. FP8 attention (TE's cuDNN kernel on H100) needs head_dim 128 and TE >= 2.8.
+    head (--fp8-head): torch._scaled_mm, which CUDA runs from compute capability (8, 9) (capability: the GPU's)
+    and the CPU runs anywhere, with the micro-batch's tokens a multiple of 16 as above.
     """
     check_fp8_flags(mode, recipe, fp8_attn)
+    if head and cuda and capability is not None and capability < FLOAT8_CAPABILITY:
+        raise ValueError(f"--fp8-head needs a GPU with float8 GEMMs (compute capability "
+                         f"{'.'.join(map(str, FLOAT8_CAPABILITY))}+: L4, H100, ...), this one is "
+                         f"{'.'.join(map(str, capability))}")
+    if head and (batch_size * seq_len) % FP8_TOKEN_MULTIPLE:
+        raise ValueError(f"--fp8-head needs batch_size * seq_len to be a multiple of {FP8_TOKEN_MULTIPLE} (the "
+                         f"lm_head's float8 weight-gradient GEMM), got {batch_size} * {seq_len} = {batch_size * seq_len}")
     if mode == "off":
         return
     if mode == "te" and not cuda:
@@ -465,18 +479,19 @@ def describe_fp8(model: nn.Module, fp8_recipe=None) -> str:
     """The startup-log line, from what the model contains and the recipe in use (not from the flags)."""
     te_blocks = sum(isinstance(m, TEBlock) for m in model.modules())
     float8_blocks = sum(isinstance(m, LayerNormMLP) and isinstance(m.matmul, Float8Matmul) for m in model.modules())
+    fp8_head = any(isinstance(m, GPT) and m.fp8_head for m in model.modules())
+    head = ("lm_head float8 (dynamic tensorwise, in the fused loss); embedding not FP8" if fp8_head else
+            "embedding, lm_head not FP8")
     if te_blocks and fp8_recipe is not None:
         attn = ", FP8 attention (fp8_dpa)" if getattr(fp8_recipe, "fp8_dpa", False) else ", attention not FP8"
-        return (f"Transformer Engine, {type(fp8_recipe).__name__}: {te_blocks} TE blocks{attn}; "
-                "embedding, lm_head not FP8")
+        return f"Transformer Engine, {type(fp8_recipe).__name__}: {te_blocks} TE blocks{attn}; {head}"
     if te_blocks:
-        return f"off ({te_blocks} Transformer Engine blocks, no FP8 recipe)"
+        return f"off ({te_blocks} Transformer Engine blocks, no FP8 recipe)" + (f"; {head}" if fp8_head else "")
     if float8_blocks:
         config = next(m.matmul.config for m in model.modules() if isinstance(m, LayerNormMLP))
         scaling = "rowwise" if config.cast_config_input.scaling_granularity.name == "AXISWISE" else "tensorwise"
-        return (f"torchao float8, dynamic {scaling}: qkv, proj, fc1, fc2 of {float8_blocks} blocks; "
-                "embedding, lm_head not FP8")
-    return "off"
+        return f"torchao float8, dynamic {scaling}: qkv, proj, fc1, fc2 of {float8_blocks} blocks; {head}"
+    return f"blocks not FP8; {head}" if fp8_head else "off"
 
 
 # ----------------------------------------------------------------------------- set-up (what train.py calls)
@@ -491,8 +506,10 @@ def prepare(cfg: FP8Config, model_cfg: ModelConfig, micro_batch: int | None, dev
     so the smallest of them is the one checked here."""
     batch = micro_batch or batch_multiple(cfg.mode, model_cfg.max_seq_len)
     try:
-        check_fp8_config(cfg.mode, cfg.recipe, cfg.attn, model_cfg, batch, model_cfg.max_seq_len,
-                         cuda=device.type == "cuda", te=te_version(), have_torchao=torchao_installed())
+        cuda = device.type == "cuda"
+        check_fp8_config(cfg.mode, cfg.recipe, cfg.attn, model_cfg, batch, model_cfg.max_seq_len, cuda=cuda,
+                         te=te_version(), have_torchao=torchao_installed(), head=cfg.head,
+                         capability=torch.cuda.get_device_capability(device) if cuda and cfg.head else None)
         if cfg.recipe == "rowwise" and device.type == "cuda" and autocast_dtype != torch.bfloat16:
             raise ValueError("--fp8-recipe rowwise on CUDA needs --dtype bf16: torch._scaled_mm's row-wise FP8 "
                              "kernel writes bf16")
@@ -519,6 +536,7 @@ def block_state_dict(state: dict, mode: str) -> dict:
 
 def convert(model: GPT, cfg: FP8Config) -> None:
     """Under --fp8 torchao, torchao's float8 GEMMs swapped into model's blocks, after any weights are loaded
-    (while the parameters are plain tensors); otherwise nothing."""
+    (while the parameters are plain tensors); under --fp8-head, the head's GEMMs in float8."""
     if cfg.mode == "torchao":
         convert_to_torchao_float8(model, cfg.recipe)
+    model.fp8_head = cfg.head

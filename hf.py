@@ -230,6 +230,8 @@ def write_export(config: ModelConfig, weights: dict, enc: Tokenizer, directory: 
         write_hf_tokenizer(enc, directory, config.max_seq_len)
     with open(os.path.join(directory, "tokenizer_note.txt"), "w", encoding="utf-8") as f:
         f.write(tokenizer_note(enc, gpt2, fast))
+        if looks_back(config):  # AutoTokenizer reads config.json, whose auto_map is remote code
+            f.write("This model's class is hf_look_back.py's: pass trust_remote_code=True to AutoTokenizer too.\n")
 
 
 def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: Tokenizer | None = None,

@@ -4,8 +4,8 @@ The transformers layouts a model of ours is written in: pure maps between our st
 transformers' weight names and config.json, with the checks that a layout can hold a model. hf.py reads and
 writes the directories.
 
-A model without attention gates is transformers' Qwen3ForCausalLM, weight for weight. A model with them (the
-default) is Qwen3NextForCausalLM configured as the same block plus an output gate: every layer full attention
+A model without attention gates is transformers' Qwen3ForCausalLM, weight for weight. A model with them is
+Qwen3NextForCausalLM configured as the same block plus an output gate: every layer full attention
 (layer_types), every layer a dense SwiGLU MLP (mlp_only_layers, num_experts 0), the rotation over the whole
 head (partial_rotary_factor 1). Two things differ in its weights:
 - its RMSNorms multiply by 1 + w (zero-centred), so each norm weight is written as w - 1. That is exact in
@@ -15,6 +15,8 @@ head (partial_rotary_factor 1). Two things differ in its weights:
   sigmoid(x W_q_gate) times each channel of the head's output. Our gate is one scalar per head, which is that
   gate with the head's row of W_g repeated over its head_dim channels. A Qwen3-Next model whose gate rows
   differ within a head has a gate ours cannot hold, and is refused.
+A model with the smear or the bigram table (the default) is its layout's class from hf_look_back.py, which the
+export carries: the same weights, plus look_back.smear_weight and look_back.bigram_embed.weight.
 """
 
 import dataclasses

@@ -23,6 +23,10 @@ LOSS_CHUNK_TOKENS = 1024
 # most this many copies of the chunk body, and each chunk's read-modify-write of the float32 [V, d] weight
 # gradient happens at most this many times per micro-batch.
 MAX_LOSS_CHUNKS = 16
+# Under fp8 every chunk starts at a multiple of this many rows: the chunk's rows are the inner dimension of the
+# weight-gradient GEMM, which CUDA's float8 GEMM wants a multiple of 16 (the blocks' GEMMs ask the same of the
+# micro-batch's tokens: fp8.FP8_TOKEN_MULTIPLE).
+FLOAT8_ROWS = 16
 
 
 def _gemm_dtype(x: torch.Tensor) -> torch.dtype:
@@ -47,26 +51,77 @@ def soft_cap(logits: torch.Tensor, cap: float) -> torch.Tensor:
     return cap * torch.tanh(logits / cap) if cap else logits
 
 
-def _chunk_logits(x: torch.Tensor, weight: torch.Tensor, softcap: float):
-    """-> (a chunk's float32 logits, soft-capped when softcap; with a cap also tanh(z / cap) of the raw logits
-    z, which the backward needs (d capped / dz = 1 - tanh^2), else None)."""
-    logits = F.linear(x, weight).float()
+def _chunk_logits(raw: torch.Tensor, softcap: float):
+    """A chunk's GEMM output -> (its float32 logits, soft-capped when softcap; with a cap also tanh(z / cap) of
+    the raw logits z, which the backward needs (d capped / dz = 1 - tanh^2), else None)."""
+    logits = raw.float()
     if not softcap:
         return logits, None
     tanh = logits.div_(softcap).tanh_()  # in the raw logits' storage
     return tanh * softcap, tanh
 
 
-def _chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_grad: bool,
-                         softcap: float = 0.0):
-    """One chunk: x [C, D] and weight [V, D] in the GEMM dtype, targets [C].
+def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """t in float8 `dtype` with one scale for the whole tensor (current scaling: its amax now maps to the
+    format's largest value) -> (the float8 tensor, the float32 scale that undoes it, as torch._scaled_mm
+    takes it)."""
+    scale = t.detach().abs().amax().float().clamp(min=1e-12) / torch.finfo(dtype).max
+    return (t.float() / scale).to(dtype), scale
+
+
+def _float8_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+    """(a * scale_a) @ (b * scale_b) in bf16 from float8 a (row-major) and b (column-major)."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+
+class _Gemms:
+    """The head's three GEMMs for one call, in the dtype nn.Linear's would run in (autocast's, when on)."""
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor):
+        self.grad_dtype = _gemm_dtype(x)  # the logits' gradient is rounded to it: the GEMMs' input dtype
+        self.x, self.w = x, weight.to(self.grad_dtype)
+
+    def logits(self, rows: slice) -> torch.Tensor:
+        self.x_chunk = self.x[rows].to(self.grad_dtype)  # cast once: grads reuses it for the weight gradient
+        return F.linear(self.x_chunk, self.w)
+
+    def grads(self, rows: slice, grad_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the chunk's gradient w.r.t. x, its part of the gradient w.r.t. the weight)."""
+        return grad_logits @ self.w, grad_logits.t() @ self.x_chunk
+
+
+class _Float8Gemms(_Gemms):
+    """The same GEMMs in float8 (--fp8-head): x and the weight in e4m3 with one scale each per call, each
+    chunk's logit gradient (softmax minus one-hot, from float32) in e5m2 with one scale per chunk, every
+    product in bf16. torch._scaled_mm wants its second operand column-major: the weight's transposed view is,
+    for the logits; the gradients' GEMMs take column-major copies."""
+
+    def __init__(self, x: torch.Tensor, weight: torch.Tensor):
+        self.grad_dtype = torch.float32
+        (self.x, self.sx), (self.w, self.sw) = to_float8(x, torch.float8_e4m3fn), to_float8(weight, torch.float8_e4m3fn)
+        self.w_columns = None  # made on the first gradient: evaluation never needs it
+
+    def logits(self, rows: slice) -> torch.Tensor:
+        return _float8_mm(self.x[rows], self.sx, self.w.t(), self.sw)
+
+    def grads(self, rows: slice, grad_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.w_columns is None:
+            self.w_columns = self.w.t().contiguous().t()
+        g, sg = to_float8(grad_logits, torch.float8_e5m2)
+        x_columns = self.x[rows].t().contiguous().t()
+        return _float8_mm(g, sg, self.w_columns, self.sw), _float8_mm(g.t().contiguous(), sg, x_columns, self.sx)
+
+
+def _chunk_loss_and_grad(raw: torch.Tensor, targets: torch.Tensor, with_grad: bool, softcap: float,
+                         grad_dtype: torch.dtype):
+    """One chunk: its logits as the GEMM wrote them [C, V], targets [C].
 
     -> (the summed float32 cross-entropy of its non-ignored tokens, and with_grad, the gradient of that sum
-    w.r.t. the logits, softmax minus one-hot, zero on ignored rows, in the GEMM dtype; else None).
+    w.r.t. the logits, softmax minus one-hot, zero on ignored rows, in grad_dtype; else None).
     The softmax is computed in the float32 logits' own storage: one [C, V] float32 buffer serves both (two
     with a soft cap, whose tanh the gradient is then multiplied through).
     """
-    logits, tanh = _chunk_logits(x, weight, softcap)
+    logits, tanh = _chunk_logits(raw, softcap)
     losses, lse, valid, safe = _token_losses(logits, targets)
     loss = losses.sum()
     if not with_grad:
@@ -79,7 +134,7 @@ def _chunk_loss_and_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         grad.scatter_add_(1, safe, -valid[:, None].to(grad.dtype))
     if tanh is not None:
         grad.mul_(tanh.square_().neg_().add_(1.0))
-    return loss, grad.to(x.dtype)
+    return loss, grad.to(grad_dtype)
 
 
 def loss_chunks(n_tokens: int, chunk_tokens: int, capped: bool = True) -> int:
@@ -89,21 +144,22 @@ def loss_chunks(n_tokens: int, chunk_tokens: int, capped: bool = True) -> int:
     return max(1, min(MAX_LOSS_CHUNKS, count) if capped else count)
 
 
-def _row_chunks(n_tokens: int, chunk_tokens: int, capped: bool = True) -> list[slice]:
-    """The row ranges of loss_chunks(n_tokens, chunk_tokens, capped) near-equal chunks (sizes differ by at
-    most one).
+def _row_chunks(n_tokens: int, chunk_tokens: int, capped: bool = True, multiple: int = 1) -> list[slice]:
+    """The row ranges of loss_chunks(n_tokens, chunk_tokens, capped) near-equal chunks, each starting at a
+    multiple of `multiple` (sizes differ by at most one multiple; the last takes any remainder).
 
     Under torch.compile n_tokens may be symbolic: the chunk count is the only thing the trace fixes, so
     micro-batches with the same count share one graph."""
     count = loss_chunks(n_tokens, chunk_tokens, capped)
-    bounds = [n_tokens * i // count for i in range(count + 1)]
+    bounds = [multiple * (n_tokens // multiple * i // count) for i in range(count)] + [n_tokens]
     return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
 
 
 def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                           with_grad: bool, softcap: float = 0.0):
+                            with_grad: bool, softcap: float = 0.0, fp8: bool = False):
     """x [N, D], weight [V, D], targets [N] -> (mean cross-entropy of F.linear(x, weight), and with_grad
-    its float32 gradients w.r.t. x and weight; else None, None), in the chunks of _row_chunks(N, chunk).
+    its float32 gradients w.r.t. x and weight; else None, None), in the chunks of _row_chunks(N, chunk), with
+    the GEMMs of _Float8Gemms when fp8, else of _Gemms.
 
     Each chunk's gradient is its softmax minus one-hot, entries in [-1, 1], rounded to the GEMM dtype before
     any scaling: under fp16 that is as safe as the reference's loss-scaled gradient, and one chunk's fp16 weight
@@ -111,19 +167,17 @@ def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torc
     (a sum over N/16 rows of a frequent target could pass fp16's 65,504). The 1/count of the mean is applied in
     float32 at the end.
     """
-    dtype = _gemm_dtype(x)
-    w = weight.to(dtype)
+    gemms = _Float8Gemms(x, weight) if fp8 else _Gemms(x, weight)
     count = (targets != IGNORE_INDEX).sum()
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_w, grad_x = None, torch.empty(x.shape, dtype=torch.float32, device=x.device) if with_grad else None
-    for rows in _row_chunks(x.shape[0], chunk, capped=dtype != torch.float16):
-        x_chunk = x[rows].to(dtype)
-        chunk_loss, grad_logits = _chunk_loss_and_grad(x_chunk, w, targets[rows], with_grad, softcap)
+    for rows in _row_chunks(x.shape[0], chunk, gemms.grad_dtype != torch.float16, FLOAT8_ROWS if fp8 else 1):
+        chunk_loss, grad_logits = _chunk_loss_and_grad(gemms.logits(rows), targets[rows], with_grad, softcap,
+                                                       gemms.grad_dtype)
         loss = loss + chunk_loss
         if with_grad:
-            grad_x[rows] = grad_logits @ w
-            part = grad_logits.t() @ x_chunk  # the first chunk's is the float32 sum's start: no zeros to add to
-            grad_w = part.float() if grad_w is None else grad_w.add_(part)
+            grad_x[rows], part = gemms.grads(rows, grad_logits)
+            grad_w = part.float() if grad_w is None else grad_w.add_(part)  # the first part starts the float32 sum
     if not with_grad:
         return loss / count, None, None
     return loss / count, grad_x.div_(count), grad_w.div_(count)
@@ -142,8 +196,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, targets, chunk, softcap):
-        loss, grad_x, grad_w = _chunked_loss_and_grads(x, weight, targets, chunk, with_grad=True, softcap=softcap)
+    def forward(ctx, x, weight, targets, chunk, softcap, fp8):
+        loss, grad_x, grad_w = _chunked_loss_and_grads(x, weight, targets, chunk, True, softcap, fp8)
         ctx.save_for_backward(grad_x, grad_w)
         ctx.dtypes = x.dtype, weight.dtype
         return loss
@@ -153,23 +207,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_x, grad_w = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
         # Out of place: the saved gradients must survive a backward with retain_graph=True.
-        return (grad_x * grad_loss).to(x_dtype), (grad_w * grad_loss).to(w_dtype), None, None, None
+        return (grad_x * grad_loss).to(x_dtype), (grad_w * grad_loss).to(w_dtype), None, None, None, None
 
 
 def _chunked_token_losses(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
-                          softcap: float = 0.0) -> torch.Tensor:
+                          softcap: float = 0.0, fp8: bool = False) -> torch.Tensor:
     """x [N, D], weight [V, D], targets [N] -> each token's float32 cross-entropy [N] (0 where ignored),
     in the chunks of _row_chunks(N, chunk), with no gradient work."""
-    dtype = _gemm_dtype(x)
-    w = weight.to(dtype)
+    gemms = _Float8Gemms(x, weight) if fp8 else _Gemms(x, weight)
     losses = torch.empty(targets.shape, dtype=torch.float32, device=x.device)
-    for rows in _row_chunks(x.shape[0], chunk):
-        losses[rows] = _token_losses(_chunk_logits(x[rows].to(dtype), w, softcap)[0], targets[rows])[0]
+    for rows in _row_chunks(x.shape[0], chunk, multiple=FLOAT8_ROWS if fp8 else 1):
+        losses[rows] = _token_losses(_chunk_logits(gemms.logits(rows), softcap)[0], targets[rows])[0]
     return losses
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int = LOSS_CHUNK_TOKENS, reduction: str = "mean", softcap: float = 0.0) -> torch.Tensor:
+                         chunk: int = LOSS_CHUNK_TOKENS, reduction: str = "mean", softcap: float = 0.0,
+                         fp8: bool = False) -> torch.Tensor:
     """F.cross_entropy(soft_cap(F.linear(x, weight).float(), softcap), targets, reduction=reduction) without
     ever holding all the logits.
 
@@ -180,7 +234,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     once. The GEMMs run in the dtype nn.Linear's would (autocast's, when on). Without autograd (torch.no_grad,
     or nothing requiring grad) no gradient is computed. reduction "none" gives each token's loss, shaped like
     targets (0 where ignored), for evaluation (bits per byte, multiple-choice scoring): it has no backward, so
-    it refuses to run where autograd would want one.
+    it refuses to run where autograd would want one. fp8: the three GEMMs in float8 (_Float8Gemms), each
+    chunk starting at a multiple of FLOAT8_ROWS rows.
     """
     if reduction not in ("mean", "none"):
         raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
@@ -190,7 +245,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if reduction == "none":
         if wants_grad:
             raise ValueError("reduction='none' has no backward: call it under torch.no_grad()")
-        return _chunked_token_losses(x, weight, targets, chunk, softcap).view(shape)
+        return _chunked_token_losses(x, weight, targets, chunk, softcap, fp8).view(shape)
     if wants_grad:
-        return _LinearCrossEntropy.apply(x, weight, targets, chunk, softcap)
-    return _chunked_loss_and_grads(x, weight, targets, chunk, with_grad=False, softcap=softcap)[0]
+        return _LinearCrossEntropy.apply(x, weight, targets, chunk, softcap, fp8)
+    return _chunked_loss_and_grads(x, weight, targets, chunk, False, softcap, fp8)[0]

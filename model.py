@@ -431,6 +431,7 @@ class GPT(nn.Module):
     # The residual stream's dtype, or None for the embedding's (float32): under bf16 autocast the GEMMs run in
     # bf16 either way, and bf16 here halves the bytes of every norm, gate and residual add between them.
     activation_dtype: torch.dtype | None = None
+    fp8_head = False  # the fused head's GEMMs in float8 (linear_cross_entropy's fp8; --fp8-head sets it)
 
     def __init__(self, config: ModelConfig, block: type[Block] = Block):
         """block: the class of every transformer block; a subclass of Block with the same parameter names
@@ -548,7 +549,7 @@ class GPT(nn.Module):
         if targets is None:
             return soft_cap(self.lm_head(x), cap), None
         return None, linear_cross_entropy(x, self.lm_head.weight, targets, self.loss_chunk_tokens, reduction,
-                                          softcap=cap)
+                                          softcap=cap, fp8=self.fp8_head)
 
     def embed_inputs(self, idx: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
         """The first block's input, in the residual stream's dtype: the token embedding of idx [B, T], with

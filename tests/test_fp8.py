@@ -17,6 +17,7 @@ import loop
 import train
 from conftest import QWEN3_FLAGS, REPO, write_tiny_shards
 from model import GPT, QWEN3_VALUES, ModelConfig
+from runlog import read_metrics
 
 CFG = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
 # Qwen3's architecture (QWEN3_VALUES), as the TE blocks need: SwiGLU, no attention gates.
@@ -54,6 +55,8 @@ def check(mode, cfg=CFG, recipe="current", attn=False, batch=4, seq=32, **machin
     ("te", {"recipe": "rowwise"}, "^--fp8-recipe rowwise needs --fp8 torchao, not --fp8 te$"),
     ("torchao", {"recipe": "delayed"}, "^--fp8-recipe delayed needs --fp8 te, not --fp8 torchao$"),
     ("off", {"recipe": "rowwise"}, "^--fp8-recipe rowwise needs --fp8 torchao$"),
+    ("off", {"head": True, "capability": (8, 0)}, r"--fp8-head needs a GPU with float8 GEMMs .*8\.9\+.*this one is 8\.0"),
+    ("off", {"head": True, "batch": 3, "seq": 5}, "--fp8-head needs batch_size \\* seq_len .*got 3 \\* 5 = 15"),
 ])
 def test_fp8_constraint_errors_are_one_line(mode, kwargs, message):
     with pytest.raises(ValueError, match=message) as e:
@@ -67,6 +70,9 @@ def test_fp8_constraint_errors_are_one_line(mode, kwargs, message):
     ("te", {"batch": 2, "seq": 8, "te": (2, 4)}),
     ("te", {"cfg": HD128, "attn": True, "recipe": "delayed", "te": (2, 8)}),
     ("torchao", {"cuda": False, "batch": 2, "seq": 8}),
+    ("off", {"head": True, "capability": (9, 0)}),
+    ("off", {"head": True, "cuda": False, "batch": 2, "seq": 8}),  # the CPU runs torch._scaled_mm
+    ("torchao", {"head": True, "capability": (8, 9)}),
 ])
 def test_fp8_constraints_accept_what_works(mode, kwargs):
     check(mode, **kwargs)
@@ -418,3 +424,19 @@ def test_te_probes_leave_no_amax_history_and_training_reduces_amaxes_again():
     # (from TE 2.8 the key spells reduce_amax out, so the probes' recipe would have its own key).
     training_key = manager.get_key_in_buffer(True, recipe, None)
     assert all(m.fp8_meta[manager.get_buffer_info()][1] == training_key for m in delayed)
+
+
+def test_fp8_head_trains_on_the_cpu_near_the_plain_heads_loss_and_says_so(tiny_data, tmp_path, train_in_process):
+    """--fp8-head through train.py (torch._scaled_mm runs on the CPU): the start-up table names it, and
+    after 8 steps the loss is the plain head's to within float8's rounding."""
+    flags = ["--data", tiny_data, "--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--n-kv-head", "2",
+             "--seq-len", "32", "--batch-size", "4", "--max-steps", "8", "--eval-interval", "0", "--dtype", "fp32",
+             "--device", "cpu", "--ckpt-interval", "0"]
+    losses = {}
+    for name, extra in (("plain", []), ("fp8", ["--fp8-head"])):
+        result = train_in_process(*flags, *extra, "--out-dir", tmp_path / name)
+        assert result.returncode == 0, result.stderr
+        losses[name] = [r["train_loss"] for r in read_metrics(str(tmp_path / name / "metrics.jsonl"))[0]]
+    assert "lm_head float8 (dynamic tensorwise, in the fused loss)" in result.stdout
+    assert losses["fp8"] != losses["plain"] and losses["fp8"][-1] < losses["fp8"][0] - 0.5
+    assert max(abs(a - b) for a, b in zip(losses["fp8"], losses["plain"])) < 0.05

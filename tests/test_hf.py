@@ -31,7 +31,7 @@ LOOK_BACK = {"smear": True, "bigram_embed": 300}
 
 def tiny_model(tied: bool, seed: int = 0, gated: bool = False, look_back: bool = False) -> GPT:
     torch.manual_seed(seed)
-    toggles = {"attn_gate": gated or look_back, **(LOOK_BACK if look_back else {})}
+    toggles = {"attn_gate": gated, **(LOOK_BACK if look_back else {})}
     model = GPT(ModelConfig(**{**TINY, **toggles}, tie_embeddings=tied)).eval()
     # Norm weights away from 1 (a swapped or dropped norm would show) and matrices large enough that
     # attention is far from uniform and greedy argmaxes are far from ties.
@@ -43,8 +43,8 @@ def tiny_model(tied: bool, seed: int = 0, gated: bool = False, look_back: bool =
 
 @pytest.fixture(scope="module",
                 params=[(True, False, False), (False, False, False), (True, True, False), (False, True, False),
-                        (False, True, True)],
-                ids=["qwen3-tied", "qwen3-untied", "next-tied", "next-untied", "look-back"])
+                        (False, True, True), (True, False, True)],
+                ids=["qwen3-tied", "qwen3-untied", "next-tied", "next-untied", "look-back", "look-back-qwen3-tied"])
 def exported(request, tmp_path_factory):
     tied, gated, look_back = request.param
     model = tiny_model(tied, gated=gated, look_back=look_back)
@@ -98,8 +98,11 @@ def test_transformers_loads_the_export(exported, monkeypatch):
                 assert (qwen(input_ids=idx).logits - before).abs().max() > 1e-2
 
 
-def test_a_look_back_export_generates_a_left_padded_batch_as_each_prompt_alone(monkeypatch, tmp_path):
-    model = tiny_model(False, look_back=True)
+@pytest.mark.parametrize("gated, cache", [(True, "dynamic"), (False, "static")])
+def test_a_look_back_export_generates_a_left_padded_batch_as_each_prompt_alone(gated, cache, monkeypatch, tmp_path):
+    """A static cache (the compiled route) turns the mask into 4-D ones inside generate: the previous ids are
+    read from the 2-D mask before that."""
+    model = tiny_model(False, gated=gated, look_back=True)
     export_hf(model.config, model.state_dict(), str(tmp_path))
     qwen = load_transformers(tmp_path, monkeypatch)
     eot = get_tokenizer().eot_token
@@ -108,10 +111,25 @@ def test_a_look_back_export_generates_a_left_padded_batch_as_each_prompt_alone(m
     batch = torch.stack([long, torch.cat([torch.full((4,), eot), short])])
     mask = torch.tensor([[1] * 6, [0] * 4 + [1] * 2])
     with torch.no_grad():
-        out = qwen.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=eot)
+        out = qwen.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=8, pad_token_id=eot,
+                            cache_implementation=cache)
     for row, prompt in zip(out[:, 6:].tolist(), (long, short)):
         ours = generate(model, prompt, 8, temperature=0, eot=eot)
         assert row[:len(ours)] == ours
+
+
+def test_a_look_back_exports_own_decoding_loop_passes_the_previous_ids_or_is_refused(monkeypatch, tmp_path):
+    model = tiny_model(False, look_back=True)
+    export_hf(model.config, model.state_dict(), str(tmp_path))
+    qwen = load_transformers(tmp_path, monkeypatch)
+    idx = torch.randint(0, 50257, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        whole = qwen(input_ids=idx).logits[:, -1]
+        first = qwen(input_ids=idx[:, :-1], use_cache=True)
+        with pytest.raises(ValueError, match="needs previous_token_ids"):
+            qwen(input_ids=idx[:, -1:], cache=first.cache)
+        step = qwen(input_ids=idx[:, -1:], cache=first.cache, previous_token_ids=idx[:, -2:-1]).logits[:, -1]
+    torch.testing.assert_close(step, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_a_look_back_export_needs_trust_remote_code(monkeypatch, tmp_path):

@@ -49,6 +49,11 @@ def test_loss_chunks_are_near_equal_and_at_most_max_loss_chunks():
         sizes = [r.stop - r.start for r in rows]
         assert rows[0].start == 0 and rows[-1].stop == n and max(sizes) - min(sizes) <= 1
         assert all(a.stop == b.start for a, b in zip(rows, rows[1:]))
+        aligned = loss_module._row_chunks(n, 1024, multiple=16)  # fp8's: each chunk starts at a multiple of 16
+        assert aligned[-1].stop == n and len(aligned) == len(rows) and all(r.start % 16 == 0 for r in aligned)
+        assert all(a.stop == b.start for a, b in zip(aligned, aligned[1:]))
+        if n % 16 == 0:
+            assert all((r.stop - r.start) % 16 == 0 for r in aligned)
 
 
 def test_fp16_loss_chunks_keep_their_size_so_the_weight_gradient_sums_stay_in_range(monkeypatch):
@@ -68,8 +73,51 @@ def test_the_chunk_gradient_is_softmax_minus_one_hot_bit_for_bit_and_zero_on_ign
     torch.manual_seed(0)
     x, w = torch.randn(6, 8), torch.randn(11, 8)
     targets = torch.tensor([3, 0, 10, loss_module.IGNORE_INDEX, 7, 3])
-    _, grad = loss_module._chunk_loss_and_grad(x, w, targets, with_grad=True)
+    _, grad = loss_module._chunk_loss_and_grad(x @ w.t(), targets, True, 0.0, torch.float32)
     expected = (x @ w.t()).sub(torch.logsumexp(x @ w.t(), dim=-1, keepdim=True)).exp()
     expected.scatter_add_(1, targets.clamp(min=0)[:, None], torch.full((6, 1), -1.0))
     expected[3] = 0.0
     assert torch.equal(grad, expected)
+
+
+def dequantized(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as float8 `dtype` holds it (loss.to_float8), back in float32: the operand a float8 GEMM multiplies."""
+    t8, scale = loss_module.to_float8(t, dtype)
+    return t8.float() * scale
+
+
+def test_float8_head_is_the_loss_of_its_float8_operands():
+    """--fp8-head's GEMMs against float32 math on the dequantized float8 operands: e4m3 x and weight for the
+    logits, each chunk's e5m2 softmax gradient for both gradients; only bf16 rounding of the products apart."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(48, 32, generator=g).requires_grad_()
+    weight = (0.5 * torch.randn(128, 32, generator=g)).requires_grad_()
+    targets = targets_with_ignored((3, 16), vocab=128).flatten()
+    loss = linear_cross_entropy(x, weight, targets, chunk=16, fp8=True)
+    loss.backward()
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    xq, wq = dequantized(x.detach(), e4m3), dequantized(weight.detach(), e4m3)
+    logits = (xq @ wq.t()).bfloat16().float()
+    torch.testing.assert_close(loss, F.cross_entropy(logits, targets), rtol=1e-5, atol=1e-5)
+    grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(weight)
+    valid = (targets != loss_module.IGNORE_INDEX).sum()
+    for rows in loss_module._row_chunks(48, 16, multiple=16):
+        kept = (targets[rows] >= 0)[:, None]
+        gq = dequantized((logits[rows].softmax(-1) - F.one_hot(targets[rows].clamp(min=0), 128)) * kept, e5m2)
+        grad_x[rows] = (gq @ wq).bfloat16().float()
+        grad_w += (gq.t() @ xq[rows]).bfloat16().float()
+    torch.testing.assert_close(x.grad, grad_x / valid, rtol=1e-2, atol=1e-5)
+    torch.testing.assert_close(weight.grad, grad_w / valid, rtol=1e-2, atol=1e-5)
+
+
+def test_float8_head_is_near_the_full_precision_loss_and_its_evaluation_agrees():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 64, 64, generator=g)
+    weight = 0.2 * torch.randn(256, 64, generator=g)
+    targets = targets_with_ignored((4, 64), vocab=256)
+    exact = linear_cross_entropy(x, weight, targets)
+    fp8 = linear_cross_entropy(x, weight, targets, chunk=48, fp8=True)
+    assert abs(fp8 - exact) / exact < 0.01 and fp8 != exact  # e4m3's 3 mantissa bits, averaged over 64 products
+    with torch.no_grad():
+        per_token = linear_cross_entropy(x, weight, targets, chunk=48, reduction="none", fp8=True)
+    torch.testing.assert_close(per_token.sum() / (targets != -100).sum(), fp8)

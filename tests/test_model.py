@@ -287,9 +287,9 @@ def test_no_grad_loss_computes_no_gradients(monkeypatch):
     with_grad = []
     chunk_loss = loss_module._chunk_loss_and_grad
 
-    def spy(x, weight, chunk_targets, grad, *rest):
+    def spy(logits, chunk_targets, grad, *rest):
         with_grad.append(grad)
-        return chunk_loss(x, weight, chunk_targets, grad, *rest)
+        return chunk_loss(logits, chunk_targets, grad, *rest)
 
     monkeypatch.setattr(loss_module, "_chunk_loss_and_grad", spy)
     with torch.no_grad():
