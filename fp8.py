@@ -114,10 +114,10 @@ def format_version(version: tuple[int, int]) -> str:
     return ".".join(map(str, version))
 
 
-def batch_multiple(mode: str, seq_len: int) -> int:
+def batch_multiple(cfg: "FP8Config", seq_len: int) -> int:
     """The micro-batch sizes FP8 allows are the multiples of this: the smallest b with b * seq_len a multiple
-    of FP8_TOKEN_MULTIPLE (1 without FP8). --batch-size auto searches only these."""
-    if mode == "off":
+    of FP8_TOKEN_MULTIPLE (1 without FP8 blocks or head). --batch-size auto searches only these."""
+    if cfg.mode == "off" and not cfg.head:
         return 1
     return FP8_TOKEN_MULTIPLE // math.gcd(seq_len, FP8_TOKEN_MULTIPLE)
 
@@ -153,6 +153,9 @@ def check_fp8_config(mode: str, recipe: str, fp8_attn: bool, cfg: ModelConfig, b
         raise ValueError(f"--fp8-head needs a GPU with float8 GEMMs (compute capability "
                          f"{'.'.join(map(str, FLOAT8_CAPABILITY))}+: L4, H100, ...), this one is "
                          f"{'.'.join(map(str, capability))}")
+    if head and cfg.n_embd % 16:
+        raise ValueError(f"--fp8-head needs n_embd to be a multiple of 16 (the lm_head's float8 GEMMs), "
+                         f"got {cfg.n_embd}")
     if head and (batch_size * seq_len) % FP8_TOKEN_MULTIPLE:
         raise ValueError(f"--fp8-head needs batch_size * seq_len to be a multiple of {FP8_TOKEN_MULTIPLE} (the "
                          f"lm_head's float8 weight-gradient GEMM), got {batch_size} * {seq_len} = {batch_size * seq_len}")
@@ -504,7 +507,7 @@ def prepare(cfg: FP8Config, model_cfg: ModelConfig, micro_batch: int | None, dev
 
     micro_batch None: chosen later by --batch-size auto, which searches only multiples of batch_multiple(),
     so the smallest of them is the one checked here."""
-    batch = micro_batch or batch_multiple(cfg.mode, model_cfg.max_seq_len)
+    batch = micro_batch or batch_multiple(cfg, model_cfg.max_seq_len)
     try:
         cuda = device.type == "cuda"
         check_fp8_config(cfg.mode, cfg.recipe, cfg.attn, model_cfg, batch, model_cfg.max_seq_len, cuda=cuda,

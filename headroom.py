@@ -183,7 +183,7 @@ def auto_micro_batch(cfg, model, device: torch.device, autocast_dtype: torch.dty
     (all the step's sequences where the room is unknown) that divides the sequences each rank trains on per
     step and is a multiple of FP8's (fp8.batch_multiple); UsageError when none does."""
     seq_len, room = cfg.model.max_seq_len, host_room(device, info)
-    per_rank, multiple = batch.per_rank_sequences(cfg, info.world_size), fp8.batch_multiple(cfg.fp8.mode, seq_len)
+    per_rank, multiple = batch.per_rank_sequences(cfg, info.world_size), fp8.batch_multiple(cfg.fp8, seq_len)
     extra = first_step_bytes(cfg, model, device, autocast_dtype, info)
     fitting = per_rank if room is None else min(per_rank, largest_fitting(room.bytes, lambda b: extra(b, seq_len)))
     micro = memory.micro_batch_for(per_rank, fitting, multiple)

@@ -142,7 +142,7 @@ def run_loop(run: Run) -> str | None:
                     rewind_step(run, loader_state)
                     return keep_last_step(run, step, taken, signals)
                 except torch.cuda.OutOfMemoryError:
-                    smaller = 0 if oom_retried else memory.retry_micro_batch(run.layout, run.cfg.fp8.mode)
+                    smaller = 0 if oom_retried else memory.retry_micro_batch(run.layout, run.cfg.fp8)
                     if not smaller:
                         raise
                     oom_retried = True

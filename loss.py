@@ -61,12 +61,12 @@ def _chunk_logits(raw: torch.Tensor, softcap: float):
     return tanh * softcap, tanh
 
 
-def to_float8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def to_float8(t: torch.Tensor, dtype: torch.dtype, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """t in float8 `dtype` with one scale for the whole tensor (current scaling: its amax now maps to the
     format's largest value) -> (the float8 tensor, the float32 scale that undoes it, as torch._scaled_mm
-    takes it)."""
+    takes it). in_place: t (float32, not needed after) is divided in its own storage, with no copy."""
     scale = t.detach().abs().amax().float().clamp(min=1e-12) / torch.finfo(dtype).max
-    return (t.float() / scale).to(dtype), scale
+    return (t.div_(scale) if in_place else t.float() / scale).to(dtype), scale
 
 
 def _float8_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
@@ -82,11 +82,13 @@ class _Gemms:
         self.x, self.w = x, weight.to(self.grad_dtype)
 
     def logits(self, rows: slice) -> torch.Tensor:
-        self.x_chunk = self.x[rows].to(self.grad_dtype)  # cast once: grads reuses it for the weight gradient
+        self.rows, self.x_chunk = rows, self.x[rows].to(self.grad_dtype)  # cast once: grads reuses it
         return F.linear(self.x_chunk, self.w)
 
     def grads(self, rows: slice, grad_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (the chunk's gradient w.r.t. x, its part of the gradient w.r.t. the weight)."""
+        """-> (the chunk's gradient w.r.t. x, its part of the gradient w.r.t. the weight), right after
+        logits(rows)."""
+        assert rows == self.rows, "grads follows logits of the same rows"
         return grad_logits @ self.w, grad_logits.t() @ self.x_chunk
 
 
@@ -107,21 +109,22 @@ class _Float8Gemms(_Gemms):
     def grads(self, rows: slice, grad_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.w_columns is None:
             self.w_columns = self.w.t().contiguous().t()
-        g, sg = to_float8(grad_logits, torch.float8_e5m2)
+        g, sg = to_float8(grad_logits, torch.float8_e5m2, in_place=True)  # float32, of no use after
         x_columns = self.x[rows].t().contiguous().t()
         return _float8_mm(g, sg, self.w_columns, self.sw), _float8_mm(g.t().contiguous(), sg, x_columns, self.sx)
 
 
-def _chunk_loss_and_grad(raw: torch.Tensor, targets: torch.Tensor, with_grad: bool, softcap: float,
+def _chunk_loss_and_grad(capped: tuple[torch.Tensor, torch.Tensor | None], targets: torch.Tensor, with_grad: bool,
                          grad_dtype: torch.dtype):
-    """One chunk: its logits as the GEMM wrote them [C, V], targets [C].
+    """One chunk: _chunk_logits' (float32 logits [C, V], tanh or None), targets [C]. The caller makes them in
+    the call's argument, so the GEMM's own output (bf16 under autocast) is freed before the softmax.
 
     -> (the summed float32 cross-entropy of its non-ignored tokens, and with_grad, the gradient of that sum
     w.r.t. the logits, softmax minus one-hot, zero on ignored rows, in grad_dtype; else None).
     The softmax is computed in the float32 logits' own storage: one [C, V] float32 buffer serves both (two
     with a soft cap, whose tanh the gradient is then multiplied through).
     """
-    logits, tanh = _chunk_logits(raw, softcap)
+    logits, tanh = capped
     losses, lse, valid, safe = _token_losses(logits, targets)
     loss = losses.sum()
     if not with_grad:
@@ -150,7 +153,7 @@ def _row_chunks(n_tokens: int, chunk_tokens: int, capped: bool = True, multiple:
 
     Under torch.compile n_tokens may be symbolic: the chunk count is the only thing the trace fixes, so
     micro-batches with the same count share one graph."""
-    count = loss_chunks(n_tokens, chunk_tokens, capped)
+    count = min(loss_chunks(n_tokens, chunk_tokens, capped), max(1, n_tokens // multiple))  # none left empty
     bounds = [multiple * (n_tokens // multiple * i // count) for i in range(count)] + [n_tokens]
     return [slice(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
 
@@ -172,8 +175,8 @@ def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torc
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_w, grad_x = None, torch.empty(x.shape, dtype=torch.float32, device=x.device) if with_grad else None
     for rows in _row_chunks(x.shape[0], chunk, gemms.grad_dtype != torch.float16, FLOAT8_ROWS if fp8 else 1):
-        chunk_loss, grad_logits = _chunk_loss_and_grad(gemms.logits(rows), targets[rows], with_grad, softcap,
-                                                       gemms.grad_dtype)
+        chunk_loss, grad_logits = _chunk_loss_and_grad(_chunk_logits(gemms.logits(rows), softcap), targets[rows],
+                                                       with_grad, gemms.grad_dtype)
         loss = loss + chunk_loss
         if with_grad:
             grad_x[rows], part = gemms.grads(rows, grad_logits)

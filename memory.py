@@ -555,10 +555,10 @@ def micro_batch_for(per_rank: int, fitting: int, multiple: int = 1) -> int:
     return max((b for b in range(multiple, min(fitting, per_rank) + 1, multiple) if per_rank % b == 0), default=0)
 
 
-def retry_micro_batch(layout, fp8_mode: str) -> int:
+def retry_micro_batch(layout, fp8_cfg) -> int:
     """The micro-batch to redo an out-of-memory step with (a batch.BatchLayout's): at most half, FP8-legal,
     dividing the global batch; 0 for none, or with several ranks (one cannot change the layout alone)."""
-    multiple = fp8.batch_multiple(fp8_mode, layout.seq_len)
+    multiple = fp8.batch_multiple(fp8_cfg, layout.seq_len)
     smaller = micro_batch_for(layout.sequences_per_rank, layout.micro_batch // 2, multiple)
     return smaller if layout.world_size == 1 else 0
 

@@ -44,7 +44,7 @@ def plan_run(run: Run, planned_tokens: int) -> None:
     cfg, layout, info, device = run.cfg, run.layout, run.info, run.device
     extra = headroom.first_step_bytes(cfg, run.model, device, run.autocast_dtype, info, state_restored=run.start_step > 0)
     room = headroom.host_room(device, info)
-    warning = headroom.check_first_step(cfg, layout, extra, room, fp8.batch_multiple(cfg.fp8.mode, layout.seq_len),
+    warning = headroom.check_first_step(cfg, layout, extra, room, fp8.batch_multiple(cfg.fp8, layout.seq_len),
                                         device)
     if not info.is_main:
         return

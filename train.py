@@ -77,7 +77,7 @@ def build_layout(cfg: Config, model, info, device, autocast_dtype, fp8_recipe) -
     if cfg.data.batch_size == "auto" and device.type != "cuda":
         micro = headroom.auto_micro_batch(cfg, model, device, autocast_dtype, info)
     elif cfg.data.batch_size == "auto":
-        multiple = fp8.batch_multiple(cfg.fp8.mode, model.config.max_seq_len)
+        multiple = fp8.batch_multiple(cfg.fp8, model.config.max_seq_len)
         reserve = memory.probe_reserve_bytes(model.config, cfg.optim.name, info.mode, info.world_size)
         with fp8.probing(model, fp8_recipe) as probe_recipe:
             micro = memory.auto_batch_size(model, batch.per_rank_sequences(cfg, info.world_size), multiple,

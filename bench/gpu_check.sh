@@ -224,9 +224,9 @@ run_lease() { # the 124M modes, the 1B FP8 rungs, the tests, in that order, with
     # shellcheck disable=SC2086
     lease_rung 124m_cuda_graphs 90 ${GPT2_124M/--compile default/--compile reduce-overhead} --optimizer adamw || rc=1
     local rung flags
-    for rung in "1b_bf16:" "1b_te:--fp8 te" "1b_te_head:--fp8 te --fp8-head" \
-        "1b_te_delayed:--fp8 te --fp8-recipe delayed" "1b_te_attn:--fp8 te --fp8-attn" "1b_torchao:--fp8 torchao" \
-        "1b_torchao_rowwise:--fp8 torchao --fp8-recipe rowwise"; do
+    for rung in "1b_bf16:" "1b_te:--fp8 te" "1b_te_delayed:--fp8 te --fp8-recipe delayed" \
+        "1b_te_attn:--fp8 te --fp8-attn" "1b_torchao:--fp8 torchao" \
+        "1b_torchao_rowwise:--fp8 torchao --fp8-recipe rowwise" "1b_te_head:--fp8 te --fp8-head"; do
         flags=${rung#*:}
         # shellcheck disable=SC2086
         lease_rung "${rung%%:*}" 100 $SHAPE_1B $flags || rc=1

@@ -56,6 +56,8 @@ def check(mode, cfg=CFG, recipe="current", attn=False, batch=4, seq=32, **machin
     ("torchao", {"recipe": "delayed"}, "^--fp8-recipe delayed needs --fp8 te, not --fp8 torchao$"),
     ("off", {"recipe": "rowwise"}, "^--fp8-recipe rowwise needs --fp8 torchao$"),
     ("off", {"head": True, "capability": (8, 0)}, r"--fp8-head needs a GPU with float8 GEMMs .*8\.9\+.*this one is 8\.0"),
+    ("off", {"head": True, "cfg": ModelConfig(n_layer=1, n_head=3, n_kv_head=1, n_embd=72)},
+     "--fp8-head needs n_embd to be a multiple of 16 .*got 72"),
     ("off", {"head": True, "batch": 3, "seq": 5}, "--fp8-head needs batch_size \\* seq_len .*got 3 \\* 5 = 15"),
 ])
 def test_fp8_constraint_errors_are_one_line(mode, kwargs, message):
@@ -80,8 +82,9 @@ def test_fp8_constraints_accept_what_works(mode, kwargs):
 
 @pytest.mark.parametrize("seq, multiple", [(1024, 1), (32, 1), (8, 2), (12, 4), (7, 16)])
 def test_batch_multiple_makes_every_fp8_micro_batch_a_16_token_multiple(seq, multiple):
-    assert fp8.batch_multiple("te", seq) == fp8.batch_multiple("torchao", seq) == multiple
-    assert fp8.batch_multiple("off", seq) == 1
+    te, torchao, off = (fp8.FP8Config(mode=mode) for mode in ("te", "torchao", "off"))
+    assert fp8.batch_multiple(te, seq) == fp8.batch_multiple(torchao, seq) == multiple
+    assert fp8.batch_multiple(off, seq) == 1 and fp8.batch_multiple(fp8.FP8Config(head=True), seq) == multiple
     for batch in range(1, 40):
         assert ((batch * seq) % fp8.FP8_TOKEN_MULTIPLE == 0) == (batch % multiple == 0)
 
@@ -318,7 +321,7 @@ def test_fp8_te_auto_batch_size_picks_a_legal_micro_batch_and_trains(tiny_data, 
                        "--batch-size", "auto", "--total-batch-tokens", "512", "--max-steps", "2")
     assert result.returncode == 0, result.stderr[-2000:]
     micro = int(re.search(r"^\s*batch\s+(\d+) x 8 tokens", result.stdout, re.M).group(1))  # the start-up table
-    assert micro % fp8.batch_multiple("te", 8) == 0
+    assert micro % fp8.batch_multiple(fp8.FP8Config(mode="te"), 8) == 0
 
 
 # ----------------------------------------------------------------------------- --batch-size auto's probes

@@ -59,7 +59,8 @@ def test_loss_chunks_are_near_equal_and_at_most_max_loss_chunks():
 def test_fp16_loss_chunks_keep_their_size_so_the_weight_gradient_sums_stay_in_range(monkeypatch):
     calls = []
     chunk_loss = loss_module._chunk_loss_and_grad
-    monkeypatch.setattr(loss_module, "_chunk_loss_and_grad", lambda *a: calls.append(a[0].shape[0]) or chunk_loss(*a))
+    spy = lambda *a: calls.append(a[0][0].shape[0]) or chunk_loss(*a)  # noqa: E731  a[0]: (logits, tanh)
+    monkeypatch.setattr(loss_module, "_chunk_loss_and_grad", spy)
     monkeypatch.setattr(loss_module, "MAX_LOSS_CHUNKS", 2)
     for dtype, rows in ((torch.float32, [32, 32]), (torch.float16, [8] * 8)):
         calls.clear()
@@ -73,7 +74,7 @@ def test_the_chunk_gradient_is_softmax_minus_one_hot_bit_for_bit_and_zero_on_ign
     torch.manual_seed(0)
     x, w = torch.randn(6, 8), torch.randn(11, 8)
     targets = torch.tensor([3, 0, 10, loss_module.IGNORE_INDEX, 7, 3])
-    _, grad = loss_module._chunk_loss_and_grad(x @ w.t(), targets, True, 0.0, torch.float32)
+    _, grad = loss_module._chunk_loss_and_grad(loss_module._chunk_logits(x @ w.t(), 0.0), targets, True, torch.float32)
     expected = (x @ w.t()).sub(torch.logsumexp(x @ w.t(), dim=-1, keepdim=True)).exp()
     expected.scatter_add_(1, targets.clamp(min=0)[:, None], torch.full((6, 1), -1.0))
     expected[3] = 0.0
@@ -121,3 +122,24 @@ def test_float8_head_is_near_the_full_precision_loss_and_its_evaluation_agrees()
     with torch.no_grad():
         per_token = linear_cross_entropy(x, weight, targets, chunk=48, reduction="none", fp8=True)
     torch.testing.assert_close(per_token.sum() / (targets != -100).sum(), fp8)
+
+
+@pytest.mark.parametrize("n, ok", [(4096, True), (16 * 37, True), (1000, False)])
+def test_float8_head_keeps_cudas_float8_gemm_rules(n, ok):
+    """On the meta device torch._scaled_mm checks what CUDA's kernel needs (the CPU's does not): the second
+    operand column-major, every inner dimension a multiple of 16 (a chunk's rows, in the weight gradient), no
+    e5m2 x e5m2. A token count that is not a multiple of 16 (start-up refuses it) is the one that fails."""
+    x = torch.empty(n, 64, device="meta", requires_grad=True)
+    weight = torch.empty(256, 64, device="meta", requires_grad=True)
+    targets = torch.zeros(n, dtype=torch.long, device="meta")
+    if not ok:
+        with pytest.raises(RuntimeError, match="divisible by 16"):
+            loss_module._chunked_loss_and_grads(x, weight, targets, 300, True, fp8=True)
+        return
+    loss, grad_x, grad_w = loss_module._chunked_loss_and_grads(x, weight, targets, 300, True, fp8=True)
+    assert grad_x.shape == x.shape and grad_w.shape == weight.shape
+    assert loss_module._chunked_token_losses(x, weight, targets, 300, fp8=True).shape == (n,)
+
+
+def test_float8_chunks_are_never_empty():
+    assert [(r.start, r.stop) for r in loss_module._row_chunks(32, 8, True, 16)] == [(0, 16), (16, 32)]
