@@ -82,6 +82,9 @@ SMOKE_BATCH = ["--batch-size", "4", "--grad-accum", "1"]
 SMOKE = {"corpus": "stdlib", "max_tokens": [1024, 2048], "seeds": [1], "anchor_lrs": [1e-3, 3e-3]}
 BATCH_WARMUP_STEPS = 30  # a fifth of the default budget's 150 steps
 RECIPE_V3 = ["--no-smear", "--bigram-embed", "0"]  # recipe v3's model: v4's without the look-back
+# Fields added after the cache's first runs, other than model toggles, at the value those runs had: left out of
+# a key at that value (cache_key), so that adding one does not make every cached run a miss.
+SINCE_THE_FIRST_RUNS = {"fp8.head": False}
 STEP_TIME_SKIP = 3  # first steps left out of the median step time: allocation and warm caches
 
 
@@ -313,17 +316,20 @@ LOCATION_FIELDS = ("data.data", "ckpt.out_dir", "ckpt.resume", "ckpt.overwrite")
 def cache_key(corpus: str, flags: list[str]) -> str:
     """flags: the run's whole train.py command line but its --out-dir (toggle, horizon and seed among them). The
     key is the configuration they resolve to, every field's value, so that a changed default (a toggle adopted)
-    is a different run, never a cached one. A model toggle at Qwen3's value is left out: that is how every run
-    trained before the toggle existed (model.with_qwen3_toggles), so a new toggle keeps the entries reachable;
-    any other new field makes every entry a miss, which errs towards running."""
+    is a different run, never a cached one. A model toggle at Qwen3's value, and each field of
+    SINCE_THE_FIRST_RUNS at its value there, is left out: that is how every run trained before the field existed
+    (model.with_qwen3_toggles), so a new field keeps the entries reachable; any other new field makes every
+    entry a miss, which errs towards running."""
     values = config.flat_values(config.parse_args(flags))
     return settings_key(corpus, {k: v for k, v in values.items() if k not in LOCATION_FIELDS})
 
 
 def settings_key(corpus: str, values: dict) -> str:
-    """The key of a run of these flat config values, leaving out the model toggles at Qwen3's values."""
-    at_qwen3 = {f"model.{name}" for name, value in QWEN3_VALUES.items() if values.get(f"model.{name}") == value}
-    return json.dumps([corpus, {k: v for k, v in values.items() if k not in at_qwen3}], sort_keys=True)
+    """The key of a run of these flat config values, leaving out each field at the value every run had before
+    the field existed (the model toggles at Qwen3's values, SINCE_THE_FIRST_RUNS)."""
+    before = {**{f"model.{name}": value for name, value in QWEN3_VALUES.items()}, **SINCE_THE_FIRST_RUNS}
+    kept = {k: v for k, v in values.items() if k not in before or before[k] != v}
+    return json.dumps([corpus, kept], sort_keys=True)
 
 
 def current_key(key: str) -> str:

@@ -290,6 +290,7 @@ def test_recipe_cache_keys_outlive_a_new_model_toggle(tmp_path):
     key = recipe.cache_key("corpus", ["--max-tokens", "4096"])
     corpus, values = json.loads(key)
     assert "model.unet_skips" not in values and values["model.attn_gate"] is True  # the gate is on by default
+    assert "fp8.head" not in values  # a field added later, at the value the earlier runs had
     assert values["model.smear"] is True and values["model.bigram_embed"] == 50304  # so are the look-backs
     stored = json.dumps([corpus, {**values, "model.unet_skips": False}])  # as written before: every toggle
     with open(tmp_path / "cache.json", "w") as f:
