@@ -115,9 +115,9 @@ class CheckpointConfig:
                          const="on")
     overwrite: bool = option(False, "a fresh run may replace what an earlier run left in --out-dir (checkpoints, "
                                     "best, metrics.jsonl); without it such a directory is refused")
-    from_hf: str | None = option(None, "start from the weights of a Hugging Face Qwen3 or Qwen3-Next directory, or its look-back class "
-                                       "(hf.py writes one); its shape and architecture replace the model flags, "
-                                       "--seq-len still applies",
+    from_hf: str | None = option(None, "start from the weights of a Hugging Face Qwen3 or Qwen3-Next directory, "
+                                       "or its look-back class (hf.py writes one); its shape and architecture "
+                                       "replace the model flags, --seq-len still applies",
                                  metavar="DIR")
 
 

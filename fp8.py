@@ -114,7 +114,7 @@ def format_version(version: tuple[int, int]) -> str:
     return ".".join(map(str, version))
 
 
-def batch_multiple(cfg: "FP8Config", seq_len: int) -> int:
+def batch_multiple(cfg: FP8Config, seq_len: int) -> int:
     """The micro-batch sizes FP8 allows are the multiples of this: the smallest b with b * seq_len a multiple
     of FP8_TOKEN_MULTIPLE (1 without FP8 blocks or head). --batch-size auto searches only these."""
     if cfg.mode == "off" and not cfg.head:
@@ -158,7 +158,8 @@ def check_fp8_config(mode: str, recipe: str, fp8_attn: bool, cfg: ModelConfig, b
                          f"got {cfg.n_embd}")
     if head and (batch_size * seq_len) % FP8_TOKEN_MULTIPLE:
         raise ValueError(f"--fp8-head needs batch_size * seq_len to be a multiple of {FP8_TOKEN_MULTIPLE} (the "
-                         f"lm_head's float8 weight-gradient GEMM), got {batch_size} * {seq_len} = {batch_size * seq_len}")
+                         f"lm_head's float8 weight-gradient GEMM), got {batch_size} * {seq_len} = "
+                         f"{batch_size * seq_len}")
     if mode == "off":
         return
     if mode == "te" and not cuda:

@@ -3,13 +3,15 @@
 Hugging Face import and export: our checkpoints as transformers directories and back, in the layout
 hf_layout.py maps (Qwen3ForCausalLM for a model without attention gates, Qwen3NextForCausalLM for a gated
 one; with the smear or the bigram table, as the default model has, that class with the look-back, from
-hf_look_back.py, which the export carries). The command line exports; train.py --from-hf, sample.py --hf and score.py import (load_hf).
+hf_look_back.py, which the export carries). The command line exports; train.py --from-hf, sample.py --hf and
+score.py import (load_hf).
 
     python hf.py --ckpt out/ckpt_00000150.pt --out hf_model   # export: write a transformers directory
     python hf.py --ckpt out --out hf_model                    # a run directory: its newest good checkpoint
     python sample.py --hf hf_model                            # import: read it back (load_hf)
 
-The directory holds config.json, hf_look_back.py for a look-back model, model.safetensors (float32, the vocabulary padded as in training; a
+The directory holds config.json, hf_look_back.py for a look-back model, model.safetensors (float32, the
+vocabulary padded as in training; a
 Qwen3-Next export's zero-centred norm weights float64, so that they read back bit for bit: hf_layout),
 generation_config.json (the document separator as bos/eos, the padding ids suppressed so transformers'
 generate never picks them), tokenizer_note.txt, and the transformers tokenizer files of the tokenizer the
@@ -46,11 +48,12 @@ from tokenizer import (HFTokenizer, TiktokenTokenizer, Tokenizer, check_model_vo
                        write_gpt2_tokenizer, write_hf_tokenizer)
 from trained import check_tokenizer, model_tokenizer, read_ckpt
 
+LOOK_BACK_FILE = LOOK_BACK_MODULE + ".py"  # the classes a look-back export's auto_map names, copied in
 # What an export writes, and what transformers would read along with it (another exporter's sharded weights,
 # a fast tokenizer): an export into a directory holding any of these must replace them all, or refuse.
 EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
                 "tokenizer_note.txt", "vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json",
-                LOOK_BACK_MODULE + ".py")
+                LOOK_BACK_FILE)
 SHARD_PATTERN = "model-*.safetensors"
 STAGING_PREFIX = ".export-"  # export_hf writes here inside the target, then moves the files out
 
@@ -217,9 +220,9 @@ def write_export(config: ModelConfig, weights: dict, enc: Tokenizer, directory: 
     os.chmod(path, _file_mode())  # safetensors writes a private (0600) temporary file and renames it
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(hf_config(config, enc.eot), f, indent=2)
-    if looks_back(config):  # the classes config.json's auto_map names
-        source = os.path.join(os.path.dirname(os.path.abspath(__file__)), LOOK_BACK_MODULE + ".py")
-        shutil.copyfile(source, os.path.join(directory, LOOK_BACK_MODULE + ".py"))
+    if looks_back(config):
+        shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), LOOK_BACK_FILE),
+                        os.path.join(directory, LOOK_BACK_FILE))
     generation = {"bos_token_id": enc.eot, "eos_token_id": enc.eot,
                   "suppress_tokens": list(range(config.vocab_size, config.padded_vocab_size))}
     with open(os.path.join(directory, "generation_config.json"), "w") as f:

@@ -109,11 +109,10 @@ def exportable_problem(config: ModelConfig) -> str | None:
 def our_names(config: ModelConfig) -> list[str]:
     """Every parameter name of GPT(config) that a layout holds, in the state dict's order (a module's own
     parameters, such as smear_weight, before its submodules')."""
-    outer = outer_shapes(config)
-    names = [name for name in ("smear_weight", "embed.weight") if name in outer]
+    names = (["smear_weight"] if config.smear else []) + ["embed.weight"]
     for i in range(config.n_layer):
         names += [f"blocks.{i}.{n}" for n in block_shapes(config)]
-    return names + ["norm.weight", "lm_head.weight"] + (["bigram_embed.weight"] if "bigram_embed.weight" in outer else [])
+    return names + ["norm.weight", "lm_head.weight"] + (["bigram_embed.weight"] if config.bigram_embed else [])
 
 
 def hf_names(name: str) -> tuple[str, ...]:

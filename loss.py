@@ -77,6 +77,8 @@ def _float8_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b:
 class _Gemms:
     """The head's three GEMMs for one call, in the dtype nn.Linear's would run in (autocast's, when on)."""
 
+    row_multiple = 1  # each chunk starts at a multiple of this many rows (_row_chunks)
+
     def __init__(self, x: torch.Tensor, weight: torch.Tensor):
         self.grad_dtype = _gemm_dtype(x)  # the logits' gradient is rounded to it: the GEMMs' input dtype
         self.x, self.w = x, weight.to(self.grad_dtype)
@@ -98,9 +100,12 @@ class _Float8Gemms(_Gemms):
     product in bf16. torch._scaled_mm wants its second operand column-major: the weight's transposed view is,
     for the logits; the gradients' GEMMs take column-major copies."""
 
+    row_multiple = FLOAT8_ROWS
+
     def __init__(self, x: torch.Tensor, weight: torch.Tensor):
         self.grad_dtype = torch.float32
-        (self.x, self.sx), (self.w, self.sw) = to_float8(x, torch.float8_e4m3fn), to_float8(weight, torch.float8_e4m3fn)
+        self.x, self.sx = to_float8(x, torch.float8_e4m3fn)
+        self.w, self.sw = to_float8(weight, torch.float8_e4m3fn)
         self.w_columns = None  # made on the first gradient: evaluation never needs it
 
     def logits(self, rows: slice) -> torch.Tensor:
@@ -174,7 +179,7 @@ def _chunked_loss_and_grads(x: torch.Tensor, weight: torch.Tensor, targets: torc
     count = (targets != IGNORE_INDEX).sum()
     loss = torch.zeros((), dtype=torch.float32, device=x.device)
     grad_w, grad_x = None, torch.empty(x.shape, dtype=torch.float32, device=x.device) if with_grad else None
-    for rows in _row_chunks(x.shape[0], chunk, gemms.grad_dtype != torch.float16, FLOAT8_ROWS if fp8 else 1):
+    for rows in _row_chunks(x.shape[0], chunk, gemms.grad_dtype != torch.float16, gemms.row_multiple):
         chunk_loss, grad_logits = _chunk_loss_and_grad(_chunk_logits(gemms.logits(rows), softcap), targets[rows],
                                                        with_grad, gemms.grad_dtype)
         loss = loss + chunk_loss
@@ -219,7 +224,7 @@ def _chunked_token_losses(x: torch.Tensor, weight: torch.Tensor, targets: torch.
     in the chunks of _row_chunks(N, chunk), with no gradient work."""
     gemms = _Float8Gemms(x, weight) if fp8 else _Gemms(x, weight)
     losses = torch.empty(targets.shape, dtype=torch.float32, device=x.device)
-    for rows in _row_chunks(x.shape[0], chunk, multiple=FLOAT8_ROWS if fp8 else 1):
+    for rows in _row_chunks(x.shape[0], chunk, multiple=gemms.row_multiple):
         losses[rows] = _token_losses(_chunk_logits(gemms.logits(rows), softcap)[0], targets[rows])[0]
     return losses
 

@@ -123,10 +123,10 @@ class ModelConfig:
     smear: bool = option(True, "smear: each position's token embedding plus the previous token's, times the gate "
                                 "sigmoid(e w), e the normed embedding, w [1, n_embd] zero-initialised (every gate "
                                 "starts at 1/2): a one-token look-back before the first block")
-    bigram_embed: int = option(50304, "bigram hash embedding: a table of this many rows (zero-initialised, trained as "
-                                      "the embedding), indexed by a hash of (previous token, token), added to the token "
-                                      "embedding (0: off; the default is GPT-2's padded vocabulary, whatever the "
-                                      "tokenizer's)")
+    bigram_embed: int = option(50304, "bigram hash embedding: a table of this many rows (zero-initialised, trained "
+                                      "as the embedding), indexed by a hash of (previous token, token), added to the "
+                                      "token embedding (0: off; the default is GPT-2's padded vocabulary, whatever "
+                                      "the tokenizer's)")
     embed_skips: bool = option(False, "embedding skips: the embedding is added (times a learned per-block scalar, init "
                                       "1) to the input of every block after the first")
 

@@ -23,8 +23,8 @@ The rules, each a constant below:
   micro-batches), and capped at training tokens / MIN_STEPS (150), so that a short run still takes that many
   steps; below one default micro-batch, the micro-batch itself shrinks to the cap, in whole sequences;
 - horizon: --tokens-per-param x params training tokens (Chinchilla's 20 by default), params counting the
-  embedding but not the bigram table (dial_params). The WSD decay stays --decay-frac's default at every length: a longer decay for longer runs did
-  not hold on both corpora (docs/sizing.md).
+  embedding but not the bigram table (dial_params). The WSD decay stays --decay-frac's default at every
+  length: a longer decay for longer runs did not hold on both corpora (docs/sizing.md).
 
 The end of the file is what a shape costs, by arithmetic on its config alone (no model is built): each
 parameter's shape, the parameter count, and the training FLOPs per token that MFU and the plan divide by.

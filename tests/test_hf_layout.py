@@ -99,7 +99,8 @@ def test_config_round_trips(kind, overrides):
 
 
 @pytest.mark.parametrize("kind, change, words", [
-    (QWEN3, {"model_type": "llama"}, "model_type is 'llama'; only 'qwen3', 'qwen3_next', 'qwen3_look_back', 'qwen3_next_look_back' can be loaded"),
+    (QWEN3, {"model_type": "llama"},
+     "model_type is 'llama'; only 'qwen3', 'qwen3_next', 'qwen3_look_back', 'qwen3_next_look_back' can be loaded"),
     (QWEN3, {"attention_bias": True}, "unsupported Qwen3ForCausalLM variant: attention_bias"),
     (QWEN3, {"hidden_act": "gelu"}, "variant: hidden_act"),
     (QWEN3, {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "variant: rope_type"),
