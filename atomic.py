@@ -4,6 +4,8 @@
     replace_with(path, lambda f: fig.savefig(f))      # the same for a writer that takes a file object
     write_synced(tmp, write)                          # a new file, on disk when this returns: the first half of
                                                       # a commit its caller makes (a checkpoint and its digest)
+    fd = lock_directory(work_dir)                     # held while a writer works there: a later one tells a
+                                                      # killed writer's leftover (unlocked) from a live one's
 
 Every file the project writes goes through one of these; an OSError is one line naming the file and the space
 left (cli.write_error), and the half-written file is gone.
@@ -42,3 +44,23 @@ def replace_with(path: str, write, what: str = "file", after: str = ""):
 def atomic_write(path: str, *chunks) -> None:
     """Bytes-like chunks, in order, as the file at path (replace_with)."""
     replace_with(path, lambda f: [f.write(chunk) for chunk in chunks])
+
+
+def lock_directory(directory: str) -> int | None:
+    """A descriptor of directory that holds an exclusive flock on it until it is closed or the process ends;
+    None when another process (or descriptor) holds it or there is no flock (Windows, some network filesystems).
+    A work directory that its maker keeps locked is one that a later run can tell from a killed run's leftover."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd

@@ -10,6 +10,7 @@ before the first step (fp8.prepare, headroom.py).
 
 import dataclasses
 import math
+import re
 
 import fp8
 from cli import UsageError
@@ -24,12 +25,27 @@ def validate(cfg, machine_checks=()) -> None:
     fp8.prepare and train.setup, still before the first step."""
     machine = [problem for check in machine_checks for problem in check(cfg)]
     problems = [*_range_problems(cfg), *_combination_problems(cfg), *machine]
-    for check in (cfg.model.validate, lambda: fp8.check_fp8_flags(cfg.fp8.mode, cfg.fp8.recipe, cfg.fp8.attn)):
+    # The sections' own checks (optim.py's run again when it builds), here with the rest and in the flags' words
+    for section in (cfg.model, cfg.optim):
         try:
-            check()
+            section.validate()
         except ValueError as e:
-            problems.append(str(e))
+            problems.append(in_flags(str(e), section))
+    try:
+        fp8.check_fp8_flags(cfg.fp8.mode, cfg.fp8.recipe, cfg.fp8.attn)
+    except ValueError as e:
+        problems.append(str(e))
     refuse(problems)
+
+
+def in_flags(message: str, section) -> str:
+    """A config section's own validate message (model.py, optim.py: they know nothing of flags) in the flags'
+    words: "n_head (2) must be divisible by n_kv_head (3)" -> "--n-head (2) must be divisible by --n-kv-head (3)".
+    A field's name is its flag where it is an identifier: one with an underscore, or any opening the message
+    ("lr must be positive"); a plain word in the prose ("Muon's momentum: it needs ...") stays a word."""
+    flags = {f.name: flag_name(f) for f in dataclasses.fields(section)}
+    pattern = r"(?<![\w-])(" + "|".join(map(re.escape, flags)) + r")\b"
+    return re.sub(pattern, lambda m: flags[m[1]] if "_" in m[1] or m.start() == 0 else m[1], message)
 
 
 def refuse(problems: list[str]) -> None:
@@ -87,34 +103,42 @@ def dial_problems(cfg):
 def _range_problems(cfg):
     yield from _finite_problems(cfg)
     d, s, e = cfg.data, cfg.schedule, cfg.eval
+    # Not --seq-len: ModelConfig.validate checks it with the model's other sizes, and one problem is one line
     positive = {"--batch-size": 1 if d.batch_size == "auto" else d.batch_size, "--grad-accum": d.grad_accum,
-                "--seq-len": cfg.model.max_seq_len, "--log-interval": cfg.log.log_interval,
-                "--keep-ckpts": cfg.ckpt.keep_ckpts}
+                "--log-interval": cfg.log.log_interval, "--keep-ckpts": cfg.ckpt.keep_ckpts,
+                "--max-bad-steps": cfg.resilience.max_bad_steps}
     yield from (f"{name} must be >= 1, got {value}" for name, value in positive.items() if value < 1)
     non_negative = {"--max-steps": s.max_steps, "--max-tokens": s.max_tokens, "--warmup": s.warmup,
                     "--sample-tokens": e.sample_tokens, "--eval-interval": e.eval_interval,
                     "--eval-hellaswag": e.eval_hellaswag,
                     "--ckpt-interval": cfg.ckpt.ckpt_interval, "--total-batch-tokens": d.total_batch_tokens,
                     "--grad-clip": s.grad_clip, "--peak-tflops": cfg.log.peak_tflops, "--seed": d.seed,
-                    "--loss-chunk-tokens": cfg.speed.loss_chunk_tokens}
+                    "--loss-chunk-tokens": cfg.speed.loss_chunk_tokens, "--batch-warmup-steps": s.batch_warmup_steps,
+                    "--spike-factor": cfg.resilience.spike_factor, "--max-rollbacks": cfg.resilience.max_rollbacks,
+                    "--early-stop-patience": cfg.resilience.early_stop_patience}
     yield from (f"{name} must be >= 0, got {value}" for name, value in non_negative.items() if value < 0)
     if e.eval_interval and e.eval_tokens < 1:
         yield "--eval-tokens must be >= 1 when evaluating"
     if d.seed >= 2**63:
         yield f"--seed must be < 2**63, got {d.seed}"
-    r = cfg.resilience
-    if (r.max_bad_steps < 1 or not 0 < r.rollback_lr_factor <= 1 or r.spike_factor < 0 or r.early_stop_patience < 0
-            or r.max_rollbacks < 0):
-        yield ("--max-bad-steps must be >= 1, --rollback-lr-factor in (0, 1], --spike-factor, --early-stop-patience "
-               "and --max-rollbacks >= 0")
-    if not 0 <= s.min_lr_ratio <= 1 or not 0 < s.decay_frac <= 1:
-        yield "--min-lr-ratio must be in [0, 1] and --decay-frac in (0, 1]"
-    if s.batch_warmup_steps < 0 or not 0 < s.batch_warmup_start <= 1:
-        yield "--batch-warmup-steps must be >= 0 and --batch-warmup-start in (0, 1]"
+    yield from _fraction_problems(cfg)
     if s.batch_warmup_steps and d.grad_accum == 1 and not d.total_batch_tokens:
-        yield "--batch-warmup-steps ramps the micro-steps of each step: it needs --grad-accum > 1 (or --total-batch-tokens)"
+        yield ("--batch-warmup-steps ramps the micro-steps of each step: it needs --grad-accum > 1 (or "
+               "--total-batch-tokens)")
     if cfg.dist.ddp_bucket_mb <= 0:
         yield f"--ddp-bucket-mb must be positive, got {cfg.dist.ddp_bucket_mb}"
+
+
+def _fraction_problems(cfg):
+    """The flags that are fractions, each named alone when it is out of its interval."""
+    s = cfg.schedule
+    intervals = {"--min-lr-ratio": (s.min_lr_ratio, "[0, 1]", 0 <= s.min_lr_ratio <= 1),
+                 "--decay-frac": (s.decay_frac, "(0, 1]", 0 < s.decay_frac <= 1),
+                 "--batch-warmup-start": (s.batch_warmup_start, "(0, 1]", 0 < s.batch_warmup_start <= 1),
+                 "--rollback-lr-factor": (cfg.resilience.rollback_lr_factor, "(0, 1]",
+                                          0 < cfg.resilience.rollback_lr_factor <= 1)}
+    yield from (f"{flag} must be in {interval}, got {value}" for flag, (value, interval, inside) in intervals.items()
+                if not inside)
 
 
 def _combination_problems(cfg):

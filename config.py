@@ -116,8 +116,9 @@ class CheckpointConfig:
     overwrite: bool = option(False, "a fresh run may replace what an earlier run left in --out-dir (checkpoints, "
                                     "best, metrics.jsonl); without it such a directory is refused")
     from_hf: str | None = option(None, "start from the weights of a Hugging Face Qwen3 or Qwen3-Next directory, "
-                                       "or its look-back class (hf.py writes one); its shape and architecture "
-                                       "replace the model flags, --seq-len still applies",
+                                       "or its look-back class (hf.py writes one); it gives the model (shape, "
+                                       "architecture, and the LRs of its width), so model flags other than "
+                                       "--seq-len are refused with it",
                                  metavar="DIR")
 
 
@@ -304,6 +305,28 @@ def explicit_values(flags: dict, from_file: dict) -> dict:
     return {**from_file, **flags}
 
 
+def from_hf_conflicts(flags: dict, from_hf: str | None) -> list[str]:
+    """The flags given with --from-hf that it would override unsaid: the directory gives the whole model (its
+    shape, vocabulary and architecture toggles; the size dial has nothing to size), all but --seq-len, the
+    context this run trains at. flags: the command line's, as build_parser parses them ("section.field")."""
+    if not from_hf:
+        return []
+    fields = {f"{section}.{f.name}": flag_name(f) for section, cls in (("model", ModelConfig), ("size", SizeConfig))
+              for f in dataclasses.fields(cls) if f.name != "max_seq_len"}
+    return [f"{fields[key]}: --from-hf {from_hf} gives the model; leave {fields[key]} out" for key in flags
+            if key in fields]
+
+
+def from_hf_values(hf_model, directory: str) -> dict:
+    """"model.field" -> value of the --from-hf directory's model (hf_model: parse_command_line's), --seq-len
+    aside (the context this run trains at)."""
+    try:
+        model = hf_model(directory)
+    except ValueError as e:
+        raise UsageError(f"--from-hf: {e}") from None
+    return {f"model.{key}": value for key, value in dataclasses.asdict(model).items() if key != "max_seq_len"}
+
+
 def repeated_config(command_line: dict) -> str | None:
     """The --config file of a command line that does not give --out-dir (parse_command_line's command_line): its
     run goes to the directory the file names, which holds the file's own run when the file is an OUT/config.toml
@@ -317,13 +340,15 @@ def parse_args(argv=None, description: str | None = None, machine_checks=()) -> 
 
 
 def parse_command_line(argv=None, description: str | None = None, machine_checks=(),
-                       data_vocab=None) -> tuple[Config, dict]:
+                       data_vocab=None, hf_model=None) -> tuple[Config, dict]:
     """Flags (over an optional --config file) -> (a validated Config, the flags as given: "section.field" and
     "config_file" for --config, for check_config_edits). Values the size dial derives (sizing.py) fill in what
     neither gave. Raises UsageError on bad or contradictory settings. machine_checks: functions Config -> what
     this machine lacks for the run to start, reported with the flags' problems (train.py's start-up; not for
     reading a GPU run's config on a laptop, nor for --estimate-memory). data_vocab: (--data, --vocab-size) ->
-    the model's vocabulary (train.py's reads the shards' record), settled before the dial counts parameters."""
+    the model's vocabulary (train.py's reads the shards' record), settled before the dial counts parameters.
+    hf_model: a --from-hf directory -> its ModelConfig (hf.hf_model_config), the model's shape under --from-hf,
+    so that its LRs are its width's."""
     command_line = vars(build_parser(description).parse_args(argv))
     flags = {key: value for key, value in command_line.items() if key != "config_file"}
     config_file = command_line.get("config_file")
@@ -331,8 +356,11 @@ def parse_command_line(argv=None, description: str | None = None, machine_checks
     if given.get("schedule.max_tokens", 1) < 1:  # 0 is the field's "unset", not a length a user can ask for
         raise UsageError(f"--max-tokens must be >= 1, got {given['schedule.max_tokens']}")
     as_given = _config(given)
-    checks.refuse([*checks.integer_problems(as_given), *checks.dial_problems(as_given)])
-    if data_vocab and not as_given.ckpt.from_hf:  # --from-hf's directory gives the shape, vocabulary included
+    checks.refuse([*checks.integer_problems(as_given), *checks.dial_problems(as_given),
+                   *from_hf_conflicts(flags, as_given.ckpt.from_hf)])
+    if hf_model and as_given.ckpt.from_hf:  # the directory gives the shape, vocabulary included
+        given = {**given, **from_hf_values(hf_model, as_given.ckpt.from_hf)}
+    elif data_vocab:
         vocab = data_vocab(as_given.data.data, as_given.model.vocab_size)
         given = given if vocab == as_given.model.vocab_size else {**given, "model.vocab_size": vocab}
     cfg = _config({**sizing.resolve(given, DataConfig.batch_size), **given})

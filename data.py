@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from cli import DataError
+from prepare import unfinished_preparation
 from shards import DATA_RECORD, TOKEN_DTYPES, ShardWatch, data_record, read_shard
 from tokenizer import Tokenizer, recorded_tokenizer
 
@@ -118,9 +119,13 @@ def padded_vocab(n_vocab: int) -> int:
 
 
 def split_paths(data_dir: str, split: str) -> list[str]:
-    """The shard files of a split, in order; DataError when there are none."""
+    """The shard files of a split, in order; DataError when there are none, or when data_dir is a preparation
+    that has not finished (prepare.unfinished_preparation)."""
     if not os.path.isdir(data_dir):
         raise DataError(f"data directory {data_dir} does not exist")
+    if why := unfinished_preparation(data_dir):  # its shards would load: a run would train on part of the data
+        raise DataError(f"--data {data_dir} is an unfinished preparation ({why}); wait for prepare.py to finish, "
+                        f"or rerun it, and train on its --out")
     paths = sorted(glob.glob(os.path.join(glob.escape(data_dir), f"{split}_*.bin")))
     if not paths:
         raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}")

@@ -20,9 +20,11 @@ GPT-2, vocab.json, merges.txt, tokenizer_config.json, and tokenizer.json for the
 offline from tiktoken's ranks; for a Hugging Face tokenizer, the tokenizer.json the shards were made with and
 a tokenizer_config.json. Every file gets the mode open() gives (0644 under the usual umask).
 
-The target must be empty or not yet exist; --overwrite allows a non-empty one, and replaces the earlier
-export's files there (a stale shard index included; other files stay). The new files are written aside and
-moved in only once all of them are: a failed export leaves the directory as it was.
+The target must be empty or not yet exist (a killed export's staging directory does not count); --overwrite
+allows a non-empty one, and replaces the earlier export's files there (a stale shard index included; other
+files stay). The new files are written aside and moved in only once all of them are, config.json last, after
+the earlier export's have left, config.json first: a reader never sees the two mixed, and a failed export
+leaves the directory as it was.
 
 load_hf(DIR) reads such a directory, or any bias-free Qwen3ForCausalLM directory, or a Qwen3NextForCausalLM
 one that is the Qwen3 block plus a per-head gate (hf_layout.config_from_hf), back into our names.
@@ -38,6 +40,7 @@ import tempfile
 
 import torch
 
+from atomic import lock_directory
 from checkpoint import CheckpointError
 from cli import ArgumentParser, DataError, UsageError, closed_stdout, first_line, plural, report_error
 from data import tokenizer_id
@@ -55,7 +58,9 @@ EXPORT_FILES = ("config.json", "generation_config.json", "model.safetensors", "m
                 "tokenizer_note.txt", "vocab.json", "merges.txt", "tokenizer_config.json", "tokenizer.json",
                 LOOK_BACK_FILE)
 SHARD_PATTERN = "model-*.safetensors"
-STAGING_PREFIX = ".export-"  # export_hf writes here inside the target, then moves the files out
+# export_hf writes here inside the target, then moves the files out; it holds the directory locked meanwhile, so
+# that a later export can tell a killed export's (unlocked) from a running one's.
+STAGING_PREFIX = ".export-"
 
 
 def _safetensors():
@@ -107,21 +112,27 @@ def _header_shapes(path: str) -> dict[str, tuple[int, ...]]:
         return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
 
 
-def load_hf(directory: str) -> tuple[ModelConfig, dict]:
-    """A Hugging Face Qwen3ForCausalLM or Qwen3NextForCausalLM directory (hf_layout) -> (ModelConfig, our state
-    dict). The weights' names and shapes are checked against config.json from the files' headers before any
-    tensor is read."""
-    load_file = _safetensors().load_file
+def hf_model_config(directory: str) -> ModelConfig:
+    """The model of a Hugging Face directory load_hf reads, from its config.json alone (ValueError, one line,
+    for one it cannot read): what train.py's flags take for the model's shape under --from-hf."""
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{directory} is not a Hugging Face model directory (no config.json)")
     d = read_json_object(config_path)
     try:
-        config = config_from_hf(d)
+        return config_from_hf(d)
     except KeyError as e:
         raise ValueError(f"{config_path} lacks {e}") from None
     except ValueError as e:
         raise ValueError(f"{config_path}: {e}") from None
+
+
+def load_hf(directory: str) -> tuple[ModelConfig, dict]:
+    """A Hugging Face Qwen3ForCausalLM or Qwen3NextForCausalLM directory (hf_layout) -> (ModelConfig, our state
+    dict). The weights' names and shapes are checked against config.json from the files' headers before any
+    tensor is read."""
+    load_file = _safetensors().load_file
+    config = hf_model_config(directory)
     paths = weight_files(directory)
     shapes = {}
     for path in paths:
@@ -175,13 +186,20 @@ def export_files(out_dir: str) -> list[str]:
     return [p for p in paths if os.path.exists(p)] + sorted(shards)
 
 
+def _staging_dirs(out_dir: str) -> list[str]:
+    """The staging directories of exports into out_dir (STAGING_PREFIX): a running export's, or a killed one's."""
+    return sorted(p for p in glob.glob(os.path.join(glob.escape(out_dir), STAGING_PREFIX + "*")) if os.path.isdir(p))
+
+
 def check_target(out_dir: str, overwrite: bool) -> None:
     """ValueError (one line) for a directory the export must not write into: a file, or a directory that is
     not empty, unless overwrite. A stray file beside a model confuses its readers (another exporter's shard
-    index is read before model.safetensors), and --out . by mistake should not litter a source tree."""
+    index is read before model.safetensors), and --out . by mistake should not litter a source tree. Staging
+    directories (STAGING_PREFIX) are the exporter's own, not the user's: a killed export's does not count."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"{out_dir} exists and is not a directory")
-    held = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    staging = {os.path.basename(p) for p in _staging_dirs(out_dir)}
+    held = sorted(set(os.listdir(out_dir)) - staging) if os.path.isdir(out_dir) else []
     if held and not overwrite:
         shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise ValueError(f"{out_dir} is not empty ({shown}); pass --overwrite to replace an earlier export there "
@@ -196,21 +214,36 @@ def _file_mode() -> int:
     return 0o666 & ~umask
 
 
+def _move(names: list[str], src: str, dst: str, moved: list[str]) -> None:
+    """Rename each of names from src to dst, in order, appending each to moved once it is there."""
+    for name in names:
+        os.replace(os.path.join(src, name), os.path.join(dst, name))
+        moved.append(name)
+
+
 def replace_export(staging: str, out_dir: str) -> None:
-    """Move a finished export from staging into out_dir: first remove what an earlier export left that this
-    one does not replace (a shard index and its shards, say, or a staging directory of an export that was
-    killed), then rename each new file over its old name."""
-    names = set(os.listdir(staging))
-    leftovers = glob.glob(os.path.join(glob.escape(out_dir), STAGING_PREFIX + "*"))
-    for path in export_files(out_dir) + leftovers:
-        if os.path.samefile(path, staging) or os.path.basename(path) in names:
-            continue
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
-    for name in sorted(names):
-        os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+    """Move a finished export from staging into out_dir so that no reader ever sees two exports mixed (a new
+    config.json over old weights): at every instant out_dir holds the earlier export whole, or no config.json
+    (not a model to any reader, load_hf included), or the new export whole. So the earlier export's files,
+    config.json first, go into staging/.earlier (removed with staging), then the new ones come in, config.json
+    last; a failure midway puts the earlier export back in the same order. Staging directories of killed
+    exports (unlocked: a running export holds its own locked) are removed first."""
+    for path in _staging_dirs(out_dir):
+        if not os.path.samefile(path, staging) and (fd := lock_directory(path)) is not None:
+            shutil.rmtree(path, ignore_errors=True)
+            os.close(fd)
+    new = sorted(os.listdir(staging), key=lambda name: (name == "config.json", name))
+    earlier = sorted((os.path.basename(p) for p in export_files(out_dir)), key=lambda name: name != "config.json")
+    aside = os.path.join(staging, ".earlier")
+    os.mkdir(aside)
+    moved_out, moved_in = [], []
+    try:
+        _move(earlier, out_dir, aside, moved_out)
+        _move(new, staging, out_dir, moved_in)
+    except BaseException:
+        _move(moved_in[::-1], out_dir, staging, [])  # config.json, moved in last, leaves first
+        _move(moved_out[::-1], aside, out_dir, [])  # and the earlier one's comes back last
+        raise
 
 
 def write_export(config: ModelConfig, weights: dict, enc: Tokenizer, directory: str) -> None:
@@ -245,7 +278,7 @@ def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: Tokeniz
     A non-empty out_dir is an error unless overwrite (check_target). The files are written into a staging
     directory inside out_dir (the same filesystem, so each move is a rename) and moved into place only once
     all of them are written: a failed export leaves an earlier one as it was. With overwrite, the earlier
-    export's files (a stale shard index included) are removed then; other files stay."""
+    export's files (a stale shard index included) are replaced then (replace_export); other files stay."""
     _safetensors()  # the one optional dependency, checked before anything is written
     if problem := exportable_problem(config):
         raise ValueError(problem)
@@ -259,11 +292,14 @@ def export_hf(config: ModelConfig, state: dict, out_dir: str, tokenizer: Tokeniz
     created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir)
+    lock = lock_directory(staging)  # so that another export into out_dir does not take it for a killed one's
     try:
         write_export(config, weights, enc, staging)
         replace_export(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
         if created and not os.listdir(out_dir):  # a failed export into a directory it made: no trace left
             os.rmdir(out_dir)
 

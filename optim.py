@@ -158,8 +158,9 @@ class OptimConfig:
             raise ValueError(f"adam_lr must be positive, got {self.adam_lr}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"beta1 and beta2 must be in [0, 1), got {self.betas}")
+        for name in ("beta1", "beta2"):  # one message per beta: it names the one flag to fix
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.eps > 0:
             raise ValueError(f"eps must be positive, got {self.eps}")
         if not 0 <= self.momentum < 1:

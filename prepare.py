@@ -29,7 +29,7 @@ import numpy as np
 
 import sources
 import split
-from atomic import atomic_write
+from atomic import atomic_write, lock_directory
 from cli import (CACHE_ENV, ArgumentParser, DataError, UsageError, WriteError, cache_root, int_or_auto, plural,
                  report_error)
 from progress import Progress
@@ -282,6 +282,26 @@ def is_preparation_file(name: str) -> bool:
     return shard or name in (DATA_RECORD, TOKENIZER_FILE)
 
 
+def partial_target(path: str) -> str | None:
+    """The --out that path, a directory of PARTIAL_SUFFIX's naming, is being prepared for; else None."""
+    out, suffix, pid = os.path.realpath(path).rpartition(PARTIAL_SUFFIX)
+    return out if suffix and pid.isdigit() else None
+
+
+def unfinished_preparation(directory: str) -> str | None:
+    """Why directory holds a preparation that has not finished (one still running, or one that was killed), in
+    a few words; None when it does not. Each shard in it looks whole, so a reader (data.py) goes by these
+    signs instead: the PARTIAL_SUFFIX naming without data.json, which is written last, or a preparation's file
+    that atomic.replace_with was writing (NAME.PID.tmp). OUT.replaced-PID (REPLACED_SUFFIX) is whole."""
+    for name in sorted(os.listdir(directory)):
+        parts = name.rsplit(".", 2)
+        if len(parts) == 3 and parts[1].isdigit() and parts[2] == "tmp" and is_preparation_file(parts[0]):
+            return f"it holds {name}, which prepare.py was writing"
+    if (out := partial_target(directory)) is not None and not os.path.exists(os.path.join(directory, DATA_RECORD)):
+        return f"prepare.py makes {out} here and it has no {DATA_RECORD}, which prepare.py writes last"
+    return None
+
+
 def _local_paths(source: str) -> list[str]:
     """The files and directories that source names here (itself, or a glob's matches); none for a hub name."""
     return [source] if os.path.exists(source) else glob.glob(source, recursive=True)
@@ -320,32 +340,14 @@ def _check_out(out_dir: str, inputs: list[str], overwrite: bool = False) -> None
         raise DataError(f"--out {out_dir} is not empty (it holds {names[0]}{more}); choose a new or empty directory")
 
 
-def _lock(directory: str) -> int | None:
-    """A descriptor of directory that holds an exclusive flock on it until it is closed or the process ends;
-    None when another process holds it or there is no flock (Windows, some network filesystems)."""
-    try:
-        import fcntl
-    except ImportError:
-        return None
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _partial_dir(out_dir: str) -> tuple[str, int | None]:
     """(a new directory next to out_dir, where a symlink out_dir points, to prepare into; the descriptor that
     locks it). Partial directories that no process holds locked were left by a preparation that was killed:
     they are removed first."""
-    base = os.path.realpath(out_dir) + PARTIAL_SUFFIX
+    target = os.path.realpath(out_dir)
+    base = target + PARTIAL_SUFFIX
     for leftover in glob.glob(glob.escape(base) + "*"):
-        if leftover[len(base):].isdigit() and (fd := _lock(leftover)) is not None:
+        if partial_target(leftover) == target and (fd := lock_directory(leftover)) is not None:
             shutil.rmtree(leftover, ignore_errors=True)
             os.close(fd)
             print(f"data: removed {leftover}, left by a preparation that was killed", file=sys.stderr)
@@ -354,7 +356,7 @@ def _partial_dir(out_dir: str) -> tuple[str, int | None]:
         os.makedirs(path)
     except OSError as e:
         raise DataError(f"cannot create {path}, where --out {out_dir} is prepared ({e.strerror})") from None
-    return path, _lock(path)
+    return path, lock_directory(path)
 
 
 @contextlib.contextmanager

@@ -12,8 +12,11 @@ user says what to do: --resume continues it, --overwrite removes it first, --res
 it has a checkpoint and starts fresh otherwise (what a restart script or a cluster scheduler wants). A run
 stopped before its first checkpoint left nothing to resume and nothing to lose (its records: metrics.jsonl, its
 report, its TensorBoard events): a rerun starts fresh there, replacing them, with a note, and --resume says so.
-A repeat of a run from its OUT/config.toml names that run's directory unless --out-dir says otherwise, so its
-refusal says to add --out-dir NEW_DIR.
+Files of those names that no run left (the user's own report.md, a hand-written config.toml: left_by_no_run)
+are replaced only with --overwrite. A repeat of a run from its OUT/config.toml names that run's directory
+unless --out-dir says otherwise, so its refusal says to add --out-dir NEW_DIR; a config.toml that sits in
+another run's directory (a copied run) must say which of the two it means (moved_run). A command refused at
+start-up leaves no directory behind that it created (RunLock.abandon).
 
 Every name the run writes in the directory must be free for it: a directory where metrics.jsonl goes would
 fail the run mid-way, so it is refused here, before anything is written (OUT/tensorboard, written only with
@@ -47,13 +50,14 @@ class NothingToDo(Exception):
 class RunLock:
     """An exclusive lock on out_dir for this process's lifetime (POSIX flock; no lock where there is none)."""
 
-    def __init__(self, out_dir: str):
+    def __init__(self, out_dir: str, created: bool = False):
+        self.out_dir, self.created = out_dir, created  # created: claim made out_dir (abandon removes it)
+        path = self.path = os.path.join(out_dir, LOCK_FILE)
         try:
             import fcntl
         except ImportError:  # Windows: no flock
             self.fd = None
             return
-        path = os.path.join(out_dir, LOCK_FILE)
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -76,6 +80,20 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)  # closing the descriptor drops the flock
             self.fd = None
+
+    def abandon(self) -> None:
+        """Release for a run refused at start-up: a directory that claim created goes too, when nothing but
+        the lock is in it, so that a refused command leaves nothing behind (a later one finds no stray
+        directory)."""
+        self.release()
+        if not self.created:
+            return
+        try:
+            if os.listdir(self.out_dir) == [LOCK_FILE]:
+                os.remove(self.path)
+                os.rmdir(self.out_dir)
+        except OSError:  # gone already, or something else is there now: it stays
+            pass
 
 
 def run_outputs(out_dir: str, checkpoints: list[str]) -> list[str]:
@@ -109,6 +127,43 @@ def misplaced(out_dir: str, sharded: bool) -> str | None:
         if os.path.lexists(path) and not os.path.isdir(path):
             return f"{path} is not a directory, where this run writes a checkpoint directory"
     return None
+
+
+def runs_config(path: str) -> bool:
+    """Whether path, an OUT/config.toml, was written by a run: to_toml puts the settings digest on its second
+    line (config.DIGEST_LINE), kept through hand edits; a file the user wrote has none."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = [f.readline(4096) for _ in range(2)]
+    except OSError:
+        return False
+    return any(line.startswith(config.DIGEST_LINE) for line in head)
+
+
+def left_by_no_run(out_dir: str, outputs: list[str]) -> list[str]:
+    """What a fresh run in out_dir, which holds `outputs` (run_outputs') and no checkpoint (decide_resume has
+    refused those), would replace although no run left it: a config.toml without a run's digest (runs_config),
+    and RECORDS with neither a metrics.jsonl nor a run's config.toml beside them (a run writes its config.toml
+    before any record, and its report after its metrics.jsonl). These are the user's: --overwrite alone
+    replaces them."""
+    path = os.path.join(out_dir, CONFIG_FILE)
+    config_there = os.path.isfile(path)
+    foreign = [path] if config_there and not runs_config(path) else []
+    ran = (config_there and not foreign) or any(os.path.basename(p) == METRICS_FILE for p in outputs)
+    return foreign if ran else foreign + [p for p in outputs if os.path.basename(p) in RECORDS]
+
+
+def moved_run(config_file: str, out_dir: str) -> str | None:
+    """Why a --config file that sits in a run's directory, but names another --out-dir (a run copied with its
+    config.toml, say), cannot decide which of the two this command means, or None. Resuming or overwriting the
+    one it names would change a run the user did not point at."""
+    here = os.path.dirname(os.path.abspath(config_file))
+    if os.path.realpath(here) == os.path.realpath(out_dir):
+        return None
+    if not (list_checkpoints(here) or os.path.exists(os.path.join(here, METRICS_FILE))):
+        return None  # a config file kept apart from any run: its run goes where it says
+    return (f"--config {config_file} is in {here}, which holds a run, but names --out-dir {out_dir}: add "
+            f"--out-dir {here} for the run it is in (a copy, say), or --out-dir {out_dir} for the one it names")
 
 
 def decide_resume(out_dir: str, outputs: list[str], has_checkpoint: bool, resume: str, overwrite: bool,
@@ -158,6 +213,9 @@ def claim(ckpt_cfg, sharded: bool = False, config_file: str | None = None) -> tu
     caller removes it once the run has passed its start-up checks). ckpt_cfg: config.CheckpointConfig;
     sharded: the run writes DCP directories (misplaced); config_file: as decide_resume's."""
     out_dir = ckpt_cfg.out_dir
+    if config_file and (problem := moved_run(config_file, out_dir)):
+        raise UsageError(problem)
+    created = not os.path.lexists(out_dir)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -166,14 +224,20 @@ def claim(ckpt_cfg, sharded: bool = False, config_file: str | None = None) -> tu
         raise UsageError(f"--out-dir {out_dir} is not writable")
     if problem := misplaced(out_dir, sharded):
         raise UsageError(f"{problem}: move it aside or choose another --out-dir")
-    lock = RunLock(out_dir)
+    lock = RunLock(out_dir, created)
     try:
         checkpoints = list_checkpoints(out_dir)
         outputs = run_outputs(out_dir, checkpoints)
         resume = decide_resume(out_dir, outputs, bool(checkpoints), ckpt_cfg.resume, ckpt_cfg.overwrite,
                                config_file)
+        foreign = [] if resume or ckpt_cfg.overwrite else left_by_no_run(out_dir, outputs)
+        if foreign:
+            names = ", ".join(os.path.basename(path) for path in foreign)
+            raise UsageError(f"--out-dir {out_dir} holds {names}, which no run left there (a run's config.toml "
+                             f"has a settings digest, its records a {METRICS_FILE}): move them aside (--config "
+                             "reads a file from anywhere) or pass --overwrite to replace them")
     except UsageError:
-        lock.release()
+        lock.abandon()
         raise
     if resume:
         return lock, True, []
@@ -198,7 +262,7 @@ def prepare_outputs(cfg, info, command_line: dict) -> tuple[str, bool, RunLock |
         except Exception as e:  # a bug keeps its traceback on rank 0; the other ranks get one line
             failure, answer = e, e if isinstance(e, (UsageError, DataError)) else UsageError(f"rank 0: {e!r}")
             if lock is not None:
-                lock.release()
+                lock.abandon()
     answer = distributed.broadcast_object(answer, info)
     if isinstance(answer, Exception):
         raise failure or answer

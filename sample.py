@@ -40,7 +40,8 @@ DRAWN_SEED_BITS = 32  # a drawn seed: short enough to copy from the terminal, pl
 
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """ValueError (one line) for settings that cannot be sampled with."""
+    """ValueError (one line) for settings that cannot be sampled with, opening with the parameter's name (check_args
+    turns it into the flag of that name)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not (temperature == 0 or MIN_TEMPERATURE <= temperature < math.inf):
@@ -52,7 +53,7 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, t
 
 
 def check_seed(seed: int) -> None:
-    """ValueError (one line) for a seed torch cannot take."""
+    """ValueError (one line), opening with "seed", for a seed torch cannot take."""
     if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {seed}")
 
@@ -245,10 +246,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(a: argparse.Namespace, temperature: float, top_k: int | None) -> None:
-    """One-line errors for the numbers, before anything is loaded."""
-    check_sampling(a.max_new_tokens, temperature, top_k, a.top_p)
-    if a.seed is not None:
-        check_seed(a.seed)
+    """One-line errors for the numbers, before anything is loaded, naming the flag at fault."""
+    if a.top_k < 0:  # 0 turns top-k off (main passes None), which check_sampling's "top_k >= 1" leaves unsaid
+        raise UsageError(f"--top-k must be >= 0 (0: off), got {a.top_k}")
+    try:
+        check_sampling(a.max_new_tokens, temperature, top_k, a.top_p)
+        if a.seed is not None:
+            check_seed(a.seed)
+    except ValueError as e:  # "top_p must be in (0, 1], got 1.5" -> "--top-p must be ..."
+        name, rest = str(e).split(" ", 1)
+        raise UsageError(f"--{name.replace('_', '-')} {rest}") from None
     if a.num_samples < 1:
         raise UsageError(f"--num-samples must be >= 1, got {a.num_samples}")
     if a.num_samples > 1 and temperature == 0:

@@ -34,7 +34,7 @@ from cli import DataError, UsageError, WriteError, report_error, report_startup_
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
 from data import tokenizer_id
 from evaluation import Evaluator
-from hf import load_hf
+from hf import hf_model_config, load_hf
 from loop import Run, run_loop
 from model import GPT
 from optim import build_optimizer
@@ -107,10 +107,10 @@ def setup(cfg: Config, command_line: dict | None = None) -> Run:
     try:
         run = build_run(cfg, info, device, autocast_dtype, fp8_recipe, data, resume, lock, reasons)
     except BaseException:
-        if lock is not None:  # a run built in this process later (bench/ladder.py, tests) may claim it again
-            lock.release()
         if staged is not None:
             os.remove(staged)
+        if lock is not None:  # a run built in this process later (bench/ladder.py, tests) may claim it again
+            lock.abandon()
         raise
     replace_outputs(replaced, staged)  # only now that this run has passed every start-up check
     return run
@@ -183,7 +183,7 @@ def main(argv=None):
     stop_at_once()
     try:
         cfg, command_line = config.parse_command_line(argv, __doc__, (logger_problems,),
-                                                      mixture.data_vocab)
+                                                      mixture.data_vocab, hf_model_config)
         if cfg.speed.estimate_memory:
             print(memory.memory_report(cfg))
             return

@@ -200,9 +200,12 @@ def parse_bench_args(argv):
     for key, value in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
-    if (min(a.max_tokens) < 1 or a.jobs < 1 or a.anchor_factor < 1 or len(set(a.seeds)) != len(a.seeds)
-            or len(set(a.max_tokens)) != len(a.max_tokens)):
-        raise BenchError("--max-tokens, --jobs and --anchor-factor must be >= 1, --max-tokens and --seeds distinct")
+    for flag, value in ("--max-tokens", min(a.max_tokens)), ("--jobs", a.jobs), ("--anchor-factor", a.anchor_factor):
+        if value < 1:
+            raise BenchError(f"{flag} must be >= 1, got {value}")
+    for flag, values in ("--max-tokens", a.max_tokens), ("--seeds", a.seeds):
+        if len(set(values)) != len(values):
+            raise BenchError(f"{flag} must be distinct, got {' '.join(map(str, values))}")
     a.max_tokens = sorted(a.max_tokens)
     for arg in train_argv:
         if arg.split("=")[0] in OWN_TRAIN_FLAGS:
@@ -570,6 +573,21 @@ def anchor_lines(jobs: list[dict], results: dict, selected: dict, losses: dict, 
     return lines
 
 
+def toggle_sizes(selected: dict, flags: list[str]) -> tuple[dict, dict]:
+    """The runnable toggles' parameter counts and tokens per step, their flags checked as train.py's start-up
+    checks them, before any run starts; BenchError names the toggle whose flags train.py refuses."""
+    params, step_tokens = {}, {}
+    for name, (toggle_flags, why) in selected.items():
+        if why is None:
+            try:
+                toggle_cfg = config.parse_args([*flags, *toggle_flags])  # optim.py's checks among train.py's
+                params[name] = model_params([*flags, *toggle_flags])
+            except (UsageError, ValueError) as e:
+                raise BenchError(f"toggle {name} ({shlex.join(toggle_flags)}): {e}") from None
+            step_tokens[name] = batch_layout(toggle_cfg).tokens_per_step
+    return params, step_tokens
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     command = shlex.join(["python", "bench/recipe.py", *argv])
@@ -580,13 +598,7 @@ def main(argv=None):
         flags = [*common_flags(a, train_argv), *data_flags]
         cfg = config.parse_args([*flags, "--max-tokens", str(a.max_tokens[0])])  # checked before any run starts
         selected = select_toggles(a, cfg)
-        params, step_tokens = {}, {}
-        for name, (toggle_flags, why) in selected.items():
-            if why is None:  # optim.py's checks run at train.py's start-up: run them here, before any run
-                toggle_cfg = config.parse_args([*flags, *toggle_flags])
-                toggle_cfg.optim.validate()
-                params[name] = model_params([*flags, *toggle_flags])
-                step_tokens[name] = batch_layout(toggle_cfg).tokens_per_step
+        params, step_tokens = toggle_sizes(selected, flags)
     except (BenchError, UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

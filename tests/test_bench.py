@@ -246,6 +246,23 @@ def test_recipe_marks_toggles_that_cannot_apply_and_refuses_its_own_flags():
         recipe.parse_bench_args(["--seed", "3"])
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--jobs", "0"], "--jobs must be >= 1, got 0"), (["--max-tokens", "-5"], "--max-tokens must be >= 1, got -5"),
+    (["--anchor-factor", "0"], "--anchor-factor must be >= 1, got 0"),
+    (["--seeds", "1", "1"], "--seeds must be distinct, got 1 1")])
+def test_recipe_names_the_one_flag_at_fault(argv, message):
+    with pytest.raises(recipe.BenchError) as e:
+        recipe.parse_bench_args(["--smoke", *argv])
+    assert str(e.value) == message
+
+
+def test_recipe_names_the_toggle_whose_flags_train_py_refuses():
+    with pytest.raises(recipe.BenchError, match=r"^toggle x \(--no-such-flag\): unrecognized arguments: --no-such"):
+        recipe.toggle_sizes({"x": (["--no-such-flag"], None)}, TINY_FLAGS)
+    with pytest.raises(recipe.BenchError, match=r"^toggle y \(--lr -1\): --lr must be positive"):
+        recipe.toggle_sizes({"y": (["--lr", "-1"], None)}, TINY_FLAGS)
+
+
 def test_recipe_tokens_to_reach_interpolates_final_losses_in_log_tokens():
     assert recipe.tokens_to_reach([100, 400], [4.0, 3.0], 3.5) == (pytest.approx(200.0), "")
     assert recipe.tokens_to_reach([100, 400], [4.0, 3.0], 4.5) == (100.0, "<=")

@@ -191,7 +191,7 @@ def test_flags_override_the_file_and_the_file_overrides_the_dial(tmp_path):
     ("[data]\nbatch_size = \"big\"\n", "data.batch_size must be an integer or auto"),
     ("[model]\nn_layer = \n", "--config"),  # not TOML
     ("[schedule]\nmax_steps = 5\nmax_tokens = 100\n", "give --max-tokens or --max-steps, not both"),
-    ("[model]\nn_layer = 0\n", "n_layer must be positive"),
+    ("[model]\nn_layer = 0\n", "--n-layer must be positive"),
     ("[model]\nn_layer = 100000000000000000000\n", r"--n-layer must be a 64-bit integer, in \[-2\*\*63, 2\*\*63\)"),
     ("[size]\ndepth = 100000000000000000000\n", "--depth must be a 64-bit integer"),
     ("[size]\ndepth = 4\ntokens_per_param = 1e-30\n", r"--tokens-per-param must be in \[0.001, 1e\+06\]"),
@@ -351,3 +351,13 @@ def test_the_shards_vocabulary_is_settled_with_the_flags_for_the_dial_and_the_co
     config.stage_config(cfg, str(tmp_path / "config.toml"), False, {})
     assert "vocab_size = 151669" in (tmp_path / "config.toml.tmp").read_text()
 
+
+
+def test_model_flags_with_from_hf_are_refused_naming_each():
+    """The directory gives the model: a model or size-dial flag beside --from-hf would be overridden unsaid."""
+    assert config.from_hf_conflicts({"model.n_layer": 3, "model.max_seq_len": 64, "size.depth": 4}, "hf") == [
+        "--n-layer: --from-hf hf gives the model; leave --n-layer out",
+        "--depth: --from-hf hf gives the model; leave --depth out"]
+    assert config.from_hf_conflicts({"model.n_layer": 3}, None) == []
+    with pytest.raises(UsageError, match=r"^--n-layer: --from-hf hf gives the model; leave --n-layer out$"):
+        config.parse_args(["--from-hf", "hf", "--n-layer", "3"])

@@ -2,6 +2,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import struct
 
 import numpy as np
@@ -301,6 +302,30 @@ def test_loader_bad_input_is_a_one_line_error(shards, tmp_path, case, words):
     with pytest.raises(DataError) as e:
         ShardLoader(directory, batch_size=2, seq_len=seq_len)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_unfinished_preparation_is_refused_in_one_line_naming_data(gpt2, tmp_path):
+    """A killed prepare.py leaves OUT.partial-PID with whole-looking shards (and maybe a shard's temporary file):
+    refused, not trained on. One that finished (data.json written last) loads whatever its name: the partial
+    directory that could not be moved into place, or the earlier preparation that --overwrite set aside."""
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    whole = tmp_path / "out"
+    prepare.prepare(tmp_path / "docs.jsonl", whole, val_tokens=5)
+    partial, replaced = tmp_path / f"out{prepare.PARTIAL_SUFFIX}123", tmp_path / f"out{prepare.REPLACED_SUFFIX}123"
+    for copy in partial, replaced:
+        shutil.copytree(whole, copy)
+    for directory in whole, partial, replaced:
+        assert data.check_split(str(directory), "train", 2)
+    (partial / "data.json").unlink()
+    (whole / "train_000001.bin.4567.tmp").write_bytes(b"half")
+    for directory, why in [(partial, f"prepare.py makes {whole} here"), (whole, "holds train_000001.bin.4567.tmp")]:
+        with pytest.raises(DataError) as e:
+            ShardLoader(directory, batch_size=1, seq_len=2)
+        assert str(e.value).startswith(f"--data {directory} is an unfinished preparation") and why in str(e.value)
+        assert "\n" not in str(e.value)
+    (whole / "notes.4567.tmp").write_text("not a file of prepare.py's")  # the user's: no sign of a preparation
+    (whole / "train_000001.bin.4567.tmp").unlink()
+    assert data.check_split(str(whole), "train", 2)
 
 
 # ----------------------------------------------------------------------------------------------------------

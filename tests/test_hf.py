@@ -1,6 +1,8 @@
+import errno
 import json
 import math
 import os
+import shutil
 import stat
 import sys
 
@@ -10,6 +12,7 @@ import torch
 
 import checkpoint
 import hf
+import atomic
 import prepare
 from conftest import WORD_TEXT, write_checkpoint, write_word_tokenizer
 from hf import export_hf, load_hf
@@ -439,6 +442,74 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, capsys, monk
     assert hf.main(["--ckpt", str(tmp_path / "new.pt"), "--out", str(out), "--overwrite"]) == 0
     assert sorted(p.name for p in out.iterdir()) == sorted(before)  # the killed export's leftovers are gone
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_a_killed_exports_staging_directory_does_not_block_a_plain_rerun_and_goes(tmp_path):
+    """The staging directory an export killed halfway leaves is the exporter's, not the user's: a rerun without
+    --overwrite goes ahead and removes it; a running export's (held locked) is left alone."""
+    write_checkpoint(tmp_path / "ckpt.pt", tiny_model(True))
+    out = tmp_path / "hf"
+    killed, running = out / f"{hf.STAGING_PREFIX}killed", out / f"{hf.STAGING_PREFIX}running"
+    for staging in killed, running:
+        staging.mkdir(parents=True)
+        (staging / "model.safetensors").write_bytes(b"half")
+    held = atomic.lock_directory(str(running))  # as a running export holds its own
+    try:
+        assert hf.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out)]) == 0
+    finally:
+        os.close(held)
+    assert not killed.exists() and (running / "model.safetensors").read_bytes() == b"half"
+    assert load_hf(str(out))[0] == tiny_model(True).config
+
+
+def _write(directory, files):
+    directory.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (directory / name).write_text(text)
+
+
+def _files(directory):
+    return {p.name: p.read_text() for p in directory.iterdir() if p.is_file()}
+
+
+def test_replacing_an_export_never_shows_two_mixed_and_a_failed_move_puts_the_earlier_one_back(tmp_path, monkeypatch):
+    """After every rename into or out of OUT it holds the earlier export whole, or no config.json (not a model to
+    any reader), or the new one whole; a rename that fails at any point leaves the earlier one as it was."""
+    out, replace = tmp_path / "hf", os.replace
+    earlier = {"config.json": "old", "model-00001-of-00001.safetensors": "old", "model.safetensors.index.json": "old",
+               "vocab.json": "old", "notes.txt": "mine"}
+    new = {"config.json": "new", "model.safetensors": "new", "vocab.json": "new", "tokenizer.json": "new"}
+    whole = [earlier, {**new, "notes.txt": "mine"}]
+
+    def replace_export(fail_at=None):
+        """-> the renames it made, failing the fail_at-th."""
+        staging, moves = out / f"{hf.STAGING_PREFIX}test", []
+        _write(out, earlier)
+        _write(staging, new)
+
+        def move(src, dst):
+            moves.append(dst)
+            if len(moves) == fail_at:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            replace(src, dst)
+            files = _files(out)
+            assert "config.json" not in files or files in whole
+
+        monkeypatch.setattr(os, "replace", move)
+        try:
+            hf.replace_export(str(staging), str(out))
+        finally:
+            monkeypatch.setattr(os, "replace", replace)
+            shutil.rmtree(staging)
+        return len(moves)
+
+    renames = replace_export()
+    assert _files(out) == whole[1] and renames == 8  # the earlier export's 4 files out, the new one's 4 in
+    for fail_at in range(1, renames + 1):
+        shutil.rmtree(out)
+        with pytest.raises(OSError, match="Input/output error"):
+            replace_export(fail_at)
+        assert _files(out) == earlier
 
 
 def test_export_refuses_a_model_with_recipe_toggles_in_one_line(tmp_path):

@@ -421,6 +421,13 @@ def test_bad_recipe_options_are_one_line_value_errors(bad, message):
     assert "\n" not in str(e.value)
 
 
+def test_each_beta_is_named_alone():
+    with pytest.raises(ValueError, match=r"^beta2 must be in \[0, 1\), got 1.5$"):
+        OptimConfig(beta2=1.5).validate()
+    with pytest.raises(ValueError, match=r"^beta1 must be in \[0, 1\), got -0.1$"):
+        OptimConfig(beta1=-0.1).validate()
+
+
 # The momentum warm-up outlasts the resumes below (after step 3 of 5; under FSDP2 after 2 of 3): they restart
 # mid-ramp.
 RECIPE = dict(ns_coeffs="polar-express", normuon=True, cautious_wd=True, embed_lr=0.02, momentum_warmup=4,

@@ -22,6 +22,7 @@ import pytest
 import tokenizers
 
 import data
+import atomic
 import prepare
 import shards
 import sources
@@ -327,7 +328,7 @@ def test_a_stopped_preparation_leaves_nothing_and_the_rerun_completes(gpt2, tmp_
     for pid in (1, 99999999):
         (tmp_path / f"out.partial-{pid}").mkdir()
         write_shard(str(tmp_path / f"out.partial-{pid}" / "train_000000.bin"), np.arange(10), 50257)
-    held = prepare._lock(str(tmp_path / "out.partial-1"))  # as a running preparation holds its own
+    held = atomic.lock_directory(str(tmp_path / "out.partial-1"))  # as a running preparation holds its own
     (tmp_path / "out").mkdir()  # an empty --out is taken too
     try:
         assert prepare.main(args) == 0

@@ -202,3 +202,67 @@ def test_a_filesystem_without_flock_warns_and_runs(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(fcntl, "flock", no_locks)
     rundir.RunLock(str(tmp_path)).release()
     assert "cannot be locked (No locks available)" in capsys.readouterr().err
+
+
+def test_files_of_a_runs_names_that_no_run_left_are_replaced_only_with_overwrite(tmp_path):
+    """A hand-written config.toml and a report.md and summary.json of the user's, with no metrics.jsonl: not
+    an earlier run's records, so a fresh run there is refused, touching nothing, unless --overwrite."""
+    files = {"config.toml": "[model]\nn_layer = 2\n", "report.md": "mine", "summary.json": "{}"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(UsageError, match=rf"^--out-dir {tmp_path} holds config.toml, report.md, summary.json, "
+                                         r"which no run left there .* or pass --overwrite to replace them$"):
+        rundir.claim(CheckpointConfig(out_dir=str(tmp_path)))
+    assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.name != ".lock"} == files
+    lock, resumed, replaced = rundir.claim(CheckpointConfig(out_dir=str(tmp_path), overwrite=True))
+    lock.release()
+    assert not resumed and sorted(map(os.path.basename, replaced)) == ["report.md", "summary.json"]
+
+
+def test_a_runs_config_keeps_its_records_a_runs_own(tmp_path):
+    """A run's config.toml (its digest line, even once edited) or its metrics.jsonl marks the records as a run's."""
+    cfg = config.parse_args(["--n-layer", "1"])
+    config.write_config(cfg, str(tmp_path / "config.toml"))
+    (tmp_path / "report.md").write_text("run A's")
+    assert rundir.left_by_no_run(str(tmp_path), [str(tmp_path / "report.md")]) == []
+    (tmp_path / "config.toml").write_text((tmp_path / "config.toml").read_text().replace("n_layer = 1", "n_layer = 3"))
+    assert rundir.left_by_no_run(str(tmp_path), [str(tmp_path / "report.md")]) == []
+    (tmp_path / "config.toml").unlink()
+    outputs = [str(tmp_path / "metrics.jsonl"), str(tmp_path / "report.md")]
+    assert rundir.left_by_no_run(str(tmp_path), outputs) == []
+    assert rundir.left_by_no_run(str(tmp_path), outputs[1:]) == outputs[1:]
+
+
+def test_a_hand_written_config_in_the_out_dir_is_not_replaced_by_the_run(tiny_data, tmp_path, train):
+    path = tmp_path / "config.toml"
+    path.write_text("# mine\n[schedule]\nmax_steps = 2\n")
+    line = one_error_line(train(tmp_path, "--config", str(path), "--data", tiny_data, "--eval-interval", "0"))
+    assert "holds config.toml, which no run left there" in line
+    assert path.read_text() == "# mine\n[schedule]\nmax_steps = 2\n" and sorted(os.listdir(tmp_path)) == [
+        ".lock", "config.toml"]
+
+
+def test_a_config_file_in_a_copied_run_must_say_which_run_it_means(tmp_path):
+    base, copy = tmp_path / "base", tmp_path / "copy"
+    for run in (base, copy):
+        run.mkdir()
+        (run / "ckpt_00000002.pt").write_text("x")
+    with pytest.raises(UsageError, match=rf"^--config {copy}/config.toml is in {copy}, which holds a run, but names "
+                                         rf"--out-dir {base}: add --out-dir {copy} for the run it is in"):
+        rundir.claim(CheckpointConfig(out_dir=str(base), resume="on"), config_file=str(copy / "config.toml"))
+    assert sorted(os.listdir(base)) == ["ckpt_00000002.pt"]  # not even locked
+    assert rundir.moved_run(str(base / "config.toml"), str(base)) is None  # the run it is in
+    assert rundir.moved_run(str(tmp_path / "kept.toml"), str(base)) is None  # a file kept apart from any run
+
+
+def test_a_command_refused_at_start_up_leaves_no_directory_it_created(tiny_data, tmp_path, train):
+    out = tmp_path / "new" / "run"
+    with pytest.raises(UsageError, match="holds no checkpoint"):
+        rundir.claim(CheckpointConfig(out_dir=str(out), resume="on"))
+    assert not out.exists() and (tmp_path / "new").is_dir()  # only the directory the run would have used
+    assert "lr" in one_error_line(train(out, "--data", tiny_data, "--max-steps", "2", "--lr", "-1"))
+    assert not out.exists()
+    (out / "notes").mkdir(parents=True)  # a directory the user had stays, lock file and all
+    with pytest.raises(UsageError):
+        rundir.claim(CheckpointConfig(out_dir=str(out), resume="on"))
+    assert sorted(os.listdir(out)) == [".lock", "notes"]

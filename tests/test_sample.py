@@ -277,10 +277,14 @@ def test_cli_samples_with_the_tokenizer_the_model_was_trained_with(word_tokenize
 
 @pytest.mark.parametrize("argv, words", [
     (["--ckpt", "missing.pt"], "missing.pt"), (["--hf", "missing_dir"], "missing_dir"),
-    (["--ckpt", "x", "--top-k", "-1"], "top_k"), (["--ckpt", "x", "--temperature", "-1"], "temperature"),
-    (["--ckpt", "x", "--temperature", "nan"], "temperature"), (["--ckpt", "x", "--temperature", "inf"], "temperature"),
-    (["--ckpt", "x", "--temperature", "1e-45"], "temperature"),
-    (["--ckpt", "x", "--seed", str(2**64)], "seed"), (["--ckpt", "x", "--seed", str(-2**63 - 1)], "seed"),
+    (["--ckpt", "x", "--top-k", "-1"], "--top-k must be >= 0 (0: off), got -1"),
+    (["--ckpt", "x", "--top-p", "1.5"], "--top-p must be in (0, 1], got 1.5"),
+    (["--ckpt", "x", "--top-p", "0"], "--top-p"), (["--ckpt", "x", "--max-new-tokens", "-5"], "--max-new-tokens must"),
+    (["--ckpt", "x", "--temperature", "-1"], "--temperature must be 0"),
+    (["--ckpt", "x", "--temperature", "nan"], "--temperature"),
+    (["--ckpt", "x", "--temperature", "inf"], "--temperature"), (["--ckpt", "x", "--temperature", "1e-45"], "--temperature"),
+    (["--ckpt", "x", "--seed", str(2**64)], "--seed must be in"),
+    (["--ckpt", "x", "--seed", str(-2**63 - 1)], "--seed"),
     (["--ckpt", "x", "--num-samples", "0"], "--num-samples must be >= 1"),
     (["--ckpt", "x", "--greedy", "--num-samples", "2"], "2 identical samples"),
     (["--ckpt", "x", "--prompt", "a", "--prompt-file", "p.txt"], "not allowed with argument --prompt"),

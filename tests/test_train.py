@@ -385,6 +385,7 @@ def test_from_hf_starts_from_the_exported_weights(tmp_path, tiny_data, architect
     import torch
 
     from data import ShardLoader
+    from hf import hf_model_config
     from hf import main as export_main
     from sample import load_model
 
@@ -392,8 +393,20 @@ def test_from_hf_starts_from_the_exported_weights(tmp_path, tiny_data, architect
     tiny_run(tiny_data, tmp_path / "a", "--max-steps", "3", *gpt2_vocab, *architecture)
     ckpt = checkpoint.checkpoint_path(str(tmp_path / "a"), 3, sharded=False)
     assert export_main(["--ckpt", ckpt, "--out", str(tmp_path / "hf")]) == 0
-    # The directory's architecture wins over the flags' (--attn-gate given for a Qwen3 one), as its shape does.
-    records = tiny_run(tiny_data, tmp_path / "b", "--max-steps", "1", "--from-hf", str(tmp_path / "hf"), *given)
+    # The directory gives the model, shape, architecture and its width's LRs; a model flag with it is refused.
+    b = ["--data", tiny_data, "--out-dir", str(tmp_path / "b"), "--seq-len", "32", "--batch-size", "4", "--warmup",
+         "2", "--eval-interval", "0", "--dtype", "fp32", "--device", "cpu", "--max-steps", "1", "--from-hf",
+         str(tmp_path / "hf")]
+    if given:
+        with pytest.raises(SystemExit) as refused:
+            train.main([*b, *given])
+        assert refused.value.code == 2
+    train.main(b)
+    records = read_metrics(tmp_path / "b")
+    m = config.parse_command_line(["--from-hf", str(tmp_path / "hf")], hf_model=hf_model_config)[0].model
+    plain = config.parse_args(["--n-embd", str(m.n_embd), "--n-head", str(m.n_head), "--n-kv-head", str(m.n_kv_head)])
+    exported = config.parse_command_line(["--from-hf", str(tmp_path / "hf")], hf_model=hf_model_config)[0]
+    assert exported.optim.lr == plain.optim.lr != config.parse_args([]).optim.lr  # its width's, not the default's
 
     model = load_model(ckpt=ckpt)
     x, y = next(ShardLoader(tiny_data, batch_size=4, seq_len=32, seed=1337, prefetch=0))
