@@ -263,7 +263,7 @@ def read_meta(path: str) -> tuple[dict]:
     try:
         meta = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise CheckpointError(f"{file}: {first_line(e)}") from None
+        raise _load_error(file, e) from None
     return (_check_meta(meta, path),)
 
 
@@ -293,7 +293,13 @@ def load_newest(out_dir: str, read, warn):
 def _load_error(path: str, e: BaseException) -> CheckpointError:
     if isinstance(e, CheckpointException):  # DCP's wrapper of the ranks' errors: report the first one
         e = next(iter(e.failures.values()))[0]
-    first_line = (str(e).strip().splitlines() or [""])[0]
+    text = str(e).strip()
+    if isinstance(e, pickle.UnpicklingError) and text.startswith("Weights only load failed"):
+        # Not torch's advice (weights_only=False, or allow-listing what the file names), which would run its code.
+        why = (text.partition("WeightsUnpickler error:")[2].strip().splitlines() or [""])[0].split(". ")[0]
+        return CheckpointError(f"cannot load checkpoint {path}: not a file this trainer wrote, which unpickles as "
+                               "tensors and plain data with weights_only=True" + (f" ({why})" if why else ""))
+    first_line = (text.splitlines() or [""])[0]
     return CheckpointError(f"cannot load checkpoint {path}: {type(e).__name__}" + (f": {first_line}" if first_line else ""))
 
 

@@ -323,7 +323,11 @@ def main(argv=None) -> int:
         config, state = read_ckpt(args.ckpt, lambda line: print(line, file=sys.stderr, flush=True))
         enc = load_tokenizer(args.tokenizer) if args.tokenizer else model_tokenizer(args.ckpt) or load_tokenizer()
         check_tokenizer(args.ckpt, tokenizer_id(enc.record()), lambda line: print(line, file=sys.stderr))
-        export_hf(config, state, args.out, enc, args.overwrite)
+        try:
+            export_hf(config, state, args.out, enc, args.overwrite)
+        except OSError as e:  # the checkpoint is read by now: what failed is making or filling --out
+            place = f" ({e.filename})" if e.filename and e.filename != args.out else ""
+            raise UsageError(f"--out {args.out}: cannot write the export: {e.strerror or e}{place}") from None
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
     try:

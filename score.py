@@ -7,8 +7,8 @@
 --ckpt takes a train.py checkpoint (a file or a sharded directory) or a Hugging Face directory written by
 hf.py (recognised by its config.json). The figures come from the code training logs them with
 (evaluation.Evaluator), so on the same weights, tokens and precision this script prints what metrics.jsonl
-holds: hellaswag_acc and hellaswag_acc_sum, or val_loss and val_bpb over the first --n val tokens, taken
---batch-size sequences of the model's seq_len at a time as a training run with that micro-batch takes them.
+holds: hellaswag_acc and hellaswag_acc_sum, or val_loss and val_bpb over --n val tokens in whole batches of
+--batch-size sequences of the model's seq_len, the windows a training run with that micro-batch reads.
 bpb reads the val split of the data the checkpoint trained on unless --data names other shards, and then
 says so; the shards' tokenizer must be the model's, as train.py requires, and counts the bytes. HellaSwag is
 encoded with the model's tokenizer (trained.model_tokenizer: its training data's, or an hf.py directory's).
@@ -130,8 +130,8 @@ def prepare(a: argparse.Namespace, model, device: torch.device, data: str | None
     seq_len = model.config.max_seq_len
     if a.task == "hellaswag":
         cfg = EvalConfig(eval_interval=0, hellaswag_path=a.hellaswag_path)
-        enc = load_tokenizer(a.tokenizer) if a.tokenizer else model_tokenizer(a.ckpt)
-        check_tokenizer(a.ckpt, enc and tokenizer_id(enc.record()), say)
+        enc = load_tokenizer(a.tokenizer) if a.tokenizer else model_tokenizer(a.ckpt) or load_tokenizer()
+        check_tokenizer(a.ckpt, tokenizer_id(enc.record()), say)
         evaluator = Evaluator(cfg, None, DistInfo(), device, model.config.vocab_size, seed=0, tokenizer=enc)
         evaluator.load_hellaswag(seq_len, a.n)
         return evaluator
@@ -147,6 +147,17 @@ def prepare(a: argparse.Namespace, model, device: torch.device, data: str | None
     return evaluator
 
 
+def scored_tokens(evaluator: Evaluator, batch_size: int, seq_len: int) -> list[str]:
+    """The line that says how many val tokens bpb scored, then the notes on --n that a training run gives on
+    --eval-tokens: --n in whole batches, rounded down, at least one, at most what a val split holds
+    (evaluation.eval_batches), as the run's eval reads them; a mixture's from each source."""
+    counts = {name: windows * seq_len for name, windows, *_ in evaluator.val_reads}  # check_val's record
+    each = "".join(f"{count:,} of {name}; " for name, count in counts.items()) if len(counts) > 1 else ""
+    line = (f"bpb: {sum(counts.values()):,} val tokens of {evaluator.data} ({each}whole batches of {batch_size} x "
+            f"{seq_len}, the windows a training run's eval reads)")
+    return [line] + (evaluator.val_note or "").replace("--eval-tokens", "--n").splitlines()
+
+
 def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.device) -> list[str]:
     """Run the task -> the lines to print: what was evaluated, then one metric per line."""
     dtype = DTYPES[a.dtype]
@@ -159,9 +170,8 @@ def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.dev
                 f"({round(metrics['hellaswag_acc_sum'] * n)}/{n}, lowest summed loss)"]
     seq_len = model.config.max_seq_len
     metrics = evaluator.val_metrics(model, model, lambda: autocast(device, dtype), a.batch_size, seq_len)
-    lines = [f"bpb: the first {evaluator.cfg.eval_tokens} val tokens of {evaluator.data} (at most; whole "
-             f"batches of {a.batch_size} x {seq_len}), model {a.ckpt}",
-             f"val_loss  {metrics['val_loss']:.4f}"]
+    first, *notes = scored_tokens(evaluator, a.batch_size, seq_len)
+    lines = [f"{first}, model {a.ckpt}", *notes, f"val_loss  {metrics['val_loss']:.4f}"]
     if "val_bpb" in metrics:
         lines.append(f"val_bpb   {metrics['val_bpb']:.4f}")
     else:

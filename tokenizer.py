@@ -397,6 +397,13 @@ def _hub_cache_directory(name: str) -> str | None:
     return os.path.dirname(path) if isinstance(path, str) else None
 
 
+def _names_a_path(spec: str) -> bool:
+    """Whether a --tokenizer that is not there reads as a file's or directory's path, not a hub name owner/name:
+    a .json file, a path from the root, home or current directory, or one under something that is there."""
+    parent = os.path.dirname(spec)
+    return spec.endswith(".json") or spec.startswith(("/", "~", "./", "../")) or bool(parent) and os.path.exists(parent)
+
+
 def load_tokenizer(spec: str = "gpt2", doc_separator: str | None = None) -> Tokenizer:
     """The tokenizer that --tokenizer names: a tiktoken encoding (gpt2, the default, is GPT-2's r50k_base), the
     path of a tokenizer.json or of a directory holding one (transformers' tokenizer files), or a Hugging Face hub
@@ -409,7 +416,12 @@ def load_tokenizer(spec: str = "gpt2", doc_separator: str | None = None) -> Toke
         return _from_directory(spec, spec, doc_separator)
     if os.path.exists(spec):
         return HFTokenizer(_read_text(spec), spec, spec, doc_separator)
-    if HUB_NAME.fullmatch(spec) and not os.path.exists(spec.split("/")[0]):  # else a mistyped path
+    if _names_a_path(spec):
+        raise DataError(f"--tokenizer {spec}: no such file or directory")
+    if spec.startswith("trained:"):  # what data.json and checkpoints record of prepare.py --train-tokenizer
+        raise DataError(f"--tokenizer {spec}: a tokenizer prepare.py --train-tokenizer trained into a data "
+                        f"directory, which holds it as {TOKENIZER_FILE}: pass --tokenizer DIR/{TOKENIZER_FILE}")
+    if HUB_NAME.fullmatch(spec):
         directory = _hub_cache_directory(spec)
         if directory is None:
             raise DataError(f"tokenizer {spec} is not in the local Hugging Face cache (it is never downloaded "

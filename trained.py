@@ -12,6 +12,8 @@ tokenizer the model was trained with, with the check that a tool is about to use
 
 import os
 
+import tiktoken
+
 import checkpoint
 from checkpoint import CheckpointError
 from cli import UsageError
@@ -122,10 +124,36 @@ def check_tokenizer(path: str, found: dict | None, warn, flag: str = "--tokenize
         return
     recorded = meta["tokenizer"]
     if recorded is not None and not same_tokenizer(recorded, found):
-        fix = "with the one it was trained with" if flag == "--tokenizer" else "with shards prepared with it"
         raise UsageError(f"{path} was trained with {describe_tokenizer(recorded)}, not {describe_tokenizer(found)} "
-                         f"(its data was prepared again since, or another tokenizer was given): pass {flag} {fix} "
-                         f"({recorded['tokenizer']})")
+                         f"{_tokenizer_advice(meta, recorded['tokenizer'], flag)}")
+
+
+def _tokenizer_advice(meta: dict, name: str, flag: str) -> str:
+    """Why a tool's tokenizer is not the one the checkpoint recorded (name), and a `flag` value that gives that one.
+    With its --data gone, no data.json says which tokenizer to take; a Hugging Face one (trained:N included) is
+    then the tokenizer.json that prepare.py wrote into each of its directories, wherever they are now."""
+    if flag != "--tokenizer":
+        return (f"(its data was prepared again since, or another tokenizer was given): pass {flag} with shards "
+                f"prepared with it ({name})")
+    gone = _missing_data(meta)
+    if gone is None:
+        return (f"(its data was prepared again since, or another tokenizer was given): pass --tokenizer with the one "
+                f"it was trained with ({name})")
+    if name in ("gpt2", *tiktoken.list_encoding_names()) or os.path.exists(name):
+        return f"(its --data {gone} is not there any more): pass --tokenizer {name}"
+    file = os.path.join(parse_data(gone)[0].dir, TOKENIZER_FILE)
+    return (f"(its --data {gone}, whose data.json named it, is not there any more): pass --tokenizer {file}, "
+            f"prepare.py's copy in that directory, from wherever it is now")
+
+
+def _missing_data(meta: dict) -> str | None:
+    """The --data a checkpoint recorded when none of its directories is there any more, else None."""
+    data = ((meta.get("train_config") or {}).get("data") or {}).get("data")
+    try:
+        sources = parse_data(data) if data else []
+    except UsageError:  # a --data that a run took parses, unless its config was edited by hand
+        return None
+    return data if sources and not any(os.path.isdir(s.dir) for s in sources) else None
 
 
 def model_tokenizer(path: str) -> Tokenizer | None:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import pickle
+import random
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ import config
 import distributed
 import fp8
 import optim
+import sample
 import schedule
 from config import ResilienceConfig
 from conftest import REPO, spawn_on_gloo, step_values
@@ -186,6 +188,26 @@ def one_error_line(result):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     return lines[0]
+
+
+@pytest.mark.parametrize("content", ["random bytes", "a global"])
+def test_a_file_that_weights_only_refuses_is_not_ours_without_advice_to_run_it(content, tmp_path, capsys):
+    """Random bytes, or a pickle that names a function, with a matching checksum beside it: intact, but not a
+    checkpoint this trainer wrote. torch's advice (weights_only=False, allow-listing the global) would run its
+    code: the line leaves it out, and says only why the file is refused."""
+    path = str(tmp_path / "foreign.pt")
+    if content == "random bytes":
+        with open(path, "wb") as f:
+            f.write(random.Random(0).randbytes(4096))
+    else:
+        torch.save({"model": {}, "call": open}, path)
+    with open(path + checkpoint.DIGEST_SUFFIX, "w") as f:
+        f.write(file_sha256(path))
+    assert sample.main(["--ckpt", path, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot load checkpoint {path}: not a file this trainer wrote, which unpickles as "
+                          "tensors and plain data with weights_only=True (") and err.count("\n") == 1, err
+    assert "weights_only=False" not in err and "safe_globals" not in err and "trusted" not in err
 
 
 def test_a_dcp_metadata_pickle_that_runs_code_is_refused(tmp_path):

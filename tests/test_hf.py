@@ -420,6 +420,15 @@ def test_cli_refuses_a_non_empty_directory_and_writes_into_an_empty_one(tmp_path
     assert {p.name for p in out.iterdir()} == set(hf.EXPORT_FILES) - {"model.safetensors.index.json", "hf_look_back.py"}
 
 
+def test_an_out_that_cannot_be_made_is_one_line_naming_out(tmp_path, capsys):
+    """--out under a file: the directory cannot be made; the line names --out and the reason in words."""
+    write_checkpoint(tmp_path / "ckpt.pt", tiny_model(True))
+    out = tmp_path / "ckpt.pt" / "hf" / "x"
+    assert hf.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err == (f"error: --out {out}: cannot write the export: Not a directory "
+                                       f"({tmp_path / 'ckpt.pt' / 'hf'})\n")
+
+
 def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, capsys, monkeypatch):
     write_checkpoint(tmp_path / "old.pt", tiny_model(True, seed=1))
     write_checkpoint(tmp_path / "new.pt", tiny_model(False))

@@ -163,6 +163,23 @@ def test_score_bpb_reads_the_checkpoints_data_and_refuses_another_tokenizers(tmp
         assert words in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_score_bpb_says_how_many_tokens_it_scored(tmp_path, tiny_data, capsys):
+    """bpb reads whole batches (2 x 32 here), as a run's eval does: --n 10 and --n 100 score the same 64 tokens,
+    and the report says 64, with the note a run gives when it rounds up; --n 128 scores two batches."""
+    model, ckpt = gpt2_model(), str(tmp_path / "ckpt.pt")
+    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": model.state_dict(),
+                          "model_config": dataclasses.asdict(model.config), "train_config": {},
+                          "tokenizer": None}, ckpt)
+    reports = {n: run_score(capsys, "--ckpt", ckpt, "--task", "bpb", "--data", tiny_data, "--n", str(n),
+                            "--batch-size", "2", "--device", "cpu").splitlines() for n in (10, 100, 128)}
+    for n, tokens in [(10, 64), (100, 64), (128, 128)]:
+        assert reports[n][0] == (f"bpb: {tokens} val tokens of {tiny_data} (whole batches of 2 x 32, the windows a "
+                                 f"training run's eval reads), model {ckpt}")
+    assert reports[10][1] == ("note: --n 10 rounds up to one whole batch: each eval reads 64 tokens (1 batch of "
+                              "2 x 32 on each of 1 rank)")
+    assert reports[10][2:] == reports[100][1:] != reports[128][1:]
+
+
 def test_score_says_why_there_is_no_val_bpb(tmp_path, tiny_data, capsys, monkeypatch):
     """The shards' tokenizer cannot be loaded: the val_bpb line gives that reason, as the note before it does."""
     def unavailable(data_dir):

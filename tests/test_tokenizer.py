@@ -126,6 +126,26 @@ def test_tokenizer_directory_and_cached_hub_name(word_tokenizer, tmp_path, monke
                             "here); fetch it first: hf download someone/other tokenizer.json tokenizer_config.json")
 
 
+@pytest.mark.parametrize("spec", ["prepBPE/tokenizer.json", "tok.json", "./tok", "../tok", "/no/such/tok",
+                                  "present/tok"])
+def test_a_missing_path_is_no_such_file_not_a_hub_name(spec, tmp_path, monkeypatch):
+    """A --tokenizer that reads as a path (a .json name, ./ ../ or / first, or under a directory that is there)
+    and is not there is said to be missing, not sent to the Hugging Face cache."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "present").mkdir()
+    with pytest.raises(DataError) as e:
+        tokenizer.load_tokenizer(spec)
+    assert str(e.value) == f"--tokenizer {spec}: no such file or directory"
+
+
+def test_a_trained_tokenizers_recorded_name_says_where_the_tokenizer_is():
+    """trained:N, as data.json and checkpoints record prepare.py --train-tokenizer, names no file: the way to it."""
+    with pytest.raises(DataError) as e:
+        tokenizer.load_tokenizer("trained:300")
+    assert str(e.value).endswith("a data directory, which holds it as tokenizer.json: pass --tokenizer "
+                                 "DIR/tokenizer.json")
+
+
 def test_a_tokenizer_without_a_separator_needs_doc_separator(tmp_path):
     path = write_word_tokenizer(tmp_path / "tok.json", ["a", "b"], size=10, separator="[SEP]")
     with pytest.raises(DataError, match=r"has no end-of-text or BOS special token .*--doc-separator TOKEN"):

@@ -12,6 +12,7 @@ import hf
 import prepare
 from conftest import HELLASWAG_FIXTURE, WORD_TEXT, write_checkpoint, write_word_tokenizer
 from data import tokenizer_id
+from model import GPT, ModelConfig
 from test_hf import tiny_model
 from tokenizer import load_tokenizer
 from trained import read_checkpoint, trained_meta
@@ -89,3 +90,39 @@ def test_a_checkpoint_that_records_no_tokenizer_is_taken_with_a_note(tmp_path, c
                         "--device", "cpu"]) == 0
     assert capsys.readouterr().err == (f"note: {tmp_path / 'old.pt'} does not record the tokenizer it was trained "
                                        "with (it was written before checkpoints did): gpt2 is taken unchecked\n")
+
+
+def test_a_run_whose_trained_tokenizers_data_is_gone_is_told_where_its_tokenizer_is(tmp_path, capsys):
+    """Data prepared with --train-tokenizer (recorded as trained:N, a name --tokenizer cannot load), then moved
+    away: no data.json says which tokenizer to take, so GPT-2's, which the checkpoint did not record, is refused
+    in one line that names the missing --data and the tokenizer.json in it. Followed where the data is now, the
+    advice samples, exports and scores; trained:N itself is refused with the same advice."""
+    import sample
+    import score
+
+    (tmp_path / "docs.jsonl").write_text((json.dumps({"text": WORD_TEXT}) + "\n") * 50)
+    data, moved = tmp_path / "data", tmp_path / "moved"
+    record = prepare.prepare(tmp_path / "docs.jsonl", data, val_tokens=100, train_tokenizer=300)
+    model = GPT(ModelConfig(vocab_size=record["n_vocab"], n_layer=1, n_head=2, n_kv_head=1, n_embd=16,
+                            max_seq_len=32))
+    ckpt = str(tmp_path / "ckpt.pt")
+    write_checkpoint(ckpt, model, {"data": {"data": str(data)}}, tokenizer_id(record))
+    data.rename(moved)
+    capsys.readouterr()
+
+    commands = {"sample": (sample.main, ["--ckpt", ckpt, "--prompt", "the cat", "--max-new-tokens", "3", "--greedy",
+                                         "--device", "cpu"]),
+                "export": (hf.main, ["--ckpt", ckpt, "--out", str(tmp_path / "hf")]),
+                "hellaswag": (score.main, ["--ckpt", ckpt, "--task", "hellaswag", "--hellaswag-path",
+                                           HELLASWAG_FIXTURE, "--n", "1", "--device", "cpu"])}
+    for name, (main, argv) in commands.items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {ckpt} was trained with the tokenizer trained:300 ")
+        assert f"(its --data {data}, whose data.json named it, is not there any more): " in err[0], err[0]
+        advice = err[0].partition("pass --tokenizer ")[2].split(",")[0]
+        assert advice == str(data / "tokenizer.json")
+        assert main([*argv, "--tokenizer", record["tokenizer"]]) == 2
+        err = capsys.readouterr().err
+        assert err.endswith("pass --tokenizer DIR/tokenizer.json\n") and err.count("\n") == 1, err
+        assert main([*argv, "--tokenizer", advice.replace(str(data), str(moved))]) == 0, capsys.readouterr().err
