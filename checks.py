@@ -117,6 +117,8 @@ def _range_problems(cfg):
                     "--spike-factor": cfg.resilience.spike_factor, "--max-rollbacks": cfg.resilience.max_rollbacks,
                     "--early-stop-patience": cfg.resilience.early_stop_patience}
     yield from (f"{name} must be >= 0, got {value}" for name, value in non_negative.items() if value < 0)
+    if d.data is not None and not d.data.strip():  # "" would fall back to the built-in corpus unsaid
+        yield "--data is empty: name a directory of shards (or a mixture), or leave it out for the built-in corpus"
     if e.eval_interval and e.eval_tokens < 1:
         yield "--eval-tokens must be >= 1 when evaluating"
     if d.seed >= 2**63:

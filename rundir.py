@@ -11,7 +11,8 @@ A fresh run into a directory that holds a run (checkpoints, best, metrics.jsonl)
 user says what to do: --resume continues it, --overwrite removes it first, --resume auto continues it when
 it has a checkpoint and starts fresh otherwise (what a restart script or a cluster scheduler wants). A run
 stopped before its first checkpoint left nothing to resume and nothing to lose (its records: metrics.jsonl, its
-report, its TensorBoard events): a rerun starts fresh there, replacing them, with a note, and --resume says so.
+report, its TensorBoard events, its profile trace): a rerun starts fresh there, replacing them, with a note, and
+--resume says so.
 Files of those names that no run left (the user's own report.md, a hand-written config.toml: left_by_no_run)
 are replaced only with --overwrite. A repeat of a run from its OUT/config.toml names that run's directory
 unless --out-dir says otherwise, so its refusal says to add --out-dir NEW_DIR; a config.toml that sits in
@@ -40,7 +41,7 @@ TRACE_FILE = "trace.json"  # --profile (telemetry.py)
 REPORT_FILE, CURVES_FILE, SUMMARY_FILE = "report.md", "curves.png", "summary.json"  # report.py's, at a run's end
 # What a run records of itself, besides its checkpoints: all that a run stopped before its first checkpoint
 # leaves, which a fresh run there replaces without --overwrite (nothing to resume, nothing lost).
-RECORDS = (METRICS_FILE, REPORT_FILE, CURVES_FILE, SUMMARY_FILE, TENSORBOARD_DIR)
+RECORDS = (METRICS_FILE, REPORT_FILE, CURVES_FILE, SUMMARY_FILE, TENSORBOARD_DIR, TRACE_FILE)
 
 
 class NothingToDo(Exception):

@@ -36,6 +36,7 @@ from hardware import peak_memory_gib
 from hf_layout import exportable_problem
 from optim import optimizer_state_bytes
 from progress import Heartbeat, Progress, duration
+from rundir import TRACE_FILE
 from runlog import TENSORBOARD_DIR, MetricsLog
 from schedule import current_lr
 
@@ -204,7 +205,7 @@ def start_profiler(device: torch.device, out_dir: str, is_main: bool):
     from torch.profiler import ProfilerActivity, profile, schedule
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    trace = os.path.join(out_dir, "trace.json")
+    trace = os.path.join(out_dir, TRACE_FILE)
 
     def report(prof):
         if not is_main:

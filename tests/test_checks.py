@@ -26,6 +26,8 @@ from optim import OptimConfig
     (["--min-lr-ratio", "-1"], "--min-lr-ratio must be in [0, 1], got -1.0"),
     (["--rollback-lr-factor", "0"], "--rollback-lr-factor must be in (0, 1], got 0.0"),
     (["--max-bad-steps", "0"], "--max-bad-steps must be >= 1, got 0"),
+    (["--data", ""], "--data is empty: name a directory of shards (or a mixture), or leave it out for the built-in "
+                     "corpus"),
 ])
 def test_a_wrong_flag_is_named_as_a_flag_and_alone(argv, message):
     with pytest.raises(UsageError) as e:

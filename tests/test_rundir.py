@@ -207,16 +207,17 @@ def test_a_filesystem_without_flock_warns_and_runs(tmp_path, monkeypatch, capsys
 def test_files_of_a_runs_names_that_no_run_left_are_replaced_only_with_overwrite(tmp_path):
     """A hand-written config.toml and a report.md and summary.json of the user's, with no metrics.jsonl: not
     an earlier run's records, so a fresh run there is refused, touching nothing, unless --overwrite."""
-    files = {"config.toml": "[model]\nn_layer = 2\n", "report.md": "mine", "summary.json": "{}"}
+    files = {"config.toml": "[model]\nn_layer = 2\n", "report.md": "mine", "summary.json": "{}", "trace.json": "{}"}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     with pytest.raises(UsageError, match=rf"^--out-dir {tmp_path} holds config.toml, report.md, summary.json, "
-                                         r"which no run left there .* or pass --overwrite to replace them$"):
+                                         r"trace.json, which no run left there .* or pass --overwrite to replace "
+                                         r"them$"):
         rundir.claim(CheckpointConfig(out_dir=str(tmp_path)))
     assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.name != ".lock"} == files
     lock, resumed, replaced = rundir.claim(CheckpointConfig(out_dir=str(tmp_path), overwrite=True))
     lock.release()
-    assert not resumed and sorted(map(os.path.basename, replaced)) == ["report.md", "summary.json"]
+    assert not resumed and sorted(map(os.path.basename, replaced)) == ["report.md", "summary.json", "trace.json"]
 
 
 def test_a_runs_config_keeps_its_records_a_runs_own(tmp_path):
