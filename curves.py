@@ -21,6 +21,7 @@ matplotlib.use("Agg")  # files only: no display is needed, or present on CI and 
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import EngFormatter, LogFormatter  # noqa: E402
 
+from atomic import replace_with  # noqa: E402
 from runlog import METRICS_FILE, MetricsError, read_metrics as read_log  # noqa: E402
 
 # Panel name -> (y-axis label, metrics keys drawn on it). "loss" shows train and val together.
@@ -205,8 +206,16 @@ def plot_runs(runs: dict[str, list[dict]], out_png: str, panels=DEFAULT_PANELS, 
     they span loss_limits.
     x: the horizontal axis (X_KEYS); smooth: the ema factor for SMOOTHED_KEYS (0: off; None: auto_smoothing's);
     log_y: log-scale loss panels.
+
+    The file is written at out_png exactly, in the format its extension names (PNG without one), under a
+    temporary name first (atomic.replace_with), so that a kill never leaves half an image under out_png; an
+    OSError writing it is cli.WriteError, one line naming the file. Its directory is made if need be (OSError
+    where it cannot be), once the figure is drawn: a panel refused above leaves no directory behind.
     """
     fig = draw_runs(runs, panels, title, target, loss_ylim, x, smooth, log_y)
-    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+        fmt = os.path.splitext(out_png)[1][1:].lower() or "png"
+        replace_with(out_png, lambda f: fig.savefig(f, dpi=120, format=fmt), what="figure")
+    finally:
+        plt.close(fig)

@@ -23,7 +23,7 @@ import torch
 import config
 import hardware
 from atomic import atomic_write, replace_with
-from cli import ArgumentParser, UsageError, first_line, report_error
+from cli import ArgumentParser, UsageError, WriteError, first_line, report_error
 from option import flag_name
 from progress import duration
 from rundir import CONFIG_FILE, CURVES_FILE, REPORT_FILE, SUMMARY_FILE
@@ -288,6 +288,17 @@ def draw_curves(out_dir: str, records: list[dict]) -> str:
     return path
 
 
+def check_targets(out_dir: str, names: list[str]) -> None:
+    """UsageError, before anything is written, where one of the files the report replaces is a directory or
+    another thing that is not a file: the report would stop half written (curves.png new, report.md old)."""
+    for name in names:
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path) and not os.path.isfile(path):
+            kind = "a directory" if os.path.isdir(path) else "not a regular file"
+            raise UsageError(f"{path} is {kind}, which the report would replace; move it aside to write the "
+                             "report (nothing was written)")
+
+
 def write_report(out_dir: str) -> list[str]:
     """Write OUT/report.md and, when there are steps to draw, OUT/curves.png -> their paths. UsageError for a
     directory that holds no run (neither metrics.jsonl nor summary.json) or one whose files cannot be read."""
@@ -297,6 +308,7 @@ def write_report(out_dir: str) -> list[str]:
     if summary is None and not records:
         raise UsageError(f"{out_dir} holds no run: no {METRICS_FILE} with records, no {SUMMARY_FILE} (is it a "
                          "train.py --out-dir?)")
+    check_targets(out_dir, [REPORT_FILE, *([CURVES_FILE] if records else [])])
     curves = [draw_curves(out_dir, records)] if records else []
     path = os.path.join(out_dir, REPORT_FILE)
     atomic_write(path, render(out_dir, records, summary, read_settings(out_dir), bool(curves)).encode())
@@ -308,7 +320,7 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir", metavar="OUT", help="a train.py --out-dir")
     try:
         written = write_report(parser.parse_args(argv).out_dir)
-    except UsageError as e:
+    except (UsageError, WriteError) as e:  # WriteError: one line naming the file and the space left
         sys.exit(report_error(e))
     except OSError as e:
         sys.exit(report_error(f"{e.filename}: {e.strerror or e}"))

@@ -149,6 +149,51 @@ def test_plot_cli_bad_flags_are_one_line(tmp_path, capsys, argv, words):
     assert exit_info.value.code == 2 and err.startswith("error: ") and words in err and err.count("\n") == 1
 
 
+def plot_error(capsys, argv):
+    """plot.main's one error line for argv, which must exit 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        plot.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1
+    return err
+
+
+def test_plot_cli_refuses_what_is_no_figure_file_and_says_what_it_wrote(tmp_path, monkeypatch, capsys):
+    run = write_run(tmp_path / "run", 4, 5.0, 1e-3)
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("dir")
+    open("file.txt", "w").close()
+    assert "--out dir names a directory, not a file; name the file to write, as --out dir/curves.png" in plot_error(
+        capsys, [run, "--out", "dir"])
+    assert "--out file.txt/sub/x.png: file.txt is a file, not a directory" in plot_error(
+        capsys, [run, "--out", "file.txt/sub/x.png"])
+    assert "--out x.txt: no .txt figures; end the name in one of " in plot_error(capsys, [run, "--out", "x.txt"])
+    os.mkdir(os.path.join(run, "curves.png"))  # the default figure's place
+    assert f"{run}/curves.png is a directory, which the figure would replace; move it aside, or pass --out" in (
+        plot_error(capsys, [run]))
+    assert sorted(os.listdir()) == ["dir", "file.txt", "run"]
+    plot.main([run, "--out", "noext"])  # as matplotlib names it
+    assert capsys.readouterr().out == "wrote noext.png\n" and open("noext.png", "rb").read(8) == PNG_SIGNATURE
+
+
+def test_plot_cli_replaces_the_file_out_names_only_once_the_new_one_is_whole(tmp_path, monkeypatch, capsys):
+    run, out = write_run(tmp_path / "run", 4, 5.0, 1e-3), tmp_path / "mine.png"
+    out.write_bytes(b"old")
+    savefig = curves.plt.Figure.savefig
+
+    def disk_full(fig, f, **kwargs):
+        f.write(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(curves.plt.Figure, "savefig", disk_full)
+    assert f"cannot write figure {out}: No space left on device" in plot_error(capsys, [run, "--out", str(out)])
+    assert sorted(os.listdir(tmp_path)) == ["mine.png", "run"]  # no temporary file left
+    assert out.read_bytes() == b"old"
+    monkeypatch.setattr(curves.plt.Figure, "savefig", savefig)
+    plot.main([run, "--out", str(out)])  # named by --out: asked for
+    assert capsys.readouterr().out == f"wrote {out}\n" and out.read_bytes().startswith(PNG_SIGNATURE)
+
+
 def test_loss_limits_leave_out_the_first_steps_far_higher_losses():
     falling = [3.0 + 8.0 * math.exp(-step / 10) for step in range(200)]  # 11 down to 3, most of it near 3
     low, quantile = falling[-1], falling[20]  # the 90% quantile of 200 losses: the 180th lowest

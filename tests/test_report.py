@@ -87,6 +87,29 @@ def test_a_directory_without_a_run_is_one_line_and_exit_2(tmp_path, capsys):
     assert exit_info.value.code == 2 and err.count("\n") == 1 and "summary.json: not the facts, rows and" in err
 
 
+def test_a_directory_where_the_report_goes_or_a_failed_write_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "tokens": 128, "train_loss": 5.0}\n')
+    for name in ("report.md", "curves.png"):
+        (tmp_path / name).mkdir()
+        with pytest.raises(SystemExit) as exit_info:
+            report.main([str(tmp_path)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1
+        assert err.startswith(f"error: {tmp_path / name} is a directory, which the report would replace")
+        assert sorted(os.listdir(tmp_path)) == sorted(["metrics.jsonl", name])  # nothing written
+        (tmp_path / name).rmdir()
+
+    def disk_full(path, *chunks):
+        raise report.WriteError(f"cannot write file {path}: No space left on device")
+
+    monkeypatch.setattr(report, "atomic_write", disk_full)
+    with pytest.raises(SystemExit) as exit_info:
+        report.main([str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err == f"error: cannot write file {tmp_path / 'report.md'}: No space left on device\n"
+
+
 def test_a_report_that_cannot_be_written_is_one_warning_line(tmp_path, capsys):
     report.after_run({"out_dir": str(tmp_path / "gone")}, torch.device("cpu"), 1)
     out, err = capsys.readouterr()
