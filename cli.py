@@ -124,11 +124,17 @@ def closed_stdout() -> int:
     return 128 + signal.SIGPIPE
 
 
+# What torchrun sets for every rank, and distributed.py reads: a process that lacks any of them was not started
+# by a launcher, so no rank 0 runs beside it to say what went wrong.
+LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def report_startup_error(error) -> int:
-    """report_error for a program torchrun may start as several ranks that all fail alike: rank 0 prints.
-    The others wait a moment before their exit, because torchrun stops every rank as soon as one exits,
-    which could cut rank 0 off before it has said why."""
-    if os.environ.get("RANK", "0") == "0":
+    """report_error for a program torchrun may start as several ranks that all fail alike: rank 0 prints, and
+    so does a process without the whole LAUNCH_ENV (RANK=1 set by hand). The other ranks wait a moment before
+    their exit, because torchrun stops every rank as soon as one exits, which could cut rank 0 off before it
+    has said why."""
+    if os.environ.get("RANK", "0") == "0" or not all(os.environ.get(name) for name in LAUNCH_ENV):
         return report_error(error)
     time.sleep(STARTUP_ERROR_GRACE_S)
     return 2

@@ -8,6 +8,8 @@ import gc
 import logging
 import os
 import re
+import socket
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cli import first_line, report_error
+from cli import LAUNCH_ENV, UsageError, first_line, report_error
 
 
 @dataclass
@@ -30,37 +32,105 @@ class DistInfo:
         return self.rank == 0
 
 
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+def env_int(name: str, low: int, high: int | None = None, bound: str = "") -> int | None:
+    """Environment variable `name` as an integer in [low, high) (no upper end when high is None), None when it is
+    unset or empty; otherwise UsageError naming it and its value. bound names high in the message (WORLD_SIZE)."""
+    text = os.environ.get(name)
+    if not text:
+        return None
+    value = int(text) if re.fullmatch(r"[+-]?[0-9]+", text.strip()) else None
+    if value is not None and value >= low and (high is None or value < high):
+        return value
+    rule = f"in [{low}, {bound}) = [{low}, {high})" if bound else f"in [{low}, {high})"
+    rule = "a positive integer" if high is None else rule
+    raise UsageError(f"{name} must be {rule}, got {text!r}")
+
+
+def world_size() -> int:
+    """The WORLD_SIZE a launcher set (checked), 1 without one."""
+    return env_int("WORLD_SIZE", 1) or 1
 
 
 def check_launch(mode: str) -> str | None:
-    """A one-line problem with how the run was launched, or None."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if mode == "none" and world_size > 1:
-        return f"launched with {world_size} processes but --dist none; pass --dist ddp or --dist fsdp"
-    if mode != "none" and not launched_by_torchrun():
-        return f"--dist {mode} needs torchrun, e.g. torchrun --nproc_per_node=2 train.py --dist {mode} ..."
+    """A one-line problem with how the run was launched, or None; UsageError for a malformed variable. RANK or
+    WORLD_SIZE without the rest of LAUNCH_ENV is a hand-set environment that no rank 0 or rendezvous store
+    stands behind: init would fail on it (a KeyError, or a wait for ranks that never come)."""
+    size = world_size()
+    if os.environ.get("WORLD_SIZE"):
+        for name in ("RANK", "LOCAL_RANK"):
+            env_int(name, 0, size, "WORLD_SIZE")
+    if mode != "none":
+        env_int("MASTER_PORT", 1, 65536)
+    given = [name for name in ("RANK", "WORLD_SIZE") if os.environ.get(name)]
+    missing = [name for name in LAUNCH_ENV if not os.environ.get(name)]
+    if given and missing and (mode != "none" or size > 1):
+        return (f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set but not {', '.join(missing)}: "
+                f"start each rank with torchrun, e.g. {torchrun_example(size, mode)}, or unset {' and '.join(given)}"
+                f"{'' if mode == 'none' else ' and pass --dist none'} to train in one process")
+    if mode == "none" and size > 1:
+        return f"launched with {size} processes but --dist none; pass --dist ddp or --dist fsdp"
+    if mode != "none" and not given:
+        return f"--dist {mode} needs torchrun, e.g. {torchrun_example(2, mode)}"
     return None
+
+
+def torchrun_example(size: int, mode: str) -> str:
+    return f"torchrun --nproc_per_node={max(size, 2)} train.py --dist {'ddp' if mode == 'none' else mode} ..."
 
 
 def init(mode: str, device_type: str, timeout_s: float = 600.0) -> DistInfo:
     """Join the process group torchrun describes (NCCL on CUDA, gloo on CPU); world size 1 without it. A
     collective that waits timeout_s for another rank fails (lost_rank tells such an error), so that a rank that
-    hung is not waited for forever (gloo's own default is 30 minutes)."""
+    hung is not waited for forever (gloo's own default is 30 minutes); so does the rendezvous (join)."""
     if mode == "none":
         return DistInfo()
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    world_size = int(os.environ["WORLD_SIZE"])
+    if problem := check_launch(mode):
+        raise UsageError(problem)
+    size = world_size()
+    rank, local_rank = (env_int(name, 0, size, "WORLD_SIZE") for name in ("RANK", "LOCAL_RANK"))
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
-    backend, timeout = "nccl" if device_type == "cuda" else "gloo", timedelta(seconds=timeout_s)
-    store = attempt_store(world_size, timeout)
-    if store is None:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, mode=mode)
+    join("nccl" if device_type == "cuda" else "gloo", mode, rank, size, timeout_s)
+    return DistInfo(rank=rank, local_rank=local_rank, world_size=size, mode=mode)
+
+
+def join(backend: str, mode: str, rank: int, size: int, timeout_s: float) -> None:
+    """init_process_group; a rendezvous that fails within timeout_s (the ranks were not all started, or not
+    together) is a UsageError naming MASTER_ADDR:MASTER_PORT. Every rank prints its own such line: rank 0
+    reports its start-up errors for all (cli.report_startup_error), but this one is each rank's alone."""
+    timeout, where = timedelta(seconds=timeout_s), f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        store = attempt_store(size, timeout)
+        if store is None and rank != 0 and (why := master_absent(timeout_s)):
+            raise dist.DistNetworkError(why)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    except dist.DistError as error:
+        line = (f"rank {rank} of {size} did not meet the other ranks at MASTER_ADDR:MASTER_PORT {where} within "
+                f"--collective-timeout {timeout_s:g}s ({first_line(error)}): start all {size} together, e.g. "
+                f"{torchrun_example(size, mode)}, or unset RANK and WORLD_SIZE and pass --dist none to train in "
+                f"one process")
+        if rank != 0:
+            report_error(line)
+        raise UsageError(line) from None
+
+
+def master_absent(timeout_s: float) -> str | None:
+    """Why MASTER_ADDR:MASTER_PORT accepted no connection within timeout_s, or None once it does. A rank other
+    than 0 waits here rather than in init_process_group, whose TCPStore client logs a C++ traceback at every
+    failed attempt."""
+    deadline, why = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+                                     timeout=max(0.1, min(5.0, deadline - time.monotonic()))).close()
+            return None
+        except OSError as error:
+            why = error.strerror or first_line(error)
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+    return f"nothing answered: {why}" if why else "nothing answered"
 
 
 def attempt_store(world_size: int, timeout: timedelta):

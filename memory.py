@@ -482,7 +482,7 @@ def memory_report(cfg) -> str:
     target = parse_target_gpu(cfg.speed.target_gpu) if cfg.speed.target_gpu is not None else None
     device_type, autocast_dtype, dtype_reason, note = report_device(cfg.speed)
     model_cfg, batch_size = cfg.model, cfg.data.batch_size
-    shards = int(os.environ.get("WORLD_SIZE", "1")) if cfg.dist.dist == "fsdp" else 1
+    shards = distributed.world_size() if cfg.dist.dist == "fsdp" else 1
     runtime = runtime_bytes() if device_type == "cpu" else 0
     capacity = target[0] if target else device_capacity_bytes(torch.device(device_type))
     loss_chunk = loss_chunk_tokens(model_cfg, autocast_dtype, capacity, cfg.speed.loss_chunk_tokens)

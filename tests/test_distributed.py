@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import checkpoint
+import cli
 import distributed
 from conftest import REPO, spawn_on_gloo
 from model import GPT, ModelConfig
@@ -267,6 +269,85 @@ def test_unsupported_combinations_fail_at_startup(args, message, tmp_path):
 def test_plain_launch_of_many_processes_is_refused(data_dir, tmp_path):
     result = launch(2, "--data", data_dir, "--out-dir", str(tmp_path), *COMMON)
     assert result.returncode != 0 and "pass --dist ddp or --dist fsdp" in result.stderr
+
+
+def launch_env(monkeypatch, **values: str) -> None:
+    """Exactly `values` of torchrun's per-rank variables (cli.LAUNCH_ENV) in this process's environment."""
+    for name in cli.LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in values.items():
+        monkeypatch.setenv(name, value)
+
+
+FULL_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, mode, message", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "none", "RANK and WORLD_SIZE are set but not LOCAL_RANK, MASTER_ADDR, "
+     "MASTER_PORT: start each rank with torchrun, e.g. torchrun --nproc_per_node=2 train.py --dist ddp ..., "
+     "or unset RANK and WORLD_SIZE to train in one process"),
+    ({"WORLD_SIZE": "4", "LOCAL_RANK": "0"}, "fsdp", "WORLD_SIZE is set but not RANK, MASTER_ADDR, MASTER_PORT: "
+     "start each rank with torchrun, e.g. torchrun --nproc_per_node=4 train.py --dist fsdp ..., or unset "
+     "WORLD_SIZE and pass --dist none to train in one process"),
+    (FULL_ENV, "none", "launched with 2 processes but --dist none; pass --dist ddp or --dist fsdp"),
+    ({}, "ddp", "--dist ddp needs torchrun, e.g. torchrun --nproc_per_node=2 train.py --dist ddp ..."),
+    (FULL_ENV, "ddp", None),
+    ({"RANK": "0", "WORLD_SIZE": "1"}, "none", None),  # a one-process run that a launcher's variables leave alone
+    ({"MASTER_PORT": "x"}, "none", None),
+])
+def test_a_launch_without_torchruns_whole_environment_is_one_line(monkeypatch, env, mode, message):
+    launch_env(monkeypatch, **env)
+    assert distributed.check_launch(mode) == message
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE must be a positive integer, got 'abc'"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE must be a positive integer, got '0'"),
+    ({**FULL_ENV, "RANK": "2"}, r"RANK must be in \[0, WORLD_SIZE\) = \[0, 2\), got '2'"),
+    ({**FULL_ENV, "LOCAL_RANK": "-1"}, r"LOCAL_RANK must be in \[0, WORLD_SIZE\) = \[0, 2\), got '-1'"),
+    ({**FULL_ENV, "MASTER_PORT": "http"}, r"MASTER_PORT must be in \[1, 65536\), got 'http'"),
+])
+def test_a_malformed_launch_variable_is_named_with_its_value(monkeypatch, env, message):
+    launch_env(monkeypatch, **env)
+    with pytest.raises(cli.UsageError, match=f"^{message}$"):
+        distributed.check_launch("ddp")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rendezvous_that_no_other_rank_joins_is_one_line_naming_the_address(monkeypatch, capsys, rank):
+    """Rank 0 waits for clients that never come, rank 1 for a rank 0 that never listens: each says so itself
+    (rank 0's line is printed by its caller) within --collective-timeout, and no process group is left."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launch_env(monkeypatch, **{**FULL_ENV, "RANK": str(rank), "MASTER_PORT": str(port)})
+    started = time.monotonic()
+    with pytest.raises(cli.UsageError) as error:
+        distributed.init("ddp", "cpu", timeout_s=1)
+    assert time.monotonic() - started < 10 and not torch.distributed.is_initialized()
+    line = str(error.value)
+    assert line.startswith(f"rank {rank} of 2 did not meet the other ranks at MASTER_ADDR:MASTER_PORT "
+                           f"127.0.0.1:{port} within --collective-timeout 1s (")
+    assert line.endswith("e.g. torchrun --nproc_per_node=2 train.py --dist ddp ..., or unset RANK and WORLD_SIZE "
+                         "and pass --dist none to train in one process")
+    assert capsys.readouterr().err == ("" if rank == 0 else f"error: {line}\n")
+
+
+def test_a_start_up_error_is_printed_by_rank_0_and_by_any_rank_no_launcher_started(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "STARTUP_ERROR_GRACE_S", 0)
+    for env, printed in ((FULL_ENV, True), ({**FULL_ENV, "RANK": "1"}, False), ({"RANK": "1", "WORLD_SIZE": "2"},
+                                                                                True), ({}, True)):
+        launch_env(monkeypatch, **env)
+        assert cli.report_startup_error("bad flag") == 2
+        assert capsys.readouterr().err == ("error: bad flag\n" if printed else ""), env
+
+
+def test_a_hand_set_rank_1_prints_its_own_flag_error(tmp_path):
+    env = {k: v for k, v in child_env(RANK="1", WORLD_SIZE="2").items()
+           if k not in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run([sys.executable, "train.py", "--out-dir", str(tmp_path), "--lr", "abc"], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr == "error: argument --lr: invalid float value: 'abc'\n"
 
 
 def test_the_slurm_script_checkpoints_and_requeues_when_the_time_limit_nears(data_dir, tmp_path):

@@ -404,6 +404,16 @@ def test_estimate_memory_refuses_an_auto_batch_in_one_line():
         memory.memory_report(cfg)
 
 
+@pytest.mark.parametrize("world_size", ["0", "two"])
+def test_estimate_memory_under_fsdp_names_a_bad_world_size(monkeypatch, world_size):
+    import config
+
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    cfg = config.parse_args(["--estimate-memory", "--batch-size", "2", "--target-gpu", "h100", "--dist", "fsdp"])
+    with pytest.raises(UsageError, match=f"^WORLD_SIZE must be a positive integer, got '{world_size}'$"):
+        memory.memory_report(cfg)
+
+
 def test_a_states_bytes_count_whole_tensors_of_a_nested_state():
     state = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)},
              "optimizer": {"state": {0: {"step": torch.tensor(1.0), "m": [torch.zeros(5)]}}, "lr": 0.1}}
