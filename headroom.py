@@ -166,7 +166,7 @@ def first_step_bytes(cfg, model, device: torch.device, autocast_dtype: torch.dty
 def host_room(device: torch.device, info) -> Room | None:
     """free_room for this rank (the ranks of a run on one host share its RAM), agreed across ranks: the least
     of theirs, so that every rank takes the same micro-batch and refuses alike. Every rank must call it."""
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if info.mode != "none" else 1
+    ranks = (distributed.env_int("LOCAL_WORLD_SIZE", 1) or 1) if info.mode != "none" else 1
     room = free_room(device, ranks)
     if info.mode == "none":
         return room

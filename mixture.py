@@ -99,10 +99,8 @@ def check_sources(sources: list[Source]) -> None:
     seen = {}
     for source in sources:
         if os.path.isfile(source.dir):
-            out = os.path.join("data", os.path.splitext(os.path.basename(source.dir))[0] or "mine")
-            raise DataError(f"--data: {label(source)} is a file, not a directory of prepared shards: run "
-                            f"python prepare.py --input {shlex.quote(source.dir)} --out {shlex.quote(out)}, then "
-                            f"--data {shlex.quote(out)}")
+            raise DataError(f"--data: {label(source)} is a file, not a directory of prepared shards: "
+                            f"{_prepare_advice(source, sources)}")
         if not os.path.isdir(source.dir):
             raise DataError(f"--data: {label(source)}: no such directory")
         if (other := seen.setdefault(os.path.realpath(source.dir), source)) is not source:
@@ -130,6 +128,31 @@ def data_fingerprint(spec: str) -> list[list]:
     if not is_mixture(sources):
         return fingerprint(split_paths(sources[0].dir, "train"))
     return named_fingerprint([(s.name, split_paths(s.dir, "train")) for s in sources])
+
+
+def _prepare_advice(text: Source, sources: list[Source]) -> str:
+    """The commands that prepare the text file a source names and then read it: prepare.py with the tokenizer of
+    the other sources (a mixture needs one; a trained one by the tokenizer.json beside their shards), then the
+    same --data with the prepared directory in its place (weights as a ratio to the largest, which parse_data
+    takes alike)."""
+    out = os.path.join("data", os.path.splitext(os.path.basename(text.dir))[0] or "mine")
+    tokenizer = ""
+    for source in sources:
+        try:
+            record = data_record(source.dir) if os.path.isdir(source.dir) else None
+        except DataError:  # told of once the file is prepared: this advice need not say it
+            record = None
+        if record is not None:
+            file = (os.path.join(source.dir, record["tokenizer_file"]) if "tokenizer_file" in record
+                    else record["tokenizer"])
+            tokenizer = "" if file == "gpt2" else f" --tokenizer {shlex.quote(file)}"
+            break
+    data = out
+    if text.name:
+        largest = max(source.weight for source in sources)
+        data = ",".join(f"{s.name}={out if s is text else s.dir}:{s.weight / largest:g}" for s in sources)
+    return (f"run python prepare.py --input {shlex.quote(text.dir)} --out {shlex.quote(out)}{tokenizer}, then --data "
+            f"{shlex.quote(data)}")
 
 
 def record_dir(sources: list[Source]) -> str:

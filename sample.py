@@ -268,6 +268,10 @@ def print_samples(model: GPT, enc: Tokenizer, text: str, a: argparse.Namespace, 
     """Stream a.num_samples continuations of text to stdout, each from the prompt, one seeded generator across
     them all (so --seed repeats the whole set); several samples are each headed by a line of their own."""
     prompt = enc.encode(text) or [enc.eot]
+    context = model.config.max_seq_len
+    if len(prompt) > context and a.max_new_tokens > 0:  # stream reads no further back than the model was trained to
+        say(f"note: the prompt was cut to its last {context:,} tokens, the model's context (it is {len(prompt):,} "
+            f"tokens)")
     generator = torch.Generator().manual_seed(seed)
     for i in range(a.num_samples):
         if a.num_samples > 1:

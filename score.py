@@ -23,7 +23,7 @@ import torch
 from checkpoint import CheckpointError
 from cli import ArgumentParser, DataError, HelpFormatter, UsageError, closed_stdout, plural, report_error
 from config import DEVICES, EvalConfig
-from data import tokenizer_id
+from data import DEFAULT_VOCAB, padded_vocab, tokenizer_id
 from distributed import DistInfo
 from evaluation import Evaluator
 from hardware import autocast, resolve_device
@@ -31,7 +31,7 @@ from mixture import check_sources, data_fingerprint, is_mixture, label, parse_da
 from prepare import default_corpus, default_corpus_dir
 from sample import load_model, say
 from shards import data_record
-from tokenizer import load_tokenizer
+from tokenizer import TOKENIZER_FILE, load_tokenizer
 from trained import check_tokenizer, model_tokenizer, trained_meta
 
 TASKS = ("hellaswag", "bpb")
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", metavar="DIR|MIX",
                    help="bpb: the val_*.bin shards to score, a directory or a mixture as train.py --data takes it "
                         "(default: the data the checkpoint trained on, its recorded --data; an hf.py directory "
-                        "records none: the stdlib corpus, with a note)")
+                        "records none: the stdlib corpus, GPT-2's tokens, with a note)")
     p.add_argument("--hellaswag-path", default=defaults.hellaswag_path,
                    help=f"a hub dataset name or a .jsonl / .parquet file (default: {defaults.hellaswag_path})")
     p.add_argument("--tokenizer", metavar="NAME|PATH",
@@ -135,7 +135,7 @@ def prepare(a: argparse.Namespace, model, device: torch.device, data: str | None
         evaluator = Evaluator(cfg, None, DistInfo(), device, model.config.vocab_size, seed=0, tokenizer=enc)
         evaluator.load_hellaswag(seq_len, a.n)
         return evaluator
-    data = data or default_corpus()
+    data = data or scored_default_corpus(model.config.vocab_size, a.ckpt)
     sources = parse_data(data)
     check_sources(sources)
     check_tokenizer(a.ckpt, tokenizer_id(data_record(record_dir(sources))), say, "--data")
@@ -145,6 +145,21 @@ def prepare(a: argparse.Namespace, model, device: torch.device, data: str | None
     evaluator = Evaluator(cfg, data, DistInfo(), device, model.config.vocab_size, seed=0)
     evaluator.check_val(a.batch_size, seq_len)
     return evaluator
+
+
+def scored_default_corpus(vocab_size: int, ckpt: str) -> str:
+    """The default corpus's directory, built on first use, for bpb with no --data: the checkpoint trained on it
+    or records no data. DataError (one line: what to give as --data) before building it, for a model whose
+    vocabulary is not GPT-2's, which the corpus is tokenized with (so it records no data: train.py refuses such a
+    run on it); an hf.py directory is told the prepare.py command that tokenizes with its own tokenizer."""
+    if DEFAULT_VOCAB <= vocab_size <= padded_vocab(DEFAULT_VOCAB):
+        return default_corpus()
+    own = os.path.isfile(os.path.join(ckpt, TOKENIZER_FILE))
+    how = f" (python prepare.py --input TEXT --out DIR --tokenizer {ckpt}, then --data DIR)" if own else ""
+    raise DataError(f"--task bpb: {ckpt} records no training data and no --data was given, so it would score the "
+                    f"default corpus, made with the gpt2 tokenizer ({DEFAULT_VOCAB:,} ids), which the model's "
+                    f"vocabulary ({vocab_size:,} ids) does not fit: pass --data with val shards prepared with the "
+                    f"model's tokenizer{how}")
 
 
 def scored_tokens(evaluator: Evaluator, batch_size: int, seq_len: int) -> list[str]:

@@ -380,9 +380,13 @@ def _named_tokens(directory: str) -> tuple:
 
 def _from_directory(directory: str, name: str, doc_separator: str | None) -> HFTokenizer:
     path = os.path.join(directory, TOKENIZER_FILE)
-    if not os.path.exists(path):
-        raise DataError(f"{directory} has no {TOKENIZER_FILE} (the fast tokenizer's file); write one with "
-                        f"transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
+    if not os.path.exists(path) and os.path.exists(os.path.join(directory, TOKENIZER_CONFIG)):
+        raise DataError(f"--tokenizer {directory} has no {TOKENIZER_FILE} (the fast tokenizer's file); write one with "
+                        f"transformers: AutoTokenizer.from_pretrained({directory!r}).save_pretrained({directory!r})")
+    if not os.path.exists(path):  # transformers too needs tokenizer_config.json to know what other files are
+        raise DataError(f"--tokenizer {directory}: the directory holds no tokenizer files (no {TOKENIZER_FILE}, nor a "
+                        f"{TOKENIZER_CONFIG} that transformers could write one from); pass a {TOKENIZER_FILE}, a "
+                        f"directory holding one, or a tiktoken encoding such as gpt2")
     return HFTokenizer(_read_text(path), name, path, doc_separator, preferred=_named_tokens(directory))
 
 

@@ -16,11 +16,12 @@ import tiktoken
 
 import checkpoint
 from checkpoint import CheckpointError
-from cli import UsageError
-from data import data_tokenizer, same_tokenizer
+from cli import DataError, UsageError
+from data import data_tokenizer, same_tokenizer, tokenizer_id
 from fp8 import te_to_plain_state_dict
-from mixture import parse_data, record_dir
+from mixture import Source, parse_data, record_dir
 from model import GPT, ModelConfig
+from shards import data_record
 from tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
 
 
@@ -125,35 +126,57 @@ def check_tokenizer(path: str, found: dict | None, warn, flag: str = "--tokenize
     recorded = meta["tokenizer"]
     if recorded is not None and not same_tokenizer(recorded, found):
         raise UsageError(f"{path} was trained with {describe_tokenizer(recorded)}, not {describe_tokenizer(found)} "
-                         f"{_tokenizer_advice(meta, recorded['tokenizer'], flag)}")
+                         f"{_tokenizer_advice(meta, recorded, flag)}")
 
 
-def _tokenizer_advice(meta: dict, name: str, flag: str) -> str:
-    """Why a tool's tokenizer is not the one the checkpoint recorded (name), and a `flag` value that gives that one.
-    With its --data gone, no data.json says which tokenizer to take; a Hugging Face one (trained:N included) is
-    then the tokenizer.json that prepare.py wrote into each of its directories, wherever they are now."""
+def _tokenizer_advice(meta: dict, recorded: dict, flag: str) -> str:
+    """Why a tool's tokenizer is not the one the checkpoint recorded, and a `flag` value that gives that one. A
+    Hugging Face one (trained:N, which --tokenizer cannot load, included) is the tokenizer.json that prepare.py
+    wrote beside the shards of the run's --data: in the directory that still records it, or, that data gone,
+    wherever it is now. For --data, the run's --data while it still holds shards of that tokenizer."""
+    name = recorded["tokenizer"]
+    data, sources = _recorded_sources(meta)
+    present = [s.dir for s in sources if os.path.isdir(s.dir)]
     if flag != "--tokenizer":
+        if present and len(present) == len(sources) and _records(record_dir(sources), recorded):
+            return f"(the shards given were prepared with another): pass --data {data}, the data it trained on"
         return (f"(its data was prepared again since, or another tokenizer was given): pass {flag} with shards "
                 f"prepared with it ({name})")
-    gone = _missing_data(meta)
-    if gone is None:
-        return (f"(its data was prepared again since, or another tokenizer was given): pass --tokenizer with the one "
-                f"it was trained with ({name})")
-    if name in ("gpt2", *tiktoken.list_encoding_names()) or os.path.exists(name):
-        return f"(its --data {gone} is not there any more): pass --tokenizer {name}"
-    file = os.path.join(parse_data(gone)[0].dir, TOKENIZER_FILE)
-    return (f"(its --data {gone}, whose data.json named it, is not there any more): pass --tokenizer {file}, "
-            f"prepare.py's copy in that directory, from wherever it is now")
+    loadable = name in ("gpt2", *tiktoken.list_encoding_names()) or os.path.exists(name)
+    if sources and not present:
+        if loadable:
+            return f"(its --data {data} is not there any more): pass --tokenizer {name}"
+        file = os.path.join(sources[0].dir, TOKENIZER_FILE)
+        return (f"(its --data {data}, whose data.json named it, is not there any more): pass --tokenizer {file}, "
+                f"prepare.py's copy in that directory, from wherever it is now")
+    holder = None if loadable else next((d for d in present if _records(d, recorded)), None)
+    if holder is not None:
+        file = os.path.join(holder, data_record(holder).get("tokenizer_file", TOKENIZER_FILE))
+        return (f"(another tokenizer was given): pass --tokenizer {file}, prepare.py's copy beside the shards it "
+                f"trained on")
+    if name.startswith("trained:") and present:  # a name --tokenizer refuses, and no directory holds it any more
+        return (f"(its --data {data} was prepared again since, with another tokenizer): pass --tokenizer with a copy "
+                f"of the {TOKENIZER_FILE} that directory held when it trained ({name})")
+    return (f"(its data was prepared again since, or another tokenizer was given): pass --tokenizer with the one "
+            f"it was trained with ({name})")
 
 
-def _missing_data(meta: dict) -> str | None:
-    """The --data a checkpoint recorded when none of its directories is there any more, else None."""
+def _recorded_sources(meta: dict) -> tuple[str | None, list[Source]]:
+    """The --data a checkpoint recorded and its sources ([] for the default corpus, or none recorded)."""
     data = ((meta.get("train_config") or {}).get("data") or {}).get("data")
     try:
-        sources = parse_data(data) if data else []
+        return data, parse_data(data) if data else []
     except UsageError:  # a --data that a run took parses, unless its config was edited by hand
-        return None
-    return data if sources and not any(os.path.isdir(s.dir) for s in sources) else None
+        return data, []
+
+
+def _records(directory: str, recorded: dict) -> bool:
+    """Whether directory's data.json records the tokenizer `recorded` (a data.tokenizer_id)."""
+    try:
+        record = data_record(directory)
+    except DataError:  # an unreadable record holds no tokenizer to point at
+        return False
+    return record is not None and same_tokenizer(tokenizer_id(record), recorded)
 
 
 def model_tokenizer(path: str) -> Tokenizer | None:

@@ -1,14 +1,16 @@
 import json
 import os
+import shlex
 
 import numpy as np
 import pytest
 import torch
 
+import prepare
 import score
 import train
 from cli import DataError, UsageError
-from conftest import TINY_FLAGS, spawn_on_gloo
+from conftest import TINY_FLAGS, WORD_TEXT, spawn_on_gloo
 from data import ShardLoader
 from mixture import (MIX_BLOCK, MixtureLoader, Source, check_sources, open_loader, parse_data, record_dir, row_sources,
                      same_tokenizer)
@@ -84,6 +86,23 @@ def test_data_is_a_directory_or_named_weighted_sources(tmp_path):
 def test_a_mixture_that_does_not_parse_is_one_line(spec, words):
     with pytest.raises(UsageError, match=words):
         parse_data(spec)
+
+
+def test_a_text_file_in_a_mixture_is_told_the_commands_that_keep_the_mixture(tmp_path, monkeypatch, capsys):
+    """A text file given as a mixture's source: prepare it with the other sources' tokenizer (a trained one by
+    its tokenizer.json), then the same mixture with the prepared directory in its place; both, run as given,
+    give sources that check_sources takes."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs.jsonl").write_text((json.dumps({"text": WORD_TEXT}) + "\n") * 50)
+    prepare.prepare(tmp_path / "docs.jsonl", "web", val_tokens=100, train_tokenizer=300)
+    (tmp_path / "corpus.txt").write_text(WORD_TEXT)
+    with pytest.raises(DataError) as e:
+        check_sources(parse_data("web=web:2,text=corpus.txt:1"))
+    first, _, then = str(e.value).partition(": run python prepare.py ")[2].partition(", then --data ")
+    assert first == "--input corpus.txt --out data/corpus --tokenizer web/tokenizer.json", str(e.value)
+    assert then == "text=data/corpus:0.5,web=web:1"
+    assert prepare.main([*shlex.split(first), "--val-tokens", "3"]) == 0, capsys.readouterr().err
+    check_sources(parse_data(then))
 
 
 def record(tokenizer="gpt2", sha="aa", n_vocab=50257, eot=50256):

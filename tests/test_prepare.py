@@ -757,6 +757,27 @@ def test_prepare_with_a_tokenizer_json_of_over_65535_ids(word_tokenizer, tmp_pat
     assert data.data_tokenizer(str(out)).sha256 == record["tokenizer_sha256"]
 
 
+def test_an_empty_tokenizer_or_one_without_tokenizer_files_is_one_line(gpt2, tmp_path, capsys):
+    """--tokenizer "" (an unset shell variable, say) is refused, not taken as gpt2; a directory without tokenizer
+    files is said to hold none. Each followed as advised prepares: the flag left out, a tokenizer.json put there."""
+    (tmp_path / "doc.txt").write_text(WORD_TEXT)
+    (tmp_path / "tok").mkdir()
+    out = tmp_path / "out"
+    args = ["--input", str(tmp_path / "doc.txt"), "--out", str(out), "--val-tokens", "3"]
+    assert prepare.main([*args, "--tokenizer", ""]) == 2
+    assert capsys.readouterr().err == ("error: argument --tokenizer: is empty: name a tokenizer, or leave the flag "
+                                       "out for gpt2, the default\n")
+    assert not out.exists()
+    assert prepare.main(args) == 0 and shards.data_record(str(out))["tokenizer"] == "gpt2"
+    assert prepare.main([*args, "--overwrite", "--tokenizer", str(tmp_path / "tok")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: --tokenizer {tmp_path / 'tok'}: the directory holds no "
+                                                   "tokenizer files (no tokenizer.json, "), err
+    write_word_tokenizer(tmp_path / "tok" / "tokenizer.json", WORD_TEXT.split(), size=100)
+    assert prepare.main([*args, "--overwrite", "--tokenizer", str(tmp_path / "tok")]) == 0
+    assert shards.data_record(str(out))["n_vocab"] == 101
+
+
 def test_prepare_cli_tokenizer_mistakes_are_one_line(tmp_path, capsys):
     no_separator = write_word_tokenizer(tmp_path / "words.json", WORD_TEXT.split(), size=100, separator="[SEP]")
     (tmp_path / "bad.json").write_text('{"not": "a tokenizer"}')

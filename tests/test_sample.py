@@ -430,3 +430,18 @@ def test_cli_says_when_a_sample_ended_at_end_of_text(tmp_path, capsys, monkeypat
     code, out, err = run_cli(capsys, "--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", "A", "--greedy")
     assert code == 0 and out == "AHello,\n"
     assert err == "(sample 1 ended at the end-of-text token after 2 of 8 tokens)\n"  # run_cli asks for 8
+
+
+def test_cli_says_when_the_prompt_is_cut_to_the_models_context(tmp_path, capsys):
+    """A prompt longer than the model's context (32 tokens here) is read from its last 32: said on stderr, once;
+    one that fits, or one that nothing is generated after, is not."""
+    model = gpt2_sized()
+    write_checkpoint(tmp_path / "ckpt.pt", model)
+    code, out, err = run_cli(capsys, "--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", " Hello" * 40, "--greedy")
+    assert code == 0 and out == greedy_text(model, " Hello" * 40)
+    assert err == "note: the prompt was cut to its last 32 tokens, the model's context (it is 40 tokens)\n"
+    code, _, err = run_cli(capsys, "--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", " Hello" * 32, "--greedy")
+    assert code == 0 and err == ""
+    assert sample.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", " Hello" * 40, "--greedy", "--device",
+                        "cpu", "--max-new-tokens", "0"]) == 0
+    assert capsys.readouterr().err == ""

@@ -20,7 +20,8 @@ import prepare
 import score
 import train
 from cli import DataError, UsageError
-from conftest import REPO, TINY_FLAGS, gpt2_model, write_tiny_shards
+from conftest import REPO, TINY_FLAGS, WORD_TEXT, gpt2_model, write_checkpoint, write_tiny_shards
+from data import tokenizer_id
 from evaluation import load_hellaswag
 from loss import IGNORE_INDEX
 from model import GPT, QWEN3_VALUES, ModelConfig
@@ -214,3 +215,30 @@ def test_hellaswag_is_encoded_with_the_tokenizer_the_model_trained_with(word_tok
 def test_a_missing_task_is_one_line_that_names_the_choices(capsys):
     assert score.main(["--ckpt", "anything.pt"]) == 2
     assert capsys.readouterr().err == f"error: --task is required: choose one of {', '.join(score.TASKS)}\n"
+
+
+def test_score_bpb_of_an_export_of_another_vocabulary_with_no_data_says_what_data_to_give(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """An hf.py directory records no training data: with no --data, bpb would score the default corpus, whose
+    GPT-2 ids do not fit a trained tokenizer's model. One line, before building that corpus, with the prepare.py
+    command that tokenizes with the export's tokenizer; followed, it scores."""
+    (tmp_path / "docs.jsonl").write_text((json.dumps({"text": WORD_TEXT}) + "\n") * 50)
+    record = prepare.prepare(tmp_path / "docs.jsonl", tmp_path / "data", val_tokens=100, train_tokenizer=300)
+    model = GPT(ModelConfig(vocab_size=record["n_vocab"], n_layer=1, n_head=2, n_kv_head=1, n_embd=16,
+                            max_seq_len=32))
+    ckpt, export = str(tmp_path / "ckpt.pt"), str(tmp_path / "hf")
+    write_checkpoint(ckpt, model, {"data": {"data": str(tmp_path / "data")}}, tokenizer_id(record))
+    assert hf.main(["--ckpt", ckpt, "--out", export]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(score, "default_corpus", lambda: pytest.fail("the default corpus was built"))
+    args = ["--ckpt", export, "--task", "bpb", "--n", "32", "--batch-size", "1", "--device", "cpu"]
+    assert score.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: --task bpb: {export} records no training data and no "
+                                                   "--data was given, so it would score the default corpus, "), err
+    command = err.partition("(python prepare.py ")[2].partition(", then --data DIR)")[0]
+    assert command == f"--input TEXT --out DIR --tokenizer {export}", err
+    (tmp_path / "text.txt").write_text(WORD_TEXT + "\n\n" + WORD_TEXT)
+    given = command.replace("TEXT", str(tmp_path / "text.txt")).replace("DIR", str(tmp_path / "mine")).split()
+    assert prepare.main([*given, "--val-tokens", "40"]) == 0
+    assert score.main([*args, "--data", str(tmp_path / "mine")]) == 0, capsys.readouterr().err

@@ -138,6 +138,23 @@ def test_a_missing_path_is_no_such_file_not_a_hub_name(spec, tmp_path, monkeypat
     assert str(e.value) == f"--tokenizer {spec}: no such file or directory"
 
 
+def test_a_directory_of_slow_tokenizer_files_is_told_how_to_write_tokenizer_json(tmp_path):
+    """transformers' files without tokenizer.json: the call that converts them, which, run as given, gives a
+    directory that loads."""
+    from transformers import AutoTokenizer
+
+    vocab = {token: i for i, token in enumerate(["a", "b", "c", "ab", "<|endoftext|>"])}
+    (tmp_path / "vocab.json").write_text(json.dumps(vocab))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    with pytest.raises(DataError) as e:
+        tokenizer.load_tokenizer(str(tmp_path))
+    call = str(e.value).partition("write one with transformers: ")[2]
+    assert call.startswith("AutoTokenizer.from_pretrained("), str(e.value)
+    eval(call, {"AutoTokenizer": AutoTokenizer})
+    assert tokenizer.load_tokenizer(str(tmp_path)).n_vocab == 5
+
+
 def test_a_trained_tokenizers_recorded_name_says_where_the_tokenizer_is():
     """trained:N, as data.json and checkpoints record prepare.py --train-tokenizer, names no file: the way to it."""
     with pytest.raises(DataError) as e:

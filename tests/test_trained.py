@@ -126,3 +126,43 @@ def test_a_run_whose_trained_tokenizers_data_is_gone_is_told_where_its_tokenizer
         err = capsys.readouterr().err
         assert err.endswith("pass --tokenizer DIR/tokenizer.json\n") and err.count("\n") == 1, err
         assert main([*argv, "--tokenizer", advice.replace(str(data), str(moved))]) == 0, capsys.readouterr().err
+
+
+def test_a_run_whose_trained_tokenizers_data_is_there_is_told_its_tokenizer_json_and_data(tmp_path, capsys):
+    """Data prepared with --train-tokenizer (trained:N, a name --tokenizer refuses), still where the run read it:
+    another --tokenizer is refused with the tokenizer.json in that directory, other shards to score with that
+    directory as --data; each followed as it is given samples, exports and scores."""
+    import sample
+    import score
+
+    (tmp_path / "docs.jsonl").write_text((json.dumps({"text": WORD_TEXT}) + "\n") * 50)
+    data, other = tmp_path / "data", tmp_path / "other"
+    record = prepare.prepare(tmp_path / "docs.jsonl", data, val_tokens=100, train_tokenizer=300)
+    prepare.prepare(tmp_path / "docs.jsonl", other, val_tokens=100, train_tokenizer=290)
+    model = GPT(ModelConfig(vocab_size=record["n_vocab"], n_layer=1, n_head=2, n_kv_head=1, n_embd=16,
+                            max_seq_len=32))
+    ckpt = str(tmp_path / "ckpt.pt")
+    write_checkpoint(ckpt, model, {"data": {"data": str(data)}}, tokenizer_id(record))
+    capsys.readouterr()
+
+    commands = {"sample": (sample.main, ["--ckpt", ckpt, "--prompt", "the cat", "--max-new-tokens", "3", "--greedy",
+                                         "--device", "cpu", "--tokenizer", "gpt2"]),
+                "export": (hf.main, ["--ckpt", ckpt, "--out", str(tmp_path / "hf"), "--tokenizer", "gpt2"]),
+                "hellaswag": (score.main, ["--ckpt", ckpt, "--task", "hellaswag", "--hellaswag-path",
+                                           HELLASWAG_FIXTURE, "--n", "1", "--device", "cpu", "--tokenizer", "gpt2"]),
+                "bpb": (score.main, ["--ckpt", ckpt, "--task", "bpb", "--n", "64", "--batch-size", "1", "--device",
+                                     "cpu", "--data", str(other)])}
+    for name, (main, argv) in commands.items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {ckpt} was trained with the tokenizer trained:300 "), err
+        flag = argv[-2]
+        value = err[0].partition(f"pass {flag} ")[2].split(",")[0]
+        assert value == str(data / "tokenizer.json" if flag == "--tokenizer" else data), err[0]
+        assert main([*argv[:-1], value]) == 0, (name, capsys.readouterr().err)
+        capsys.readouterr()
+    prepare.prepare(tmp_path / "docs.jsonl", data, val_tokens=100, train_tokenizer=290, overwrite=True)
+    assert sample.main(commands["sample"][1][:-2]) == 2  # no copy of trained:300 is left to point at
+    assert capsys.readouterr().err.endswith(f"(its --data {data} was prepared again since, with another tokenizer): "
+                                            "pass --tokenizer with a copy of the tokenizer.json that directory held "
+                                            "when it trained (trained:300)\n")
