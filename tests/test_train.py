@@ -69,7 +69,7 @@ def test_start_up_checks_the_machine_with_the_flags(tmp_path, monkeypatch, capsy
     (["--no-such-flag"], "unrecognized arguments"),
     (["--max-steps", "10", "--max-tokens", "100"], "not both"),
     (["--grad-accum", "2", "--total-batch-tokens", "4096"], "not both"),
-    (["--n-head", "6", "--n-kv-head", "4"], "n_kv_head"),
+    (["--n-head", "6", "--n-kv-head", "4"], "--n-kv-head"),
     (["--batch-size", "0"], "--batch-size"),
     (["--dtype", "fp8"], "invalid choice"),
 ])
