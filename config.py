@@ -562,8 +562,11 @@ def check_resume(saved: dict, cfg: Config) -> list[str]:
     warning. UsageError for changes a run cannot survive: the model's shape (its weights would not load) and
     the optimizer (its state would not). Keys a checkpoint from an older version lacks are not compared."""
     changes = [change for change in changed_keys(saved, to_dict(cfg)) if change[0] not in INVOCATION_KEYS]
-    fatal = [c for c in changes if c[0] == "optim.name" or
-             (c[0].startswith("model.") and c[0][6:] not in ("max_seq_len", *INIT_ONLY_FIELDS))]
+    # Under --from-hf the model is the directory's, checked against the checkpoint's weights' own record
+    # (checkpoint.config_changes); a run started before the flags took it from there recorded the default shape.
+    shape_fixed = not cfg.ckpt.from_hf
+    fatal = [c for c in changes if c[0] == "optim.name" or (shape_fixed and c[0].startswith("model.") and
+                                                          c[0][6:] not in ("max_seq_len", *INIT_ONLY_FIELDS))]
     if fatal:
         raise UsageError("--resume: the checkpoint was trained with settings that cannot change within a run: "
                          + ", ".join(map(describe_change, fatal)))

@@ -63,6 +63,9 @@ def check_launch(mode: str) -> str | None:
         env_int("MASTER_PORT", 1, 65536)
     given = [name for name in ("RANK", "WORLD_SIZE") if os.environ.get(name)]
     missing = [name for name in LAUNCH_ENV if not os.environ.get(name)]
+    if given and missing == ["LOCAL_RANK"] and (mode != "none" or size > 1):  # srun and other launchers
+        return ("LOCAL_RANK is not set: a launcher other than torchrun must set it too, each process's rank on its "
+                "node (under srun, LOCAL_RANK=$SLURM_LOCALID)")
     if given and missing and (mode != "none" or size > 1):
         return (f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} set but not {', '.join(missing)}: "
                 f"start each rank with torchrun, e.g. {torchrun_example(size, mode)}, or unset {' and '.join(given)}"
@@ -75,7 +78,8 @@ def check_launch(mode: str) -> str | None:
 
 
 def torchrun_example(size: int, mode: str) -> str:
-    return f"torchrun --nproc_per_node={max(size, 2)} train.py --dist {'ddp' if mode == 'none' else mode} ..."
+    """A torchrun command for advice: one node's worth of ranks (a world spread over nodes needs --nnodes too)."""
+    return f"torchrun --nproc_per_node={min(max(size, 2), 8)} train.py --dist {'ddp' if mode == 'none' else mode} ..."
 
 
 def init(mode: str, device_type: str, timeout_s: float = 600.0) -> DistInfo:

@@ -191,15 +191,25 @@ def _staging_dirs(out_dir: str) -> list[str]:
     return sorted(p for p in glob.glob(os.path.join(glob.escape(out_dir), STAGING_PREFIX + "*")) if os.path.isdir(p))
 
 
+def _unlocked(directory: str) -> bool:
+    """Whether no process holds directory locked (lock_directory): a staging directory of a killed export."""
+    fd = lock_directory(directory)
+    if fd is None:
+        return False
+    os.close(fd)
+    return True
+
+
 def check_target(out_dir: str, overwrite: bool) -> None:
     """ValueError (one line) for a directory the export must not write into: a file, or a directory that is
     not empty, unless overwrite. A stray file beside a model confuses its readers (another exporter's shard
     index is read before model.safetensors), and --out . by mistake should not litter a source tree. Staging
-    directories (STAGING_PREFIX) are the exporter's own, not the user's: a killed export's does not count."""
+    directories (STAGING_PREFIX) are the exporter's own: a killed export's does not count, a running one's
+    (locked) does, so that two exports never run into one directory at once."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ValueError(f"{out_dir} exists and is not a directory")
-    staging = {os.path.basename(p) for p in _staging_dirs(out_dir)}
-    held = sorted(set(os.listdir(out_dir)) - staging) if os.path.isdir(out_dir) else []
+    killed = {os.path.basename(p) for p in _staging_dirs(out_dir) if _unlocked(p)}  # a running export's counts
+    held = sorted(set(os.listdir(out_dir)) - killed) if os.path.isdir(out_dir) else []
     if held and not overwrite:
         shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
         raise ValueError(f"{out_dir} is not empty ({shown}); pass --overwrite to replace an earlier export there "

@@ -42,6 +42,7 @@ REPORT_FILE, CURVES_FILE, SUMMARY_FILE = "report.md", "curves.png", "summary.jso
 # What a run records of itself, besides its checkpoints: all that a run stopped before its first checkpoint
 # leaves, which a fresh run there replaces without --overwrite (nothing to resume, nothing lost).
 RECORDS = (METRICS_FILE, REPORT_FILE, CURVES_FILE, SUMMARY_FILE, TENSORBOARD_DIR, TRACE_FILE)
+CONFIG_READ_LIMIT = 1 << 20  # a run's config.toml is a few KiB; reading a huge file of that name is never needed
 
 
 class NothingToDo(Exception):
@@ -86,15 +87,13 @@ class RunLock:
         """Release for a run refused at start-up: a directory that claim created goes too, when nothing but
         the lock is in it, so that a refused command leaves nothing behind (a later one finds no stray
         directory)."""
-        self.release()
-        if not self.created:
-            return
-        try:
-            if os.listdir(self.out_dir) == [LOCK_FILE]:
+        try:  # while still locked: a claim that opened the lock file meanwhile waits on it, then is refused
+            if self.created and os.listdir(self.out_dir) == [LOCK_FILE]:
                 os.remove(self.path)
                 os.rmdir(self.out_dir)
         except OSError:  # gone already, or something else is there now: it stays
             pass
+        self.release()
 
 
 def run_outputs(out_dir: str, checkpoints: list[str]) -> list[str]:
@@ -131,22 +130,22 @@ def misplaced(out_dir: str, sharded: bool) -> str | None:
 
 
 def runs_config(path: str) -> bool:
-    """Whether path, an OUT/config.toml, was written by a run: to_toml puts the settings digest on its second
-    line (config.DIGEST_LINE), kept through hand edits; a file the user wrote has none."""
+    """Whether path, an OUT/config.toml, was written by a run: to_toml writes a settings digest line
+    (config.DIGEST_LINE), kept through hand edits, wherever they move it; a file the user wrote has none."""
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
-            head = [f.readline(4096) for _ in range(2)]
+            text = f.read(CONFIG_READ_LIMIT)
     except OSError:
         return False
-    return any(line.startswith(config.DIGEST_LINE) for line in head)
+    return any(line.startswith(config.DIGEST_LINE) for line in text.splitlines())
 
 
 def left_by_no_run(out_dir: str, outputs: list[str]) -> list[str]:
-    """What a fresh run in out_dir, which holds `outputs` (run_outputs') and no checkpoint (decide_resume has
-    refused those), would replace although no run left it: a config.toml without a run's digest (runs_config),
-    and RECORDS with neither a metrics.jsonl nor a run's config.toml beside them (a run writes its config.toml
-    before any record, and its report after its metrics.jsonl). These are the user's: --overwrite alone
-    replaces them."""
+    """What a fresh run in out_dir, which holds `outputs` (run_outputs') and no checkpoint (claim asks only
+    then, and before decide_resume, whose advice assumes a run there), would replace although no run left it:
+    a config.toml without a run's digest (runs_config), and RECORDS with neither a metrics.jsonl nor a run's
+    config.toml beside them (a run writes its config.toml before any record, and its report after its
+    metrics.jsonl). These are the user's: --overwrite alone replaces them."""
     path = os.path.join(out_dir, CONFIG_FILE)
     config_there = os.path.isfile(path)
     foreign = [path] if config_there and not runs_config(path) else []
@@ -229,14 +228,15 @@ def claim(ckpt_cfg, sharded: bool = False, config_file: str | None = None) -> tu
     try:
         checkpoints = list_checkpoints(out_dir)
         outputs = run_outputs(out_dir, checkpoints)
-        resume = decide_resume(out_dir, outputs, bool(checkpoints), ckpt_cfg.resume, ckpt_cfg.overwrite,
-                               config_file)
-        foreign = [] if resume or ckpt_cfg.overwrite else left_by_no_run(out_dir, outputs)
+        # Before decide_resume, whose advice for a directory without a checkpoint assumes a run's records there
+        foreign = [] if checkpoints or ckpt_cfg.overwrite else left_by_no_run(out_dir, outputs)
         if foreign:
             names = ", ".join(os.path.basename(path) for path in foreign)
             raise UsageError(f"--out-dir {out_dir} holds {names}, which no run left there (a run's config.toml "
                              f"has a settings digest, its records a {METRICS_FILE}): move them aside (--config "
                              "reads a file from anywhere) or pass --overwrite to replace them")
+        resume = decide_resume(out_dir, outputs, bool(checkpoints), ckpt_cfg.resume, ckpt_cfg.overwrite,
+                               config_file)
     except UsageError:
         lock.abandon()
         raise

@@ -15,6 +15,7 @@ import loop
 import telemetry
 from cli import UsageError
 from config import Config
+from model import ModelConfig
 from conftest import TINY_FLAGS
 from option import flag_name
 from test_structure import import_graph, product_files
@@ -361,3 +362,15 @@ def test_model_flags_with_from_hf_are_refused_naming_each():
     assert config.from_hf_conflicts({"model.n_layer": 3}, None) == []
     with pytest.raises(UsageError, match=r"^--n-layer: --from-hf hf gives the model; leave --n-layer out$"):
         config.parse_args(["--from-hf", "hf", "--n-layer", "3"])
+
+
+def test_a_from_hf_run_resumes_though_its_checkpoint_recorded_another_shape():
+    """Runs started before --from-hf gave the flags the directory's model recorded the default shape; the
+    weights' own record (checkpoint.config_changes) is what the resume checks the shape against."""
+    saved = config.to_dict(config.parse_args(["--from-hf", "hf"]))
+    exported = ModelConfig(n_layer=2, n_embd=64, n_head=4, n_kv_head=2)
+    now = dataclasses.replace(config.parse_args(["--from-hf", "hf"]), model=exported)
+    assert any(change.startswith("model.n_layer") for change in config.check_resume(saved, now))
+    plain = dataclasses.replace(config.parse_args([]), model=exported)
+    with pytest.raises(UsageError, match="cannot change within a run: model"):
+        config.check_resume(config.to_dict(config.parse_args([])), plain)

@@ -290,6 +290,8 @@ FULL_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "1
      "start each rank with torchrun, e.g. torchrun --nproc_per_node=4 train.py --dist fsdp ..., or unset "
      "WORLD_SIZE and pass --dist none to train in one process"),
     (FULL_ENV, "none", "launched with 2 processes but --dist none; pass --dist ddp or --dist fsdp"),
+    ({**FULL_ENV, "LOCAL_RANK": "", "WORLD_SIZE": "16"}, "ddp", "LOCAL_RANK is not set: a launcher other than "
+     "torchrun must set it too, each process's rank on its node (under srun, LOCAL_RANK=$SLURM_LOCALID)"),
     ({}, "ddp", "--dist ddp needs torchrun, e.g. torchrun --nproc_per_node=2 train.py --dist ddp ..."),
     (FULL_ENV, "ddp", None),
     ({"RANK": "0", "WORLD_SIZE": "1"}, "none", None),  # a one-process run that a launcher's variables leave alone

@@ -453,9 +453,10 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(tmp_path, capsys, monk
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
 
 
-def test_a_killed_exports_staging_directory_does_not_block_a_plain_rerun_and_goes(tmp_path):
+def test_a_killed_exports_staging_directory_does_not_block_a_plain_rerun_and_goes(tmp_path, capsys):
     """The staging directory an export killed halfway leaves is the exporter's, not the user's: a rerun without
-    --overwrite goes ahead and removes it; a running export's (held locked) is left alone."""
+    --overwrite goes ahead and removes it. A running export's (held locked) is left alone, and a second export
+    into that directory is refused meanwhile: two at once could mix their files."""
     write_checkpoint(tmp_path / "ckpt.pt", tiny_model(True))
     out = tmp_path / "hf"
     killed, running = out / f"{hf.STAGING_PREFIX}killed", out / f"{hf.STAGING_PREFIX}running"
@@ -464,10 +465,13 @@ def test_a_killed_exports_staging_directory_does_not_block_a_plain_rerun_and_goe
         (staging / "model.safetensors").write_bytes(b"half")
     held = atomic.lock_directory(str(running))  # as a running export holds its own
     try:
-        assert hf.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out)]) == 0
+        assert hf.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out)]) == 2
     finally:
         os.close(held)
-    assert not killed.exists() and (running / "model.safetensors").read_bytes() == b"half"
+    assert f"is not empty ({hf.STAGING_PREFIX}running)" in capsys.readouterr().err
+    assert (running / "model.safetensors").read_bytes() == b"half"
+    assert hf.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(out)]) == 0  # both killed now: both go
+    assert not killed.exists() and not running.exists()
     assert load_hf(str(out))[0] == tiny_model(True).config
 
 

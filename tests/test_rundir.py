@@ -267,3 +267,16 @@ def test_a_command_refused_at_start_up_leaves_no_directory_it_created(tiny_data,
     with pytest.raises(UsageError):
         rundir.claim(CheckpointConfig(out_dir=str(out), resume="on"))
     assert sorted(os.listdir(out)) == [".lock", "notes"]
+
+
+def test_resume_in_a_directory_of_the_users_files_says_they_are_not_a_run(tmp_path):
+    (tmp_path / "report.md").write_text("mine")
+    with pytest.raises(UsageError, match=r"holds report.md, which no run left there"):
+        rundir.claim(CheckpointConfig(out_dir=str(tmp_path), resume="on"))
+
+
+def test_a_runs_config_is_known_by_its_digest_wherever_an_edit_moved_it(tmp_path):
+    config.write_config(config.parse_args([]), str(tmp_path / "config.toml"))
+    text = (tmp_path / "config.toml").read_text()
+    (tmp_path / "config.toml").write_text("# my notes on this run\n\n" + text)
+    assert rundir.runs_config(str(tmp_path / "config.toml"))
