@@ -36,7 +36,7 @@ from progress import Progress
 from shards import CORPUS_MARKER, DATA_RECORD, TOKEN_DTYPES, data_record, shard_version, write_data_record, write_shard
 from sources import TEXT_FIELD, file_pieces, source_pieces
 from tokenizer import (TOKENIZER_FILE, TRAINED_SEPARATOR, TRAINED_TOKEN_BYTES, Tokenizer, TrainingText, load_tokenizer,
-                       train_bpe)
+                       tokenizer_flag, train_bpe)
 
 ENCODE_CHARS_PER_THREAD = 4 << 20  # characters read but not yet taken back encoded, per tokenizer thread
 ENCODE_BATCH_CHARS = 1 << 16  # characters a tokenizer thread encodes as one task: small, so threads end together
@@ -556,7 +556,7 @@ def build_parser() -> ArgumentParser:
                              "shards are in DIR.partial-PID)")
     tokenizer = parser.add_mutually_exclusive_group()
     # No default value here, so that an explicit --tokenizer gpt2 also excludes --train-tokenizer.
-    tokenizer.add_argument("--tokenizer", type=_tokenizer_name, metavar="NAME|PATH",
+    tokenizer.add_argument("--tokenizer", type=tokenizer_flag, metavar="NAME|PATH",
                            help="a tiktoken encoding (gpt2 works offline via the package index; cl100k_base, "
                                 "o200k_base, ...), a tokenizer.json, a Hugging Face tokenizer directory (with its "
                                 "tokenizer.json), or a hub name owner/name already in the local Hugging Face cache "
@@ -609,12 +609,6 @@ def _add_document_arguments(parser: ArgumentParser) -> None:
     parser.add_argument("--hf-split", metavar="SPLIT",
                         help="the split of a Hugging Face dataset, on the hub or a save_to_disk DatasetDict "
                              "(default: train)")
-
-
-def _tokenizer_name(text: str) -> str:
-    if not text:  # an unset shell variable, say: not to be taken as the default without a word
-        raise argparse.ArgumentTypeError("is empty: name a tokenizer, or leave the flag out for gpt2, the default")
-    return text
 
 
 def _documents_mode(text: str) -> str | int:

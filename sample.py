@@ -29,7 +29,7 @@ from hardware import resolve_device
 from hf import load_hf
 from hf_layout import check_names
 from model import GPT, KVCache
-from tokenizer import Tokenizer, check_model_vocab, load_tokenizer
+from tokenizer import Tokenizer, check_model_vocab, load_tokenizer, tokenizer_flag
 from trained import check_tokenizer, is_run_directory, model_tokenizer, read_ckpt
 
 # Below this, sampling is greedy anyway (at 1e-4 a logit gap of 0.01 already means odds of e^100), and far
@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--greedy", action="store_true", help="always the most likely token (--temperature 0)")
     p.add_argument("--seed", type=int, help="the sampling seed (default: a fresh one, printed on stderr)")
     p.add_argument("--device", default="auto", choices=DEVICES, help="where the model runs")
-    p.add_argument("--tokenizer", metavar="NAME|PATH",
+    p.add_argument("--tokenizer", type=tokenizer_flag, metavar="NAME|PATH",
                    help="the tokenizer the model was trained with, as prepare.py --tokenizer takes it (default: "
                         "the one its training data records, or the --hf directory's; else GPT-2's)")
     return p

@@ -31,7 +31,7 @@ from mixture import check_sources, data_fingerprint, is_mixture, label, parse_da
 from prepare import default_corpus, default_corpus_dir
 from sample import load_model, say
 from shards import data_record
-from tokenizer import TOKENIZER_FILE, load_tokenizer
+from tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_flag
 from trained import check_tokenizer, model_tokenizer, trained_meta
 
 TASKS = ("hellaswag", "bpb")
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "records none: the stdlib corpus, GPT-2's tokens, with a note)")
     p.add_argument("--hellaswag-path", default=defaults.hellaswag_path,
                    help=f"a hub dataset name or a .jsonl / .parquet file (default: {defaults.hellaswag_path})")
-    p.add_argument("--tokenizer", metavar="NAME|PATH",
+    p.add_argument("--tokenizer", type=tokenizer_flag, metavar="NAME|PATH",
                    help="hellaswag: the tokenizer the model was trained with, as prepare.py --tokenizer takes it "
                         "(default: the one its training data's data.json records, else GPT-2's)")
     p.add_argument("--batch-size", type=int, default=16, help="bpb: sequences per forward (default: 16)")

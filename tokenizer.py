@@ -12,6 +12,7 @@ text a tokenizer trains on (prepare.py --train-tokenizer), and a tokenizer writt
 (vocab.json and merges.txt, tokenizer.json) for hf.py's export.
 """
 
+import argparse
 import functools
 import glob
 import hashlib
@@ -406,6 +407,14 @@ def _names_a_path(spec: str) -> bool:
     a .json file, a path from the root, home or current directory, or one under something that is there."""
     parent = os.path.dirname(spec)
     return spec.endswith(".json") or spec.startswith(("/", "~", "./", "../")) or bool(parent) and os.path.exists(parent)
+
+
+def tokenizer_flag(text: str) -> str:
+    """argparse type of every --tokenizer: an empty one (an unset shell variable, say) is not taken for the
+    default without a word."""
+    if not text:
+        raise argparse.ArgumentTypeError("is empty: name a tokenizer, or leave the flag out for the default")
+    return text
 
 
 def load_tokenizer(spec: str = "gpt2", doc_separator: str | None = None) -> Tokenizer:

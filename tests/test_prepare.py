@@ -766,7 +766,7 @@ def test_an_empty_tokenizer_or_one_without_tokenizer_files_is_one_line(gpt2, tmp
     args = ["--input", str(tmp_path / "doc.txt"), "--out", str(out), "--val-tokens", "3"]
     assert prepare.main([*args, "--tokenizer", ""]) == 2
     assert capsys.readouterr().err == ("error: argument --tokenizer: is empty: name a tokenizer, or leave the flag "
-                                       "out for gpt2, the default\n")
+                                       "out for the default\n")
     assert not out.exists()
     assert prepare.main(args) == 0 and shards.data_record(str(out))["tokenizer"] == "gpt2"
     assert prepare.main([*args, "--overwrite", "--tokenizer", str(tmp_path / "tok")]) == 2

@@ -445,3 +445,12 @@ def test_cli_says_when_the_prompt_is_cut_to_the_models_context(tmp_path, capsys)
     assert sample.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", " Hello" * 40, "--greedy", "--device",
                         "cpu", "--max-new-tokens", "0"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_an_empty_tokenizer_is_refused_not_taken_for_the_default(capsys):
+    import sample
+    try:
+        code = sample.main(["--tokenizer", ""])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2 and "--tokenizer: is empty" in capsys.readouterr().err
