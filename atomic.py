@@ -64,3 +64,11 @@ def lock_directory(directory: str) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def in_the_way(path: str, lexists=os.path.exists) -> str | None:
+    """What is at path that a file written there cannot replace ("a directory", "not a regular file"), or None
+    (nothing there, or a file). lexists: os.path.lexists to count a dangling symlink as in the way."""
+    if not lexists(path) or os.path.isfile(path):
+        return None
+    return "a directory" if os.path.isdir(path) else "not a regular file"

@@ -97,7 +97,7 @@ def check_vocab(model_vocab: int, data_dir: str) -> str | None:
         return str(e)
     if record is not None:
         n_vocab, padded = record["n_vocab"], padded_vocab(record["n_vocab"])
-        if n_vocab <= model_vocab <= padded:
+        if fits_vocab(model_vocab, n_vocab):
             return None
         return (f"the model's vocabulary ({model_vocab:,} ids) does not fit the shards in {data_dir}: they were "
                 f"made with the {record['tokenizer']} tokenizer ({n_vocab:,} ids; a model may pad that to "
@@ -107,6 +107,11 @@ def check_vocab(model_vocab: int, data_dir: str) -> str | None:
                 f"are 16-bit, so their tokenizer has at most {limit:,} ids (they record none: no {DATA_RECORD}); "
                 f"prepare the data with the model's tokenizer (prepare.py --tokenizer)")
     return None
+
+
+def fits_vocab(model_vocab: int, n_vocab: int) -> bool:
+    """Whether a model's vocabulary holds a tokenizer's n_vocab ids, padded at most to padded_vocab's."""
+    return n_vocab <= model_vocab <= padded_vocab(n_vocab)
 
 
 def padded_vocab(n_vocab: int) -> int:

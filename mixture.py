@@ -27,6 +27,7 @@ import numpy as np
 from cli import DataError, UsageError
 from data import (GPT2_EOT, PACK_BUFFER_DOCS, BatchStream, Position, ShardLoader, check_split, check_state, check_vocab,
                   data_record, fingerprint, split_paths, vocab_from_data)
+from tokenizer import recorded_tokenizer_spec
 
 SOURCE_NAME = re.compile(r"[A-Za-z0-9_.-]+")  # it becomes a metric name: val_loss/NAME, epoch/NAME
 MIX_BLOCK = 4096  # rows drawn from one seeded generator: a step reads a block or two, never the rows before it
@@ -143,8 +144,7 @@ def _prepare_advice(text: Source, sources: list[Source]) -> str:
         except DataError:  # told of once the file is prepared: this advice need not say it
             record = None
         if record is not None:
-            file = (os.path.join(source.dir, record["tokenizer_file"]) if "tokenizer_file" in record
-                    else record["tokenizer"])
+            file = recorded_tokenizer_spec(record, source.dir)
             tokenizer = "" if file == "gpt2" else f" --tokenizer {shlex.quote(file)}"
             break
     data = out

@@ -22,7 +22,7 @@ import torch
 
 import config
 import hardware
-from atomic import atomic_write, replace_with
+from atomic import atomic_write, in_the_way, replace_with
 from cli import ArgumentParser, UsageError, WriteError, first_line, report_error
 from option import flag_name
 from progress import duration
@@ -293,8 +293,7 @@ def check_targets(out_dir: str, names: list[str]) -> None:
     another thing that is not a file: the report would stop half written (curves.png new, report.md old)."""
     for name in names:
         path = os.path.join(out_dir, name)
-        if os.path.exists(path) and not os.path.isfile(path):
-            kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        if kind := in_the_way(path):
             raise UsageError(f"{path} is {kind}, which the report would replace; move it aside to write the "
                              "report (nothing was written)")
 

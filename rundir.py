@@ -30,6 +30,7 @@ import sys
 
 import config
 import distributed
+from atomic import in_the_way
 from checkpoint import DIGEST_SUFFIX, best_path, list_checkpoints, remove
 from cli import DataError, UsageError
 from prepare import default_corpus
@@ -120,8 +121,7 @@ def misplaced(out_dir: str, sharded: bool) -> str | None:
     files = [os.path.join(out_dir, LOCK_FILE), os.path.join(out_dir, TRACE_FILE), *replaced]
     files += [f"{path}.tmp" for path in replaced]
     for path in files:
-        if os.path.lexists(path) and not os.path.isfile(path):
-            kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        if kind := in_the_way(path, os.path.lexists):
             return f"{path} is {kind}, where this run writes a file"
     for path in [best, f"{best}.tmp"] if sharded else []:
         if os.path.lexists(path) and not os.path.isdir(path):

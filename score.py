@@ -23,7 +23,7 @@ import torch
 from checkpoint import CheckpointError
 from cli import ArgumentParser, DataError, HelpFormatter, UsageError, closed_stdout, plural, report_error
 from config import DEVICES, EvalConfig
-from data import DEFAULT_VOCAB, padded_vocab, tokenizer_id
+from data import DEFAULT_VOCAB, fits_vocab, tokenizer_id
 from distributed import DistInfo
 from evaluation import Evaluator
 from hardware import autocast, resolve_device
@@ -152,7 +152,7 @@ def scored_default_corpus(vocab_size: int, ckpt: str) -> str:
     or records no data. DataError (one line: what to give as --data) before building it, for a model whose
     vocabulary is not GPT-2's, which the corpus is tokenized with (so it records no data: train.py refuses such a
     run on it); an hf.py directory is told the prepare.py command that tokenizes with its own tokenizer."""
-    if DEFAULT_VOCAB <= vocab_size <= padded_vocab(DEFAULT_VOCAB):
+    if fits_vocab(vocab_size, DEFAULT_VOCAB):
         return default_corpus()
     own = os.path.isfile(os.path.join(ckpt, TOKENIZER_FILE))
     how = f" (python prepare.py --input TEXT --out DIR --tokenizer {ckpt}, then --data DIR)" if own else ""

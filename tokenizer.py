@@ -453,15 +453,22 @@ def check_model_vocab(vocab_size: int, enc: Tokenizer) -> None:
                          f"or tiktoken name of {vocab_size:,} ids)")
 
 
+def recorded_tokenizer_spec(record: dict, data_dir: str) -> str:
+    """The --tokenizer that names the tokenizer a data.json record names: its tiktoken encoding, or the
+    tokenizer.json that prepare.py copied next to the shards (record["tokenizer_file"])."""
+    file = record.get("tokenizer_file")
+    return record["tokenizer"] if file is None else os.path.join(data_dir, file)
+
+
 def recorded_tokenizer(record: dict, data_dir: str) -> Tokenizer:
     """The tokenizer a data.json record names: a tiktoken encoding, or the tokenizer.json that prepare.py copied
     next to the shards (record["tokenizer_file"]), with the recorded separator. DataError when it is not the
     tokenizer the record's sha256 names."""
-    file, eot = record.get("tokenizer_file"), record.get("eot")
-    if file is None:
+    eot = record.get("eot")
+    if record.get("tokenizer_file") is None:
         tok, where = TiktokenTokenizer(record["tokenizer"], eot=eot), f"the {record['tokenizer']} tokenizer"
     else:
-        where = os.path.join(data_dir, file)
+        where = recorded_tokenizer_spec(record, data_dir)
         tok = HFTokenizer(_read_text(where), record["tokenizer"], where, eot=eot)
     if record.get("tokenizer_sha256", tok.sha256) != tok.sha256:
         raise DataError(f"{where} is not the tokenizer {os.path.join(data_dir, 'data.json')} records (its sha256 "

@@ -22,7 +22,7 @@ from fp8 import te_to_plain_state_dict
 from mixture import Source, parse_data, record_dir
 from model import GPT, ModelConfig
 from shards import data_record
-from tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer
+from tokenizer import TOKENIZER_FILE, Tokenizer, load_tokenizer, recorded_tokenizer_spec
 
 
 def read_checkpoint(path: str) -> tuple[ModelConfig, dict]:
@@ -151,7 +151,7 @@ def _tokenizer_advice(meta: dict, recorded: dict, flag: str) -> str:
                 f"prepare.py's copy in that directory, from wherever it is now")
     holder = None if loadable else next((d for d in present if _records(d, recorded)), None)
     if holder is not None:
-        file = os.path.join(holder, data_record(holder).get("tokenizer_file", TOKENIZER_FILE))
+        file = recorded_tokenizer_spec(data_record(holder), holder)
         return (f"(another tokenizer was given): pass --tokenizer {file}, prepare.py's copy beside the shards it "
                 f"trained on")
     if name.startswith("trained:") and present:  # a name --tokenizer refuses, and no directory holds it any more

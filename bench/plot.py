@@ -20,6 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
+from atomic import in_the_way  # noqa: E402
 from cli import UsageError, WriteError, report_error  # noqa: E402
 from curves import DEFAULT_PANELS, PANELS, X_KEYS, check_x, plot_runs, read_metrics  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402 (curves has chosen the Agg backend)
@@ -55,8 +56,7 @@ def output_path(out: str | None, first_dir: str) -> str:
                              f"{', '.join('.' + f for f in FORMATS)} (no extension: .png)")
         path = out if fmt else out.rstrip(".") + ".png"
     where = "" if out is None else f"--out {out}: "
-    if os.path.exists(path) and not os.path.isfile(path):
-        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+    if kind := in_the_way(path):
         raise UsageError(f"{where}{path} is {kind}, which the figure would replace; move it aside"
                          + (", or pass --out" if out is None else ""))
     parent = os.path.dirname(path)
