@@ -42,6 +42,7 @@ from schedule import current_lr
 
 DATA_WAIT_WARN = 0.05  # warn when waiting for batches takes more than this fraction of a step
 PHASES = ("data", "forward", "backward", "optimizer")  # a step's, timed by PhaseTimer
+WANDB_ENV_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")  # wandb 0.2x-0.3x's Settings.mode
 STEP_METRICS = ("train_loss", "grad_norm", "finite")  # loop.train_step's own; any other it returns is added as is
 # Steps timed to separate torch.compile's one-off compilation (in the first step) from the steady step time.
 COMPILE_TIMING_STEPS = 6
@@ -82,7 +83,11 @@ def wandb_key_present() -> bool:
 
 def wandb_problems(cfg):
     """What --wandb needs of this machine (a config.Config's; one of train.py's machine checks): a key, for
-    --wandb-mode online."""
+    --wandb-mode online, and a WANDB_MODE wandb takes: wandb.init validates the variable even when given a mode,
+    and one it does not know, even an empty one, stops it."""
+    env_mode = os.environ.get("WANDB_MODE")
+    if cfg.log.wandb and env_mode is not None and env_mode not in WANDB_ENV_MODES:
+        yield f"WANDB_MODE={env_mode!r} is not a mode wandb takes ({', '.join(WANDB_ENV_MODES)}): unset or correct it"
     if cfg.log.wandb and cfg.log.wandb_mode == "online" and not wandb_key_present():
         yield ("--wandb-mode online needs a W&B API key (WANDB_API_KEY or `wandb login`); use --wandb-mode offline "
                "to log locally and `wandb sync` later")

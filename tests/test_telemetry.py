@@ -160,6 +160,16 @@ def test_wandb_online_without_a_key_is_refused(monkeypatch, tmp_path):
                              machine_checks=(telemetry.wandb_problems,)).log.wandb_mode == "online"
 
 
+def test_a_wandb_mode_wandb_does_not_take_is_refused_at_start_up(monkeypatch):
+    for bad in ("foo", ""):  # wandb.init fails on either, whatever --wandb-mode says
+        monkeypatch.setenv("WANDB_MODE", bad)
+        with pytest.raises(UsageError, match=f"WANDB_MODE={bad!r} is not a mode wandb takes"):
+            config.parse_args(["--wandb", "--wandb-mode", "offline"], machine_checks=(telemetry.wandb_problems,))
+        assert config.parse_args([], machine_checks=(telemetry.wandb_problems,))  # no --wandb: not wandb's business
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert config.parse_args(["--wandb", "--wandb-mode", "offline"], machine_checks=(telemetry.wandb_problems,))
+
+
 def test_a_record_made_after_its_step_holds_that_steps_own_time_phases_memory_and_lr(tmp_path):
     """The loop reads a step back up to --log-interval steps after it ended (loop.read_back): its record holds
     what end_step noted then, not what the clock, the timer, the memory and the LR say when the record is made."""
