@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import math
 import os
@@ -381,7 +382,7 @@ def test_progress_is_plain_lines_when_not_a_terminal(tmp_path, tiny_data):
 
 @pytest.mark.parametrize("architecture, given", [(["--mlp", "swiglu"], []), (["--no-attn-gate"], ["--attn-gate"])],
                          ids=["default-qwen3-next", "qwen3"])
-def test_from_hf_starts_from_the_exported_weights(tmp_path, tiny_data, architecture, given):
+def test_from_hf_starts_from_the_exported_weights(tmp_path, tiny_data, architecture, given, monkeypatch):
     import torch
 
     from data import ShardLoader
@@ -401,9 +402,12 @@ def test_from_hf_starts_from_the_exported_weights(tmp_path, tiny_data, architect
         with pytest.raises(SystemExit) as refused:
             train.main([*b, *given])
         assert refused.value.code == 2
+    sized = []  # the memory check at start-up sizes the directory's model, not the default one
+    monkeypatch.setattr(train.memory, "check_fits", lambda model_cfg, *args: sized.append(model_cfg))
     train.main(b)
     records = read_metrics(tmp_path / "b")
     m = config.parse_command_line(["--from-hf", str(tmp_path / "hf")], hf_model=hf_model_config)[0].model
+    assert sized == [dataclasses.replace(m, max_seq_len=32)]
     plain = config.parse_args(["--n-embd", str(m.n_embd), "--n-head", str(m.n_head), "--n-kv-head", str(m.n_kv_head)])
     exported = config.parse_command_line(["--from-hf", str(tmp_path / "hf")], hf_model=hf_model_config)[0]
     assert exported.optim.lr == plain.optim.lr != config.parse_args([]).optim.lr  # its width's, not the default's
