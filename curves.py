@@ -158,6 +158,10 @@ def draw_runs(runs: dict[str, list[dict]], panels=DEFAULT_PANELS, title: str | N
     logged = {key for records in runs.values() for r in records for key, v in r.items()
               if isinstance(v, (int, float)) and not isinstance(v, bool)}
     unknown = [p for p in panels if p not in PANELS and p not in logged]
+    if unknown and any(unknown[0] in r for records in runs.values() for r in records):
+        why = " (mfu needs a peak FLOP/s: a GPU in hardware.py's datasheet table, or --peak-tflops)"
+        raise ValueError(f"panel {unknown[0]!r}: the runs logged it without a value"
+                         + (why if unknown[0] == "mfu" else ""))
     if unknown:
         raise ValueError(f"unknown panel {unknown[0]!r}: neither one of {', '.join(PANELS)} nor a number the "
                          "runs logged")

@@ -85,6 +85,8 @@ def test_plot_runs_rejects_an_unknown_panel_and_draws_any_logged_metric(tmp_path
     with pytest.raises(SystemExit) as e:
         plot.main([run, "--panels", "loss", "perplexity"])
     assert e.value.code == 2 and "unknown panel 'perplexity'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="panel 'mfu': the runs logged it without a value"):  # a CPU run's
+        curves.draw_runs({"run": curves.read_metrics(run)}, panels=("mfu",), x="step")
 
 
 def test_ema_is_debiased_and_steps_over_non_finite_values():

@@ -157,6 +157,21 @@ def test_the_readme_and_model_py_give_the_default_models_size():
     assert f"({n / 1e6:.2f}M parameters" in read(os.path.join(REPO, "model.py"))
 
 
+def test_the_readme_and_data_md_give_the_gpt2_124m_presets_budget():
+    """The preset's tokens (20 per parameter, sizing.py) and steps of its 262,144-token batch, as the pages quote
+    them: a change to the model's parameters changes them."""
+    import math
+
+    import config
+
+    cfg = config.parse_args(["--preset", "gpt2-124m"])
+    tokens, per_step = cfg.schedule.max_tokens, cfg.data.total_batch_tokens
+    said = f"{tokens:,} tokens"
+    assert f"{said},\n  {math.ceil(tokens / per_step):,} steps" in read(README)
+    assert f"budget is {said} ({math.ceil(tokens / per_step):,} steps of {per_step:,})" in read(
+        os.path.join(REPO, "docs", "data.md"))
+
+
 def test_the_readme_gives_the_default_corpus_document_count_on_this_python():
     import platform
 
