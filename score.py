@@ -22,11 +22,11 @@ import torch
 
 from checkpoint import CheckpointError
 from cli import ArgumentParser, DataError, HelpFormatter, UsageError, closed_stdout, plural, report_error
-from config import DEVICES, EvalConfig
+from config import DEVICES, DTYPES, EvalConfig
 from data import DEFAULT_VOCAB, fits_vocab, tokenizer_id
 from distributed import DistInfo
 from evaluation import Evaluator
-from hardware import autocast, resolve_device
+from hardware import autocast, resolve_device, resolve_dtype
 from mixture import check_sources, data_fingerprint, is_mixture, label, parse_data, record_dir, vocab_problem
 from prepare import default_corpus, default_corpus_dir
 from sample import load_model, say
@@ -35,7 +35,7 @@ from tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_flag
 from trained import check_tokenizer, model_tokenizer, trained_meta
 
 TASKS = ("hellaswag", "bpb")
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # the autocast dtype; fp32: none
+PRECISIONS = {None: "fp32", torch.bfloat16: "bf16 autocast", torch.float16: "fp16 autocast"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,7 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: the one its training data's data.json records, else GPT-2's)")
     p.add_argument("--batch-size", type=int, default=16, help="bpb: sequences per forward (default: 16)")
     p.add_argument("--device", default="auto", choices=DEVICES, help="where the model runs")
-    p.add_argument("--dtype", default="fp32", choices=tuple(DTYPES), help="autocast dtype (default: fp32)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="autocast dtype; auto decides as train.py's --dtype auto does, so that a run's own eval and "
+                        "this agree on the machine it ran on")
     return p
 
 
@@ -173,12 +175,13 @@ def scored_tokens(evaluator: Evaluator, batch_size: int, seq_len: int) -> list[s
     return [line] + (evaluator.val_note or "").replace("--eval-tokens", "--n").splitlines()
 
 
-def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.device) -> list[str]:
-    """Run the task -> the lines to print: what was evaluated, then one metric per line."""
-    dtype = DTYPES[a.dtype]
+def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.device, dtype: torch.dtype | None
+           ) -> list[str]:
+    """Run the task under autocast to dtype (None: fp32) -> the lines to print: what was evaluated, then one
+    metric per line."""
     if a.task == "hellaswag":
         metrics, n = evaluator.hellaswag(model, dtype), len(evaluator.choices)
-        return [f"hellaswag: {plural(n, 'example')} of {a.hellaswag_path}, model {a.ckpt}",
+        return [f"hellaswag: {plural(n, 'example')} of {a.hellaswag_path}, model {a.ckpt}, {PRECISIONS[dtype]}",
                 f"hellaswag_acc      {metrics['hellaswag_acc']:.4f} ({round(metrics['hellaswag_acc'] * n)}/{n}, "
                 "lowest mean loss per ending token)",
                 f"hellaswag_acc_sum  {metrics['hellaswag_acc_sum']:.4f} "
@@ -186,7 +189,7 @@ def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.dev
     seq_len = model.config.max_seq_len
     metrics = evaluator.val_metrics(model, model, lambda: autocast(device, dtype), a.batch_size, seq_len)
     first, *notes = scored_tokens(evaluator, a.batch_size, seq_len)
-    lines = [f"{first}, model {a.ckpt}", *notes, f"val_loss  {metrics['val_loss']:.4f}"]
+    lines = [f"{first}, model {a.ckpt}, {PRECISIONS[dtype]}", *notes, f"val_loss  {metrics['val_loss']:.4f}"]
     if "val_bpb" in metrics:
         lines.append(f"val_bpb   {metrics['val_bpb']:.4f}")
     else:
@@ -203,12 +206,13 @@ def main(argv=None) -> int:
             raise UsageError(f"--task is required: choose one of {', '.join(TASKS)}")
         check_args(a)
         device, _ = resolve_device(a.device)
+        dtype, _ = resolve_dtype(a.dtype, device)
         model = load(a.ckpt, device)
         data, note = val_data(a.data, trained_meta(a.ckpt), a.ckpt) if a.task == "bpb" else (None, None)
         evaluator = prepare(a, model, device, data)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
-    lines = report(a, evaluator, model, device)
+    lines = report(a, evaluator, model, device, dtype)
     lines[1:1] = [note] if note else []  # under the line that says what was evaluated
     try:
         print("\n".join(lines), flush=True)

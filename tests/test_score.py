@@ -36,14 +36,14 @@ def run_score(capsys, *args) -> str:
 
 def test_training_checkpoint_and_export_agree(tmp_path, tiny_data, capsys):
     """A tiny GPT-2-vocabulary run logs val_bpb and hellaswag_acc; score.py gives the same figures from its
-    checkpoint and from its Hugging Face export."""
+    checkpoint and from its Hugging Face export, both at --dtype auto (bf16 autocast on a CPU with native bf16)."""
     out = tmp_path / "out"
     flags = list(TINY_FLAGS)
     flags[flags.index("--vocab-size") + 1] = "50257"
     # The default model (attention gates): its export is Qwen3-Next's layout.
     train.main(["--data", tiny_data, "--out-dir", str(out), *flags, "--max-steps", "3", "--warmup", "1",
                 "--eval-interval", "3", "--eval-tokens", "256", "--eval-hellaswag", "8",
-                "--hellaswag-path", FIXTURE, "--dtype", "fp32", "--device", "cpu"])
+                "--hellaswag-path", FIXTURE, "--device", "cpu"])
     err = capsys.readouterr().err
     with open(out / "metrics.jsonl") as f:
         record = [json.loads(line) for line in f][-1]
@@ -171,11 +171,12 @@ def test_score_bpb_says_how_many_tokens_it_scored(tmp_path, tiny_data, capsys):
     checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": model.state_dict(),
                           "model_config": dataclasses.asdict(model.config), "train_config": {},
                           "tokenizer": None}, ckpt)
+    fp32 = ("--device", "cpu", "--dtype", "fp32")
     reports = {n: run_score(capsys, "--ckpt", ckpt, "--task", "bpb", "--data", tiny_data, "--n", str(n),
-                            "--batch-size", "2", "--device", "cpu").splitlines() for n in (10, 100, 128)}
+                            "--batch-size", "2", *fp32).splitlines() for n in (10, 100, 128)}
     for n, tokens in [(10, 64), (100, 64), (128, 128)]:
         assert reports[n][0] == (f"bpb: {tokens} val tokens of {tiny_data} (whole batches of 2 x 32, the windows a "
-                                 f"training run's eval reads), model {ckpt}")
+                                 f"training run's eval reads), model {ckpt}, fp32")
     assert reports[10][1] == ("note: --n 10 rounds up to one whole batch: each eval reads 64 tokens (1 batch of "
                               "2 x 32 on each of 1 rank)")
     assert reports[10][2:] == reports[100][1:] != reports[128][1:]
