@@ -85,6 +85,16 @@ def per_rank_sequences(cfg: Config, world_size: int) -> int:
     return cfg.data.total_batch_tokens // (cfg.model.max_seq_len * world_size)
 
 
+def total_batch_advice(total: int, micro: int, seq_len: int, world_size: int) -> str:
+    """What fits a --total-batch-tokens that micro-batches of `micro` sequences do not divide: a --batch-size
+    that does (a common divisor, not searched for), or the nearest total that these micro-batches make."""
+    per_rank, rest = divmod(total, seq_len * world_size)
+    per_micro = micro * seq_len * world_size
+    nearest = max(1, round(total / per_micro)) * per_micro
+    smaller = f"--batch-size {math.gcd(micro, per_rank)} divides it, or " if per_rank and not rest else ""
+    return f"{smaller}--total-batch-tokens {nearest} fits --batch-size {micro}"
+
+
 def batch_layout(cfg: Config, world_size: int = 1, micro_batch: int | None = None) -> BatchLayout:
     """The layout the flags ask for; micro_batch: the size --batch-size auto found. With
     --total-batch-tokens, grad_accum is derived so that the global batch is exactly that many tokens."""
@@ -95,7 +105,8 @@ def batch_layout(cfg: Config, world_size: int = 1, micro_batch: int | None = Non
         per_micro = micro * seq_len * world_size
         if cfg.data.total_batch_tokens % per_micro:
             raise UsageError(f"--total-batch-tokens {cfg.data.total_batch_tokens} is not a multiple of "
-                             f"batch-size * seq-len * world-size = {per_micro}")
+                             f"batch-size * seq-len * world-size = {per_micro}: "
+                             + total_batch_advice(cfg.data.total_batch_tokens, micro, seq_len, world_size))
         grad_accum = cfg.data.total_batch_tokens // per_micro
     return BatchLayout(micro_batch=micro, seq_len=seq_len, grad_accum=grad_accum, world_size=world_size)
 

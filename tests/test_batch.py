@@ -37,8 +37,11 @@ def test_total_batch_tokens_derives_grad_accum():
     cfg = config.parse_args(["--total-batch-tokens", "4096", "--batch-size", "4", "--seq-len", "256"])
     assert batch.batch_layout(cfg).grad_accum == 4
     assert batch.batch_layout(cfg, world_size=2).grad_accum == 2
-    with pytest.raises(UsageError, match="not a multiple"):
-        batch.batch_layout(cfg, world_size=3)
+    with pytest.raises(UsageError, match="not a multiple of .* = 3072: --total-batch-tokens 3072 fits --batch-size 4$"):
+        batch.batch_layout(cfg, world_size=3)  # 4096 is not whole sequences on each of 3 ranks
+    wide = config.parse_args(["--total-batch-tokens", "2048", "--batch-size", "8", "--seq-len", "256"])
+    with pytest.raises(UsageError, match="= 4096: --batch-size 4 divides it, or --total-batch-tokens 4096 fits"):
+        batch.batch_layout(wide, world_size=2)
 
 
 def test_max_tokens_derives_max_steps():
