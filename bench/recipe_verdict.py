@@ -6,7 +6,7 @@ Each input is the .json that bench/recipe.py writes beside its table (one corpus
 final val losses by horizon and their step cost). A toggle wins at a horizon when its mean loss is below the
 baseline's by more than both seed spreads (recipe.py's "beyond both spreads", in the right direction). It is
 adopted when, on every corpus, it wins at two thirds of the horizons or more (2 of 3) and its step costs at most
-MAX_STEP_COST of the baseline's. A toggle of SAME_WORK_FLAGS alone (LRs, the schedule) runs the very kernels
+MAX_STEP_COST of the baseline's. A toggle of SAME_WORK_FLAGS alone (LRs, the schedule, an init) runs the very kernels
 its baseline does, so its step costs the same by construction: its measured ratio, which other work on the
 machine moves by more than 10%, is shown and not held against it. A toggle that holds on some corpora only is
 reported as holding there, and not adopted: a rule tuned on one kind of text is not a default for another.
@@ -28,9 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cli import HelpFormatter  # noqa: E402
 
 MAX_STEP_COST = 1.10  # a toggle may cost at most 10% more time a token than the baseline
-# Flags that change only the scalars a step uses (its LRs, the schedule's shape), never its work.
+# Flags that change only the scalars a step uses (its LRs, Muon's momentum, the schedule's shape) or the values
+# the weights start from, never its work.
 SAME_WORK_FLAGS = {"--lr", "--adam-lr", "--embed-lr", "--head-lr", "--warmup", "--decay-frac", "--min-lr-ratio",
-                   "--schedule", "--weight-decay"}
+                   "--schedule", "--weight-decay", "--muon-momentum", "--zero-init-proj"}
 
 
 def same_work(flags: list[str]) -> bool:

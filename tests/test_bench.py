@@ -511,6 +511,7 @@ def test_a_toggle_is_adopted_only_where_it_wins_on_every_corpus_within_its_step_
     assert [recipe_verdict.verdict([prose, docs], n) for n in ("both", "one", "slow", "once", "lr")] == [
         "**adopt**", "holds on prose only: not adopted", "no", "no", "**adopt**"]
     assert not recipe_verdict.same_work(["--lr", "1e-3", "--normuon"]) and not recipe_verdict.same_work([])
+    assert recipe_verdict.same_work(["--zero-init-proj", "--muon-momentum", "0.9", "--warmup", "1"])  # an init
     paths = []
     for r in (prose, docs):
         paths.append(str(tmp_path / f"{r['corpus']}.json"))
