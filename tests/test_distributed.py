@@ -404,16 +404,50 @@ def _workers(torchrun_pid: int) -> dict[int, int]:
     return found
 
 
-def _torchrun(out, args, *torchrun_flags) -> subprocess.Popen:
+# Rank 1 of a first attempt stops before its optimizer's step `steps` + 2 until it is killed, so that the kill lands
+# there however slow the test's polling is on a busy machine (the run would go on, and end, without it); rank 0 logs
+# step `steps` + 1 (a step's record is written during the next, loop.read_back) and waits in step `steps` + 3.
+PAUSE_RANK_1 = """
+import os
+
+if os.environ.get("RANK") == "1" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    import time
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    seen = []
+
+    def pause(optimizer, args, kwargs):
+        seen.append(id(optimizer))
+        if seen.count(seen[0]) == {steps} + 2 and id(optimizer) == seen[0]:
+            time.sleep(600)
+
+    register_optimizer_step_pre_hook(pause)
+"""
+
+
+def _torchrun(out, args, *torchrun_flags, pause_after: int | None = None) -> subprocess.Popen:
+    """train.py on 2 ranks; pause_after: rank 1 waits before its optimizer step pause_after + 2 (PAUSE_RANK_1)."""
+    env = child_env()
+    if pause_after is not None:
+        shim = out.parent / f"{out.name}_shim"
+        shim.mkdir()
+        (shim / "sitecustomize.py").write_text(PAUSE_RANK_1.replace("{steps}", str(pause_after)))  # a test's hook
+        env["PYTHONPATH"] = f"{shim}:{os.environ.get('PYTHONPATH', '')}"
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             *torchrun_flags, "train.py", "--out-dir", str(out), *args], cwd=REPO, env=child_env(),
+                             *torchrun_flags, "train.py", "--out-dir", str(out), *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _kill_rank_1_after(run: subprocess.Popen, metrics, steps: int) -> list[dict]:
-    """SIGKILL to local rank 1 once `steps` steps are logged; -> those steps' records, as logged before it."""
+    """SIGKILL to local rank 1 once `steps` steps are logged (the run started with pause_after=steps, so rank 1
+    waits there); -> those steps' records, as logged before it."""
+    deadline = time.monotonic() + 120
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps + 1):  # line `steps` whole
         assert run.poll() is None, run.communicate()[1][-3000:]
+        if time.monotonic() > deadline:
+            run.kill()
+            pytest.fail(f"{steps + 1} records never came: {run.communicate()[1][-3000:]}")
         time.sleep(0.02)
     logged = [json.loads(line) for line in metrics.read_text().splitlines()[:steps]]
     os.kill(_workers(run.pid)[1], signal.SIGKILL)
@@ -492,7 +526,7 @@ def test_a_rank_killed_mid_run_is_one_line_for_the_others_and_its_checkpoints_st
     """SIGKILL to rank 1: rank 0 leaves its collective at once with one line naming what happened and how to go
     on; the checkpoints written before the kill verify."""
     out = tmp_path / "killed"
-    run = _torchrun(out, ["--data", data_dir, *KILLED_RUN])
+    run = _torchrun(out, ["--data", data_dir, *KILLED_RUN], pause_after=30)
     _kill_rank_1_after(run, out / "metrics.jsonl", 30)
     _, err = run.communicate(timeout=120)
     assert run.returncode != 0, err[-3000:]
@@ -508,7 +542,7 @@ def test_torchrun_max_restarts_after_a_killed_rank_resumes_the_run_exactly(data_
     """torchrun --max-restarts 2 restarts both ranks after rank 1's SIGKILL; with --resume auto they go on from
     the step-20 checkpoint, and the steps redone (21..30) have the losses the first attempt logged, bit for bit."""
     out = tmp_path / "restarted"
-    run = _torchrun(out, ["--data", data_dir, *KILLED_RUN], "--max-restarts", "2")
+    run = _torchrun(out, ["--data", data_dir, *KILLED_RUN], "--max-restarts", "2", pause_after=30)
     first = _kill_rank_1_after(run, out / "metrics.jsonl", 30)
     stdout, err = run.communicate(timeout=180)
     assert run.returncode == 0, err[-3000:]
