@@ -252,7 +252,9 @@ def verify(path: str) -> None:
         except OSError:
             raise CheckpointError(f"{path} has no {DIGEST_SUFFIX} checksum beside it: incomplete or not ours") from None
     for file, digest in files.items():
-        if not os.path.isfile(file) or file_sha256(file) != digest:
+        if not os.path.isfile(file):
+            raise CheckpointError(f"{file} is missing, though the checkpoint recorded it when it was written")
+        if file_sha256(file) != digest:
             raise CheckpointError(f"{file} is damaged: its sha256 does not match the one recorded when it was written")
 
 
@@ -478,11 +480,8 @@ def file_to_dcp(src: str, dst_dir: str) -> None:
 
 
 def rng_state() -> dict:
-    return {
-        "python": random.getstate(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 def set_rng_state(state: dict) -> None:

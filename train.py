@@ -156,7 +156,8 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
                                      meta, max_steps)):
         warn(note)
     if cfg.log.profile and max_steps - start_step < PROFILE_WAIT + PROFILE_ACTIVE:
-        raise UsageError(f"--profile needs at least {PROFILE_WAIT + PROFILE_ACTIVE} steps to run")
+        raise UsageError(f"--profile needs at least {PROFILE_WAIT + PROFILE_ACTIVE} steps to run; this run has "
+                         f"{max_steps - start_step} (--max-steps / --max-tokens)")
 
     peak, reasons["peak"] = hardware.peak_flops(device, cfg.log.peak_tflops)
     wandb_run, reasons["wandb"] = (start_wandb(cfg.log, cfg.ckpt.out_dir, resume, config.to_dict(cfg))

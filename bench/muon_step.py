@@ -298,7 +298,7 @@ def fsdp_worker(rank, world_size, bench, out_file):
     optimizer = make_optimizer("muon, split across ranks", model)
     optimizer.step()  # allocates the state
     traffic = muon_traffic(model, optimizer)
-    traffic["seconds"] = statistics.median(time_steps(optimizer.step, bench))
+    traffic["seconds"] = statistics.median(time_steps(optimizer.step, bench) or [math.nan])  # --windows 0
     every_rank = [None] * world_size
     dist.all_gather_object(every_rank, traffic)
     if rank == 0:
@@ -362,7 +362,7 @@ def print_fsdp_table(bench):
         ops = ", ".join(f"{n} {c}" for n, c in sorted(first["by_op"].items()))
         rows.append(f"| {world_size} | {first['buckets']} | {calls} ({ops}) | {2 * first['buckets']} | "
                     f"{received / MIB:,.1f} | {share / MIB:,.1f} | {received / share:.2f} (target <= 2.5) | "
-                    f"{1000 * max(r['seconds'] for r in ranks):,.0f} |")
+                    + (f"{1000 * max(r['seconds'] for r in ranks):,.0f} |" if bench.windows else "not timed |"))
     print(setup_line(bench, " and ".join(map(str, bench.world_size)),
                      "a step that allocates the state, then the counted step, then the timed windows' "))
     print("| ranks | buckets | collective calls per step (most on a rank) | target: 2 x buckets | "

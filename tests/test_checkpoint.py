@@ -184,6 +184,16 @@ def rewrite_checksums(directory):
         json.dump(digests, f)
 
 
+def test_a_file_a_directory_checkpoint_lists_and_lacks_is_called_missing_not_damaged(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "meta.pt").write_bytes(b"x")
+    rewrite_checksums(tmp_path / "ckpt")
+    checkpoint.verify(str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt" / "meta.pt").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="meta.pt is missing, though the checkpoint recorded it"):
+        checkpoint.verify(str(tmp_path / "ckpt"))
+
+
 def one_error_line(result):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr

@@ -166,9 +166,9 @@ def test_the_readme_and_data_md_give_the_gpt2_124m_presets_budget():
 
     cfg = config.parse_args(["--preset", "gpt2-124m"])
     tokens, per_step = cfg.schedule.max_tokens, cfg.data.total_batch_tokens
-    said = f"{tokens:,} tokens"
-    assert f"{said},\n  {math.ceil(tokens / per_step):,} steps" in read(README)
-    assert f"budget is {said} ({math.ceil(tokens / per_step):,} steps of {per_step:,})" in read(
+    said, steps = f"{tokens:,} tokens", math.ceil(tokens / per_step)
+    assert f"{said},\n  {steps:,} steps" in read(README)
+    assert f"budget is {said} (it reads {steps:,} steps of {per_step:,}: {steps * per_step:,})" in read(
         os.path.join(REPO, "docs", "data.md"))
 
 
