@@ -160,6 +160,16 @@ def plan_warnings(cfg: Config, layout: BatchLayout, max_steps: int, epoch_plan: 
     return [warning for warning in warnings if warning]
 
 
+def resume_batch_advice(saved: int, layout: BatchLayout) -> str:
+    """What keeps a checkpoint's global batch of `saved` tokens at this world size, if anything does."""
+    per_rank, rest = divmod(saved, layout.seq_len * layout.world_size)
+    if per_rank and not rest:
+        return (f"--batch-size {math.gcd(layout.micro_batch, per_rank)} divides it, or --total-batch-tokens sets a "
+                "new batch")
+    return (f"no --batch-size can keep it: it is not whole sequences of {layout.seq_len} on each of "
+            f"{layout.world_size} ranks; resume at a world size that divides it, or give --total-batch-tokens")
+
+
 def resume_layout(cfg: Config, layout: BatchLayout, meta: dict, warn) -> BatchLayout:
     """The layout of a resumed run. The global batch in tokens is part of a run's identity: resumed at another
     world size with the same batch settings, the run keeps the checkpoint's global batch by deriving grad
@@ -176,7 +186,7 @@ def resume_layout(cfg: Config, layout: BatchLayout, meta: dict, warn) -> BatchLa
         raise UsageError(f"--resume at {layout.world_size} ranks: the checkpoint's global batch of {saved:,} "
                          f"tokens/step ({saved_world} ranks) is not a whole number of micro-steps of "
                          f"{per_micro_step:,} tokens ({layout.micro_batch} x {layout.seq_len} x {layout.world_size} "
-                         "ranks); choose a --batch-size that divides it, or --total-batch-tokens to change it")
+                         "ranks); " + resume_batch_advice(saved, layout))
     resumed = dataclasses.replace(layout, grad_accum=saved // per_micro_step)
     warn(f"note: resuming on {layout.world_size} ranks (the checkpoint ran on {saved_world}): grad accumulation "
          f"{layout.grad_accum} -> {resumed.grad_accum} keeps the global batch of {saved:,} tokens/step")

@@ -116,8 +116,14 @@ def test_resume_at_another_world_size_derives_grad_accum_or_refuses():
     one_rank = batch.batch_layout(cfg, world_size=1)
     assert batch.resume_layout(cfg, one_rank, saved, notes.append).grad_accum == 2
     assert "grad accumulation 1 -> 2 keeps the global batch of 256 tokens/step" in notes[0]
-    with pytest.raises(UsageError, match="not a whole number of micro-steps of 384 tokens"):
+    with pytest.raises(UsageError, match="not a whole number of micro-steps of 384 tokens .* no --batch-size can "
+                                         "keep it: it is not whole sequences of 32 on each of 3 ranks"):
         batch.resume_layout(cfg, batch.batch_layout(cfg, world_size=3), saved, notes.append)
+    eight = config.parse_args(["--batch-size", "8", "--seq-len", "32"])
+    with pytest.raises(UsageError, match="--batch-size 4 divides it"):  # 512 tokens: 4 sequences a rank on 4
+        batch.resume_layout(eight, batch.batch_layout(eight, world_size=4), {**saved, "batch_tokens": 512,
+                                                                              "train_config": config.to_dict(eight)},
+                            notes.append)
     # The same world size, a checkpoint that predates batch_tokens, or a batch changed on purpose: as asked.
     assert batch.resume_layout(cfg, one_rank, {**saved, "world_size": 1}, notes.append) == one_rank
     assert batch.resume_layout(cfg, one_rank, {"train_config": saved["train_config"]}, notes.append) == one_rank
