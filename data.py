@@ -18,6 +18,7 @@ import glob
 import hashlib
 import os
 import queue
+import shlex
 import threading
 from typing import NamedTuple
 
@@ -133,7 +134,10 @@ def split_paths(data_dir: str, split: str) -> list[str]:
                         f"or rerun it, and train on its --out")
     paths = sorted(glob.glob(os.path.join(glob.escape(data_dir), f"{split}_*.bin")))
     if not paths:
-        raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}")
+        text = split == "train" and any(entry.is_file() for entry in os.scandir(data_dir))  # stops at the first
+        advice = (f": to train on the files in it, python prepare.py --input {shlex.quote(data_dir)} --out "
+                  f"{shlex.quote(data_dir.rstrip(os.sep) + '_prepared')}, then --data that --out") if text else ""
+        raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}{advice}")
     return paths
 
 

@@ -287,6 +287,7 @@ def test_validation_loader_reads_in_order(shards):
 
 @pytest.mark.parametrize("case, words", [
     ("seq-len", "train_000005.bin"), ("missing", "does not exist"), ("empty", "no train shards"),
+    ("text", "no train shards (train_*.bin) in {dir}: to train on the files in it, python prepare.py --input {dir}"),
     ("corrupt", "train_000002.bin")])
 def test_loader_bad_input_is_a_one_line_error(shards, tmp_path, case, words):
     directory, seq_len = shards, T
@@ -297,11 +298,16 @@ def test_loader_bad_input_is_a_one_line_error(shards, tmp_path, case, words):
     elif case == "empty":
         directory = tmp_path / "empty"
         directory.mkdir()
+    elif case == "text":  # files to prepare, given to train.py as they are
+        directory = tmp_path / "notes"
+        directory.mkdir()
+        (directory / "a.md").write_text("# notes\n")
     elif case == "corrupt":
         _corrupt(shards / "train_000002.bin", "truncated")
     with pytest.raises(DataError) as e:
         ShardLoader(directory, batch_size=2, seq_len=seq_len)
-    assert words in str(e.value) and "\n" not in str(e.value)
+    assert words.format(dir=directory) in str(e.value) and "\n" not in str(e.value)
+    assert (case == "text") == ("prepare.py" in str(e.value))
 
 
 def test_an_unfinished_preparation_is_refused_in_one_line_naming_data(gpt2, tmp_path):
