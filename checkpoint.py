@@ -675,7 +675,7 @@ def check_conversion(direction: str, src: str, dst: str) -> None:
                               f"{src} is a {'file' if wants_dir else 'directory'}"
                               f" (use {'to-dcp' if wants_dir else 'to-file'})")
     if os.path.exists(dst):
-        raise CheckpointError(f"{dst} already exists")
+        raise CheckpointError(f"{dst} already exists: a conversion never replaces it; remove it or name another")
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise CheckpointError(f"cannot write {dst}: directory {parent} does not exist")
@@ -692,6 +692,7 @@ def main(argv=None) -> int:
         (dcp_to_file if args.direction == "to-file" else file_to_dcp)(args.src, args.dst)
     except (UsageError, CheckpointError) as e:
         return report_error(e)
+    print(f"wrote {args.dst}: {args.src} as a {'single file' if args.direction == 'to-file' else 'DCP directory'}")
     return 0
 
 

@@ -125,7 +125,6 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
     newest = resume and not cfg.ckpt.from_hf and load_newest(cfg.ckpt.out_dir, read_meta, lambda line: None)
     if newest:  # the checkpoint's record is enough to refuse other model flags: before the model exists or is timed
         config_changes(newest[1], cfg.model, cfg.ckpt.out_dir, check_run_config)
-    # Under --from-hf cfg.model is the directory's (config.from_hf_values): sized before its weights are read.
     memory.check_fits(cfg.model, cfg.optim.name, device, info.world_size if info.mode == "fsdp" else 1)
     model, model_cfg, reasons["init"] = build_model(cfg, device, autocast_dtype)
     if problem := mixture.vocab_problem(model_cfg.vocab_size, sources):

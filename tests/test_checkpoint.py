@@ -428,11 +428,12 @@ def test_the_converter_refuses_what_it_cannot_convert_in_one_line(tmp_path, caps
     path = saved_file(tmp_path)
     directory = str(tmp_path / "dcp")
     assert checkpoint.main(["to-dcp", path, directory]) == 0
+    assert capsys.readouterr().out == f"wrote {directory}: {path} as a DCP directory\n"
     cases = [
         (["to-file", path, str(tmp_path / "a.pt")], "to-file converts a sharded (DCP) directory"),
         (["to-dcp", directory, str(tmp_path / "b")], "to-dcp converts a single file"),
         (["to-file", directory, str(tmp_path / "no" / "such" / "c.pt")], "does not exist"),
-        (["to-dcp", path, directory], "already exists"),
+        (["to-dcp", path, directory], "already exists: a conversion never replaces it; remove it or name another"),
         (["to-file", str(tmp_path / "missing"), str(tmp_path / "d.pt")], "does not exist"),
     ]
     for argv, message in cases:
