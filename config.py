@@ -317,6 +317,18 @@ def from_hf_conflicts(flags: dict, from_hf: str | None) -> list[str]:
             if key in fields]
 
 
+def idle_tokens_per_param(flags: dict, given: dict) -> list[str]:
+    """--tokens-per-param on a command line where the dial does not size the run's length, which would ignore it
+    unsaid: no --depth or --preset (flags or --config file), or --max-tokens / --max-steps given beside it."""
+    if "size.tokens_per_param" not in flags:
+        return []
+    if "size.depth" not in given and "size.preset" not in given:
+        return ["--tokens-per-param sizes the run's tokens with the size dial: give --depth or --preset with it"]
+    length = [flag for key, flag in (("schedule.max_tokens", "--max-tokens"), ("schedule.max_steps", "--max-steps"))
+              if key in flags]
+    return [f"--tokens-per-param and {length[0]} both set the run's length: give one"] if length else []
+
+
 def from_hf_values(hf_model, directory: str) -> dict:
     """"model.field" -> value of the --from-hf directory's model (hf_model: parse_command_line's), --seq-len
     aside (the context this run trains at)."""
@@ -357,7 +369,7 @@ def parse_command_line(argv=None, description: str | None = None, machine_checks
         raise UsageError(f"--max-tokens must be >= 1, got {given['schedule.max_tokens']}")
     as_given = _config(given)
     checks.refuse([*checks.integer_problems(as_given), *checks.dial_problems(as_given),
-                   *from_hf_conflicts(flags, as_given.ckpt.from_hf)])
+                   *from_hf_conflicts(flags, as_given.ckpt.from_hf), *idle_tokens_per_param(flags, given)])
     if hf_model and as_given.ckpt.from_hf:  # the directory gives the shape, vocabulary included
         given = {**given, **from_hf_values(hf_model, as_given.ckpt.from_hf)}
     elif data_vocab:

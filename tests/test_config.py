@@ -308,7 +308,17 @@ def test_resume_check_refuses_shape_and_optimizer_changes_and_names_the_rest():
     with pytest.raises(UsageError, match="model.n_embd 128 -> 256"):
         config.check_resume(saved, config.parse_args(["--n-embd", "256"]))
     del saved["size"]  # a checkpoint from before the size dial
-    assert config.check_resume(saved, config.parse_args(["--tokens-per-param", "10"])) == []
+    plain = config.parse_args([])
+    assert config.check_resume(saved, dataclasses.replace(plain, size=dataclasses.replace(plain.size,
+                                                                                          tokens_per_param=10.0))) == []
+
+
+def test_tokens_per_param_where_the_dial_does_not_size_the_run_is_refused():
+    for argv, problem in [([], "give --depth or --preset with it"),
+                          (["--depth", "2", "--max-tokens", "9"], "--tokens-per-param and --max-tokens both set")]:
+        with pytest.raises(UsageError, match=problem):
+            config.parse_args(["--tokens-per-param", "5", *argv])
+    assert config.parse_args(["--depth", "2", "--tokens-per-param", "5"]).size.tokens_per_param == 5
 
 
 def test_resume_may_change_init_only_model_fields():
