@@ -94,10 +94,12 @@ STOPPED_AT_ONCE = {"start-up": "during start-up: stopping before the first step 
 
 def stop_at_once(phase: str = "start-up") -> None:
     """A stop signal outside the step loop (which installs StopSignals): one line saying what the stop
-    means in this phase (STOPPED_AT_ONCE), then exit 128 + the signal's number, as a shell expects."""
+    means in this phase (STOPPED_AT_ONCE), on the main rank only (torchrun stops the others so when rank 0 has
+    refused the run: its line is the one to read), then exit 128 + the signal's number, as a shell expects."""
 
     def handle(signum, frame):
-        print(f"\n{signal.Signals(signum).name} {STOPPED_AT_ONCE[phase]}", file=sys.stderr, flush=True)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\n{signal.Signals(signum).name} {STOPPED_AT_ONCE[phase]}", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
 
     handle.phase = phase
