@@ -573,7 +573,8 @@ def check_resume(saved: dict, cfg: Config) -> list[str]:
     """Compare a checkpoint's configuration with this run's -> the changed settings ("key old -> new"), for a
     warning. UsageError for changes a run cannot survive: the model's shape (its weights would not load) and
     the optimizer (its state would not). Keys a checkpoint from an older version lacks are not compared."""
-    changes = [change for change in changed_keys(saved, to_dict(cfg)) if change[0] not in INVOCATION_KEYS]
+    changes = [change for change in changed_keys(saved, to_dict(cfg)) if change[0] not in INVOCATION_KEYS
+               and not (change[0] == "ckpt.out_dir" and os.path.realpath(change[1]) == os.path.realpath(change[2]))]
     # Under --from-hf the model is the directory's, checked against the checkpoint's weights' own record
     # (checkpoint.config_changes); a run started before the flags took it from there recorded the default shape.
     shape_fixed = not cfg.ckpt.from_hf

@@ -116,6 +116,13 @@ def setup(cfg: Config, command_line: dict | None = None) -> Run:
     return run
 
 
+def nothing_to_do(start_step: int, max_steps: int) -> str:
+    """What a resume that has no step left to train says (exit 0, so that a restart loop stops)."""
+    if start_step > max_steps:
+        return f"nothing to do: the checkpoint is at step {start_step}, past this run's last step, {max_steps}"
+    return f"nothing to do: already at step {start_step} of {max_steps}"
+
+
 def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, resume: bool, lock,
               reasons: dict) -> Run:
     """The model, its wrappers, the optimizer, the data (--data: mixture.py) and the components, restored when
@@ -150,7 +157,7 @@ def build_run(cfg: Config, info, device, autocast_dtype, fp8_recipe, data: str, 
         start_step, start_tokens = meta["step"], tokens_trained(meta, layout.tokens_per_step)
     max_steps = batch.max_steps(cfg, layout)
     if start_step >= max_steps:  # before the LR check: a finished run has no next step to re-warm
-        raise NothingToDo(f"nothing to do: already at step {start_step} of {max_steps}")
+        raise NothingToDo(nothing_to_do(start_step, max_steps))
     if resume and (note := resume_lr(cfg, config.flat_dict(meta.get("train_config", {})), config.flat_values(cfg),
                                      meta, max_steps)):
         warn(note)

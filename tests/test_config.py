@@ -321,6 +321,14 @@ def test_tokens_per_param_where_the_dial_does_not_size_the_run_is_refused():
     assert config.parse_args(["--depth", "2", "--tokens-per-param", "5"]).size.tokens_per_param == 5
 
 
+def test_resume_does_not_call_the_same_out_dir_given_another_way_a_change(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    saved = config.to_dict(config.parse_args(["--out-dir", str(tmp_path / "a")]))
+    assert config.check_resume(saved, config.parse_args(["--out-dir", "a"])) == []
+    moved = config.check_resume(saved, config.parse_args(["--out-dir", "b"]))
+    assert moved == [f"ckpt.out_dir {str(tmp_path / 'a')!r} -> 'b'"]
+
+
 def test_resume_may_change_init_only_model_fields():
     saved = config.to_dict(config.parse_args([]))
     assert config.check_resume(saved, config.parse_args(["--zero-init-proj"])) == [

@@ -311,6 +311,9 @@ def test_a_finished_run_resumed_has_nothing_to_do_and_exits_0(tmp_path, tiny_dat
         capsys.readouterr()
         tiny_run(tiny_data, tmp_path, "--max-steps", "2", "--resume", resume, *changed)  # returns: no SystemExit
         assert capsys.readouterr().err.strip().splitlines()[-1] == "nothing to do: already at step 2 of 2"
+    tiny_run(tiny_data, tmp_path, "--max-steps", "1", "--resume")  # a run shorter than the checkpoint's step
+    assert capsys.readouterr().err.strip().splitlines()[-1] == ("nothing to do: the checkpoint is at step 2, past "
+                                                                 "this run's last step, 1")
     RunLock(str(tmp_path)).release()  # released
     assert not (tmp_path / "config.toml.tmp").exists()
 
