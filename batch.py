@@ -85,13 +85,20 @@ def per_rank_sequences(cfg: Config, world_size: int) -> int:
     return cfg.data.total_batch_tokens // (cfg.model.max_seq_len * world_size)
 
 
+def dividing_batch_size(tokens: int, micro: int, seq_len: int, world_size: int) -> int | None:
+    """A --batch-size whose micro-steps make exactly `tokens` on world_size ranks (a common divisor of `micro` and
+    the sequences each rank takes, not searched for), or None when the tokens are not whole sequences a rank."""
+    per_rank, rest = divmod(tokens, seq_len * world_size)
+    return math.gcd(micro, per_rank) if per_rank and not rest else None
+
+
 def total_batch_advice(total: int, micro: int, seq_len: int, world_size: int) -> str:
     """What fits a --total-batch-tokens that micro-batches of `micro` sequences do not divide: a --batch-size
-    that does (a common divisor, not searched for), or the nearest total that these micro-batches make."""
-    per_rank, rest = divmod(total, seq_len * world_size)
+    that does, or the nearest total that these micro-batches make."""
     per_micro = micro * seq_len * world_size
     nearest = max(1, round(total / per_micro)) * per_micro
-    smaller = f"--batch-size {math.gcd(micro, per_rank)} divides it, or " if per_rank and not rest else ""
+    fits = dividing_batch_size(total, micro, seq_len, world_size)
+    smaller = f"--batch-size {fits} divides it, or " if fits else ""
     return f"{smaller}--total-batch-tokens {nearest} fits --batch-size {micro}"
 
 
@@ -162,10 +169,8 @@ def plan_warnings(cfg: Config, layout: BatchLayout, max_steps: int, epoch_plan: 
 
 def resume_batch_advice(saved: int, layout: BatchLayout) -> str:
     """What keeps a checkpoint's global batch of `saved` tokens at this world size, if anything does."""
-    per_rank, rest = divmod(saved, layout.seq_len * layout.world_size)
-    if per_rank and not rest:
-        return (f"--batch-size {math.gcd(layout.micro_batch, per_rank)} divides it, or --total-batch-tokens sets a "
-                "new batch")
+    if fits := dividing_batch_size(saved, layout.micro_batch, layout.seq_len, layout.world_size):
+        return f"--batch-size {fits} divides it, or --total-batch-tokens sets a new batch"
     return (f"no --batch-size can keep it: it is not whole sequences of {layout.seq_len} on each of "
             f"{layout.world_size} ranks; resume at a world size that divides it, or give --total-batch-tokens")
 

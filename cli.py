@@ -129,12 +129,17 @@ def closed_stdout() -> int:
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+def speaks_for_the_run() -> bool:
+    """Whether this process tells the user what happened to the run: rank 0, or a process without the whole
+    LAUNCH_ENV (one process, or RANK=1 set by hand: no rank 0 runs beside it)."""
+    return os.environ.get("RANK", "0") == "0" or not all(os.environ.get(name) for name in LAUNCH_ENV)
+
+
 def report_startup_error(error) -> int:
-    """report_error for a program torchrun may start as several ranks that all fail alike: rank 0 prints, and
-    so does a process without the whole LAUNCH_ENV (RANK=1 set by hand). The other ranks wait a moment before
-    their exit, because torchrun stops every rank as soon as one exits, which could cut rank 0 off before it
-    has said why."""
-    if os.environ.get("RANK", "0") == "0" or not all(os.environ.get(name) for name in LAUNCH_ENV):
+    """report_error for a program torchrun may start as several ranks that all fail alike: the one that
+    speaks_for_the_run prints. The other ranks wait a moment before their exit, because torchrun stops every
+    rank as soon as one exits, which could cut rank 0 off before it has said why."""
+    if speaks_for_the_run():
         return report_error(error)
     time.sleep(STARTUP_ERROR_GRACE_S)
     return 2

@@ -10,6 +10,8 @@ import socket
 import sys
 from contextlib import contextmanager
 
+from cli import speaks_for_the_run
+
 
 class LossHealth:
     """Tracks the training loss: an EMA and variance for the logs, spikes, and runs of non-finite steps.
@@ -94,11 +96,12 @@ STOPPED_AT_ONCE = {"start-up": "during start-up: stopping before the first step 
 
 def stop_at_once(phase: str = "start-up") -> None:
     """A stop signal outside the step loop (which installs StopSignals): one line saying what the stop
-    means in this phase (STOPPED_AT_ONCE), on the main rank only (torchrun stops the others so when rank 0 has
-    refused the run: its line is the one to read), then exit 128 + the signal's number, as a shell expects."""
+    means in this phase (STOPPED_AT_ONCE), from the process that speaks for the run only (torchrun stops the
+    others so when rank 0 has refused the run: its line is the one to read), then exit 128 + the signal's
+    number, as a shell expects."""
 
     def handle(signum, frame):
-        if os.environ.get("RANK", "0") == "0":
+        if speaks_for_the_run():
             print(f"\n{signal.Signals(signum).name} {STOPPED_AT_ONCE[phase]}", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
 

@@ -30,7 +30,7 @@ import memory
 import mixture
 import report
 from checkpoint import Checkpointer, CheckpointError, config_changes, load_newest, read_meta, tokens_trained
-from cli import DataError, UsageError, WriteError, report_error, report_startup_error
+from cli import DataError, UsageError, WriteError, report_error, report_startup_error, speaks_for_the_run
 from config import PROFILE_ACTIVE, PROFILE_WAIT, Config
 from data import tokenizer_id
 from evaluation import Evaluator
@@ -196,7 +196,7 @@ def main(argv=None):
             return
         run = setup(cfg, command_line)
     except NothingToDo as e:  # a success: a restart loop must stop, not retry
-        if os.environ.get("RANK", "0") == "0":
+        if speaks_for_the_run():
             message(str(e))
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -574,6 +574,8 @@ def test_a_signal_during_startup_is_one_line_and_the_shell_exit_code(capsys, mon
 
     previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     try:
+        for name, value in (("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")):
+            monkeypatch.setenv(name, value)  # started by torchrun
         for rank, said in [("0", "SIGTERM during start-up: stopping before the first step (nothing to save)"),
                            ("1", "")]:  # torchrun's SIGTERM to the other ranks once rank 0 refused the run: quiet
             monkeypatch.setenv("RANK", rank)
