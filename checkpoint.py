@@ -1,7 +1,6 @@
 """What a training state is: atomic checksummed files and DCP directories, resume and pruning.
 
-Checkpoints: what a training state is, and how it is stored: one file per step for single-device and DDP
-runs, a sharded DCP directory for FSDP2.
+One file per step for single-device and DDP runs, a sharded DCP directory for FSDP2.
 
     python checkpoint.py to-file out/ckpt_00001000 ckpt.pt   # DCP directory -> single file
     python checkpoint.py to-dcp  ckpt.pt out/ckpt_00001000    # single file -> DCP directory
@@ -67,6 +66,8 @@ CHECKPOINT_VERSION = 1
 META_FILE = "meta.pt"
 CHECKSUMS_FILE = "checksums.json"  # in a DCP directory: sha256 of every other file
 DIGEST_SUFFIX = ".sha256"  # beside a single file: its sha256
+# DCP's "... assuming the intent is to save (load) in a single process": the converters', sample.py's, hf.py's: it is
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointError(Exception):
@@ -413,10 +414,7 @@ def _dcp_load(state_dict: dict, path: str, planner, load=None) -> None:
     metadata is checked first, because DCP logs a traceback of its own when it cannot read it."""
     try:
         read_dcp_metadata(path)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            (load or dcp.load)(state_dict, storage_reader=_SafeReader(path), planner=planner,
-                               no_dist=not _dist_ready())
+        (load or dcp.load)(state_dict, storage_reader=_SafeReader(path), planner=planner, no_dist=not _dist_ready())
     except (Exception, CheckpointException) as e:
         raise _load_error(path, e) from None
 

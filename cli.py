@@ -63,6 +63,26 @@ def free_space(path: str) -> str:
 
 
 class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser with one-line errors (UsageError) that suggest the flag a mistyped one meant. A prefix of
+    a flag is not taken for it (allow_abbrev): `--ckpt X` would set --ckpt-interval, and a prefix that is a whole
+    flag in a sibling script (sample.py's --ckpt) would be read silently as this one's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """A mistyped flag is named before the required one it left missing (`--ot DIR` for --out): argparse
+        checks the required flags first, which would leave the typo unmentioned."""
+        args = sys.argv[1:] if args is None else list(args)
+        try:
+            return super().parse_known_args(args, namespace)
+        except UsageError as e:
+            known = self._option_string_actions
+            unknown = [word for word in args if word.startswith("--") and word.split("=")[0] not in known]
+            if not unknown or not str(e).startswith("the following arguments are required"):
+                raise
+            self.error(f"unrecognized arguments: {' '.join(unknown)}")
+
     def error(self, message):
         raise UsageError(message + self.suggestion(message))
 

@@ -341,8 +341,9 @@ def main(argv=None) -> int:
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:
         return report_error(e)
     try:
+        padded = f" (padded from {config.vocab_size})" if config.padded_vocab_size != config.vocab_size else ""
         print(f"wrote {args.out}: {architecture(config)}, {plural(config.n_layer, 'layer')}, "
-              f"vocab {config.padded_vocab_size} (padded from {config.vocab_size}), "
+              f"vocab {config.padded_vocab_size}{padded}, "
               f"{'tied' if config.tie_embeddings else 'untied'} embeddings", flush=True)
     except BrokenPipeError:
         return closed_stdout()

@@ -231,6 +231,8 @@ def _check_sizes(shard_tokens: int, val_tokens: int | None, max_tokens: int | No
     if val_tokens is not None and not 0 <= val_tokens < 2**31:
         raise ValueError(f"--val-tokens must be auto or in [0, 2**31), got {val_tokens:,}")
     least = split.MIN_VAL_TOKENS if val_tokens is None else val_tokens
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {max_tokens:,}")
     if max_tokens is not None and max_tokens <= least:
         raise ValueError(f"--max-tokens {max_tokens:,} leaves no train tokens after the val split ({least:,} "
                          f"tokens{', the least of --val-tokens auto' if val_tokens is None else ''})")

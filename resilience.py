@@ -88,21 +88,29 @@ class EarlyStopping:
 # What stops a run: SIGTERM (preemption, torchrun passing one on, a scheduler's kill), SIGINT (Ctrl-C) and SIGUSR1,
 # the warning SLURM sends ahead of a time limit (--signal=USR1@SECONDS), which would otherwise kill the process.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-# What a signal outside the step loop stops, by phase: before the loop nothing is trained yet; after it every
-# checkpoint on disk is whole (writes are atomic) and only the records and the process's exit are left.
-STOPPED_AT_ONCE = {"start-up": "during start-up: stopping before the first step (nothing to save)",
-                   "wind-down": "after the last step: exiting now (every checkpoint written is whole)"}
+# What a signal outside the step loop does, by phase: before the loop nothing is trained yet, so it stops the run;
+# after it every step is done and every checkpoint on disk whole, so the first signal lets the run write its
+# records (report.md, summary.json: seconds) and exit 0 as a finished run does, and a second exits at once.
+STOP_NOTES = {"start-up": "during start-up: stopping before the first step (nothing to save)",
+              "wind-down": "after the last step: writing the run's records, then exiting (again to exit at once; "
+                           "every checkpoint written is whole)"}
 
 
 def stop_at_once(phase: str = "start-up") -> None:
-    """A stop signal outside the step loop (which installs StopSignals): one line saying what the stop
-    means in this phase (STOPPED_AT_ONCE), from the process that speaks for the run only (torchrun stops the
-    others so when rank 0 has refused the run: its line is the one to read), then exit 128 + the signal's
-    number, as a shell expects."""
+    """A stop signal outside the step loop (which installs StopSignals): one line saying what it means in this
+    phase (STOP_NOTES), from the process that speaks for the run only (torchrun stops the others so when rank 0
+    has refused the run: its line is the one to read). Exiting, it exits 128 + the signal's number, as a shell
+    expects."""
+    signalled = []
 
     def handle(signum, frame):
+        name = signal.Signals(signum).name
+        note = f"{name} again: exiting now" if signalled else f"{name} {STOP_NOTES[phase]}"
         if speaks_for_the_run():
-            print(f"\n{signal.Signals(signum).name} {STOPPED_AT_ONCE[phase]}", file=sys.stderr, flush=True)
+            print(f"\n{note}", file=sys.stderr, flush=True)
+        if phase == "wind-down" and not signalled:
+            signalled.append(name)
+            return
         sys.exit(128 + signum)
 
     handle.phase = phase

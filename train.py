@@ -117,7 +117,9 @@ def setup(cfg: Config, command_line: dict | None = None) -> Run:
 
 
 def nothing_to_do(start_step: int, max_steps: int) -> str:
-    """What a resume that has no step left to train says (exit 0, so that a restart loop stops)."""
+    """What a run that has no step left to train says (exit 0, so that a restart loop stops)."""
+    if max_steps == 0:
+        return "nothing to do: --max-steps 0 trains no steps"
     if start_step > max_steps:
         return f"nothing to do: the checkpoint is at step {start_step}, past this run's last step, {max_steps}"
     return f"nothing to do: already at step {start_step} of {max_steps}"

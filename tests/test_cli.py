@@ -65,12 +65,28 @@ def test_sample_help_shows_its_sampling_defaults(capsys):
                                                  "--n-layer for --n-layers?; did you mean --seq-len for --seq-lenght?"),
     (["--evl-interval=3"], "unrecognized arguments: --evl-interval=3; did you mean --eval-interval?"),
     (["--zzz"], "unrecognized arguments: --zzz"),
+    (["--max-step", "3"], "unrecognized arguments: --max-step 3; did you mean --max-steps?"),  # a prefix is no flag
+    (["--ckpt", "out/best.pt"], "unrecognized arguments: --ckpt out/best.pt; did you mean --act-ckpt?"),
 ])
 def test_a_mistyped_flag_gets_the_closest_one(argv, message):
-    """As a TOML key does (config.read_config_file): train.py's flags, and every parser built on cli's."""
+    """As a TOML key does (config.read_config_file): train.py's flags, and every parser built on cli's. A prefix
+    of a flag is refused, not taken for it: `--ckpt` (sample.py's) would set --ckpt-interval."""
     import config
     from cli import UsageError
 
     with pytest.raises(UsageError) as e:
         config.build_parser().parse_args(argv)
     assert str(e.value) == message
+
+
+def test_a_mistyped_flag_is_named_before_the_required_one_it_left_missing():
+    """argparse checks the required flags first: `--ot DIR` would say only that --out is missing."""
+    from cli import ArgumentParser, UsageError
+
+    parser = ArgumentParser()
+    parser.add_argument("--input", required=True)
+    parser.add_argument("--out", required=True)
+    with pytest.raises(UsageError, match=r"^unrecognized arguments: --ot; did you mean --out\?$"):
+        parser.parse_args(["--input", "x", "--ot", "d"])
+    with pytest.raises(UsageError, match="^the following arguments are required: --out$"):
+        parser.parse_args(["--input", "x"])

@@ -90,6 +90,8 @@ def test_flags_land_in_their_section(argv, section, name, value):
     (["--fp8", "te", "--sample-tokens", "4"], "needs the plain backend's KV cache"),
     (["--keep-ckpts", "0"], "--keep-ckpts must be >= 1"),
     (["--ddp-bucket-mb", "0"], "--ddp-bucket-mb must be positive"),
+    (["--collective-timeout", "0"], "--collective-timeout must be positive"),
+    (["--seed", str(2**64)], "--seed must be a 64-bit integer, got"),
     (["--n-layer", str(10**20)], "--n-layer must be a 64-bit integer"),
     (["--n-embd", str(-10**30)], "--n-embd must be a 64-bit integer"),
     (["--activation-dtype", "bf16", "--dtype", "fp32"], "--activation-dtype bf16 .* needs --dtype bf16 .*not fp32$"),
@@ -193,7 +195,7 @@ def test_flags_override_the_file_and_the_file_overrides_the_dial(tmp_path):
     ("[model]\nn_layer = \n", "--config"),  # not TOML
     ("[schedule]\nmax_steps = 5\nmax_tokens = 100\n", "give --max-tokens or --max-steps, not both"),
     ("[model]\nn_layer = 0\n", "--n-layer must be positive"),
-    ("[model]\nn_layer = 100000000000000000000\n", r"--n-layer must be a 64-bit integer, in \[-2\*\*63, 2\*\*63\)"),
+    ("[model]\nn_layer = 100000000000000000000\n", r"--n-layer must be a 64-bit integer, got"),
     ("[size]\ndepth = 100000000000000000000\n", "--depth must be a 64-bit integer"),
     ("[size]\ndepth = 4\ntokens_per_param = 1e-30\n", r"--tokens-per-param must be in \[0.001, 1e\+06\]"),
 ])

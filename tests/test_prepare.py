@@ -529,10 +529,11 @@ def test_max_tokens_that_leave_no_train_tokens_are_refused(gpt2, tmp_path, capsy
                           ({"max_tokens": 16_385}, "(16,385 tokens, the least of --val-tokens auto)")]:
         with pytest.raises(ValueError, match="leaves no train tokens after the val split " + re.escape(words)):
             prepare.prepare(tmp_path / "doc.txt", tmp_path / "out", **kwargs)
-    assert prepare.main(["--input", str(tmp_path / "doc.txt"), "--out", str(tmp_path / "out"),
-                      "--max-tokens", "0"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: --max-tokens 0 leaves no train tokens") and err.count("\n") == 1
+    for max_tokens, said in ("100", "--max-tokens 100 leaves no train tokens"), ("0", "--max-tokens must be >= 1"):
+        assert prepare.main(["--input", str(tmp_path / "doc.txt"), "--out", str(tmp_path / "out"),
+                             "--max-tokens", max_tokens]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {said}") and err.count("\n") == 1
 
 
 # ----------------------------------------------------------------------------------------------------------

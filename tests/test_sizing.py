@@ -91,7 +91,7 @@ def test_describe_names_each_value_and_its_source():
 
 @pytest.mark.parametrize("argv, message", [
     (["--depth", "0"], "--depth must be >= 1"),
-    (["--depth", str(10**20)], r"--depth must be a 64-bit integer, in \[-2\*\*63, 2\*\*63\)"),
+    (["--depth", str(10**20)], r"--depth must be a 64-bit integer, got"),
     (["--preset", "gpt2-7b"], "invalid choice"),
     *((["--depth", "4", "--tokens-per-param", value], r"--tokens-per-param must be in \[0.001, 1e\+06\], got")
       for value in ("0", "-1", "inf", "nan", "1e300", "1e-30")),

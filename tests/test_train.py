@@ -314,6 +314,8 @@ def test_a_finished_run_resumed_has_nothing_to_do_and_exits_0(tmp_path, tiny_dat
     tiny_run(tiny_data, tmp_path, "--max-steps", "1", "--resume")  # a run shorter than the checkpoint's step
     assert capsys.readouterr().err.strip().splitlines()[-1] == ("nothing to do: the checkpoint is at step 2, past "
                                                                  "this run's last step, 1")
+    train.main(["--data", tiny_data, "--out-dir", str(tmp_path / "zero"), *TINY_MODEL, "--max-steps", "0"])  # fresh
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "nothing to do: --max-steps 0 trains no steps"
     RunLock(str(tmp_path)).release()  # released
     assert not (tmp_path / "config.toml.tmp").exists()
 
