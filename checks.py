@@ -100,6 +100,11 @@ def dial_problems(cfg):
     yield from (f"{flag} must be >= 1, got {value}" for flag, value in sizes if value < 1)
 
 
+# torch's collectives count whole milliseconds (less is a timeout of 0); past a billion seconds (32 years)
+# Python's timedelta overflows.
+MIN_COLLECTIVE_TIMEOUT, MAX_COLLECTIVE_TIMEOUT = 1e-3, 1e9
+
+
 def _range_problems(cfg):
     yield from _finite_problems(cfg)
     d, s, e = cfg.data, cfg.schedule, cfg.eval
@@ -125,10 +130,11 @@ def _range_problems(cfg):
     if s.batch_warmup_steps and d.grad_accum == 1 and not d.total_batch_tokens:
         yield ("--batch-warmup-steps ramps the micro-steps of each step: it needs --grad-accum > 1 (or "
                "--total-batch-tokens)")
-    dist = cfg.dist
-    for flag, value in ("--ddp-bucket-mb", dist.ddp_bucket_mb), ("--collective-timeout", dist.collective_timeout):
-        if value <= 0:
-            yield f"{flag} must be positive, got {value}"
+    if cfg.dist.ddp_bucket_mb <= 0:
+        yield f"--ddp-bucket-mb must be positive, got {cfg.dist.ddp_bucket_mb}"
+    if not MIN_COLLECTIVE_TIMEOUT <= cfg.dist.collective_timeout <= MAX_COLLECTIVE_TIMEOUT:
+        yield (f"--collective-timeout must be in [{MIN_COLLECTIVE_TIMEOUT:g}, {MAX_COLLECTIVE_TIMEOUT:g}] seconds, "
+               f"got {cfg.dist.collective_timeout:g}")
 
 
 def _fraction_problems(cfg):

@@ -77,9 +77,10 @@ class ArgumentParser(argparse.ArgumentParser):
         try:
             return super().parse_known_args(args, namespace)
         except UsageError as e:
+            options = args[:args.index("--")] if "--" in args else args  # after "--", positionals only
             known = self._option_string_actions
-            unknown = [word for word in args if word.startswith("--") and word.split("=")[0] not in known]
-            if not unknown or not str(e).startswith("the following arguments are required"):
+            unknown = [word for word in options if word.startswith("--") and word.split("=")[0] not in known]
+            if not unknown or not str(e).startswith(("the following arguments are required", "one of the arguments")):
                 raise
             self.error(f"unrecognized arguments: {' '.join(unknown)}")
 

@@ -96,12 +96,12 @@ STOP_NOTES = {"start-up": "during start-up: stopping before the first step (noth
                            "every checkpoint written is whole)"}
 
 
-def stop_at_once(phase: str = "start-up") -> None:
+def stop_at_once(phase: str = "start-up", stopped_by: str | None = None) -> None:
     """A stop signal outside the step loop (which installs StopSignals): one line saying what it means in this
     phase (STOP_NOTES), from the process that speaks for the run only (torchrun stops the others so when rank 0
     has refused the run: its line is the one to read). Exiting, it exits 128 + the signal's number, as a shell
-    expects."""
-    signalled = []
+    expects. stopped_by: the signal that stopped the loop, if one did: the next is a second, which exits."""
+    signalled = [stopped_by] if stopped_by else []
 
     def handle(signum, frame):
         name = signal.Signals(signum).name
@@ -188,7 +188,7 @@ class StopSignals:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         if any(getattr(h, "phase", None) == "start-up" for h in self.previous.values()):
-            stop_at_once("wind-down")
+            stop_at_once("wind-down", self.requested)
         signal.set_wakeup_fd(self.previous_wakeup)
         self.wakeup.close()
         self.wakeup_writer.close()

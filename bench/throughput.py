@@ -30,7 +30,7 @@ from sizing import flops_per_token  # noqa: E402
 
 
 def parse_bench_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--windows", type=int, default=5, help="timed windows; the table reports their median")
     p.add_argument("--steps-per-window", type=int, default=5, help="steps timed together as one window")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (includes compilation)")

@@ -89,4 +89,10 @@ def test_a_mistyped_flag_is_named_before_the_required_one_it_left_missing():
     with pytest.raises(UsageError, match=r"^unrecognized arguments: --ot; did you mean --out\?$"):
         parser.parse_args(["--input", "x", "--ot", "d"])
     with pytest.raises(UsageError, match="^the following arguments are required: --out$"):
-        parser.parse_args(["--input", "x"])
+        parser.parse_args(["--input", "x", "--", "--not-a-flag"])  # after "--", a positional's value
+    one_of = ArgumentParser()
+    group = one_of.add_mutually_exclusive_group(required=True)
+    group.add_argument("--ckpt")
+    group.add_argument("--hf")
+    with pytest.raises(UsageError, match=r"^unrecognized arguments: --ckp; did you mean --ckpt\?$"):
+        one_of.parse_args(["--ckp", "x"])

@@ -90,7 +90,9 @@ def test_flags_land_in_their_section(argv, section, name, value):
     (["--fp8", "te", "--sample-tokens", "4"], "needs the plain backend's KV cache"),
     (["--keep-ckpts", "0"], "--keep-ckpts must be >= 1"),
     (["--ddp-bucket-mb", "0"], "--ddp-bucket-mb must be positive"),
-    (["--collective-timeout", "0"], "--collective-timeout must be positive"),
+    (["--collective-timeout", "0"], r"--collective-timeout must be in \[0.001, 1e\+09\] seconds, got 0$"),
+    (["--collective-timeout", "0.0005"], "--collective-timeout must be in"),  # torch's 0 ms
+    (["--collective-timeout", "1e14"], "--collective-timeout must be in"),  # timedelta's overflow
     (["--seed", str(2**64)], "--seed must be a 64-bit integer, got"),
     (["--n-layer", str(10**20)], "--n-layer must be a 64-bit integer"),
     (["--n-embd", str(-10**30)], "--n-embd must be a 64-bit integer"),

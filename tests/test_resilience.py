@@ -609,6 +609,18 @@ def test_a_signal_after_the_loop_lets_the_run_write_its_records_and_a_second_exi
             time.sleep(1)
         assert exit_info.value.code == 128 + signal.SIGTERM
         assert capsys.readouterr().err.strip() == "SIGTERM again: exiting now"
+
+        stop_at_once()  # a loop that a signal stopped: the next one is the second, and exits at once
+        signals = StopSignals()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)
+        signals.restore()
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert exit_info.value.code == 128 + signal.SIGINT
+        assert capsys.readouterr().err.strip() == "SIGINT again: exiting now"
     finally:
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGINT, previous[1])
