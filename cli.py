@@ -123,6 +123,17 @@ def int_or_auto(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"must be an integer or auto, got {text!r}") from None
 
 
+def count(text: str) -> int:
+    """A flag's value that counts something there must be at least one of (a benchmark's windows, its steps)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an error from another library, for a one-line message; its type when it says nothing."""
     return str(error).splitlines()[0] if str(error) else type(error).__name__

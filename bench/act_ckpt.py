@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
+from hardware import cpu_name  # noqa: E402
 from config import ACT_CKPT_MODES  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from sizing import param_numels  # noqa: E402
@@ -60,13 +61,14 @@ def estimate_table():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_params = sum(param_numels(MODEL).values())
     text = "\n\n".join([
-        f"Measured on {device.type} (torch {torch.__version__}): {n_params / 1e6:.2f}M-parameter model "
+        f"Measured on {device.type if device.type == 'cuda' else cpu_name()} (torch {torch.__version__}): "
+        f"{n_params / 1e6:.2f}M-parameter model "
         f"({MODEL.n_layer} layers, d={MODEL.n_embd}, heads {MODEL.n_head}q/{MODEL.n_kv_head}kv, vocab "
         f"{MODEL.padded_vocab_size}), batch {BATCH} x {MODEL.max_seq_len} tokens, eager. Bytes autograd holds "
         "from forward to backward (saved-tensor hooks, distinct storages, parameters excluded):",

@@ -104,7 +104,8 @@ def train(a) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--data", required=True, help="shards as prepare.py writes them")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--lr", type=float, required=True, help="AdamW's peak LR")

@@ -31,10 +31,11 @@ import prepare  # noqa: E402
 import sources  # noqa: E402
 import tokenizer  # noqa: E402
 from cli import DataError, HelpFormatter  # noqa: E402
+from hardware import cpu_name  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--input", metavar="SRC", help="what to tokenize (default: the default corpus's sources)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each; the table reports medians")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of each first (page cache, threads)")
@@ -106,14 +107,14 @@ def main(argv=None):
     print()
     print(f"command: python bench/data_prep.py {shlex.join(argv)}")
     print(f"input: {args.input or 'default corpus (stdlib sources)'}: {len(texts):,} texts, "
-          f"{sum(map(len, texts)) / 1e6:,.1f} M characters; {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"{sum(map(len, texts)) / 1e6:,.1f} M characters; {cpu_name()}, "
           f"{threads} tokenizer threads, tiktoken {tiktoken.__version__}, python {platform.python_version()}")
     rows = [
         ("tokens/s (median)", f"{med(raw):,.0f}", f"{med(prep):,.0f}", f"{med(prep) / med(raw):.3f}"),
         ("tokens/s (min .. max)", f"{min(raw):,.0f} .. {max(raw):,.0f}", f"{min(prep):,.0f} .. {max(prep):,.0f}", ""),
         ("ratio of each pair", "", "", f"{med(ratios):.3f} ({min(ratios):.3f} .. {max(ratios):.3f})"),
         ("CPU s per M tokens (median)", f"{med(raw_cpu):.3f}", f"{med(prep_cpu):.3f}",
-         f"{med(raw_cpu) / med(prep_cpu):.3f}"),
+         f"{med(prep_cpu) / med(raw_cpu):.3f}"),
     ]
     header = (f"{args.repeats} runs each", "raw encode_ordinary_batch", "prepare.prepare", "prepare / raw")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(4)]

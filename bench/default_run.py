@@ -14,6 +14,7 @@ revision's tokens/s against the first revision's and against the previous one's.
 """
 
 import argparse
+import json
 import os
 import shlex
 import statistics
@@ -27,11 +28,9 @@ sys.path.insert(0, REPO)
 import hardware  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 
-TOKENS_PER_STEP = 16 * 128  # train.py's default micro-batch and sequence, one micro-step
-
-
-def timed_run(tree: str, steps: int, scratch: str, flags: list[str]) -> tuple[float, float]:
-    """-> (wall seconds, system seconds) of one train.py run of `steps` steps in `tree`."""
+def timed_run(tree: str, steps: int, scratch: str, flags: list[str]) -> tuple[float, float, int]:
+    """-> (wall seconds, system seconds, tokens trained) of one train.py run of `steps` steps in `tree`; the
+    tokens from its summary.json, whatever batch --flags gives."""
     out_dir = tempfile.mkdtemp(dir=scratch)
     command = [sys.executable, "train.py", "--max-steps", str(steps), "--eval-interval", "0", "--out-dir", out_dir,
                *flags]
@@ -41,7 +40,9 @@ def timed_run(tree: str, steps: int, scratch: str, flags: list[str]) -> tuple[fl
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"{tree}: train.py failed: {child.stderr.read()[-2000:]}")
-    return wall, usage.ru_stime
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        tokens = json.load(f)["facts"]["tokens"]
+    return wall, usage.ru_stime, tokens
 
 
 def worktree(rev: str, scratch: str) -> str:
@@ -59,10 +60,10 @@ def measure(trees: dict[str, str], rounds: int, short: int, long: int, scratch: 
     samples = {rev: [] for rev in trees}
     for _ in range(rounds):
         for rev, tree in trees.items():
-            wall_short, sys_short = timed_run(tree, short, scratch, flags)
-            wall_long, sys_long = timed_run(tree, long, scratch, flags)
+            wall_short, sys_short, tokens_short = timed_run(tree, short, scratch, flags)
+            wall_long, sys_long, tokens_long = timed_run(tree, long, scratch, flags)
             wall, system = wall_long - wall_short, sys_long - sys_short
-            samples[rev].append(((long - short) * TOKENS_PER_STEP / wall, system / wall, wall_long))
+            samples[rev].append(((tokens_long - tokens_short) / wall, system / wall, wall_long))
     return samples
 
 
@@ -83,13 +84,16 @@ def table(samples: dict[str, list[tuple]]) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--revs", default="648b5b0,026f3bf", help="git revisions before this tree, oldest first")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table reports their median")
     p.add_argument("--short", type=int, default=4, help="steps of the short run")
     p.add_argument("--long", type=int, default=24, help="steps of the long run")
-    p.add_argument("--flags", default="", help="train.py flags for every run, as one string (e.g. \"--dtype fp32\")")
+    p.add_argument("--flags", default="", help="train.py flags for every run, as one string (e.g. \"--dtype fp32\"; one flag "
+                                                   "alone: --flags=--tie-embeddings)")
     args = p.parse_args(argv)
+    if args.rounds < 1 or not 1 <= args.short < args.long:
+        p.error("--rounds must be >= 1, and 1 <= --short < --long")
     with tempfile.TemporaryDirectory() as scratch:
         revs = [r for r in args.revs.split(",") if r] + ["this tree"]
         trees = {rev: worktree(rev, scratch) for rev in revs}
@@ -100,7 +104,7 @@ def main(argv=None):
                 if tree != REPO:
                     subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, capture_output=True)
     print(f"Command: `python bench/default_run.py {shlex.join(argv)}` (CPU: {hardware.cpu_name()}; median of "
-          f"{args.rounds} interleaved rounds of {args.long} - {args.short} steps of {TOKENS_PER_STEP:,} tokens)\n")
+          f"{args.rounds} interleaved rounds of {args.long} - {args.short} steps)\n")
     print(table(samples))
 
 

@@ -12,6 +12,7 @@ that does not parse or tokenize is left out. OUT/corpus.json records how the cor
 --corpus docs reads its id from it.
 """
 
+import argparse
 import ast
 import io
 import json
@@ -24,7 +25,7 @@ import tokenize
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from cli import cache_root  # noqa: E402
+from cli import ArgumentParser, UsageError, cache_root  # noqa: E402
 from sources import stdlib_sources  # noqa: E402
 
 VAL_TOKENS = 262144  # as the prose corpus's: the same val size for every corpus the recipe compares
@@ -85,17 +86,28 @@ def write_text(out_text: str) -> int:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    out = argv[0] if argv else default_dir()
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", nargs="?", default=default_dir(), help="the shards' directory (OUT.text: the text, for "
+                                                                 "the time it takes)")
+    try:
+        out = os.path.abspath(p.parse_args(argv).out)  # prepare.py runs from the repository
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if os.path.exists(os.path.join(out, "corpus.json")):
         print(out)
         return 0
     text = out + ".text"
-    shutil.rmtree(text, ignore_errors=True)
+    if os.path.exists(text):  # never removed unasked: it may be the user's, or a failed run's to look at
+        print(f"error: {text} is in the way (where the text goes): remove it, or give another OUT", file=sys.stderr)
+        return 2
     files = write_text(text)
     command = [sys.executable, "prepare.py", "--input", text, "--out", out, "--tokenizer", "gpt2",
                "--text-documents", "file", "--val-tokens", str(VAL_TOKENS)]
-    subprocess.run(command, cwd=REPO, check=True, stdout=sys.stderr)
+    if code := subprocess.run(command, cwd=REPO, stdout=sys.stderr).returncode:
+        print(f"error: prepare.py exited with {code} (its message is above); {text} is left to look at",
+              file=sys.stderr)
+        return code
     record = {"corpus": f"Python {platform.python_version()}'s standard library: the docstrings and comments of "
                         f"{files} modules, one document each",
               "made_by": "python bench/docs_corpus.py: python prepare.py --input OUT.text --tokenizer gpt2 "

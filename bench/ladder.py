@@ -24,7 +24,6 @@ import gc
 import importlib.util
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -43,6 +42,7 @@ import throughput  # noqa: E402
 import train  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
 from cli import DataError, HelpFormatter, UsageError  # noqa: E402
+from hardware import cpu_name  # noqa: E402
 from loss import LOSS_CHUNK_TOKENS, loss_chunks  # noqa: E402
 from model import ModelConfig  # noqa: E402
 from sizing import flops_per_token, param_numels  # noqa: E402
@@ -295,7 +295,7 @@ def ladder_table(rows):
 def describe_machine():
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"
-    return (f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
+    return (f"CPU ({cpu_name()}, {torch.get_num_threads()} threads), "
             f"torch {torch.__version__}, no CUDA")
 
 

@@ -144,7 +144,7 @@ def table(results: dict[str, list[dict]], seq_len: int) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--micro-batches", default="4,16,64", help="comma-separated, called in this order")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
     p.add_argument("--dim", type=int, default=768, help="hidden width of the peak-bytes measurement (GPT-2 small's)")

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import memory  # noqa: E402
-from cli import HelpFormatter  # noqa: E402
+from cli import HelpFormatter, count  # noqa: E402
+from hardware import cpu_name  # noqa: E402
 from loss import LOSS_CHUNK_TOKENS, linear_cross_entropy  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
@@ -135,9 +136,9 @@ def table(rows: list[tuple[str, int, int, int, dict]]) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--windows", type=int, default=3, help="timed windows; the table reports their median")
-    p.add_argument("--steps-per-window", type=int, default=2, help="steps timed together as one window")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p.add_argument("--windows", type=count, default=3, help="timed windows; the table reports their median")
+    p.add_argument("--steps-per-window", type=count, default=2, help="steps timed together as one window")
     p.add_argument("--warmup-steps", type=int, default=1, help="untimed steps first")
     p.add_argument("--gpt2-tokens", type=int, default=None,
                    help="tokens of the GPT-2 shape, a multiple of 1024 (default: 16 x 1024 on CUDA, 2 x 1024 on CPU)")
@@ -164,7 +165,8 @@ def main(argv=None):
                  f"2 x 1024 (linear in tokens): unfused {full['unfused'] / MIB:,.1f} MiB, chunked "
                  f"{full['chunked'] / MIB:,.1f} MiB ({full['chunked'] / full['unfused']:.3f}x)."]
 
-    name = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    name = (torch.cuda.get_device_name() if device.type == "cuda"
+            else f"{cpu_name()} ({torch.get_num_threads()} threads)")
     text = "\n".join([
         f"command: python bench/loss_memory.py {shlex.join(argv)}",
         f"device: {name}, torch {torch.__version__}, {'bf16 autocast' if bf16 else 'fp32'}, vocab {PADDED_VOCAB} "

@@ -135,7 +135,7 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def parse_bench_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--fsdp", action="store_true", help="FSDP2-sharded model: collective calls, bytes and time")
     p.add_argument("--world-size", type=int, nargs="+", default=[2],
                    help="one, or (with --fsdp) several (default: 2)")

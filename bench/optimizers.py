@@ -20,6 +20,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,7 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cli import HelpFormatter  # noqa: E402
+import config  # noqa: E402
+from cli import HelpFormatter, UsageError  # noqa: E402
 from curves import plot_runs, read_metrics, series  # noqa: E402
 from runlog import MetricsError  # noqa: E402
 
@@ -134,6 +136,10 @@ def parse_bench_args(argv):
     for arg in train_argv:
         if arg.split("=")[0] in OWN_TRAIN_FLAGS:
             raise BenchError(f"{arg.split('=')[0]} is set by this benchmark; see --help for its own flags")
+    try:  # train.py's own refusal of a mistyped flag, before any run's directory is touched
+        config.parse_args([*train_argv, "--max-steps", str(a.steps)])
+    except (UsageError, ValueError) as e:
+        raise BenchError(str(e)) from None
     return a, train_argv
 
 
@@ -165,10 +171,16 @@ def finished_wall(out_dir: str, cmd: list[str], steps: int) -> float | None:
 
 
 def train_once(cmd: list[str], out_dir: str) -> float:
-    """Run one training to completion; returns its wall time in seconds. Output goes to out_dir/train.log."""
-    os.makedirs(out_dir, exist_ok=True)
-    for name in os.listdir(out_dir):  # a fresh run: no stale metrics or checkpoints from an earlier sweep
-        os.remove(os.path.join(out_dir, name))
+    """Run one training to completion in a fresh out_dir; returns its wall time in seconds. Output goes to
+    out_dir/train.log. An earlier run there (the committed results, say) is moved aside and comes back if this
+    one fails; it is removed only once this one has finished."""
+    earlier = f"{out_dir}.earlier"
+    if os.path.exists(earlier):
+        raise BenchError(f"{earlier} holds a run an unfinished sweep moved aside: move it back to {out_dir} or "
+                         "remove it")
+    if os.path.exists(out_dir):
+        os.replace(out_dir, earlier)
+    os.makedirs(out_dir)
     log_path = os.path.join(out_dir, "train.log")
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -177,7 +189,13 @@ def train_once(cmd: list[str], out_dir: str) -> float:
     if code != 0:
         with open(log_path) as f:
             last = [line.strip() for line in f if line.strip()][-1:] or ["(no output)"]
+        if os.path.exists(earlier):
+            os.replace(log_path, f"{out_dir}.failed.log")
+            shutil.rmtree(out_dir)
+            os.replace(earlier, out_dir)
+            log_path = f"{out_dir}.failed.log"
         raise BenchError(f"{shlex.join(cmd)} exited with {code}: {last[0]} (full log: {log_path})")
+    shutil.rmtree(earlier, ignore_errors=True)
     for name in os.listdir(out_dir):  # train.py's final checkpoint: the benchmark only needs the metrics
         if name.startswith("ckpt_"):
             os.remove(os.path.join(out_dir, name))
@@ -187,17 +205,6 @@ def train_once(cmd: list[str], out_dir: str) -> float:
 
 
 # ----------------------------------------------------------------------------- report
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or platform.machine()
 
 
 def code_line() -> str:
@@ -210,6 +217,17 @@ def code_line() -> str:
         return "not a git checkout"
     changed = [line.split(maxsplit=1)[1] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
     return f"commit {commit}" + (f", with uncommitted changes to {', '.join(changed)}" if changed else ", clean")
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or platform.machine()
 
 
 def hardware_line() -> str:

@@ -82,7 +82,7 @@ def measure_shape(flags: list[str]) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="which shapes to run")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args(argv)

@@ -87,7 +87,7 @@ def smoothing(text: str) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("out_dirs", nargs="+", metavar="OUT_DIR", help="train.py --out-dir of each run")
     p.add_argument("--labels", nargs="+", help="legend names, one per OUT_DIR (default: directory names)")
     p.add_argument("--out", help="the figure to write, in the format its extension names (.png, .pdf, .svg, ...; "

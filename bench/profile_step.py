@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import loop  # noqa: E402
 import throughput  # noqa: E402
-from cli import HelpFormatter  # noqa: E402
+from cli import HelpFormatter, count  # noqa: E402
+from hardware import cpu_name  # noqa: E402
 from sizing import flops_per_token  # noqa: E402
 
 PHASES = ("data", "forward", "backward", "optimizer")
@@ -166,10 +167,10 @@ def top_kernels(by_name: dict, steps: int, count: int = 25) -> list[str]:
 
 def parse_profile_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
-    p.add_argument("--steps", type=int, default=3, help="steps profiled (the table is per step)")
+    p.add_argument("--steps", type=count, default=3, help="steps profiled (the table is per step)")
     p.add_argument("--warmup-steps", type=int, default=5, help="untimed steps first (includes compilation)")
-    p.add_argument("--windows", type=int, default=3, help="timed windows of unprofiled steps, for tokens/s")
-    p.add_argument("--steps-per-window", type=int, default=5, help="steps per timed window")
+    p.add_argument("--windows", type=count, default=3, help="timed windows of unprofiled steps, for tokens/s")
+    p.add_argument("--steps-per-window", type=count, default=5, help="steps per timed window")
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
     return p.parse_known_args(argv)
 
@@ -204,7 +205,7 @@ def main(argv=None):
     rate = statistics.median(rates)
     peak = run.telemetry.peak_flops
     mfu = f"{100 * flops_per_token(run.model_cfg, run.layout.seq_len) * rate / peak:.1f}%" if peak else "n/a"
-    device = torch.cuda.get_device_name() if cuda else f"CPU, {torch.get_num_threads()} threads"
+    device = torch.cuda.get_device_name() if cuda else f"{cpu_name()}, {torch.get_num_threads()} threads"
     what = "GPU kernel time" if cuda else "operator self time on the CPU"
     lines = [
         "# Profile of one training step", "",

@@ -9,9 +9,10 @@
 # OUT.text, in sorted path order, so the val split (the first tokens) is always the same files. OUT/corpus.json
 # records how the corpus was made; the bench reads its corpus id from it.
 set -eu
-cd "$(dirname "$0")/.."
+case "${1:-}" in -*) sed -n '2,9p' "$0" | cut -c3-; exit 0 ;; esac  # -h, --help: the lines above
 cache="${PRETRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/pretrain}"
-out="${1:-$cache/bench/linux-doc-6.1}"
+out="$(realpath -m "${1:-$cache/bench/linux-doc-6.1}")"  # before the cd: OUT is the caller's path
+cd "$(dirname "$0")/.."
 package=linux-doc-6.1
 doc=/usr/share/doc/$package/Documentation
 max_tokens=8000000   # the anchor reads 4 x 262,144 train tokens: all runs stay within one epoch
@@ -20,7 +21,9 @@ val_tokens=262144
 if [ -f "$out/corpus.json" ]; then echo "$out"; exit 0; fi
 [ -d "$doc" ] || apt-get install -y "$package" >&2
 text="$out.text"
-rm -rf "$text"
+if [ -e "$text" ]; then  # never removed unasked: it may be the user's, or a failed run's to look at
+    echo "error: $text is in the way (where the text goes): remove it, or give another OUT" >&2; exit 2
+fi
 find "$doc" -name '*.rst.gz' | LC_ALL=C sort | while read -r f; do
     rel="${f#"$doc"/}"
     mkdir -p "$text/$(dirname "$rel")"

@@ -599,6 +599,9 @@ def main(argv=None):
         cfg = config.parse_args([*flags, "--max-tokens", str(a.max_tokens[0])])  # checked before any run starts
         selected = select_toggles(a, cfg)
         params, step_tokens = toggle_sizes(selected, flags)
+        if a.max_tokens[0] < max(step_tokens.values(), default=0):  # train.py would round up to a whole step
+            raise BenchError(f"--max-tokens {a.max_tokens[0]:,} is less than one step's "
+                             f"{max(step_tokens.values()):,} tokens")
     except (BenchError, UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

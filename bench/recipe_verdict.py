@@ -109,7 +109,7 @@ def with_step_costs(records: list[dict], costs: list[tuple[str, float]]) -> None
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("records", nargs="+", help="bench/recipe.py's .json files, one a corpus")
     p.add_argument("--out", help="also write the table to this markdown file")
     p.add_argument("--step-cost", type=step_cost, action="append", default=[], metavar="NAME=RATIO",
@@ -120,6 +120,10 @@ def main(argv=None) -> int:
         for path in a.records:
             with open(path) as f:
                 records.append(json.load(f))
+        corpora = [r["corpus"] for r in records]
+        if len(set(corpora)) < len(corpora):  # one corpus counted twice would pass "every corpus" on one
+            raise ValueError(f"two records of one corpus ({next(c for c in corpora if corpora.count(c) > 1)}): "
+                             "give each corpus's once")
         with_step_costs(records, a.step_cost)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

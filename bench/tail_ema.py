@@ -30,7 +30,7 @@ import config  # noqa: E402
 import recipe  # noqa: E402
 from batch import batch_layout, max_steps  # noqa: E402
 from checkpoint import checkpoint_step, list_checkpoints  # noqa: E402
-from cli import HelpFormatter  # noqa: E402
+from cli import HelpFormatter, UsageError  # noqa: E402
 from curves import read_metrics  # noqa: E402
 from distributed import DistInfo  # noqa: E402
 from evaluation import Evaluator  # noqa: E402
@@ -124,7 +124,7 @@ def main(argv=None):
         data, steps = cfg.data.data, max_steps(cfg, batch_layout(cfg))  # the seed changes neither
         with tempfile.TemporaryDirectory(prefix="tail_ema_") as runs_dir:
             rows = [row for seed in a.seeds for row in one_seed(a, flags, data, seed, steps, runs_dir)]
-    except (recipe.BenchError, MetricsError, ValueError) as e:
+    except (recipe.BenchError, MetricsError, UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     lines = ["# A tail EMA of the weights, evaluated", "",

@@ -25,14 +25,14 @@ import hardware  # noqa: E402
 import loop  # noqa: E402
 import memory  # noqa: E402
 import train  # noqa: E402
-from cli import DataError, HelpFormatter, UsageError  # noqa: E402
+from cli import DataError, HelpFormatter, UsageError, count  # noqa: E402
 from sizing import flops_per_token  # noqa: E402
 
 
 def parse_bench_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
-    p.add_argument("--windows", type=int, default=5, help="timed windows; the table reports their median")
-    p.add_argument("--steps-per-window", type=int, default=5, help="steps timed together as one window")
+    p.add_argument("--windows", type=count, default=5, help="timed windows; the table reports their median")
+    p.add_argument("--steps-per-window", type=count, default=5, help="steps timed together as one window")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (includes compilation)")
     return p.parse_known_args(argv)
 
@@ -101,7 +101,8 @@ def main(argv=None):
     device = torch.cuda.get_device_name() if run.device.type == "cuda" else run.device.type
     print()
     print(f"command: python bench/throughput.py {shlex.join(argv)}")
-    print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    print(f"device: {device if device.type == 'cuda' else hardware.cpu_name()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} CPU threads")
     rows = [
         ("tokens/step", f"{run.layout.tokens_per_step:,}"),
         ("warm-up", f"{bench_args.warmup_steps} steps in {warmup_s:.1f} s"),

@@ -37,11 +37,12 @@ import prepare  # noqa: E402
 import sources  # noqa: E402
 import tokenizer  # noqa: E402
 from cli import DataError, HelpFormatter  # noqa: E402
+from hardware import cpu_name  # noqa: E402
 from data_prep import copy_default_corpus  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--input", metavar="SRC", help="what to tokenize (default: the default corpus's sources)")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (default: GPT-2's, from tiktoken's ranks)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds; the table reports medians")
@@ -56,18 +57,6 @@ def write_gpt2_tokenizer_json(path: str) -> str:
     vocab, merges = tokenizer.gpt2_vocab_and_merges(tokenizer.get_tokenizer("gpt2"))
     tokenizer.fast_tokenizer(vocab, merges).save(path)
     return path
-
-
-def cpu_name() -> str:
-    """The CPU's model name and whether it has native bf16 (avx512_bf16), from /proc/cpuinfo."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                "unknown CPU")
-    return f"{name}, {'with' if 'avx512_bf16' in info else 'no'} avx512_bf16"
 
 
 def timed(run) -> float:
@@ -127,7 +116,7 @@ def main(argv=None):
     print(f"input: {args.input or 'default corpus (stdlib sources)'}: {len(texts):,} texts, "
           f"{sum(map(len, texts)) / 1e6:,.1f} M characters; tokenizer {args.tokenizer or 'GPT-2 tokenizer.json'} "
           f"({enc.n_vocab:,} ids)")
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} CPUs; tokenizers {tokenizers.__version__}, "
+    print(f"CPU: {cpu_name()}; tokenizers {tokenizers.__version__}, "
           f"python {platform.python_version()}")
     rows = [("tokens/s (median)", *(f"{med(c):,.0f}" for c in columns)),
             ("tokens/s (min .. max)", *(f"{min(c):,.0f} .. {max(c):,.0f}" for c in columns)),

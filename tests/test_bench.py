@@ -452,7 +452,7 @@ def test_tokenizer_speed_prints_its_table(word_tokenizer, tmp_path, capsys):
     argv = ["--input", str(tmp_path / "doc.txt"), "--tokenizer", word_tokenizer, "--repeats", "2", "--warmup", "0"]
     tokenizer_speed.main(argv)
     out = capsys.readouterr().out
-    assert f"command: python bench/tokenizer_speed.py --input {tmp_path / 'doc.txt'}" in out and "avx512_bf16" in out
+    assert f"command: python bench/tokenizer_speed.py --input {tmp_path / 'doc.txt'}" in out and "bf16" in out
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in out.splitlines() if line.startswith("| ")}
     assert rows["/ encode_batch"][0].strip() == "1.000 (1.000)" and len(rows["tokens/s (median)"]) == 4
 
@@ -552,3 +552,34 @@ def test_tail_ema_averages_the_checkpoints_from_each_start_and_keeps_the_last_we
     assert list(emas) == [(3, 0.75)]
     with pytest.raises(recipe.BenchError, match="--starts and --decays must be in"):
         tail_ema.parse_args(["--decays", "1"])
+
+
+def test_an_optimizer_sweep_keeps_an_earlier_run_until_its_own_has_finished(tmp_path):
+    """The sweep writes into bench/results by default, over the committed runs: a typo is refused before any
+    directory is touched, and a run that fails puts the earlier one back."""
+    with pytest.raises(optimizers.BenchError, match="unrecognized arguments: --step 1"):
+        optimizers.parse_bench_args(["--step", "1"])
+    out_dir = tmp_path / "adamw_lr0.003"
+    out_dir.mkdir()
+    (out_dir / "metrics.jsonl").write_text("the committed run\n")
+    with pytest.raises(optimizers.BenchError, match="exited with 3"):
+        optimizers.train_once([sys.executable, "-c", "import sys; sys.exit(3)"], str(out_dir))
+    assert (out_dir / "metrics.jsonl").read_text() == "the committed run\n"
+    assert not (tmp_path / "adamw_lr0.003.earlier").exists()
+    optimizers.train_once([sys.executable, "-c", "pass"], str(out_dir))
+    assert not (out_dir / "metrics.jsonl").exists() and (out_dir / optimizers.RUN_INFO).exists()
+
+
+def test_the_docs_corpus_never_removes_a_text_directory_it_finds(tmp_path, capsys):
+    (tmp_path / "corpus.text").mkdir()
+    (tmp_path / "corpus.text" / "keep.txt").write_text("notes")
+    assert docs_corpus.main([str(tmp_path / "corpus")]) == 2
+    assert "corpus.text is in the way" in capsys.readouterr().err
+    assert (tmp_path / "corpus.text" / "keep.txt").read_text() == "notes"
+
+
+def test_a_verdict_counts_each_corpus_once(tmp_path, capsys):
+    record = tmp_path / "r.json"
+    record.write_text(json.dumps({"corpus": "docs", "toggles": {}}))
+    assert recipe_verdict.main([str(record), str(record)]) == 2
+    assert "two records of one corpus (docs)" in capsys.readouterr().err
