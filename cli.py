@@ -134,6 +134,13 @@ def count(text: str) -> int:
     return value
 
 
+def out_problem(path: str | None) -> str | None:
+    """Why a benchmark's --out could not be written once it has measured (its directory is missing), or None:
+    asked before the measurement, which a late failure would throw away."""
+    folder = os.path.dirname(os.path.abspath(path)) if path else None
+    return f"--out {path}: no directory {folder}" if folder and not os.path.isdir(folder) else None
+
+
 def first_line(error: BaseException) -> str:
     """The first line of an error from another library, for a one-line message; its type when it says nothing."""
     return str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory  # noqa: E402
-from cli import HelpFormatter  # noqa: E402
+from cli import HelpFormatter, out_problem  # noqa: E402
 from hardware import cpu_name  # noqa: E402
 from config import ACT_CKPT_MODES  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
@@ -64,6 +64,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = p.parse_args(argv)
+    if problem := out_problem(args.out):
+        p.error(problem)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n_params = sum(param_numels(MODEL).values())
     text = "\n\n".join([

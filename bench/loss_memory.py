@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import memory  # noqa: E402
-from cli import HelpFormatter, count  # noqa: E402
+from cli import HelpFormatter, count, out_problem  # noqa: E402
 from hardware import cpu_name  # noqa: E402
 from loss import LOSS_CHUNK_TOKENS, linear_cross_entropy  # noqa: E402
 from model import ModelConfig  # noqa: E402
@@ -146,6 +146,8 @@ def main(argv=None):
                    help="auto: bf16 autocast on CUDA, fp32 on the CPU")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args(argv)
+    if problem := out_problem(args.out):
+        p.error(problem)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     dtype = torch.bfloat16 if bf16 else None

@@ -29,7 +29,7 @@ import config  # noqa: E402
 import hardware  # noqa: E402
 import loop  # noqa: E402
 import train  # noqa: E402
-from cli import HelpFormatter  # noqa: E402
+from cli import HelpFormatter, out_problem  # noqa: E402
 
 # name -> (what it shows, train.py flags): the default run; a deeper model by the size dial, its horizon cut to
 # 3 steps (64 micro-steps each); the gpt2-124m preset at one sequence of 256 a micro-step (Muon on 78M matrix
@@ -86,6 +86,8 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="which shapes to run")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args(argv)
+    if problem := out_problem(args.out):
+        p.error(problem)
     lines = ["# The time row against the run it plans", "",
              f"- command: `python bench/plan_accuracy.py {shlex.join(argv if argv is not None else sys.argv[1:])}`",
              f"- machine: {hardware.cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}; "

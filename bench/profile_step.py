@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import loop  # noqa: E402
 import throughput  # noqa: E402
-from cli import HelpFormatter, count  # noqa: E402
+from cli import HelpFormatter, count, out_problem  # noqa: E402
 from hardware import cpu_name  # noqa: E402
 from sizing import flops_per_token  # noqa: E402
 
@@ -172,7 +172,10 @@ def parse_profile_args(argv):
     p.add_argument("--windows", type=count, default=3, help="timed windows of unprofiled steps, for tokens/s")
     p.add_argument("--steps-per-window", type=count, default=5, help="steps per timed window")
     p.add_argument("--out", default=None, help="also write the report to this markdown file")
-    return p.parse_known_args(argv)
+    args, train_argv = p.parse_known_args(argv)
+    if problem := out_problem(args.out):
+        p.error(problem)
+    return args, train_argv
 
 
 def profile_steps(run, steps: int):

@@ -25,7 +25,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cli import HelpFormatter  # noqa: E402
+from cli import HelpFormatter, out_problem  # noqa: E402
 
 MAX_STEP_COST = 1.10  # a toggle may cost at most 10% more time a token than the baseline
 # Flags that change only the scalars a step uses (its LRs, Muon's momentum, the schedule's shape) or the values
@@ -115,6 +115,8 @@ def main(argv=None) -> int:
     p.add_argument("--step-cost", type=step_cost, action="append", default=[], metavar="NAME=RATIO",
                    help="a toggle's time a token over the baseline's, measured side by side (repeatable)")
     a = p.parse_args(argv)
+    if problem := out_problem(a.out):
+        p.error(problem)
     try:
         records = []
         for path in a.records:

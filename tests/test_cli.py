@@ -96,3 +96,17 @@ def test_a_mistyped_flag_is_named_before_the_required_one_it_left_missing():
     group.add_argument("--hf")
     with pytest.raises(UsageError, match=r"^unrecognized arguments: --ckp; did you mean --ckpt\?$"):
         one_of.parse_args(["--ckp", "x"])
+
+
+def test_a_benchmarks_counts_and_out_file_are_checked_before_it_measures(tmp_path):
+    import argparse
+
+    from cli import count, out_problem
+
+    assert count("3") == 3
+    for text, said in ("0", "must be >= 1, got 0"), ("-2", "must be >= 1, got -2"), ("x", "a whole number"):
+        with pytest.raises(argparse.ArgumentTypeError, match=said):
+            count(text)
+    assert out_problem(None) is None and out_problem(str(tmp_path / "t.md")) is None
+    missing = tmp_path / "missing"
+    assert out_problem(str(missing / "t.md")) == f"--out {missing}/t.md: no directory {missing}"
