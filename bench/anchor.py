@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cli import DataError  # noqa: E402
 from data import ShardLoader  # noqa: E402
 from evaluation import VAL_SEED, eval_batches  # noqa: E402
 from shards import data_record  # noqa: E402
@@ -118,7 +119,14 @@ def main(argv=None):
     p.add_argument("--eval-interval", type=int, default=16, help="steps between val-loss evals")
     p.add_argument("--eval-tokens", type=int, default=32768, help="as train.py's --eval-tokens")
     p.add_argument("--seed", type=int, default=1)
-    train(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.lr <= 0 or args.max_tokens < 1:
+        p.error(f"--lr must be positive and --max-tokens >= 1, got {args.lr:g} and {args.max_tokens}")
+    try:
+        train(args)
+    except DataError as e:  # the shards: missing, damaged, too few tokens
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.rounds < 1 or not 1 <= args.short < args.long:
         p.error("--rounds must be >= 1, and 1 <= --short < --long")
+    for rev in (r for r in args.revs.split(",") if r):
+        if subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=REPO,
+                          capture_output=True).returncode:
+            p.error(f"--revs: {rev} is not a git revision here")
     with tempfile.TemporaryDirectory() as scratch:
         revs = [r for r in args.revs.split(",") if r] + ["this tree"]
         trees = {rev: worktree(rev, scratch) for rev in revs}

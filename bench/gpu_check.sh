@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything that needs a CUDA GPU, as three commands that each finish well under 10 minutes and write into one
-# folder (7 files at most), each table row by row as it is measured, so a command cut short keeps its rows:
+# Everything that needs a CUDA GPU, as commands that each finish well under 10 minutes (all but `all`) and write
+# into one folder, each table row by row as it is measured, so a command cut short keeps its rows:
 #
 #     bash bench/gpu_check.sh tests  OUT   # environment + pytest -m gpu     -> OUT/tests.md, OUT/tests.log
 #     bash bench/gpu_check.sh ladder OUT   # the optimization ladder         -> OUT/ladder.md, .json, .log

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import hardware  # noqa: E402
-from cli import HelpFormatter  # noqa: E402
+from cli import HelpFormatter, count  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
 VOCAB = ModelConfig().vocab_size
@@ -146,11 +146,17 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--micro-batches", default="4,16,64", help="comma-separated, called in this order")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence")
-    p.add_argument("--dim", type=int, default=768, help="hidden width of the peak-bytes measurement (GPT-2 small's)")
+    p.add_argument("--seq-len", type=count, default=1024, help="tokens per sequence")
+    p.add_argument("--dim", type=count, default=768, help="hidden width of the peak-bytes measurement (GPT-2 small's)")
     p.add_argument("--baseline", default=None, help="also measure the fused loss at this git revision")
     args = p.parse_args(argv)
-    micro_batches = [int(b) for b in args.micro_batches.split(",")]
+    try:
+        micro_batches = [count(b) for b in args.micro_batches.split(",")]
+    except argparse.ArgumentTypeError as e:
+        p.error(f"--micro-batches: {e}")
+    if args.baseline and subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{args.baseline}^{{commit}}"],
+                                        cwd=REPO, capture_output=True).returncode:
+        p.error(f"--baseline {args.baseline}: not a git revision here")
     import loss
 
     results = {}

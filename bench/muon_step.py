@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import muon  # noqa: E402
 import update_math  # noqa: E402
-from cli import HelpFormatter  # noqa: E402
+from cli import HelpFormatter, count  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from optim import OptimConfig, build_optimizer  # noqa: E402
 
@@ -137,7 +137,7 @@ class CollectiveCounter(TorchDispatchMode):
 def parse_bench_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--fsdp", action="store_true", help="FSDP2-sharded model: collective calls, bytes and time")
-    p.add_argument("--world-size", type=int, nargs="+", default=[2],
+    p.add_argument("--world-size", type=count, nargs="+", default=[2],
                    help="one, or (with --fsdp) several (default: 2)")
     p.add_argument("--n-layer", type=int, default=2, help="fewer layers than 124M's 12 keep the CPU time sane")
     p.add_argument("--n-embd", type=int, default=768, help="model width")
@@ -146,7 +146,7 @@ def parse_bench_args(argv):
     p.add_argument("--vocab-size", type=int, default=50304, help="vocabulary (GPT-2's, padded to a multiple of 128)")
     p.add_argument("--windows", type=int, default=5, help="timed windows; the table reports their median (0: "
                                                            "count the operations only)")
-    p.add_argument("--steps-per-window", type=int, default=3, help="optimizer steps timed together as one window")
+    p.add_argument("--steps-per-window", type=count, default=3, help="optimizer steps timed together as one window")
     p.add_argument("--warmup-steps", type=int, default=2, help="untimed steps first (they compile, with --compile)")
     p.add_argument("--compile", action="store_true", help="also Muon with compile=True (not with --fsdp)")
     bench = p.parse_args(argv)
@@ -154,6 +154,12 @@ def parse_bench_args(argv):
         p.error("several --world-size values need --fsdp")
     if bench.fsdp and bench.compile:
         p.error("--compile times the data-parallel step; --fsdp counts collectives, which compiling does not change")
+    if bench.windows < 0:
+        p.error(f"--windows must be >= 0, got {bench.windows}")
+    try:  # the model's own shape checks (heads that divide the width, ...), before any rank starts
+        model_config(bench).validate()
+    except ValueError as e:
+        p.error(str(e))
     return bench
 
 

@@ -95,7 +95,8 @@ def main(argv=None):
         try:
             source = args.input or copy_default_corpus(tempfile.mkdtemp(dir=scratch))
             path = args.tokenizer or write_gpt2_tokenizer_json(os.path.join(scratch, "gpt2_tokenizer.json"))
-            own, enc = tokenizers.Tokenizer.from_file(path), tokenizer.load_tokenizer(path)
+            enc = tokenizer.load_tokenizer(path)  # first: a path that is no tokenizer is its one-line error
+            own = tokenizers.Tokenizer.from_file(path)
             pieces = list(sources.source_pieces(source))
             texts = [text for text, _ in pieces]
             for _ in range(args.warmup):
