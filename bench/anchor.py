@@ -120,8 +120,10 @@ def main(argv=None):
     p.add_argument("--eval-tokens", type=int, default=32768, help="as train.py's --eval-tokens")
     p.add_argument("--seed", type=int, default=1)
     args = p.parse_args(argv)
-    if args.lr <= 0 or args.max_tokens < 1:
-        p.error(f"--lr must be positive and --max-tokens >= 1, got {args.lr:g} and {args.max_tokens}")
+    if not args.lr > 0:
+        p.error(f"--lr must be positive, got {args.lr:g}")
+    if args.max_tokens < 1:
+        p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     try:
         train(args)
     except DataError as e:  # the shards: missing, damaged, too few tokens

@@ -89,8 +89,8 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table reports their median")
     p.add_argument("--short", type=int, default=4, help="steps of the short run")
     p.add_argument("--long", type=int, default=24, help="steps of the long run")
-    p.add_argument("--flags", default="", help="train.py flags for every run, as one string (e.g. \"--dtype fp32\"; one flag "
-                                                   "alone: --flags=--tie-embeddings)")
+    p.add_argument("--flags", default="", help="train.py flags for every run, as one string (e.g. \"--dtype "
+                                               "fp32\"; one flag alone: --flags=--tie-embeddings)")
     args = p.parse_args(argv)
     if args.rounds < 1 or not 1 <= args.short < args.long:
         p.error("--rounds must be >= 1, and 1 <= --short < --long")

@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import memory  # noqa: E402
 from cli import HelpFormatter, count, out_problem  # noqa: E402
-from hardware import cpu_name  # noqa: E402
 from loss import LOSS_CHUNK_TOKENS, linear_cross_entropy  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
@@ -168,7 +167,7 @@ def main(argv=None):
                  f"{full['chunked'] / MIB:,.1f} MiB ({full['chunked'] / full['unfused']:.3f}x)."]
 
     name = (torch.cuda.get_device_name() if device.type == "cuda"
-            else f"{cpu_name()} ({torch.get_num_threads()} threads)")
+            else f"{hardware.cpu_name()} ({torch.get_num_threads()} threads)")
     text = "\n".join([
         f"command: python bench/loss_memory.py {shlex.join(argv)}",
         f"device: {name}, torch {torch.__version__}, {'bf16 autocast' if bf16 else 'fp32'}, vocab {PADDED_VOCAB} "

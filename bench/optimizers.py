@@ -207,6 +207,17 @@ def train_once(cmd: list[str], out_dir: str) -> float:
 # ----------------------------------------------------------------------------- report
 
 
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or platform.machine()
+
+
 def code_line() -> str:
     """The commit the runs used, and which tracked files differed from it (an honest table names both)."""
     def git(*args):
@@ -217,17 +228,6 @@ def code_line() -> str:
         return "not a git checkout"
     changed = [line.split(maxsplit=1)[1] for line in git("status", "--porcelain", "--untracked-files=no").splitlines()]
     return f"commit {commit}" + (f", with uncommitted changes to {', '.join(changed)}" if changed else ", clean")
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or platform.machine()
 
 
 def hardware_line() -> str:

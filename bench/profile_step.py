@@ -33,7 +33,6 @@ import hardware  # noqa: E402
 import loop  # noqa: E402
 import throughput  # noqa: E402
 from cli import HelpFormatter, count, out_problem  # noqa: E402
-from hardware import cpu_name  # noqa: E402
 from sizing import flops_per_token  # noqa: E402
 
 PHASES = ("data", "forward", "backward", "optimizer")
@@ -208,7 +207,7 @@ def main(argv=None):
     rate = statistics.median(rates)
     peak = run.telemetry.peak_flops
     mfu = f"{100 * flops_per_token(run.model_cfg, run.layout.seq_len) * rate / peak:.1f}%" if peak else "n/a"
-    device = torch.cuda.get_device_name() if cuda else f"{cpu_name()}, {torch.get_num_threads()} threads"
+    device = torch.cuda.get_device_name() if cuda else f"{hardware.cpu_name()}, {torch.get_num_threads()} threads"
     what = "GPU kernel time" if cuda else "operator self time on the CPU"
     lines = [
         "# Profile of one training step", "",
