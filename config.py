@@ -154,6 +154,7 @@ class DistConfig:
 DEVICES = ("auto", "cuda", "mps", "cpu")
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 ACT_CKPT_MODES = ("none", "full", "selective", "alternate")
+ACTIVATION_DTYPES = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -165,10 +166,11 @@ class SpeedConfig:
                                 "where a probe matmul runs faster; else fp32); fp16 adds a GradScaler", choices=DTYPES)
     tf32: bool = option(True, "CUDA: fp32 matmuls on TF32 tensor cores (10-bit mantissa); --no-tf32 keeps them "
                               "true fp32")
-    activation_dtype: str = option("fp32", "the residual stream between bf16 autocast's GEMMs: fp32 (autocast's "
+    activation_dtype: str = option("auto", "the residual stream between bf16 autocast's GEMMs: fp32 (autocast's "
                                            "own), or bf16 end to end (norms accumulate in fp32 inside their "
-                                           "kernels; parameters, optimizer state and the loss stay fp32)",
-                                   choices=("fp32", "bf16"))
+                                           "kernels; parameters, optimizer state and the loss stay fp32); auto: "
+                                           "bf16 under bf16 autocast on CUDA, else fp32",
+                                   choices=ACTIVATION_DTYPES)
     compile: str = option("off", "torch.compile mode for the model (Muon's step compiles too, in default mode)",
                           choices=("off", "default", "reduce-overhead", "max-autotune"))
     act_ckpt: str = option("none", "activation checkpointing: every block, every other block, or each "

@@ -154,23 +154,28 @@ def resolve_dtype(requested: str, device: torch.device) -> tuple[torch.dtype | N
     return None, "fp32 (requested)"
 
 
-def activation_dtype(requested: str, autocast_dtype: torch.dtype | None) -> torch.dtype | None:
+def activation_dtype(requested: str, autocast_dtype: torch.dtype | None, device: torch.device) -> torch.dtype | None:
     """--activation-dtype as model.GPT.activation_dtype: None keeps the residual stream float32 (autocast's own);
-    bf16 runs it in bf16. UsageError where the run's autocast is not bf16 (--dtype auto that chose fp32)."""
+    bf16 runs it in bf16. auto is bf16 under bf16 autocast on CUDA, where the stream's elementwise kernels move
+    half the bytes (gpt2-124m's step 1.04x as fast on an H200: bench/results/gpu_check_20261130), and float32
+    elsewhere: a CPU converts each bf16 operand to float32 and back (the default model's step took 1.27x as long:
+    bench/results/activation_dtype_cpu.md). UsageError for bf16 where the run's autocast is not bf16."""
+    if requested == "auto":
+        return torch.bfloat16 if device.type == "cuda" and autocast_dtype == torch.bfloat16 else None
     if requested == "fp32":
         return None
     if autocast_dtype != torch.bfloat16:
         raise UsageError("--activation-dtype bf16 runs between bf16 autocast's GEMMs, and this run has none "
-                         "(--dtype resolved to fp32 or fp16): leave --activation-dtype fp32")
+                         "(--dtype resolved to fp32 or fp16): leave --activation-dtype auto or fp32")
     return torch.bfloat16
 
 
-def describe_precision(dtype_reason: str, activation: torch.dtype | None, autocast_dtype) -> str:
+def describe_precision(dtype_reason: str, activation: torch.dtype | None, autocast_dtype, requested: str) -> str:
     """The start-up table's precision row: the autocast dtype and why, and under autocast the residual stream's."""
     if autocast_dtype is None:
         return dtype_reason
     stream = "bf16 end to end" if activation == torch.bfloat16 else "fp32 between the GEMMs"
-    return f"{dtype_reason}; activations {stream} (--activation-dtype)"
+    return f"{dtype_reason}; activations {stream} (--activation-dtype {requested})"
 
 
 def autocast(device: torch.device, dtype: torch.dtype | None):

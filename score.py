@@ -22,11 +22,11 @@ import torch
 
 from checkpoint import CheckpointError
 from cli import ArgumentParser, DataError, HelpFormatter, UsageError, closed_stdout, plural, report_error
-from config import DEVICES, DTYPES, EvalConfig
+from config import ACTIVATION_DTYPES, DEVICES, DTYPES, EvalConfig
 from data import DEFAULT_VOCAB, fits_vocab, tokenizer_id
 from distributed import DistInfo
 from evaluation import Evaluator
-from hardware import autocast, resolve_device, resolve_dtype
+from hardware import activation_dtype, autocast, resolve_device, resolve_dtype
 from mixture import check_sources, data_fingerprint, is_mixture, label, parse_data, record_dir, vocab_problem
 from prepare import default_corpus, default_corpus_dir
 from sample import load_model, say
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="autocast dtype; auto decides as train.py's --dtype auto does, so that a run's own eval and "
                         "this agree on the machine it ran on")
+    p.add_argument("--activation-dtype", default="auto", choices=ACTIVATION_DTYPES,
+                   help="the residual stream's dtype under bf16 autocast, as train.py's --activation-dtype takes it "
+                        "(auto: bf16 on CUDA, else fp32)")
     return p
 
 
@@ -175,13 +178,18 @@ def scored_tokens(evaluator: Evaluator, batch_size: int, seq_len: int) -> list[s
     return [line] + (evaluator.val_note or "").replace("--eval-tokens", "--n").splitlines()
 
 
+def precision(model, dtype: torch.dtype | None) -> str:
+    """How the model ran: its autocast, and a residual stream in bf16 where it was."""
+    return PRECISIONS[dtype] + (", bf16 activations" if model.activation_dtype == torch.bfloat16 else "")
+
+
 def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.device, dtype: torch.dtype | None
            ) -> list[str]:
     """Run the task under autocast to dtype (None: fp32) -> the lines to print: what was evaluated, then one
     metric per line."""
     if a.task == "hellaswag":
         metrics, n = evaluator.hellaswag(model, dtype), len(evaluator.choices)
-        return [f"hellaswag: {plural(n, 'example')} of {a.hellaswag_path}, model {a.ckpt}, {PRECISIONS[dtype]}",
+        return [f"hellaswag: {plural(n, 'example')} of {a.hellaswag_path}, model {a.ckpt}, {precision(model, dtype)}",
                 f"hellaswag_acc      {metrics['hellaswag_acc']:.4f} ({round(metrics['hellaswag_acc'] * n)}/{n}, "
                 "lowest mean loss per ending token)",
                 f"hellaswag_acc_sum  {metrics['hellaswag_acc_sum']:.4f} "
@@ -189,7 +197,7 @@ def report(a: argparse.Namespace, evaluator: Evaluator, model, device: torch.dev
     seq_len = model.config.max_seq_len
     metrics = evaluator.val_metrics(model, model, lambda: autocast(device, dtype), a.batch_size, seq_len)
     first, *notes = scored_tokens(evaluator, a.batch_size, seq_len)
-    lines = [f"{first}, model {a.ckpt}, {PRECISIONS[dtype]}", *notes, f"val_loss  {metrics['val_loss']:.4f}"]
+    lines = [f"{first}, model {a.ckpt}, {precision(model, dtype)}", *notes, f"val_loss  {metrics['val_loss']:.4f}"]
     if "val_bpb" in metrics:
         lines.append(f"val_bpb   {metrics['val_bpb']:.4f}")
     else:
@@ -208,6 +216,7 @@ def main(argv=None) -> int:
         device, _ = resolve_device(a.device)
         dtype, _ = resolve_dtype(a.dtype, device)
         model = load(a.ckpt, device)
+        model.activation_dtype = activation_dtype(a.activation_dtype, dtype, device)
         data, note = val_data(a.data, trained_meta(a.ckpt), a.ckpt) if a.task == "bpb" else (None, None)
         evaluator = prepare(a, model, device, data)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:

@@ -102,7 +102,8 @@ def startup_rows(run: Run, sources: list, reasons: dict, planned_tokens: int) ->
         ("device", f"{run.device.type} ({reasons['device']})"),
         ("distributed", f"{info.mode}, {plural(info.world_size, 'process', 'processes')}" if info.mode != "none"
                         else "off (single process)"),
-        ("precision", describe_precision(reasons["dtype"], run.model.activation_dtype, run.autocast_dtype)),
+        ("precision", describe_precision(reasons["dtype"], run.model.activation_dtype, run.autocast_dtype,
+                                             cfg.speed.activation_dtype)),
         ("TF32 matmuls", reasons["tf32"]),
         ("size", sizing.describe(cfg.size, flat_values(cfg))),
         ("model", f"{run.model.num_params() / 1e6:.2f}M params, {plural(m.n_layer, 'layer')}, d={m.n_embd}, "

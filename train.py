@@ -64,7 +64,7 @@ def build_model(cfg: Config, device: torch.device, autocast_dtype: torch.dtype |
         model.load_state_dict(fp8.block_state_dict(init_state, cfg.fp8.mode))
     fp8.convert(model, cfg.fp8)
     memory.configure(model, cfg.speed, device, autocast_dtype)
-    model.activation_dtype = hardware.activation_dtype(cfg.speed.activation_dtype, autocast_dtype)
+    model.activation_dtype = hardware.activation_dtype(cfg.speed.activation_dtype, autocast_dtype, device)
     return model, model_cfg, init_reason
 
 

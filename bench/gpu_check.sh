@@ -11,11 +11,12 @@
 #     bash bench/gpu_check.sh all    OUT   # all of them in a row (about 28 minutes)
 #     bash bench/gpu_check.sh lease  OUT   # what decides a default first, within 8 min 30 s -> OUT/lease.md
 #
-# lease: the 124M step profiled in each mode a default could take (bf16 autocast, --activation-dtype bf16, CUDA
-# graphs through --compile reduce-overhead), then the FP8 rungs at about 1B profiled the same way (bf16, TE
-# current and delayed scaling, TE with FP8 attention, torchao tensorwise and rowwise), then the GPU tests, each
-# started only while the budget (LEASE_BUDGET_S, 510 s) has room for it; OUT/lease.md gathers each rung's tokens/s,
-# MFU and ms by kernel category from its profile_*.md.
+# lease: the 124M step profiled as train.py runs it on CUDA (bf16 activations) and with the stream in fp32, then
+# at about 1B bf16 and the FP8 rungs (TE delayed scaling with the FP8 lm_head, TE current scaling with it, TE
+# delayed, torchao tensorwise, TE FP8 attention), then CUDA graphs at 124M, then the GPU tests, each started only
+# while the budget (LEASE_BUDGET_S, 510 s) has room for it; OUT/lease.md gathers each rung's tokens/s, MFU,
+# unprofiled ms/step, ms by kernel category and the gap (the step less its kernels: no kernel running).
+# A session's 15 device minutes hold the kit's transfers, the install and this; `tests` gets what is left.
 # tests: TE vs plain parity on the same weights, TE FP8 (both recipes, FP8 attention) through train.py, the
 # activation estimate against CUDA's saved tensors. ladder: bench/ladder.py on its GPU defaults (12 layers,
 # d=768, head_dim 128, batch 16 x 1024). mfu: the gpt2-124m preset at batch 8 and 16 for each sequence length.
@@ -199,11 +200,13 @@ lease_rung() { # NAME LIMIT_S [train.py flags]: one profiled rung if the budget 
     [ -f "$md" ] || return $rc
     awk -v name="$name" -F'|' '
         /tokens\/s \(median/ { match($0, /unprofiled: [0-9,]+ tokens\/s/); tps = substr($0, RSTART + 12, RLENGTH - 21)
-                                match($0, /MFU [^,]+/); mfu = substr($0, RSTART + 4, RLENGTH - 4) }
-        /^\|/ && !done { key = $2; sub(/^ +/, "", key); sub(/ .*/, "", key); ms[key] = $(NF - 2) + 0; table = 1; next }
+                                match($0, /MFU [^,]+/); mfu = substr($0, RSTART + 4, RLENGTH - 4)
+                                match($0, /[0-9.]+ ms\/step/); step = substr($0, RSTART, RLENGTH - 8) + 0 }
+        /^\|/ && !done { key = $2; sub(/^ +/, "", key); sub(/ +$/, "", key); ms[key] = $(NF - 2) + 0; table = 1
+                         if (key !~ /^(category|-+|idle .*|step .*)$/) kernels += ms[key]; next }
         table { done = 1 }
-        END { printf "| %s | %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", name, tps, mfu, ms["step"],
-              ms["GEMM"], ms["attention"], ms["loss"], ms["norm/elementwise"], ms["optimizer"], ms["idle"] }
+        END { printf "| %s | %s | %s | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f | %.2f |\n", name, tps, mfu, step,
+              ms["GEMM"], ms["attention"], ms["loss"], ms["norm/elementwise"], ms["optimizer"], step - kernels }
     ' "$md" >> "$OUT/lease.md"
     { echo; cat "$md"; } >> "$OUT/lease_profiles.md" && rm "$md"
     return $rc
@@ -213,24 +216,25 @@ run_lease() { # the 124M modes, the 1B FP8 rungs, the tests, in that order, with
     {
         echo "# GPU lease, $(date '+%Y-%m-%d %H:%M'), budget ${LEASE_BUDGET_S} s (profiles: lease_profiles.md)"
         echo
-        echo "| rung | tokens/s | MFU | ms/step (profiled) | GEMM | attention | loss | norm/elementwise | optimizer | idle |"
+        echo "| rung | tokens/s | MFU | ms/step | GEMM | attention | loss | norm/elementwise | optimizer | gap |"
         echo "|---|---|---|---|---|---|---|---|---|---|"
     } > "$OUT/lease.md"
-    local rc=0
-    # shellcheck disable=SC2086
-    lease_rung 124m_bf16 100 $GPT2_124M --optimizer adamw || rc=1
-    # shellcheck disable=SC2086
-    lease_rung 124m_act_bf16 70 $GPT2_124M --optimizer adamw --activation-dtype bf16 || rc=1
+    local rc=0 rung flags
+    # The 124M step as train.py runs it on CUDA (bf16 activations, --activation-dtype auto), then the stream in fp32;
+    # at 1B bf16, then TE's FP8 in the order of the last lease's gains, then what it could not fit or found slower.
+    for rung in "124m:" "124m_act_fp32:--activation-dtype fp32"; do
+        # shellcheck disable=SC2086
+        lease_rung "${rung%%:*}" 100 $GPT2_124M --optimizer adamw ${rung#*:} || rc=1
+    done
+    for rung in "1b_bf16:100:" "1b_te_delayed_head:100:--fp8 te --fp8-recipe delayed --fp8-head" \
+        "1b_te_head:100:--fp8 te --fp8-head" "1b_te_delayed:100:--fp8 te --fp8-recipe delayed" \
+        "1b_torchao:180:--fp8 torchao" "1b_te_attn:100:--fp8 te --fp8-recipe delayed --fp8-attn"; do
+        flags=${rung#*:*:}
+        # shellcheck disable=SC2086
+        lease_rung "${rung%%:*}" "$(echo "$rung" | cut -d: -f2)" $SHAPE_1B $flags || rc=1
+    done
     # shellcheck disable=SC2086
     lease_rung 124m_cuda_graphs 90 ${GPT2_124M/--compile default/--compile reduce-overhead} --optimizer adamw || rc=1
-    local rung flags
-    for rung in "1b_bf16:" "1b_te:--fp8 te" "1b_te_delayed:--fp8 te --fp8-recipe delayed" \
-        "1b_te_attn:--fp8 te --fp8-attn" "1b_torchao:--fp8 torchao" \
-        "1b_torchao_rowwise:--fp8 torchao --fp8-recipe rowwise" "1b_te_head:--fp8 te --fp8-head"; do
-        flags=${rung#*:}
-        # shellcheck disable=SC2086
-        lease_rung "${rung%%:*}" 100 $SHAPE_1B $flags || rc=1
-    done
     room 60 "the GPU tests" && { run_tests $((LEASE_BUDGET_S - SECONDS)) -n 4 || rc=1; }
     return $rc
 }

@@ -117,13 +117,23 @@ def test_bf16_on_a_cpu_without_native_bf16_is_warned():
 
 
 def test_activation_dtype_needs_bf16_autocast_and_the_precision_row_says_which_stream_runs():
-    assert hardware.activation_dtype("fp32", torch.bfloat16) is None
-    assert hardware.activation_dtype("bf16", torch.bfloat16) == torch.bfloat16
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert hardware.activation_dtype("fp32", torch.bfloat16, cuda) is None
+    assert hardware.activation_dtype("bf16", torch.bfloat16, cpu) == torch.bfloat16
     for resolved in (None, torch.float16):  # --dtype auto that chose fp32; fp16 on a GPU
         with pytest.raises(UsageError, match="^--activation-dtype bf16 runs between bf16 autocast's GEMMs, and this"):
-            hardware.activation_dtype("bf16", resolved)
-    assert hardware.describe_precision("fp32 (requested)", None, None) == "fp32 (requested)"
-    assert hardware.describe_precision("bf16 autocast (requested)", torch.bfloat16, torch.bfloat16) == (
-        "bf16 autocast (requested); activations bf16 end to end (--activation-dtype)")
-    assert hardware.describe_precision("bf16 autocast (requested)", None, torch.bfloat16).endswith(
-        "activations fp32 between the GEMMs (--activation-dtype)")
+            hardware.activation_dtype("bf16", resolved, cuda)
+    assert hardware.describe_precision("fp32 (requested)", None, None, "auto") == "fp32 (requested)"
+    assert hardware.describe_precision("bf16 autocast (requested)", torch.bfloat16, torch.bfloat16, "bf16") == (
+        "bf16 autocast (requested); activations bf16 end to end (--activation-dtype bf16)")
+    assert hardware.describe_precision("bf16 autocast (requested)", None, torch.bfloat16, "auto").endswith(
+        "activations fp32 between the GEMMs (--activation-dtype auto)")
+
+
+def test_activation_dtype_auto_is_bf16_only_under_bf16_autocast_on_cuda():
+    """A GPU's elementwise kernels gain from half the bytes; a CPU pays for converting bf16 operands."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert hardware.activation_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    assert hardware.activation_dtype("auto", torch.bfloat16, cpu) is None
+    for resolved in (None, torch.float16):  # no autocast, or fp16's: never an error under auto
+        assert hardware.activation_dtype("auto", resolved, cuda) is None

@@ -182,6 +182,25 @@ def test_score_bpb_says_how_many_tokens_it_scored(tmp_path, tiny_data, capsys):
     assert reports[10][2:] == reports[100][1:] != reports[128][1:]
 
 
+def test_score_runs_the_residual_stream_as_training_does(tmp_path, tiny_data, capsys):
+    """--activation-dtype as train.py's: bf16 says so on the first line and scores close to the fp32 stream;
+    auto keeps a CPU's stream fp32; bf16 without bf16 autocast is one line."""
+    model, ckpt = gpt2_model(), str(tmp_path / "ckpt.pt")
+    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": model.state_dict(),
+                          "model_config": dataclasses.asdict(model.config), "train_config": {},
+                          "tokenizer": None}, ckpt)
+    args = ["--ckpt", ckpt, "--task", "bpb", "--data", tiny_data, "--n", "64", "--batch-size", "2", "--device", "cpu"]
+    losses = {}
+    for stream in ("auto", "bf16"):
+        first, *rest = run_score(capsys, *args, "--dtype", "bf16", "--activation-dtype", stream).splitlines()
+        assert first.endswith("bf16 autocast" + (", bf16 activations" if stream == "bf16" else ""))
+        losses[stream] = float(re.search(r"val_loss +([\d.]+)", "\n".join(rest)).group(1))
+    assert losses["bf16"] == pytest.approx(losses["auto"], abs=0.05)
+    assert score.main([*args, "--dtype", "fp32", "--activation-dtype", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "--activation-dtype bf16 runs between bf16 autocast's GEMMs" in err and len(err.strip().splitlines()) == 1
+
+
 def test_score_says_why_there_is_no_val_bpb(tmp_path, tiny_data, capsys, monkeypatch):
     """The shards' tokenizer cannot be loaded: the val_bpb line gives that reason, as the note before it does."""
     def unavailable(data_dir):
