@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "this agree on the machine it ran on")
     p.add_argument("--activation-dtype", default="auto", choices=ACTIVATION_DTYPES,
                    help="the residual stream's dtype under bf16 autocast, as train.py's --activation-dtype takes it "
-                        "(auto: bf16 on CUDA, else fp32)")
+                        "(auto: bf16 under bf16 autocast on CUDA, else fp32)")
     return p
 
 
@@ -215,8 +215,9 @@ def main(argv=None) -> int:
         check_args(a)
         device, _ = resolve_device(a.device)
         dtype, _ = resolve_dtype(a.dtype, device)
+        stream = activation_dtype(a.activation_dtype, dtype, device)
         model = load(a.ckpt, device)
-        model.activation_dtype = activation_dtype(a.activation_dtype, dtype, device)
+        model.activation_dtype = stream
         data, note = val_data(a.data, trained_meta(a.ckpt), a.ckpt) if a.task == "bpb" else (None, None)
         evaluator = prepare(a, model, device, data)
     except (UsageError, CheckpointError, DataError, ValueError, OSError) as e:

@@ -103,13 +103,13 @@ def startup_rows(run: Run, sources: list, reasons: dict, planned_tokens: int) ->
         ("distributed", f"{info.mode}, {plural(info.world_size, 'process', 'processes')}" if info.mode != "none"
                         else "off (single process)"),
         ("precision", describe_precision(reasons["dtype"], run.model.activation_dtype, run.autocast_dtype,
-                                             cfg.speed.activation_dtype)),
+                                         cfg.speed.activation_dtype)),
         ("TF32 matmuls", reasons["tf32"]),
         ("size", sizing.describe(cfg.size, flat_values(cfg))),
         ("model", f"{run.model.num_params() / 1e6:.2f}M params, {plural(m.n_layer, 'layer')}, d={m.n_embd}, "
                   f"heads {m.n_head}q/{m.n_kv_head}kv, vocab {m.padded_vocab_size}"),
         ("optimizer", describe_param_groups(run.optimizer)),
-        ("torch.compile", describe_compile(cfg.speed.compile, run.device.type)),
+        ("torch.compile", describe_compile(cfg.speed.compile, run.device.type, cfg.fp8.mode == "te")),
         ("FP8", fp8.describe_fp8(run.model, run.fp8_recipe)),
         ("activation ckpt", memory.describe_activation_checkpointing(run.model)),
         ("loss path", memory.describe_loss_path(run.model, layout.micro_batch * layout.seq_len, run.autocast_dtype)),
@@ -135,9 +135,12 @@ def startup_rows(run: Run, sources: list, reasons: dict, planned_tokens: int) ->
     ]
 
 
-def describe_compile(mode: str, device_type: str) -> str:
+def describe_compile(mode: str, device_type: str, te_blocks: bool = False) -> str:
     if mode == "off":
         return "off (not requested)"
+    eager_te = ("; Transformer Engine's modules run eagerly between its graphs (this torch lacks the opaque-type "
+                "API of torch 2.14 that TE's compiled path needs)" if te_blocks and not fp8.te_compiles() else "")
     if mode == "reduce-overhead" and device_type != "cuda":  # inductor skips CUDA graphs off CUDA
-        return f"on, mode reduce-overhead: CUDA graphs do not apply on {device_type}, so it runs as mode default"
-    return f"on, mode {mode}"
+        return (f"on, mode reduce-overhead: CUDA graphs do not apply on {device_type}, so it runs as mode default"
+                + eager_te)
+    return f"on, mode {mode}" + eager_te

@@ -50,7 +50,8 @@ from update_math import newton_schulz_flops  # noqa: E402
 
 # The starting point: everything a plain PyTorch loop does without trying.
 BASE = {"dtype": "fp32", "tf32": False, "sdpa": "math", "fused": False, "compile": "off", "fp8": "off",
-        "fp8_recipe": "current", "fp8_attn": False, "optimizer": "adamw", "loss_chunk": LOSS_CHUNK_TOKENS}
+        "fp8_recipe": "current", "fp8_attn": False, "optimizer": "adamw", "loss_chunk": LOSS_CHUNK_TOKENS,
+        "activation": "fp32"}
 # (key, label, change, rung whose change this one needs, kind). A "step" applies its change on top of the last
 # step that ran, and the rungs after it keep it; a "variant" swaps one setting of that step for comparison and
 # nothing after it keeps its change. Variants come in the order of what a GPU run's defaults most depend on.
@@ -62,6 +63,7 @@ RUNGS = [
     ("fused_adamw", "+ fused AdamW", {"fused": True}, None, "step"),
     ("compile", "+ torch.compile", {"compile": "default"}, None, "step"),
     ("loss_chunks", "+ loss chunks sized from GPU memory", {"loss_chunk": 0}, None, "step"),
+    ("bf16_stream", "+ bf16 activations between the GEMMs", {"activation": "bf16"}, "bf16", "step"),
     ("muon", "vs: Muon instead of fused AdamW", {"optimizer": "muon"}, None, "variant"),
     ("cudnn_attn", "vs: cuDNN attention first", {"sdpa": "cudnn"}, None, "variant"),
     ("cuda_graphs", "vs: CUDA graphs (compile reduce-overhead)", {"compile": "reduce-overhead"}, None, "variant"),
@@ -75,7 +77,8 @@ RUNGS = [
 # What a CPU cannot run, by the setting a rung changes: -> the reason.
 CUDA_ONLY = {"tf32": "TF32 is a CUDA tensor-core mode", "loss_chunk": f"a CPU's loss chunk is {LOSS_CHUNK_TOKENS:,} "
              "tokens either way", "sdpa=cudnn": "cuDNN attention is CUDA's",
-             "compile=reduce-overhead": "CUDA graphs are CUDA's"}
+             "compile=reduce-overhead": "CUDA graphs are CUDA's",
+             "activation": "a CPU keeps the stream fp32 (--activation-dtype auto): bf16 operands cost it conversions"}
 # Model and batch when the command line gives none. GPU: GPT-2-small width and depth with head_dim 128, so
 # that the FP8-attention rung can run, the default architecture (attention gates), which the Transformer Engine
 # rungs build too, with GPT-2's tied head (the GPU results of 2026-11-27/28 were measured with --no-attn-gate).
@@ -91,7 +94,7 @@ SIZES = {name: [*(flag for field in ("n_layer", "n_embd", "n_head", "n_kv_head",
                 "--tie-embeddings"]
          for name in sizing.PRESETS}
 SWEEP_SETTINGS = {**BASE, "dtype": "bf16", "tf32": True, "sdpa": "flash", "fused": True, "compile": "default",
-                  "loss_chunk": 0}
+                  "loss_chunk": 0, "activation": "bf16"}
 # Environment variables that change the timings, recorded in the table's header when set.
 TIMING_ENV = ("OMP_NUM_THREADS", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE", "CUDA_VISIBLE_DEVICES")
 # H100 SXM datasheet figures for the peak and the bandwidth (estimated_step_parts, the MFU column).
@@ -147,6 +150,7 @@ def settings_argv(settings, out_dir):
     argv = ["--dtype", settings["dtype"], "--compile", settings["compile"], "--fp8", settings["fp8"],
             "--optimizer", settings["optimizer"], "--out-dir", out_dir, "--eval-interval", "0",
             "--loss-chunk-tokens", str(settings["loss_chunk"]), "--fp8-recipe", settings["fp8_recipe"],
+            "--activation-dtype", settings["activation"],
             "--tf32" if settings["tf32"] else "--no-tf32", "--fused-adamw" if settings["fused"] else "--no-fused-adamw"]
     return argv + (["--fp8-attn"] if settings["fp8_attn"] else [])
 

@@ -42,6 +42,7 @@ def test_ladder_runs_end_to_end_on_cpu(tiny_data, tmp_path, monkeypatch, capsys)
     assert rungs["tf32"]["status"] == "n/a (TF32 is a CUDA tensor-core mode)"
     assert rungs["compile"]["status"] == rungs["max_autotune"]["status"] == "skipped (--no-compile)"
     assert rungs["loss_chunks"]["status"] == "n/a (a CPU's loss chunk is 1,024 tokens either way)"
+    assert rungs["bf16_stream"]["status"].startswith("n/a (a CPU keeps the stream fp32 (--activation-dtype auto)")
     assert rungs["cudnn_attn"]["status"] == "n/a (cuDNN attention is CUDA's)"
     assert rungs["cuda_graphs"]["status"] == "skipped (--no-compile)"
     assert rungs["fp8_te"]["status"].startswith("n/a (--fp8 te needs a CUDA GPU")

@@ -1,3 +1,4 @@
+import fp8
 import startup
 
 
@@ -5,3 +6,21 @@ def test_the_start_up_table_tells_the_truth_about_compile_modes():
     assert startup.describe_compile("off", "cpu") == "off (not requested)"
     assert "CUDA graphs do not apply on cpu" in startup.describe_compile("reduce-overhead", "cpu")
     assert startup.describe_compile("reduce-overhead", "cuda") == "on, mode reduce-overhead"
+
+
+def test_the_compile_row_says_when_transformer_engine_runs_eagerly_inside_it(monkeypatch):
+    """TE's compiled path needs torch's opaque-type API under torch 2.14's names; without them the row says its
+    modules run eagerly, so a slow TE step has its reason where the run starts."""
+    from torch._library import opaque_object
+    for name in ("register_custom_class", "is_opaque_constant_type"):
+        monkeypatch.delattr(opaque_object, name, raising=False)
+    assert not fp8.te_compiles()
+    assert startup.describe_compile("default", "cuda", te_blocks=True) == (
+        "on, mode default; Transformer Engine's modules run eagerly between its graphs (this torch lacks the "
+        "opaque-type API of torch 2.14 that TE's compiled path needs)")
+    assert startup.describe_compile("default", "cuda") == "on, mode default"  # no TE blocks
+    assert startup.describe_compile("off", "cuda", te_blocks=True) == "off (not requested)"
+    for name in ("register_custom_class", "is_opaque_constant_type"):
+        monkeypatch.setattr(opaque_object, name, lambda *args, **kwargs: None, raising=False)
+    assert fp8.te_compiles()
+    assert startup.describe_compile("default", "cuda", te_blocks=True) == "on, mode default"
