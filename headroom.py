@@ -124,12 +124,12 @@ def free_room(device: torch.device, local_ranks: int = 1) -> Room | None:
 
 def step_bytes(model_cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: str, act_ckpt: str,
                autocast_dtype: torch.dtype | None, device_type: str, shards: int, loss_chunk: int,
-               state_restored: bool) -> int:
+               state_restored: bool, stream_dtype: torch.dtype | None = None) -> int:
     """Bytes the first step adds to a process that holds the model already (and, after a resume, the
     optimizer's state): the gradients, the optimizer's state, one micro-batch's activations and transients,
     and on a CPU the allocator's share of all the tensors (memory.estimate_memory)."""
     e = memory.estimate_memory(model_cfg, batch_size, seq_len, optimizer, act_ckpt, autocast_dtype, device_type,
-                               shards, runtime=0, loss_chunk=loss_chunk)
+                               shards, runtime=0, loss_chunk=loss_chunk, stream_dtype=stream_dtype)
     return e.total - e.params - (e.optimizer if state_restored else 0)
 
 
@@ -160,7 +160,7 @@ def first_step_bytes(cfg, model, device: torch.device, autocast_dtype: torch.dty
     shards = info.world_size if info.mode == "fsdp" else 1
     return lambda batch, seq_len: step_bytes(model.config, batch, seq_len, cfg.optim.name, cfg.speed.act_ckpt,
                                              autocast_dtype, device.type, shards, model.loss_chunk_tokens,
-                                             state_restored)
+                                             state_restored, model.activation_dtype)
 
 
 def host_room(device: torch.device, info) -> Room | None:

@@ -191,18 +191,20 @@ def state_bytes(tree) -> int:
     return 0
 
 
-def _norm_bytes(width: int, fused: bool) -> int:
-    """An RMSNorm over `width` (float32 in and out): its input and 1/rms; unfused, also the normalized input
-    before the weight multiply (ATen's CPU path decomposes rms_norm; CUDA runs the fused kernel)."""
-    return FP32 * width + FP32 + (0 if fused else FP32 * width)
+def _norm_bytes(width: int, fused: bool, stream: int = FP32) -> int:
+    """An RMSNorm over `width` of the residual stream (`stream` bytes an element): its input and a float32 1/rms;
+    unfused (ATen's CPU path decomposes rms_norm, taking a bf16 input to float32 first), the float32 input and
+    the normalized input before the weight multiply; fused (CUDA's kernel), the input as it came."""
+    return FP32 + (stream * width if fused else 2 * FP32 * width)
 
 
-def attention_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
+def attention_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool, stream: int = FP32) -> int:
     """Saved bytes per token of one block's attention half; act is the GEMM dtype's size (2 under 16-bit
-    autocast, 4 in fp32). Flash-style SDPA: q, k, v, the output and a float32 log-sum-exp per head."""
+    autocast, 4 in fp32), stream the residual stream's (2 under --activation-dtype bf16). Flash-style SDPA: q,
+    k, v, the output and a float32 log-sum-exp per head."""
     D, hd, H, K = cfg.n_embd, cfg.resolved_head_dim, cfg.n_head, cfg.n_kv_head
     half_precision_copies = FP32 * (H + K) * hd if act != FP32 else 0  # q.float(), k.float() for QK-norm
-    return (_norm_bytes(D, fused_norm)
+    return (_norm_bytes(D, fused_norm, stream)
             + act * D  # qkv GEMM input
             + act * (H + 2 * K) * hd  # qkv output: v, and in fp32 also q and k, are views of it
             + half_precision_copies
@@ -210,34 +212,34 @@ def attention_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> i
             + act * (H + K) * hd  # rotated q, k
             + act * H * hd + FP32 * H  # attention output, log-sum-exp
             + act * H * hd  # proj GEMM input
-            + (attention_gate_bytes_per_token(cfg, act) if cfg.attn_gate else 0))
+            + (attention_gate_bytes_per_token(cfg, act, stream) if cfg.attn_gate else 0))
 
 
-def attention_gate_bytes_per_token(cfg: ModelConfig, act: int) -> int:
+def attention_gate_bytes_per_token(cfg: ModelConfig, act: int, stream: int = FP32) -> int:
     """Saved bytes per token of one block's attention gates: the gate GEMM's input, which is the normed input
-    the qkv GEMM reads (the same tensor in float32; under 16-bit autocast each GEMM casts its own copy), and
-    the per-head sigmoid."""
-    return (act * cfg.n_embd if act != FP32 else 0) + act * cfg.n_head
+    the qkv GEMM reads (the same tensor in float32 or a 16-bit stream; from a float32 stream under 16-bit
+    autocast each GEMM casts its own copy), and the per-head sigmoid."""
+    return (act * cfg.n_embd if act != stream else 0) + act * cfg.n_head
 
 
-def mlp_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
+def mlp_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool, stream: int = FP32) -> int:
     """Saved bytes per token of one block's MLP: norm, fc1 input, then SwiGLU's fc1 output [gate; up],
     silu(gate) and fc2 input, or ReLU^2's relu(h) and fc2 input (relu keeps its output, not h)."""
     D, F = cfg.n_embd, cfg.resolved_ffn_dim
     fc1_output = act * cfg.fc1_rows if cfg.mlp == "swiglu" else 0
-    return _norm_bytes(D, fused_norm) + act * D + fc1_output + act * F + act * F
+    return _norm_bytes(D, fused_norm, stream) + act * D + fc1_output + act * F + act * F
 
 
-def head_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool) -> int:
+def head_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool, stream: int = FP32) -> int:
     """Token ids, final norm, and the float32 gradient of the lm_head input that loss.linear_cross_entropy
     computes in its forward and keeps (the logits themselves are never kept: see loss_head_bytes); with value
-    embeddings, each table's float32 lookup, which its layers' scalars keep; with the smear, the float32
+    embeddings, each table's lookup in the stream's dtype, which its layers' scalars keep; with the smear, the float32
     embedding its norm keeps, the gate GEMM's input and the shifted embedding the gate multiplies; with the
     bigram embedding, its rows' indices. Embedding skips keep the first block's input, kept anyway."""
-    ve = FP32 * cfg.value_embeds * cfg.n_kv_head * cfg.resolved_head_dim
+    ve = stream * cfg.value_embeds * cfg.n_kv_head * cfg.resolved_head_dim
     smear = (2 * FP32 + act) * cfg.n_embd if cfg.smear else 0
     bigram = INDEX if cfg.bigram_embed else 0
-    return INDEX + _norm_bytes(cfg.n_embd, fused_norm) + FP32 * cfg.n_embd + ve + smear + bigram
+    return INDEX + _norm_bytes(cfg.n_embd, fused_norm, stream) + FP32 * cfg.n_embd + ve + smear + bigram
 
 
 def loss_head_bytes(cfg: ModelConfig) -> int:
@@ -291,18 +293,20 @@ def _weight_copies(cfg: ModelConfig, act: int) -> tuple[int, int]:
 
 
 def activation_bytes(cfg: ModelConfig, batch_size: int, seq_len: int, act_ckpt: str,
-                     autocast_dtype: torch.dtype | None, device_type: str) -> tuple[int, int]:
-    """(bytes saved for backward by one micro-batch's forward, transient bytes of one recomputed region)."""
+                     autocast_dtype: torch.dtype | None, device_type: str,
+                     stream_dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """(bytes saved for backward by one micro-batch's forward, transient bytes of one recomputed region);
+    stream_dtype: the residual stream's (model.GPT.activation_dtype), None for float32."""
     if act_ckpt not in ACT_CKPT_MODES:
         raise ValueError(f"unknown activation checkpointing mode {act_ckpt!r}; choose one of {', '.join(ACT_CKPT_MODES)}")
-    act = act_bytes(autocast_dtype)
+    act, stream = act_bytes(autocast_dtype), act_bytes(stream_dtype)
     fused = device_type == "cuda"
     tokens, L = batch_size * seq_len, cfg.n_layer
-    attn = tokens * attention_bytes_per_token(cfg, act, fused)
-    mlp = tokens * mlp_bytes_per_token(cfg, act, fused)
-    block_input = tokens * FP32 * cfg.n_embd  # what a checkpointed region keeps: its input
+    attn = tokens * attention_bytes_per_token(cfg, act, fused, stream)
+    mlp = tokens * mlp_bytes_per_token(cfg, act, fused, stream)
+    block_input = tokens * stream * cfg.n_embd  # what a checkpointed region keeps: its input
     w_attn, w_mlp = _weight_copies(cfg, act)
-    head = tokens * head_bytes_per_token(cfg, act, fused) + loss_head_bytes(cfg)
+    head = tokens * head_bytes_per_token(cfg, act, fused, stream) + loss_head_bytes(cfg)
     full_block = attn + mlp + w_attn + w_mlp
     if act_ckpt == "none":
         return L * full_block + head, 0
@@ -325,13 +329,16 @@ def describe_loss_path(model: nn.Module, tokens: int, autocast_dtype: torch.dtyp
 
 def estimate_memory(cfg: ModelConfig, batch_size: int, seq_len: int, optimizer: str, act_ckpt: str,
                     autocast_dtype: torch.dtype | None, device_type: str, shards: int = 1,
-                    runtime: int = 0, loss_chunk: int = LOSS_CHUNK_TOKENS) -> MemoryEstimate:
+                    runtime: int = 0, loss_chunk: int = LOSS_CHUNK_TOKENS,
+                    stream_dtype: torch.dtype | None = None) -> MemoryEstimate:
     """Training memory per device before anything is allocated: float32 parameters and gradients, the
     optimizer's state, and the activations of one micro-batch; on the CPU also `runtime` (runtime_bytes) and
     the allocator's share. shards: FSDP2 world size (parameters, gradients and optimizer state are split
-    across it; activations are not). loss_chunk: the loss path's tokens per chunk (loss_chunk_tokens)."""
+    across it; activations are not). loss_chunk: the loss path's tokens per chunk (loss_chunk_tokens).
+    stream_dtype: the residual stream's (activation_bytes)."""
     n_params = param_count(cfg)
-    activations, recompute = activation_bytes(cfg, batch_size, seq_len, act_ckpt, autocast_dtype, device_type)
+    activations, recompute = activation_bytes(cfg, batch_size, seq_len, act_ckpt, autocast_dtype, device_type,
+                                              stream_dtype)
     act = act_bytes(autocast_dtype)
     # Neither outlives its moment (a recomputed region in backward, a loss chunk at the forward's end).
     transient = max(recompute, loss_chunk_bytes(cfg, batch_size * seq_len, act, loss_chunk))
@@ -481,20 +488,22 @@ def memory_report(cfg) -> str:
                          "try the micro-batch you expect, e.g. --batch-size 16")
     target = parse_target_gpu(cfg.speed.target_gpu) if cfg.speed.target_gpu is not None else None
     device_type, autocast_dtype, dtype_reason, note = report_device(cfg.speed)
+    stream = hardware.activation_dtype(cfg.speed.activation_dtype, autocast_dtype, torch.device(device_type))
     model_cfg, batch_size = cfg.model, cfg.data.batch_size
     shards = distributed.world_size() if cfg.dist.dist == "fsdp" else 1
     runtime = runtime_bytes() if device_type == "cpu" else 0
     capacity = target[0] if target else device_capacity_bytes(torch.device(device_type))
     loss_chunk = loss_chunk_tokens(model_cfg, autocast_dtype, capacity, cfg.speed.loss_chunk_tokens)
     estimates = {mode: estimate_memory(model_cfg, batch_size, model_cfg.max_seq_len, cfg.optim.name, mode,
-                                       autocast_dtype, device_type, shards, runtime, loss_chunk)
+                                       autocast_dtype, device_type, shards, runtime, loss_chunk, stream)
                  for mode in ACT_CKPT_MODES}
     n_params = param_count(model_cfg)
     sharding = f", FSDP2 over {shards} ranks" if shards > 1 else ""
     where = f"cuda ({cfg.speed.target_gpu.strip()}, not this machine)" if target else device_type
     lines = [
         f"memory estimate per device: {n_params / 1e6:.2f}M params, optimizer {cfg.optim.name}, "
-        f"micro-batch {batch_size} x {model_cfg.max_seq_len} tokens, {where}, {dtype_reason}{sharding}",
+        f"micro-batch {batch_size} x {model_cfg.max_seq_len} tokens, {where}, {dtype_reason}"
+        f"{', bf16 activations' if stream == torch.bfloat16 else ''}{sharding}",
         "",
         format_memory_estimates(estimates, cfg.speed.act_ckpt),
         "",

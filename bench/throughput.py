@@ -67,10 +67,12 @@ def loss_share(run) -> str:
     cfg, layout = run.model_cfg, run.layout
     act = memory.act_bytes(run.autocast_dtype)
     fused = run.device.type == "cuda"
-    head = (layout.micro_batch * layout.seq_len * memory.head_bytes_per_token(cfg, act, fused)
+    stream = run.model.activation_dtype
+    head = (layout.micro_batch * layout.seq_len * memory.head_bytes_per_token(cfg, act, fused,
+                                                                              memory.act_bytes(stream))
             + memory.loss_head_bytes(cfg))
     total, _ = memory.activation_bytes(cfg, layout.micro_batch, layout.seq_len, run.cfg.speed.act_ckpt,
-                                       run.autocast_dtype, run.device.type)
+                                       run.autocast_dtype, run.device.type, stream)
     return f"{head / 2**20:,.1f} MiB of {total / 2**20:,.1f} MiB per micro-batch ({100 * head / total:.0f}%)"
 
 
@@ -98,11 +100,10 @@ def main(argv=None):
     flops = flops_per_token(run.model_cfg, run.layout.seq_len)
     peak = run.telemetry.peak_flops
     mfu = f"{100 * flops * median / peak:.1f}%" if peak else "n/a (no peak known)"
-    device = torch.cuda.get_device_name() if run.device.type == "cuda" else run.device.type
+    device = torch.cuda.get_device_name() if run.device.type == "cuda" else hardware.cpu_name()
     print()
     print(f"command: python bench/throughput.py {shlex.join(argv)}")
-    print(f"device: {device if device.type == 'cuda' else hardware.cpu_name()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} CPU threads")
+    print(f"device: {device}, torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
     rows = [
         ("tokens/step", f"{run.layout.tokens_per_step:,}"),
         ("warm-up", f"{bench_args.warmup_steps} steps in {warmup_s:.1f} s"),

@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import optimizers  # noqa: E402
 import plot  # noqa: E402
 import recipe  # noqa: E402
 import recipe_verdict  # noqa: E402
+import throughput  # noqa: E402
 import tokenizer_speed  # noqa: E402
 from conftest import TINY_FLAGS, WORD_TEXT  # noqa: E402
 
@@ -583,3 +585,17 @@ def test_a_verdict_counts_each_corpus_once(tmp_path, capsys):
     record.write_text(json.dumps({"corpus": "docs", "toggles": {}}))
     assert recipe_verdict.main([str(record), str(record)]) == 2
     assert "two records of one corpus (docs)" in capsys.readouterr().err
+
+
+def test_throughput_prints_its_table_for_a_run_with_the_bf16_stream(tiny_data, tmp_path, capsys):
+    """bench/throughput.py end to end on the CPU: the command, the device line, every row of its table, the loss
+    path's share from the estimate of the run's own stream."""
+    throughput.main(["--windows", "2", "--steps-per-window", "2", "--warmup-steps", "1", "--data", tiny_data,
+                     *TINY_FLAGS, "--dtype", "bf16", "--activation-dtype", "bf16", "--out-dir", str(tmp_path / "o")])
+    out = capsys.readouterr().out
+    assert "command: python bench/throughput.py --windows 2" in out and "\ndevice: " in out
+    rows = dict((cell.strip() for cell in line.strip("| ").split(" | ")) for line in out.splitlines()
+                if line.startswith("| "))
+    assert float(rows["tokens/s (median)"].replace(",", "")) > 0 and rows["tokens/step"] == "128"
+    assert rows["tokens/s (min..max)"].endswith("over 2 windows of 2 steps")
+    assert re.fullmatch(r"[\d.,]+ MiB of [\d.,]+ MiB per micro-batch \(\d+%\)", rows["loss path's activations"])

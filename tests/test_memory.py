@@ -106,16 +106,21 @@ def test_optimizer_state_estimate_matches_the_allocated_state(name):
     assert estimate == pytest.approx(optimizer_state_bytes(optimizer), rel=1e-3)  # step counters aside
 
 
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype, stream", [(None, None), (torch.bfloat16, None), (torch.bfloat16, torch.bfloat16)],
+                         ids=["fp32", "bf16", "bf16-stream"])
 @pytest.mark.parametrize("mode", ACT_CKPT_MODES)
 @pytest.mark.parametrize("cfg", [CFG, CFG2], ids=["tied", "untied"])
 @pytest.mark.parametrize("architecture", [{}, QWEN3_VALUES, {"mlp": "relu2"}, LOOK_BACK],
                          ids=["default", "qwen3", "relu2", "look-back"])
-def test_activation_estimate_is_within_10_percent_of_saved_tensor_bytes(cfg, architecture, mode, dtype):
+def test_activation_estimate_is_within_10_percent_of_saved_tensor_bytes(cfg, architecture, mode, dtype, stream):
+    """Under bf16 autocast with the stream in float32 or in bf16 (--activation-dtype), whose checkpointed blocks
+    keep bf16 inputs."""
     cfg = dataclasses.replace(cfg, **architecture)
     idx, targets = batch(cfg)
-    measured = memory.saved_tensor_bytes(model_with(cfg, mode), idx, targets, dtype)
-    estimated, _ = memory.activation_bytes(cfg, B, cfg.max_seq_len, mode, dtype, "cpu")
+    model = model_with(cfg, mode)
+    model.activation_dtype = stream
+    measured = memory.saved_tensor_bytes(model, idx, targets, dtype)
+    estimated, _ = memory.activation_bytes(cfg, B, cfg.max_seq_len, mode, dtype, "cpu", stream)
     assert estimated == pytest.approx(measured, rel=0.10)
 
 
@@ -314,11 +319,15 @@ def test_estimate_memory_on_cuda_without_a_gpu_points_to_target_gpu(capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ACT_CKPT_MODES)
-def test_activation_estimate_on_cuda_bf16(mode):
-    """On CUDA rms_norm runs ATen's fused kernel, which saves less than the CPU decomposition."""
+@pytest.mark.parametrize("stream", [None, torch.bfloat16], ids=["fp32-stream", "bf16-stream"])
+def test_activation_estimate_on_cuda_bf16(mode, stream):
+    """On CUDA rms_norm runs ATen's fused kernel, which saves less than the CPU decomposition, and saves a bf16
+    stream's input as it is."""
     idx, targets = (t.cuda() for t in batch(CFG2))
-    measured = memory.saved_tensor_bytes(model_with(CFG2, mode).cuda(), idx, targets, torch.bfloat16)
-    estimated, _ = memory.activation_bytes(CFG2, B, CFG2.max_seq_len, mode, torch.bfloat16, "cuda")
+    model = model_with(CFG2, mode).cuda()
+    model.activation_dtype = stream
+    measured = memory.saved_tensor_bytes(model, idx, targets, torch.bfloat16)
+    estimated, _ = memory.activation_bytes(CFG2, B, CFG2.max_seq_len, mode, torch.bfloat16, "cuda", stream)
     assert estimated == pytest.approx(measured, rel=0.10)
 
 
