@@ -167,6 +167,45 @@ def test_checkpoint_resume_export_sample_and_score(name, tiny_data, tmp_path, tr
     assert texts == texts[:1] * len(texts) and figures == figures[:1] * len(figures)
 
 
+def test_the_default_model_takes_each_path_with_the_bf16_stream(stand_in_te, tiny_data, tmp_path,
+                                                                 train_in_process):
+    """What CUDA runs by default (--activation-dtype auto: bf16 between the GEMMs), on the CPU: compiled (one
+    graph) as eager, torchao's float8 blocks and the TE blocks (stand-ins) fed a bf16 stream, and train.py's
+    resume bit for bit. DDP and FSDP2 with it: test_ddp_and_fsdp2_take_every_model."""
+    cfg = dataclasses.replace(model_config("default"), vocab_size=256)  # bf16 GEMMs are slow where emulated
+    torch.manual_seed(0)
+    idx = torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len))
+    models = {"plain": GPT(cfg), "compiled": GPT(cfg), "torchao": fp8.convert_to_torchao_float8(GPT(cfg)),
+              "te": GPT(cfg, block=fp8.TEBlock)}
+    losses = {}
+    for name, model in models.items():
+        state = models["plain"].state_dict()
+        model.load_state_dict(fp8.plain_to_te_state_dict(state) if name == "te" else state)
+        model.activation_dtype = torch.bfloat16
+        forward = torch.compile(model, backend="aot_eager", fullgraph=True) if name == "compiled" else model
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses[name] = forward(idx, idx)[1]
+        losses[name].backward()
+        assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters()), name
+    assert losses["compiled"].item() == pytest.approx(losses["plain"].item(), rel=1e-3)
+    assert losses["te"].item() == pytest.approx(losses["plain"].item(), rel=1e-3)
+    assert abs(losses["torchao"].item() - losses["plain"].item()) < 0.01 * losses["plain"].item()
+
+    flags = ["--data", tiny_data, *SHAPE, "--vocab-size", "256", "--bigram-embed", "256", "--warmup", "1",
+             "--eval-interval", "0", "--dtype", "bf16", "--activation-dtype", "bf16", "--device", "cpu",
+             "--max-steps", "3", "--ckpt-interval", "2"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    assert train_in_process(*flags, "--out-dir", full).returncode == 0
+    resumed.mkdir()
+    step2 = checkpoint.checkpoint_path(str(full), 2, sharded=False)
+    for path in (step2, step2 + checkpoint.DIGEST_SUFFIX):
+        shutil.copy(path, resumed)
+    assert train_in_process(*flags, "--out-dir", resumed, "--resume").returncode == 0
+    losses = [{r["step"]: r["train_loss"] for r in read_metrics(str(run / "metrics.jsonl"))[0]}
+              for run in (full, resumed)]
+    assert losses[1][3] == losses[0][3]
+
+
 # ----------------------------------------------------------------------------- two processes: DDP and FSDP2
 
 
