@@ -4,8 +4,10 @@
 
 Measured: memory.saved_tensor_bytes (saved-tensor hooks: the distinct storages autograd keeps from one
 forward to its backward, the model's own parameters excluded) on a fixed model and batch, in fp32 and under
-bf16 autocast, on this machine. Estimated: memory.activation_bytes for the same model, batch and device.
-The last table is the estimate alone for a GPT-2-small-shaped model on CUDA in bf16 (not measured here).
+bf16 autocast with the residual stream in float32 and in bf16 (--activation-dtype), on this machine.
+Estimated: memory.activation_bytes for the same model, batch and device. The last table is the estimate
+alone for a GPT-2-small-shaped model as train.py runs it on CUDA, bf16 autocast and the bf16 stream (not
+measured here).
 """
 
 import argparse
@@ -33,16 +35,18 @@ def measured_table(device):
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.max_seq_len), generator=g).to(device)
     targets = torch.randint(0, MODEL.vocab_size, (BATCH, MODEL.max_seq_len), generator=g).to(device)
-    lines = ["| act-ckpt | fp32 measured | fp32 estimate | bf16 measured | bf16 estimate | bf16 vs none |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| act-ckpt | fp32 measured | fp32 estimate | bf16 measured | bf16 estimate | bf16 stream measured "
+             "| bf16 stream estimate | bf16 stream vs none |", "|---|---|---|---|---|---|---|---|"]
     baseline = None
     for mode in ACT_CKPT_MODES:
         cells = []
-        for dtype in (None, torch.bfloat16):
+        for dtype, stream in ((None, None), (torch.bfloat16, None), (torch.bfloat16, torch.bfloat16)):
             torch.manual_seed(0)
             model = memory.apply_activation_checkpointing(GPT(MODEL).to(device), mode)
+            model.activation_dtype = stream
             measured = memory.saved_tensor_bytes(model, idx, targets, dtype)
-            estimated, _ = memory.activation_bytes(MODEL, BATCH, MODEL.max_seq_len, mode, dtype, device.type)
+            estimated, _ = memory.activation_bytes(MODEL, BATCH, MODEL.max_seq_len, mode, dtype, device.type,
+                                                   stream)
             cells += [f"{measured / MIB:.2f} MiB", f"{estimated / MIB:.2f} MiB ({100 * (estimated / measured - 1):+.1f}%)"]
         baseline = baseline or measured
         lines.append(f"| {mode} | " + " | ".join(cells) + f" | {measured / baseline:.2f} |")
@@ -54,7 +58,7 @@ def estimate_table():
     base = None
     for mode in ACT_CKPT_MODES:
         held, recompute = memory.activation_bytes(GPT2_SMALL, GPT2_BATCH, GPT2_SMALL.max_seq_len, mode,
-                                                  torch.bfloat16, "cuda")
+                                                  torch.bfloat16, "cuda", torch.bfloat16)
         base = base or held
         lines.append(f"| {mode} | {held / 2**30:.2f} GiB | {recompute / 2**30:.2f} GiB | {held / base:.2f} |")
     return "\n".join(lines)
@@ -77,7 +81,7 @@ def main(argv=None):
         measured_table(device),
         f"Estimate only (memory.py, not measured here): GPT-2-small shape ({GPT2_SMALL.n_layer} layers, "
         f"d={GPT2_SMALL.n_embd}, vocab {GPT2_SMALL.padded_vocab_size}), batch {GPT2_BATCH} x "
-        f"{GPT2_SMALL.max_seq_len}, bf16 autocast on CUDA:",
+        f"{GPT2_SMALL.max_seq_len}, bf16 autocast and the bf16 stream on CUDA (train.py's default there):",
         estimate_table(),
     ])
     print(text)

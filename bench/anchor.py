@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cli import DataError  # noqa: E402
+from cli import DataError, HelpFormatter, count  # noqa: E402
 from data import ShardLoader  # noqa: E402
 from evaluation import VAL_SEED, eval_batches  # noqa: E402
 from shards import data_record  # noqa: E402
@@ -105,25 +105,26 @@ def train(a) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                allow_abbrev=False)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
     p.add_argument("--data", required=True, help="shards as prepare.py writes them")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--lr", type=float, required=True, help="AdamW's peak LR")
     p.add_argument("--max-tokens", type=int, required=True, help="train tokens (whole batches)")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--n-embd", type=int, default=256)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--eval-interval", type=int, default=16, help="steps between val-loss evals")
-    p.add_argument("--eval-tokens", type=int, default=32768, help="as train.py's --eval-tokens")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--n-layer", type=count, default=4, help="transformer blocks")
+    p.add_argument("--n-embd", type=count, default=256, help="model width")
+    p.add_argument("--n-head", type=count, default=4, help="attention heads; must divide --n-embd")
+    p.add_argument("--seq-len", type=count, default=256, help="tokens per training sequence")
+    p.add_argument("--batch-size", type=count, default=16, help="sequences per step")
+    p.add_argument("--eval-interval", type=count, default=16, help="steps between val-loss evals")
+    p.add_argument("--eval-tokens", type=count, default=32768, help="as train.py's --eval-tokens")
+    p.add_argument("--seed", type=int, default=1, help="initialisation and batch order")
     args = p.parse_args(argv)
     if not args.lr > 0:
         p.error(f"--lr must be positive, got {args.lr:g}")
     if args.max_tokens < 1:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.n_embd % args.n_head:
+        p.error(f"--n-embd {args.n_embd} must be a multiple of --n-head {args.n_head}")
     try:
         train(args)
     except DataError as e:  # the shards: missing, damaged, too few tokens

@@ -38,8 +38,10 @@ def timed_run(tree: str, steps: int, scratch: str, flags: list[str]) -> tuple[fl
     child = subprocess.Popen(command, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - t0
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{tree}: train.py failed: {child.stderr.read()[-2000:]}")
+    if os.waitstatus_to_exitcode(status) != 0:  # its own one-line error (a bad --flags), or a traceback's last line
+        last = (child.stderr.read().strip().splitlines() or ["no message"])[-1]
+        print(f"error: {tree}: train.py failed: {last}", file=sys.stderr)
+        sys.exit(2)
     with open(os.path.join(out_dir, "summary.json")) as f:
         tokens = json.load(f)["facts"]["tokens"]
     return wall, usage.ru_stime, tokens

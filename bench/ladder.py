@@ -41,7 +41,7 @@ import sizing  # noqa: E402
 import throughput  # noqa: E402
 import train  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
-from cli import DataError, HelpFormatter, UsageError  # noqa: E402
+from cli import DataError, HelpFormatter, UsageError, count  # noqa: E402
 from hardware import cpu_name  # noqa: E402
 from loss import LOSS_CHUNK_TOKENS, loss_chunks  # noqa: E402
 from model import ModelConfig  # noqa: E402
@@ -117,8 +117,8 @@ def parse_ladder_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("--out", default=None, help="write OUT.md, OUT.png, OUT.json (default: print only)")
-    p.add_argument("--windows", type=int, default=5, help="timed windows per rung; the table shows their median")
-    p.add_argument("--steps-per-window", type=int, default=5, help="steps timed together as one window")
+    p.add_argument("--windows", type=count, default=5, help="timed windows per rung; the table shows their median")
+    p.add_argument("--steps-per-window", type=count, default=5, help="steps timed together as one window")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (they include compilation)")
     p.add_argument("--rungs", default=None, help="comma-separated rung keys to run (default: all): "
                    + ",".join(key for key, *_ in RUNGS))

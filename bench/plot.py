@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--title")
     p.add_argument("--x", choices=tuple(X_KEYS), default="tokens",
                    help="horizontal axis: step, tokens, or time (wall clock since the run started, across "
-                        "resumes: the time_s of each record)")
+                        "resumes: the time_s of each record) (default: tokens)")
     p.add_argument("--smooth", type=smoothing, default=None, metavar="FACTOR",
                    help="exponential moving average of the per-step curves (train loss, tokens/s), debiased as "
                         "TensorBoard's: 0 off, 0.9 about the last ten steps, auto (default) about 1%% of the "

@@ -121,7 +121,10 @@ def main(argv=None) -> int:
         records = []
         for path in a.records:
             with open(path) as f:
-                records.append(json.load(f))
+                record = json.load(f)
+            if not (isinstance(record, dict) and {"corpus", "horizons", "toggles"} <= record.keys()):
+                raise ValueError(f"{path} is not a record bench/recipe.py wrote (its .json beside the table)")
+            records.append(record)
         corpora = [r["corpus"] for r in records]
         if len(set(corpora)) < len(corpora):  # one corpus counted twice would pass "every corpus" on one
             raise ValueError(f"two records of one corpus ({next(c for c in corpora if corpora.count(c) > 1)}): "

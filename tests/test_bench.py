@@ -1,3 +1,4 @@
+import importlib
 import json
 import math
 import os
@@ -531,6 +532,29 @@ def test_a_toggle_is_adopted_only_where_it_wins_on_every_corpus_within_its_step_
     assert "no such toggle" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         recipe_verdict.main([*paths, "--step-cost", "slow=fast"])
+    capsys.readouterr()
+    for other in ({}, [1, 2]):  # a run's summary.json, the recipe cache: JSON, but no record
+        (tmp_path / "other.json").write_text(json.dumps(other))
+        assert recipe_verdict.main([paths[0], str(tmp_path / "other.json")]) == 2
+        assert capsys.readouterr().err == f"error: {tmp_path / 'other.json'} is not a record bench/recipe.py wrote " \
+                                          "(its .json beside the table)\n"
+
+
+@pytest.mark.parametrize("program, argv, message", [
+    ("anchor", ["--eval-interval", "0"], "argument --eval-interval: must be >= 1, got 0"),
+    ("anchor", ["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+    ("anchor", ["--n-head", "3", "--n-embd", "64"], "--n-embd 64 must be a multiple of --n-head 3"),
+    ("ladder", ["--windows", "0"], "argument --windows: must be >= 1, got 0"),
+    ("ladder", ["--steps-per-window", "0"], "argument --steps-per-window: must be >= 1, got 0")])
+def test_a_benchmarks_count_or_shape_at_fault_is_refused_as_it_parses(program, argv, message, tmp_path, capsys):
+    """Refused as the flags are read, before a model is built or a rung measured (they ended in a division by
+    zero, or in transformers' error, after minutes)."""
+    module = importlib.import_module(program)
+    required = ["--data", str(tmp_path), "--out-dir", str(tmp_path / "o"), "--lr", "1e-3", "--max-tokens", "64"]
+    with pytest.raises(SystemExit) as e:
+        module.main([*(required if program == "anchor" else []), *argv])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.strip().splitlines()[-1].endswith(message) and "Traceback" not in err, err
 
 
 def test_tail_ema_averages_the_checkpoints_from_each_start_and_keeps_the_last_weights(tmp_path):
@@ -582,7 +606,7 @@ def test_the_docs_corpus_never_removes_a_text_directory_it_finds(tmp_path, capsy
 
 def test_a_verdict_counts_each_corpus_once(tmp_path, capsys):
     record = tmp_path / "r.json"
-    record.write_text(json.dumps({"corpus": "docs", "toggles": {}}))
+    record.write_text(json.dumps({"corpus": "docs", "horizons": [], "toggles": {}}))
     assert recipe_verdict.main([str(record), str(record)]) == 2
     assert "two records of one corpus (docs)" in capsys.readouterr().err
 

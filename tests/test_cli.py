@@ -12,8 +12,9 @@ from cli import plural
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 # The programs whose main() parses its command line first; train.py's flags come from config.py's dataclasses.
-PROGRAMS = ("prepare", "sample", "score", "hf", "checkpoint", "act_ckpt", "data_prep", "default_run", "ladder",
-            "loss_compile", "loss_memory", "muon_step", "optimizers", "recipe", "throughput", "tokenizer_speed")
+PROGRAMS = ("prepare", "sample", "score", "hf", "checkpoint", "act_ckpt", "anchor", "data_prep", "default_run",
+            "docs_corpus", "ladder", "loss_compile", "loss_memory", "muon_step", "optimizers", "plan_accuracy", "plot",
+            "profile_step", "recipe", "recipe_verdict", "tail_ema", "throughput", "tokenizer_speed")
 
 
 def test_plural_counts_one_in_the_singular_with_thousands_separators():
