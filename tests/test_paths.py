@@ -128,14 +128,9 @@ def test_compile_torchao_and_te_blocks_match_the_plain_model(name, stand_in_te):
     torch.testing.assert_close(te_model(idx, idx)[1], loss, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_checkpoint_resume_export_sample_and_score(name, tiny_data, tmp_path, train_in_process, capsys):
-    """train.py for 3 steps (checkpoints at 2 and 3), a resume from step 2 that redoes step 3 bit for bit; the
-    export of the run, sample.py and score.py on the checkpoint and on the export, which give the checkpoint's
-    text and figures (a layout that dropped a part would not)."""
-    flags = ["--data", tiny_data, *SHAPE, *MODELS[name], "--warmup", "1", "--eval-interval", "0", "--dtype", "fp32",
-             "--device", "cpu", "--max-steps", "3", "--ckpt-interval", "2", "--keep-ckpts", "2"]
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
+def assert_resume_redoes_step_3(flags: list, full, resumed, train_in_process):
+    """train.py with flags (3 steps, a checkpoint at step 2) into full; then a copy of its step-2 checkpoint in
+    resumed, resumed: step 3's train loss the same, bit for bit."""
     assert train_in_process(*flags, "--out-dir", full).returncode == 0
     resumed.mkdir()
     step2 = checkpoint.checkpoint_path(str(full), 2, sharded=False)
@@ -145,6 +140,17 @@ def test_checkpoint_resume_export_sample_and_score(name, tiny_data, tmp_path, tr
     losses = [{r["step"]: r["train_loss"] for r in read_metrics(str(run / "metrics.jsonl"))[0]}
               for run in (full, resumed)]
     assert losses[1][3] == losses[0][3]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_checkpoint_resume_export_sample_and_score(name, tiny_data, tmp_path, train_in_process, capsys):
+    """train.py for 3 steps (checkpoints at 2 and 3), a resume from step 2 that redoes step 3 bit for bit; the
+    export of the run, sample.py and score.py on the checkpoint and on the export, which give the checkpoint's
+    text and figures (a layout that dropped a part would not)."""
+    flags = ["--data", tiny_data, *SHAPE, *MODELS[name], "--warmup", "1", "--eval-interval", "0", "--dtype", "fp32",
+             "--device", "cpu", "--max-steps", "3", "--ckpt-interval", "2", "--keep-ckpts", "2"]
+    full = tmp_path / "full"
+    assert_resume_redoes_step_3(flags, full, tmp_path / "resumed", train_in_process)
 
     export = hf.main(["--ckpt", str(full), "--out", str(tmp_path / "hf")])
     err = capsys.readouterr().err
@@ -194,16 +200,8 @@ def test_the_default_model_takes_each_path_with_the_bf16_stream(stand_in_te, tin
     flags = ["--data", tiny_data, *SHAPE, "--vocab-size", "256", "--bigram-embed", "256", "--warmup", "1",
              "--eval-interval", "0", "--dtype", "bf16", "--activation-dtype", "bf16", "--device", "cpu",
              "--max-steps", "3", "--ckpt-interval", "2"]
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    assert train_in_process(*flags, "--out-dir", full).returncode == 0
-    resumed.mkdir()
-    step2 = checkpoint.checkpoint_path(str(full), 2, sharded=False)
-    for path in (step2, step2 + checkpoint.DIGEST_SUFFIX):
-        shutil.copy(path, resumed)
-    assert train_in_process(*flags, "--out-dir", resumed, "--resume").returncode == 0
-    losses = [{r["step"]: r["train_loss"] for r in read_metrics(str(run / "metrics.jsonl"))[0]}
-              for run in (full, resumed)]
-    assert losses[1][3] == losses[0][3]
+    full = tmp_path / "full"
+    assert_resume_redoes_step_3(flags, full, tmp_path / "resumed", train_in_process)
 
 
 # ----------------------------------------------------------------------------- two processes: DDP and FSDP2
