@@ -200,8 +200,7 @@ def test_the_default_model_takes_each_path_with_the_bf16_stream(stand_in_te, tin
     flags = ["--data", tiny_data, *SHAPE, "--vocab-size", "256", "--bigram-embed", "256", "--warmup", "1",
              "--eval-interval", "0", "--dtype", "bf16", "--activation-dtype", "bf16", "--device", "cpu",
              "--max-steps", "3", "--ckpt-interval", "2"]
-    full = tmp_path / "full"
-    assert_resume_redoes_step_3(flags, full, tmp_path / "resumed", train_in_process)
+    assert_resume_redoes_step_3(flags, tmp_path / "full", tmp_path / "resumed", train_in_process)
 
 
 # ----------------------------------------------------------------------------- two processes: DDP and FSDP2
