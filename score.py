@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = EvalConfig()
     p = ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--ckpt", required=True, metavar="PATH",
-                   help="a train.py checkpoint (file or sharded directory) or an hf.py directory")
+                   help="a train.py checkpoint (file or sharded directory), a run directory (its newest good "
+                        "checkpoint) or an hf.py directory")
     p.add_argument("--task", choices=TASKS, help="what to score (required): " + ", ".join(TASKS))
     p.add_argument("--n", type=int, default=None, metavar="N",
                    help=f"hellaswag: the first N examples (default: all); bpb: N val tokens "
