@@ -32,7 +32,8 @@ anchor's; past the longest horizon it reads "> longest / anchor".
 
 --smoke: the stdlib corpus, a tiny model, horizons 1,024 and 2,048, one seed, two anchor LRs, its own cache
 (under the runs' directory): the whole path in a few minutes, train.py's start-up being most of it. A toggle that cannot apply (a Muon option under
---optimizer adamw, the batch warm-up without gradient accumulation) is listed as n/a, with why. --jobs runs that
+--optimizer adamw, the batch warm-up without gradient accumulation), or that only sets the defaults (wsd), is
+listed as n/a, with why. --jobs runs that
 many trainings at once, each with OMP_NUM_THREADS = CPU cores / jobs.
 """
 import argparse
@@ -573,6 +574,15 @@ def anchor_lines(jobs: list[dict], results: dict, selected: dict, losses: dict, 
     return lines
 
 
+def without_no_ops(selected: dict, flags: list[str]) -> dict:
+    """selected with each toggle whose flags leave the runs' configuration as the baseline's (it sets what is
+    already the default, as --schedule wsd does) marked n/a: it would only repeat the baseline's runs."""
+    baseline = config.parse_args(flags)
+    return {name: (toggle_flags, why if why or name == "baseline" or config.parse_args([*flags, *toggle_flags])
+                   != baseline else "the baseline's configuration already (its flags set the defaults)")
+            for name, (toggle_flags, why) in selected.items()}
+
+
 def toggle_sizes(selected: dict, flags: list[str]) -> tuple[dict, dict]:
     """The runnable toggles' parameter counts and tokens per step, their flags checked as train.py's start-up
     checks them, before any run starts; BenchError names the toggle whose flags train.py refuses."""
@@ -599,6 +609,7 @@ def main(argv=None):
         cfg = config.parse_args([*flags, "--max-tokens", str(a.max_tokens[0])])  # checked before any run starts
         selected = select_toggles(a, cfg)
         params, step_tokens = toggle_sizes(selected, flags)
+        selected = without_no_ops(selected, flags)
         if a.max_tokens[0] < max(step_tokens.values(), default=0):  # train.py would round up to a whole step
             raise BenchError(f"--max-tokens {a.max_tokens[0]:,} is less than one step's "
                              f"{max(step_tokens.values()):,} tokens")

@@ -313,6 +313,16 @@ def test_recipe_names_the_toggle_whose_flags_train_py_refuses():
         recipe.toggle_sizes({"y": (["--lr", "-1"], None)}, TINY_FLAGS)
 
 
+def test_a_toggle_that_sets_the_defaults_is_not_run_again():
+    """wsd is the default schedule: its toggle would repeat the baseline's runs; --schedule cosine would not."""
+    selected = {"baseline": ([], None), "wsd": (["--schedule", "wsd"], None),
+                "cosine": (["--schedule", "cosine"], None), "normuon": (["--normuon"], "needs --optimizer muon")}
+    marked = recipe.without_no_ops(selected, TINY_FLAGS)
+    assert marked["wsd"] == (["--schedule", "wsd"], "the baseline's configuration already (its flags set the defaults)")
+    assert marked["baseline"][1] is None and marked["cosine"][1] is None
+    assert marked["normuon"][1] == "needs --optimizer muon"
+
+
 def test_recipe_tokens_to_reach_interpolates_final_losses_in_log_tokens():
     assert recipe.tokens_to_reach([100, 400], [4.0, 3.0], 3.5) == (pytest.approx(200.0), "")
     assert recipe.tokens_to_reach([100, 400], [4.0, 3.0], 4.5) == (100.0, "<=")
