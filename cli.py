@@ -67,8 +67,11 @@ class ArgumentParser(argparse.ArgumentParser):
     a flag is not taken for it (allow_abbrev): `--ckpt X` would set --ckpt-interval, and a prefix that is a whole
     flag in a sibling script (sample.py's --ckpt) would be read silently as this one's."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, elsewhere: dict[str, str] | None = None, **kwargs):
+        """elsewhere: flags of a sibling script that users give this one -> where they belong, said instead of
+        the nearest of this parser's flags (train.py's --ckpt is not --act-ckpt)."""
         super().__init__(*args, allow_abbrev=False, **kwargs)
+        self.elsewhere = elsewhere or {}
 
     def parse_known_args(self, args=None, namespace=None):
         """A mistyped flag is named before the required one it left missing (`--ot DIR` for --out): argparse
@@ -94,8 +97,9 @@ class ArgumentParser(argparse.ArgumentParser):
         given = [word.split("=")[0] for word in message.split(": ", 1)[1].split() if word.startswith("--")]
         known = [option for option in self._option_string_actions if option.startswith("--")]
         close = [(word, difflib.get_close_matches(word, known, n=1, cutoff=0.75)) for word in given]
-        return "".join(f"; did you mean {match[0]}{'' if len(given) == 1 else f' for {word}'}?"
-                       for word, match in close if match)
+        return "".join(f"; {self.elsewhere[word]}" if word in self.elsewhere else
+                       f"; did you mean {match[0]}{'' if len(given) == 1 else f' for {word}'}?"
+                       for word, match in close if match or word in self.elsewhere)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

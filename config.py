@@ -273,8 +273,14 @@ def _add_flag(group, section: str, cls, f: dataclasses.Field) -> None:
     group.add_argument(flag_name(f), **kwargs)
 
 
+# Flags of the sibling scripts that people give train.py: where they belong, said instead of a near miss.
+ELSEWHERE = {"--ckpt": "--ckpt is sample.py's, score.py's and hf.py's; train.py continues a run with --resume "
+                       "(its --out-dir's newest checkpoint) or starts from a Hugging Face model with --from-hf"}
+
+
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
-    p = ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                       elsewhere=ELSEWHERE)
     p.add_argument("--config", dest="config_file", metavar="FILE", default=argparse.SUPPRESS,
                    help="a TOML file whose [sections] are the groups below and whose keys are their fields "
                         "(configs/ has examples; every run writes its own to OUT/config.toml); flags override it")

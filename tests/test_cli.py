@@ -67,7 +67,9 @@ def test_sample_help_shows_its_sampling_defaults(capsys):
     (["--evl-interval=3"], "unrecognized arguments: --evl-interval=3; did you mean --eval-interval?"),
     (["--zzz"], "unrecognized arguments: --zzz"),
     (["--max-step", "3"], "unrecognized arguments: --max-step 3; did you mean --max-steps?"),  # a prefix is no flag
-    (["--ckpt", "out/best.pt"], "unrecognized arguments: --ckpt out/best.pt; did you mean --act-ckpt?"),
+    (["--ckpt", "out/best.pt"], "unrecognized arguments: --ckpt out/best.pt; --ckpt is sample.py's, score.py's and "
+                                "hf.py's; train.py continues a run with --resume (its --out-dir's newest checkpoint) "
+                                "or starts from a Hugging Face model with --from-hf"),
 ])
 def test_a_mistyped_flag_gets_the_closest_one(argv, message):
     """As a TOML key does (config.read_config_file): train.py's flags, and every parser built on cli's. A prefix
