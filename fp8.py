@@ -95,13 +95,19 @@ def te_installed() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
-def te_compiles() -> bool:
-    """Whether Transformer Engine's modules can join a torch.compile graph with this torch. TE 2.20 registers
-    its compiled path's custom ops through torch's opaque-type API under the names torch 2.14 gives it; without
-    them each TE module is a graph break that runs eagerly, launched from Python (on an H200 with torch 2.11:
-    the GPU idle 14 to 33 ms of a step at about 1B, bench/results/gpu_check_20261130)."""
+def te_compile_problem() -> str | None:
+    """Why Transformer Engine's modules cannot join a torch.compile graph here, or None. Each is then a graph break
+    that runs eagerly, launched from Python (on an H200 with torch 2.11: the GPU idle 14 to 33 ms of a step at
+    about 1B, bench/results/gpu_check_20261130). Once TE is imported, its own record of why it switched its
+    compiled path off (TE 2.20 keeps one); before, whether torch has the opaque-type API under the names torch
+    2.14 gives it, which TE 2.20 registers its compiled path's custom ops through."""
+    utils = sys.modules.get("transformer_engine.pytorch.utils")
+    if utils is not None:
+        return getattr(utils, "_compile_disabled_reason", None)
     from torch._library import opaque_object
-    return all(hasattr(opaque_object, name) for name in ("register_custom_class", "is_opaque_constant_type"))
+    if all(hasattr(opaque_object, name) for name in ("register_custom_class", "is_opaque_constant_type")):
+        return None
+    return "this torch lacks the opaque-type API of torch 2.14 that TE's compiled path needs"
 
 
 def te_version() -> tuple[int, int] | None:

@@ -127,7 +127,8 @@ def step_bytes(model_cfg: ModelConfig, batch_size: int, seq_len: int, optimizer:
                state_restored: bool, stream_dtype: torch.dtype | None = None) -> int:
     """Bytes the first step adds to a process that holds the model already (and, after a resume, the
     optimizer's state): the gradients, the optimizer's state, one micro-batch's activations and transients,
-    and on a CPU the allocator's share of all the tensors (memory.estimate_memory)."""
+    and on a CPU the allocator's share of all the tensors (memory.estimate_memory); stream_dtype: the residual
+    stream's (model.GPT.activation_dtype)."""
     e = memory.estimate_memory(model_cfg, batch_size, seq_len, optimizer, act_ckpt, autocast_dtype, device_type,
                                shards, runtime=0, loss_chunk=loss_chunk, stream_dtype=stream_dtype)
     return e.total - e.params - (e.optimizer if state_restored else 0)

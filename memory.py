@@ -235,7 +235,8 @@ def head_bytes_per_token(cfg: ModelConfig, act: int, fused_norm: bool, stream: i
     computes in its forward and keeps (the logits themselves are never kept: see loss_head_bytes); with value
     embeddings, each table's lookup in the stream's dtype, which its layers' scalars keep; with the smear, the float32
     embedding its norm keeps, the gate GEMM's input and the shifted embedding the gate multiplies; with the
-    bigram embedding, its rows' indices. Embedding skips keep the first block's input, kept anyway."""
+    bigram embedding, its rows' indices. Embedding skips keep the first block's input, kept anyway (a CPU's
+    unfused norm keeps a float32 copy of a bf16 stream's instead: slightly more)."""
     ve = stream * cfg.value_embeds * cfg.n_kv_head * cfg.resolved_head_dim
     smear = (2 * FP32 + act) * cfg.n_embd if cfg.smear else 0
     bigram = INDEX if cfg.bigram_embed else 0

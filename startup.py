@@ -138,8 +138,8 @@ def startup_rows(run: Run, sources: list, reasons: dict, planned_tokens: int) ->
 def describe_compile(mode: str, device_type: str, te_blocks: bool = False) -> str:
     if mode == "off":
         return "off (not requested)"
-    eager_te = ("; Transformer Engine's modules run eagerly between its graphs (this torch lacks the opaque-type "
-                "API of torch 2.14 that TE's compiled path needs)" if te_blocks and not fp8.te_compiles() else "")
+    problem = fp8.te_compile_problem() if te_blocks else None
+    eager_te = f"; Transformer Engine's modules run eagerly between its graphs ({problem})" if problem else ""
     if mode == "reduce-overhead" and device_type != "cuda":  # inductor skips CUDA graphs off CUDA
         return (f"on, mode reduce-overhead: CUDA graphs do not apply on {device_type}, so it runs as mode default"
                 + eager_te)

@@ -39,7 +39,7 @@ def timed_run(tree: str, steps: int, scratch: str, flags: list[str]) -> tuple[fl
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - t0
     if os.waitstatus_to_exitcode(status) != 0:  # its own one-line error (a bad --flags), or a traceback's last line
-        last = (child.stderr.read().strip().splitlines() or ["no message"])[-1]
+        last = (child.stderr.read().strip().splitlines() or ["no message"])[-1].removeprefix("error: ")
         print(f"error: {tree}: train.py failed: {last}", file=sys.stderr)
         sys.exit(2)
     with open(os.path.join(out_dir, "summary.json")) as f:

@@ -459,7 +459,8 @@ def estimated_step_parts(cfg: ModelConfig, seq_len: int, micro_batch: int, step_
         block GEMMs   6 x block matmul params                        / (gemm_eff x P)
         lm_head       6 x V x d                                      / (gemm_eff x P)
         attention     (12 x L x H x hd x T) / 2 (causal)            / (attn_eff x P)
-        elementwise   ACTIVATION_PASSES x bf16 block activations     / (hbm_eff x BW)
+        elementwise   ACTIVATION_PASSES x bf16 block activations     / (hbm_eff x BW); the stream in bf16,
+                      as train.py runs it on CUDA (--activation-dtype auto)
         loss          LOSS_BYTES_PER_LOGIT x V, plus the float32 [V, d] weight gradient: the first
                       chunk writes it (4 x V x d), each further chunk reads and writes it (8 x V x d)
                       / (hbm_eff x BW); chunks of chunk_tokens (default: what train.py picks on an H100)
@@ -472,7 +473,7 @@ def estimated_step_parts(cfg: ModelConfig, seq_len: int, micro_batch: int, step_
     f_attn = 12 * L * cfg.n_head * cfg.resolved_head_dim * seq_len
     f_head = 6 * V * D
     f_blocks = flops_per_token(cfg, seq_len) - f_attn - f_head
-    act = L * (memory.attention_bytes_per_token(cfg, 2, True) + memory.mlp_bytes_per_token(cfg, 2, True))
+    act = L * (memory.attention_bytes_per_token(cfg, 2, True, 2) + memory.mlp_bytes_per_token(cfg, 2, True, 2))
     tokens = micro_batch * seq_len
     chunks = loss_chunks(tokens, chunk_tokens or memory.loss_chunk_tokens(cfg, torch.bfloat16, H100_MEMORY))
     loss_bytes = LOSS_BYTES_PER_LOGIT * V + 4 * V * D * (2 * chunks - 1) / tokens

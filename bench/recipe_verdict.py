@@ -122,7 +122,10 @@ def main(argv=None) -> int:
         for path in a.records:
             with open(path) as f:
                 record = json.load(f)
-            if not (isinstance(record, dict) and {"corpus", "horizons", "toggles"} <= record.keys()):
+            if not (isinstance(record, dict) and {"corpus", "horizons", "toggles"} <= record.keys()
+                    and isinstance(record["toggles"], dict) and isinstance(record["horizons"], list)
+                    and all(isinstance(t, dict) and {"losses", "step_cost"} <= t.keys()
+                            for t in record["toggles"].values())):
                 raise ValueError(f"{path} is not a record bench/recipe.py wrote (its .json beside the table)")
             records.append(record)
         corpora = [r["corpus"] for r in records]

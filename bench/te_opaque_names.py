@@ -16,21 +16,24 @@ import os
 import runpy
 import sys
 
+import torch
 from torch._library import opaque_object
 
 
-def add_new_names(module=opaque_object) -> bool:
+def add_new_names(module=opaque_object) -> str:
     """Give `module` torch 2.14's names for its opaque-type functions where it has only the earlier ones;
-    -> whether it added them."""
-    if hasattr(module, "is_opaque_constant_type") or not hasattr(module, "is_opaque_value_type"):
-        return False
+    -> "added", "present" (the new names are there) or "absent" (neither: no opaque-type API to alias)."""
+    if hasattr(module, "is_opaque_constant_type"):
+        return "present"
+    if not hasattr(module, "is_opaque_value_type"):
+        return "absent"
 
     def register_custom_class(cls, *, typ: str, **kwargs) -> None:
         module.register_opaque_type(cls, typ="value" if typ == "constant" else typ, **kwargs)
 
     module.register_custom_class = register_custom_class
     module.is_opaque_constant_type = module.is_opaque_value_type
-    return True
+    return "added"
 
 
 def main(argv=None) -> int:
@@ -42,9 +45,13 @@ def main(argv=None) -> int:
         print(f"error: {'no script given' if not argv else f'{argv[0]}: no such file'}: "
               "python bench/te_opaque_names.py SCRIPT [its flags]", file=sys.stderr)
         return 2
-    added = add_new_names()
-    print(f"te_opaque_names: torch's opaque-type API {'aliased to' if added else 'already has'} torch 2.14's "
-          "names", file=sys.stderr)
+    state = add_new_names()
+    if state == "absent":  # the run would only repeat the one without this script
+        print(f"error: torch {torch.__version__} has no opaque-type API (neither is_opaque_value_type nor "
+              "is_opaque_constant_type): nothing to alias", file=sys.stderr)
+        return 1
+    print(f"te_opaque_names: torch {torch.__version__}'s opaque-type API "
+          f"{'aliased to' if state == 'added' else 'already has'} torch 2.14's names", file=sys.stderr)
     sys.argv = argv
     runpy.run_path(argv[0], run_name="__main__")
     return 0

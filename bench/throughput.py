@@ -61,9 +61,10 @@ def phase_split(phases: dict[str, float]) -> str:
     return ", ".join(f"{name} {100 * seconds / total:.0f}%" for name, seconds in phases.items())
 
 
-def loss_share(run) -> str:
-    """The estimate (memory.py) of what one micro-batch's loss path (final norm, lm_head, cross-entropy)
-    saves for backward, against all the activations it saves."""
+def outside_blocks_share(run) -> str:
+    """The estimate (memory.py) of what one micro-batch saves for backward outside its blocks (the embedding's
+    look-backs and lookups, the final norm, the fused lm_head + cross-entropy's float32 gradients), against all
+    the activations it saves."""
     cfg, layout = run.model_cfg, run.layout
     act = memory.act_bytes(run.autocast_dtype)
     fused = run.device.type == "cuda"
@@ -115,7 +116,7 @@ def main(argv=None):
         ("time split", phase_split(phases)),
         ("peak memory", f"{hardware.peak_memory_gib(run.device):.2f} GiB "
                         f"({'allocated by tensors' if run.device.type == 'cuda' else 'resident set of the process'})"),
-        ("loss path's activations", loss_share(run)),
+        ("activations outside the blocks", outside_blocks_share(run)),
     ]
     width = max(len(k) for k, _ in rows)
     print("| " + "metric".ljust(width) + " | value |")

@@ -543,7 +543,7 @@ def test_a_toggle_is_adopted_only_where_it_wins_on_every_corpus_within_its_step_
     with pytest.raises(SystemExit):
         recipe_verdict.main([*paths, "--step-cost", "slow=fast"])
     capsys.readouterr()
-    for other in ({}, [1, 2]):  # a run's summary.json, the recipe cache: JSON, but no record
+    for other in ({}, [1, 2], {"corpus": "a", "horizons": [], "toggles": {"x": 1}}):  # JSON, but no record
         (tmp_path / "other.json").write_text(json.dumps(other))
         assert recipe_verdict.main([paths[0], str(tmp_path / "other.json")]) == 2
         assert capsys.readouterr().err == f"error: {tmp_path / 'other.json'} is not a record bench/recipe.py wrote " \
@@ -632,7 +632,7 @@ def test_throughput_prints_its_table_for_a_run_with_the_bf16_stream(tiny_data, t
                 if line.startswith("| "))
     assert float(rows["tokens/s (median)"].replace(",", "")) > 0 and rows["tokens/step"] == "128"
     assert rows["tokens/s (min..max)"].endswith("over 2 windows of 2 steps")
-    assert re.fullmatch(r"[\d.,]+ MiB of [\d.,]+ MiB per micro-batch \(\d+%\)", rows["loss path's activations"])
+    assert re.fullmatch(r"[\d.,]+ MiB of [\d.,]+ MiB per micro-batch \(\d+%\)", rows["activations outside the blocks"])
 
 
 def test_te_opaque_names_adds_torch_2_14s_names_then_runs_the_script(tmp_path, capsys, monkeypatch):
@@ -645,14 +645,17 @@ def test_te_opaque_names_adds_torch_2_14s_names_then_runs_the_script(tmp_path, c
     registered = []
     earlier = types.SimpleNamespace(is_opaque_value_type=lambda cls: cls in registered,
                                     register_opaque_type=lambda cls, *, typ, **kw: registered.append((cls, typ)))
-    assert te_opaque_names.add_new_names(earlier)
+    assert te_opaque_names.add_new_names(earlier) == "added"
     earlier.register_custom_class(int, typ="constant")
     earlier.register_custom_class(str, typ="reference")
     assert registered == [(int, "value"), (str, "reference")]
     assert earlier.is_opaque_constant_type is earlier.is_opaque_value_type
-    assert not te_opaque_names.add_new_names(earlier)  # the names are there now
-    assert not te_opaque_names.add_new_names(types.SimpleNamespace())  # no opaque-type API at all: nothing to alias
-    monkeypatch.setattr(te_opaque_names, "add_new_names", lambda: True)  # torch itself stays as it is
+    assert te_opaque_names.add_new_names(earlier) == "present"  # the names are there now
+    assert te_opaque_names.add_new_names(types.SimpleNamespace()) == "absent"  # no opaque-type API: nothing to alias
+    monkeypatch.setattr(te_opaque_names, "add_new_names", lambda: "absent")  # the run would repeat the plain one
+    assert te_opaque_names.main([__file__]) == 1
+    assert "has no opaque-type API" in capsys.readouterr().err
+    monkeypatch.setattr(te_opaque_names, "add_new_names", lambda: "added")  # torch itself stays as it is
     monkeypatch.setattr(sys, "argv", sys.argv)  # main() hands the script its own
     script = tmp_path / "show.py"
     script.write_text("import sys\nprint('ran', sys.argv[1:])\n")

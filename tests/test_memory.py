@@ -427,3 +427,26 @@ def test_a_states_bytes_count_whole_tensors_of_a_nested_state():
     state = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(2, dtype=torch.bfloat16)},
              "optimizer": {"state": {0: {"step": torch.tensor(1.0), "m": [torch.zeros(5)]}}, "lr": 0.1}}
     assert memory.state_bytes(state) == 4 * 12 + 2 * 2 + 4 + 4 * 5
+
+
+def test_the_estimate_for_a_gpu_counts_the_bf16_stream_cuda_runs_by_default():
+    """--activation-dtype auto is bf16 under a GPU's bf16 autocast: the header says so and the activations are
+    what that stream saves, less than the float32 stream's; a run's own estimate reads its model's stream."""
+    import config
+    import headroom
+    from distributed import DistInfo
+
+    flags = ["--estimate-memory", "--batch-size", "4", "--target-gpu", "h100"]
+    reports = {stream: memory.memory_report(config.parse_args([*flags, "--activation-dtype", stream]))
+               for stream in ("auto", "fp32")}
+    assert "bf16 autocast (auto, as on a GPU with bf16), bf16 activations" in reports["auto"]
+    assert "bf16 activations" not in reports["fp32"]
+    cfg = config.parse_args(["--act-ckpt", "full"])
+    model = GPT(cfg.model)
+    info = DistInfo(rank=0, local_rank=0, world_size=1, mode="none")
+    extra = {}
+    for stream in (None, torch.bfloat16):
+        model.activation_dtype = stream
+        extra[stream] = headroom.first_step_bytes(cfg, model, torch.device("cuda"), torch.bfloat16, info)(4, 128)
+    held = 4 * 128 * cfg.model.n_embd * cfg.model.n_layer  # a checkpointed block's input, per element byte
+    assert extra[None] - extra[torch.bfloat16] >= 2 * held
