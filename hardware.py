@@ -158,8 +158,9 @@ def activation_dtype(requested: str, autocast_dtype: torch.dtype | None, device:
     """--activation-dtype as model.GPT.activation_dtype: None keeps the residual stream float32 (autocast's own);
     bf16 runs it in bf16. auto is bf16 under bf16 autocast on CUDA, where the stream's elementwise kernels move
     half the bytes (gpt2-124m's step 1.04x as fast on an H200: bench/results/gpu_check_20261130), and float32
-    elsewhere: a CPU converts each bf16 operand to float32 and back (the default model's step took 1.27x as long:
-    bench/results/activation_dtype_cpu.md). UsageError for bf16 where the run's autocast is not bf16."""
+    elsewhere: a CPU converts each bf16 operand to float32 and back (the default model at 0.98x the tokens/s with
+    native bf16, bench/results/activation_dtype_speed_cpu.md; emulated without). UsageError for bf16 where the
+    run's autocast is not bf16."""
     if requested == "auto":
         return torch.bfloat16 if device.type == "cuda" and autocast_dtype == torch.bfloat16 else None
     if requested == "fp32":
