@@ -12,9 +12,8 @@
 #     bash bench/gpu_check.sh lease  OUT   # what decides a default first, within 8 min 30 s -> OUT/lease.md
 #
 # lease: the 124M step profiled as train.py runs it on CUDA (bf16 activations) and with the stream in fp32, then
-# at about 1B bf16 and the FP8 rungs (TE delayed scaling with the FP8 lm_head, the same with torch 2.14's
-# opaque-type names that TE's compiled path needs, TE current scaling with the head, TE delayed, torchao
-# tensorwise, TE FP8 attention), then CUDA graphs at 124M, then the GPU tests, each started only
+# at about 1B bf16 and the FP8 rungs (TE delayed scaling with the FP8 lm_head, TE current scaling with it, TE
+# delayed, torchao tensorwise, TE FP8 attention), then CUDA graphs at 124M, then the GPU tests, each started only
 # while the budget (LEASE_BUDGET_S, 510 s) has room for it; OUT/lease.md gathers each rung's tokens/s, MFU,
 # unprofiled ms/step, ms by kernel category and the gap (the step less its kernels: no kernel running).
 # A session's 15 device minutes hold the kit's transfers, the install and this; `tests` gets what is left.
@@ -134,9 +133,7 @@ SHAPE_1B="--n-layer 16 --n-embd 2048 --n-head 16 --n-kv-head 4 --head-dim 128 --
 run_profile() { # NAME LIMIT_S [train.py flags]: bench/profile_step.py -> OUT/profile_NAME.md, its log onto OUT/profile.log
     local name=$1 limit=$2 status
     shift 2
-    # shellcheck disable=SC2086  # PROFILE_RUNNER: a script that runs profile_step.py (bench/te_opaque_names.py)
-    status=$(limited "$limit" "$OUT/profile_$name.log" $PY ${PROFILE_RUNNER:-} bench/profile_step.py \
-        --out "$OUT/profile_$name.md" "$@")
+    status=$(limited "$limit" "$OUT/profile_$name.log" $PY bench/profile_step.py --out "$OUT/profile_$name.md" "$@")
     local rc=$?
     { echo "== $name: $status"; cat "$OUT/profile_$name.log"; } >> "$OUT/profile.log" && rm "$OUT/profile_$name.log"
     echo "$status" >> "$OUT/profile_$name.md"
@@ -233,17 +230,12 @@ run_lease() { # the 124M modes, the 1B FP8 rungs, 124M's CUDA graphs, the tests,
         # shellcheck disable=SC2086
         lease_rung "${rung%%:*}" 100 $GPT2_124M --optimizer adamw ${rung#*:} || rc=1
     done
-    # te_aliased: the same as te_delayed_head with torch 2.14's opaque-type names added (bench/te_opaque_names.py),
-    # which TE's compiled path needs: whether TE's modules then join the graph, and what that pays.
-    local te_best="--fp8 te --fp8-recipe delayed --fp8-head"
-    for rung in "1b_bf16:100:" "1b_te_delayed_head:100:$te_best" "1b_te_aliased:100:$te_best" \
+    for rung in "1b_bf16:100:" "1b_te_delayed_head:100:--fp8 te --fp8-recipe delayed --fp8-head" \
         "1b_te_head:100:--fp8 te --fp8-head" "1b_te_delayed:100:--fp8 te --fp8-recipe delayed" \
         "1b_torchao:180:--fp8 torchao" "1b_te_delayed_attn:100:--fp8 te --fp8-recipe delayed --fp8-attn"; do
         flags=${rung#*:*:}
-        local runner=""
-        [ "${rung%%:*}" = 1b_te_aliased ] && runner=bench/te_opaque_names.py
         # shellcheck disable=SC2086
-        PROFILE_RUNNER=$runner lease_rung "${rung%%:*}" "$(echo "$rung" | cut -d: -f2)" $SHAPE_1B $flags || rc=1
+        lease_rung "${rung%%:*}" "$(echo "$rung" | cut -d: -f2)" $SHAPE_1B $flags || rc=1
     done
     # shellcheck disable=SC2086
     lease_rung 124m_cuda_graphs 90 ${GPT2_124M/--compile default/--compile reduce-overhead} --optimizer adamw || rc=1

@@ -634,34 +634,3 @@ def test_throughput_prints_its_table_for_a_run_with_the_bf16_stream(tiny_data, t
     assert rows["tokens/s (min..max)"].endswith("over 2 windows of 2 steps")
     assert re.fullmatch(r"[\d.,]+ MiB of [\d.,]+ MiB per micro-batch \(\d+%\)", rows["activations outside the blocks"])
 
-
-def test_te_opaque_names_adds_torch_2_14s_names_then_runs_the_script(tmp_path, capsys, monkeypatch):
-    """Where only the earlier names exist they are aliased ("constant" registered as "value"); where the new ones
-    exist nothing changes; the script then runs as `python SCRIPT ARGS` would."""
-    import types
-
-    import te_opaque_names
-
-    registered = []
-    earlier = types.SimpleNamespace(is_opaque_value_type=lambda cls: cls in registered,
-                                    register_opaque_type=lambda cls, *, typ, **kw: registered.append((cls, typ)))
-    assert te_opaque_names.add_new_names(earlier) == "added"
-    earlier.register_custom_class(int, typ="constant")
-    earlier.register_custom_class(str, typ="reference")
-    assert registered == [(int, "value"), (str, "reference")]
-    assert earlier.is_opaque_constant_type is earlier.is_opaque_value_type
-    assert te_opaque_names.add_new_names(earlier) == "present"  # the names are there now
-    assert te_opaque_names.add_new_names(types.SimpleNamespace()) == "absent"  # no opaque-type API: nothing to alias
-    monkeypatch.setattr(te_opaque_names, "add_new_names", lambda: "absent")  # the run would repeat the plain one
-    assert te_opaque_names.main([__file__]) == 1
-    assert "has no opaque-type API" in capsys.readouterr().err
-    monkeypatch.setattr(te_opaque_names, "add_new_names", lambda: "added")  # torch itself stays as it is
-    monkeypatch.setattr(sys, "argv", sys.argv)  # main() hands the script its own
-    script = tmp_path / "show.py"
-    script.write_text("import sys\nprint('ran', sys.argv[1:])\n")
-    assert te_opaque_names.main([str(script), "--flag", "1"]) == 0
-    assert capsys.readouterr().out == "ran ['--flag', '1']\n"
-    missing = str(tmp_path / "nosuch.py")
-    for argv, why in (([], "no script given"), ([missing], f"{missing}: no such file")):
-        assert te_opaque_names.main(argv) == 2
-        assert capsys.readouterr().err == f"error: {why}: python bench/te_opaque_names.py SCRIPT [its flags]\n"
