@@ -141,6 +141,6 @@ def describe_compile(mode: str, device_type: str, te_blocks: bool = False) -> st
     problem = fp8.te_compile_problem() if te_blocks else None
     eager_te = f"; Transformer Engine's modules run eagerly between its graphs ({problem})" if problem else ""
     if mode == "reduce-overhead" and device_type != "cuda":  # inductor skips CUDA graphs off CUDA
-        return (f"on, mode reduce-overhead: CUDA graphs do not apply on {device_type}, so it runs as mode default"
-                + eager_te)
-    return f"on, mode {mode}" + eager_te
+        return (f"on, mode reduce-overhead: CUDA graphs do not apply on {device_type}, so it runs as mode "
+                f"default{eager_te}")
+    return f"on, mode {mode}{eager_te}"

@@ -30,11 +30,11 @@ interpolates the toggle's mean final loss at its horizons linearly in log(tokens
 schedule's end is not what a run ending there reaches, so only ends count. The ratio is those tokens over the
 anchor's; past the longest horizon it reads "> longest / anchor".
 
---smoke: the stdlib corpus, a tiny model, horizons 1,024 and 2,048, one seed, two anchor LRs, its own cache
-(under the runs' directory): the whole path in a few minutes, train.py's start-up being most of it. A toggle that cannot apply (a Muon option under
---optimizer adamw, the batch warm-up without gradient accumulation), or that only sets the defaults (wsd), is
-listed as n/a, with why. --jobs runs that
-many trainings at once, each with OMP_NUM_THREADS = CPU cores / jobs.
+--smoke: the stdlib corpus, a tiny model, horizons 1,024 and 2,048, one seed, two anchor LRs, its own cache (under
+the runs' directory): the whole path in a few minutes, train.py's start-up being most of it. A toggle that cannot
+apply (a Muon option under --optimizer adamw, the batch warm-up without gradient accumulation), or that only sets
+the defaults (wsd), is listed as n/a, with why. --jobs runs that many trainings at once, each with OMP_NUM_THREADS
+= CPU cores / jobs.
 """
 import argparse
 import fcntl
@@ -578,8 +578,12 @@ def without_no_ops(selected: dict, flags: list[str]) -> dict:
     """selected with each toggle whose flags leave the runs' configuration as the baseline's (it sets what is
     already the default, as --schedule wsd does) marked n/a: it would only repeat the baseline's runs."""
     baseline = config.parse_args(flags)
-    return {name: (toggle_flags, why if why or name == "baseline" or config.parse_args([*flags, *toggle_flags])
-                   != baseline else "the baseline's configuration already (its flags set the defaults)")
+
+    def no_op(name: str, toggle_flags: list[str]) -> bool:
+        return name != "baseline" and config.parse_args([*flags, *toggle_flags]) == baseline
+
+    return {name: (toggle_flags, why or ("the baseline's configuration already (its flags set the defaults)"
+                                         if no_op(name, toggle_flags) else None))
             for name, (toggle_flags, why) in selected.items()}
 
 

@@ -107,6 +107,14 @@ def with_step_costs(records: list[dict], costs: list[tuple[str, float]]) -> None
                 r["toggles"][name].update(step_cost=ratio, side_by_side=True)
 
 
+def is_record(record) -> bool:
+    """Whether JSON is a record bench/recipe.py wrote: its corpus, horizons, and each toggle's losses and step
+    cost, which the verdict reads."""
+    return (isinstance(record, dict) and {"corpus", "horizons", "toggles"} <= record.keys()
+            and isinstance(record["toggles"], dict) and isinstance(record["horizons"], list)
+            and all(isinstance(t, dict) and {"losses", "step_cost"} <= t.keys() for t in record["toggles"].values()))
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
@@ -122,10 +130,7 @@ def main(argv=None) -> int:
         for path in a.records:
             with open(path) as f:
                 record = json.load(f)
-            if not (isinstance(record, dict) and {"corpus", "horizons", "toggles"} <= record.keys()
-                    and isinstance(record["toggles"], dict) and isinstance(record["horizons"], list)
-                    and all(isinstance(t, dict) and {"losses", "step_cost"} <= t.keys()
-                            for t in record["toggles"].values())):
+            if not is_record(record):
                 raise ValueError(f"{path} is not a record bench/recipe.py wrote (its .json beside the table)")
             records.append(record)
         corpora = [r["corpus"] for r in records]
