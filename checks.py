@@ -32,7 +32,7 @@ def validate(cfg, machine_checks=()) -> None:
         except ValueError as e:
             problems.append(in_flags(str(e), section))
     try:
-        fp8.check_fp8_flags(cfg.fp8.mode, cfg.fp8.recipe, cfg.fp8.attn)
+        fp8.check_fp8_flags(cfg.fp8.mode, cfg.fp8.recipe, cfg.fp8.attn, cfg.fp8.fused_wgrad)
     except ValueError as e:
         problems.append(str(e))
     refuse(problems)
@@ -170,5 +170,8 @@ def _combination_problems(cfg):
         yield "--eval-hellaswag runs at evals: it needs --eval-interval > 0"
     if cfg.speed.target_gpu and not cfg.speed.estimate_memory:
         yield "--target-gpu names the GPU for --estimate-memory; a training run uses the GPU it runs on"
+    if cfg.fp8.fused_wgrad and mode != "none":
+        yield (f"--fp8-fused-wgrad runs in one process (--dist none), not under --dist {mode}: its weight gradients "
+               f"bypass autograd, where {'DDP' if mode == 'ddp' else 'FSDP2'} reduces them")
     if cfg.fp8.mode == "te" and cfg.eval.sample_tokens:
         yield "--sample-tokens needs the plain backend's KV cache; it does not run with --fp8 te"

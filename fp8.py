@@ -76,9 +76,12 @@ class FP8Config:
     head: bool = option(False, "the lm_head's three GEMMs in float8 inside the fused loss (current scaling: e4m3 "
                                "activations and weight, e5m2 logit gradients), with or without --fp8",
                         flag="--fp8-head")
+    fused_wgrad: bool = option(False, "--fp8 te in one process (--dist none): each block GEMM's weight gradient is "
+                                      "written in float32 into a buffer the weight keeps (TE's fuse_wgrad_accumulation),"
+                                      " not in bf16 for autograd to cast and add", flag="--fp8-fused-wgrad")
 
 
-def check_fp8_flags(mode: str, recipe: str, fp8_attn: bool) -> None:
+def check_fp8_flags(mode: str, recipe: str, fp8_attn: bool, fused_wgrad: bool = False) -> None:
     """ValueError (one line) for FP8 flags that contradict each other; needs nothing but the flags."""
     if mode not in FP8_MODES:
         raise ValueError(f"unknown fp8 mode {mode!r}; choose one of {', '.join(FP8_MODES)}")
@@ -86,6 +89,8 @@ def check_fp8_flags(mode: str, recipe: str, fp8_attn: bool) -> None:
         raise ValueError(f"unknown fp8 recipe {recipe!r}; choose one of {', '.join(FP8_RECIPES)}")
     if mode != "te" and fp8_attn:
         raise ValueError("--fp8-attn needs --fp8 te: FP8 attention is Transformer Engine's")
+    if mode != "te" and fused_wgrad:
+        raise ValueError("--fp8-fused-wgrad needs --fp8 te: the fused weight-gradient GEMMs are Transformer Engine's")
     if recipe not in RECIPES_OF.get(mode, (FP8Config.recipe,)):
         paths = " or ".join(f"--fp8 {m}" for m, recipes in RECIPES_OF.items() if recipe in recipes)
         raise ValueError(f"--fp8-recipe {recipe} needs {paths}" + (f", not --fp8 {mode}" if mode != "off" else ""))
@@ -234,7 +239,7 @@ class TEAttention(nn.Module):
     (model.gate_heads, a bf16 GEMM of H rows, outside FP8) scale each head's output before the projection.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, fuse_wgrad: bool = False):
         super().__init__()
         te, device = import_te(), _te_device()
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
@@ -242,14 +247,15 @@ class TEAttention(nn.Module):
         qkv_rows = (config.n_head + 2 * config.n_kv_head) * hd
         self.qkv = te.LayerNormLinear(config.n_embd, qkv_rows, eps=config.norm_eps, bias=False,
                                       normalization="RMSNorm", return_layernorm_output=config.attn_gate,
-                                      device=device)
+                                      fuse_wgrad_accumulation=fuse_wgrad, device=device)
         self.q_norm = RMSNorm(hd, eps=config.norm_eps, device=device)
         self.k_norm = RMSNorm(hd, eps=config.norm_eps, device=device)
         self.core_attention = te.DotProductAttention(
             num_attention_heads=config.n_head, kv_channels=hd, num_gqa_groups=config.n_kv_head,
             attention_dropout=0.0, qkv_format="bshd", attn_mask_type="causal",
         )
-        self.proj = te.Linear(config.n_head * hd, config.n_embd, bias=False, device=device)
+        self.proj = te.Linear(config.n_head * hd, config.n_embd, bias=False, fuse_wgrad_accumulation=fuse_wgrad,
+                              device=device)
         # As in Attention: a plain parameter (the module's own, so listed before the children's, as there).
         self.gate_weight = (nn.Parameter(torch.empty(config.n_head, config.n_embd, device=device))
                             if config.attn_gate else None)
@@ -260,13 +266,15 @@ class TEAttention(nn.Module):
     ) -> torch.Tensor:
         if kv is not None:
             raise ValueError("KV-cache decoding runs on the plain backend: load te_to_plain_state_dict(...) into GPT")
-        qkv, normed = self.qkv(x) if self.gate_weight is not None else (self.qkv(x), None)
+        first = MICRO_STEP.first
+        qkv = self.qkv(x, is_first_microbatch=first)
+        qkv, normed = qkv if self.gate_weight is not None else (qkv, None)
         q, k, v = bshd_heads(qkv, self.q_norm, self.k_norm, cos, sin, self.n_head, self.n_kv_head)
         y = self.core_attention(q, k, v)  # [B, T, H * hd]
         if self.gate_weight is not None:
             B, T, _ = y.shape
             y = gate_heads(y.reshape(B, T, self.n_head, self.head_dim), normed, self.gate_weight).reshape(B, T, -1)
-        return self.proj(y)  # [B, T, n_embd]
+        return self.proj(y, is_first_microbatch=first)  # [B, T, n_embd]
 
 
 def bshd_heads(qkv: torch.Tensor, q_norm: nn.Module, k_norm: nn.Module, cos: torch.Tensor, sin: torch.Tensor,
@@ -292,24 +300,88 @@ TE_ACTIVATIONS = {"swiglu": "swiglu", "relu2": "srelu"}
 
 
 class TEBlock(Block):
-    """Block on Transformer Engine modules. The residual wiring (forward) is Block's; only the modules differ,
-    so Block's constructor is skipped."""
+    """Block on Transformer Engine modules: Block's residual wiring and parameter names, so Block's constructor
+    is skipped; its forward only adds what TE's modules take besides the input (MICRO_STEP.first)."""
 
     backend = "te"
+    fuse_wgrad = False  # a class attribute: GPT builds each block from its class and the model config alone
 
     def __init__(self, config: ModelConfig):
         nn.Module.__init__(self)
         te = import_te()
-        self.attn = TEAttention(config)
+        self.attn = TEAttention(config, self.fuse_wgrad)
         self.mlp = te.LayerNormMLP(config.n_embd, config.resolved_ffn_dim, eps=config.norm_eps, bias=False,
                                    normalization="RMSNorm", activation=TE_ACTIVATIONS[config.mlp],
-                                   device=_te_device())
+                                   fuse_wgrad_accumulation=self.fuse_wgrad, device=_te_device())
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0) -> torch.Tensor:
+        x = x + self.attn(x, cos, sin, kv, start)
+        return x + self.mlp(x, is_first_microbatch=MICRO_STEP.first)
 
     @staticmethod
     def checkpoint_fn(*args, **kwargs):
         """memory.py's activation checkpointing of this block: TE's own checkpoint, which recomputes under
         the same FP8 autocast as the forward."""
         return import_te().checkpoint(*args, **kwargs)
+
+
+class TEBlockFusedWgrad(TEBlock):
+    """--fp8-fused-wgrad: each GEMM weight keeps a float32 `main_grad`, and TE's weight-gradient GEMMs write into
+    it (fuse_wgrad_accumulation: TE then returns no gradient for the weight to autograd). Without it they write
+    bf16, which autograd casts to the float32 parameter's dtype and, past a step's first micro-batch, adds to
+    .grad: two more kernels a weight, each reading and writing the whole gradient. keep_main_grads gives the
+    buffers; micro_step zeroes them at a step's first micro-batch and makes them the weights' .grad."""
+
+    fuse_wgrad = True
+
+
+# The GEMM weights of a TE block: what fuse_wgrad_accumulation writes into `main_grad`; the norm weights and the
+# attention gates are plain parameters, whose gradients autograd accumulates as usual.
+TE_GEMM_WEIGHTS = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1_weight", "mlp.fc2_weight")
+
+
+def fused_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The weights whose gradients TE writes into their main_grad (TEBlockFusedWgrad's GEMM weights)."""
+    return [block.get_parameter(name) for block in model.modules() if isinstance(block, TEBlockFusedWgrad)
+            for name in TE_GEMM_WEIGHTS]  # isinstance: a checkpoint wrapper passes its block's attributes through
+
+
+def keep_main_grads(model: nn.Module) -> None:
+    """A float32 `main_grad` buffer beside each fused weight, for the run: its gradient, which TE's modules look
+    up as `weight.main_grad` in their backward. It lives between steps, where autograd's .grad is freed, but a
+    step's peak held every gradient already (memory.py counts them)."""
+    for weight in fused_weights(model):
+        weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
+
+
+class MicroStepState:
+    """Which micro-batch of its step runs now: its first (True), a later one (False), or none (None: an
+    evaluation, a probe). TE's modules take it as is_first_microbatch: from the first micro-batch of a step they
+    keep each weight's FP8 copy (a cache) and reuse it for the step's other micro-batches, whose weights are the
+    same; under FSDP2 TE ignores it. Process-wide, as TE's own FP8 state is; micro_step sets it."""
+
+    first: bool | None = None
+
+
+MICRO_STEP = MicroStepState()
+
+
+@contextmanager
+def micro_step(model: nn.Module, first: bool):
+    """Around one training micro-batch's forward and backward (a checkpointed block recomputes its forward in the
+    backward, and must see the same MICRO_STEP). At a step's first micro-batch, each fused weight's main_grad
+    is zeroed and becomes its .grad (zero_grad(set_to_none=True) dropped the last one), so the step's gradients
+    sum in it and the optimizer, clipping and the GradScaler read them where they read any other."""
+    if first and (weights := fused_weights(model)):
+        torch._foreach_zero_([w.main_grad for w in weights])
+        for w in weights:
+            w.grad = w.main_grad
+    previous, MICRO_STEP.first = MICRO_STEP.first, first
+    try:
+        yield
+    finally:
+        MICRO_STEP.first = previous
 
 
 def te_to_plain_state_dict(state_dict: dict) -> dict:
@@ -503,7 +575,8 @@ def describe_fp8(model: nn.Module, fp8_recipe=None) -> str:
             "embedding, lm_head not FP8")
     if te_blocks and fp8_recipe is not None:
         attn = ", FP8 attention (fp8_dpa)" if getattr(fp8_recipe, "fp8_dpa", False) else ", attention not FP8"
-        return f"Transformer Engine, {type(fp8_recipe).__name__}: {te_blocks} TE blocks{attn}; {head}"
+        wgrad = ", weight gradients fused into float32 main_grad" if fused_weights(model) else ""
+        return f"Transformer Engine, {type(fp8_recipe).__name__}: {te_blocks} TE blocks{attn}{wgrad}; {head}"
     if te_blocks:
         return f"off ({te_blocks} Transformer Engine blocks, no FP8 recipe)" + (f"; {head}" if fp8_head else "")
     if float8_blocks:
@@ -542,14 +615,17 @@ def prepare(cfg: FP8Config, model_cfg: ModelConfig, micro_batch: int | None, dev
     return te_recipe(cfg.recipe, cfg.attn)
 
 
-def block_class(mode: str) -> type[Block]:
-    """The block a model is built of under --fp8 `mode`: Transformer Engine's modules under te, the plain one
-    otherwise (torchao swaps its GEMMs into a plain model afterwards: convert)."""
-    return TEBlock if mode == "te" else Block
+def block_class(cfg: FP8Config) -> type[Block]:
+    """The block a model is built of under these FP8 settings: Transformer Engine's modules under --fp8 te (with
+    fused weight gradients under --fp8-fused-wgrad), the plain one otherwise (torchao swaps its GEMMs into a
+    plain model afterwards: convert)."""
+    if cfg.mode != "te":
+        return Block
+    return TEBlockFusedWgrad if cfg.fused_wgrad else TEBlock
 
 
 def block_state_dict(state: dict, mode: str) -> dict:
-    """A plain state dict (a checkpoint's, --from-hf's) under the names of block_class(mode)'s model."""
+    """A plain state dict (a checkpoint's, --from-hf's) under the names of the model block_class builds under --fp8 mode."""
     return plain_to_te_state_dict(state) if mode == "te" else state
 
 
@@ -558,4 +634,5 @@ def convert(model: GPT, cfg: FP8Config) -> None:
     (while the parameters are plain tensors); under --fp8-head, the head's GEMMs in float8."""
     if cfg.mode == "torchao":
         convert_to_torchao_float8(model, cfg.recipe)
+    keep_main_grads(model)
     model.fp8_head = cfg.head

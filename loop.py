@@ -95,7 +95,8 @@ def train_step(run: Run, interruptible=nullcontext):
         for micro in range(grad_accum):
             with timer("data"):
                 x, y = next(run.loader)
-            with distributed.set_grad_sync(run.wrapped, run.info, micro == grad_accum - 1):
+            last, first = micro == grad_accum - 1, micro == 0
+            with distributed.set_grad_sync(run.wrapped, run.info, last), fp8.micro_step(run.model, first):
                 with timer("forward"), run.autocast():
                     _, loss = run.compiled(x, y)
                 loss_sum += loss.detach()

@@ -59,7 +59,7 @@ def build_model(cfg: Config, device: torch.device, autocast_dtype: torch.dtype |
         hf_cfg, init_state = load_hf(cfg.ckpt.from_hf)
         model_cfg = replace(hf_cfg, max_seq_len=cfg.model.max_seq_len)
         init_reason = f"weights of {cfg.ckpt.from_hf}"
-    model = GPT(model_cfg, block=fp8.block_class(cfg.fp8.mode)).to(device)
+    model = GPT(model_cfg, block=fp8.block_class(cfg.fp8)).to(device)
     if init_state is not None:  # loaded while the parameters are plain tensors, before any FP8 conversion
         model.load_state_dict(fp8.block_state_dict(init_state, cfg.fp8.mode))
     fp8.convert(model, cfg.fp8)

@@ -12,8 +12,8 @@
 #     bash bench/gpu_check.sh lease  OUT   # what decides a default first, within 8 min 30 s -> OUT/lease.md
 #
 # lease: the 124M step profiled as train.py runs it on CUDA (bf16 activations) and with the stream in fp32, then
-# at about 1B bf16 and the FP8 rungs (TE delayed scaling with the FP8 lm_head, TE current scaling with it, TE
-# delayed, torchao tensorwise, TE FP8 attention), then CUDA graphs at 124M, then the GPU tests, each started only
+# at about 1B bf16 and the FP8 rungs (TE delayed scaling with the FP8 lm_head, the same with fused weight gradients,
+# TE current scaling with the FP8 lm_head, TE delayed, torchao tensorwise, TE FP8 attention), then CUDA graphs at 124M, then the GPU tests, each started only
 # while the budget (LEASE_BUDGET_S, 510 s) has room for it; OUT/lease.md gathers each rung's tokens/s, MFU,
 # unprofiled ms/step, ms by kernel category and the gap (the step less its kernels: no kernel running).
 # A session's 15 device minutes hold the kit's transfers, the install and this; `tests` gets what is left.
@@ -231,6 +231,7 @@ run_lease() { # the 124M modes, the 1B FP8 rungs, 124M's CUDA graphs, the tests,
         lease_rung "${rung%%:*}" 100 $GPT2_124M --optimizer adamw ${rung#*:} || rc=1
     done
     for rung in "1b_bf16:100:" "1b_te_delayed_head:100:--fp8 te --fp8-recipe delayed --fp8-head" \
+        "1b_te_delayed_head_fused:100:--fp8 te --fp8-recipe delayed --fp8-head --fp8-fused-wgrad" \
         "1b_te_head:100:--fp8 te --fp8-head" "1b_te_delayed:100:--fp8 te --fp8-recipe delayed" \
         "1b_torchao:180:--fp8 torchao" "1b_te_delayed_attn:100:--fp8 te --fp8-recipe delayed --fp8-attn"; do
         flags=${rung#*:*:}

@@ -313,29 +313,77 @@ class ExtraState:
         assert state.numel() == 0
 
 
-class StandInLayerNormLinear(ExtraState, model_module.LayerNormLinear):
+class IntoMainGrad(torch.autograd.Function):
+    """A weight's way into a GEMM under TE's fuse_wgrad_accumulation: its gradient goes into weight.main_grad,
+    overwriting it when the forward ran with is_first_microbatch=True and adding to it otherwise (None or
+    False), and autograd gets none (TE 2.20.2 module/linear.py: accumulate = fuse_wgrad_accumulation and not
+    is_first_microbatch; wgrad None)."""
+
+    @staticmethod
+    def forward(ctx, weight, first):
+        ctx.weight, ctx.first = weight, first
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        main_grad = ctx.weight.main_grad
+        main_grad.copy_(grad) if ctx.first else main_grad.add_(grad)
+        return None, None
+
+
+class TEKeywords(ExtraState):
+    """What every TE GEMM module takes besides its shapes: fuse_wgrad_accumulation at construction and
+    is_first_microbatch at each call, which it records in `seen`. Its forward runs outside torch.compile's
+    graph, as LayerNormLinear's and LayerNormMLP's do in TE (no_torch_dynamo), so `seen` holds every call."""
+
+    def take_te_keywords(self, fuse_wgrad_accumulation):
+        self.fuse_wgrad_accumulation, self.seen = fuse_wgrad_accumulation, []
+
+    def te_matmul(self, first):
+        def matmul(x, weight):
+            return F.linear(x, IntoMainGrad.apply(weight, first) if self.fuse_wgrad_accumulation else weight)
+        return matmul
+
+    @torch._dynamo.disable
+    def forward(self, x, is_first_microbatch=None):
+        self.seen.append(is_first_microbatch)
+        self.matmul = self.te_matmul(is_first_microbatch)
+        return self.plain_forward(x)
+
+
+class StandInLayerNormLinear(TEKeywords, model_module.LayerNormLinear):
     """te.LayerNormLinear's keywords as fp8.py passes them (TE 2.20.2, module/layernorm_linear.py), plain
     numerics: forward returns (out, normed input) with return_layernorm_output."""
 
     def __init__(self, in_features, out_features, eps=1e-5, *, bias=True, normalization="LayerNorm",
-                 return_layernorm_output=False, device="cuda"):
+                 return_layernorm_output=False, fuse_wgrad_accumulation=False, device="cuda"):
         assert not bias and normalization == "RMSNorm"
         super().__init__(in_features, out_features, eps, return_layernorm_output)
+        self.take_te_keywords(fuse_wgrad_accumulation)
+
+    plain_forward = model_module.LayerNormLinear.forward
 
 
-class StandInLinear(ExtraState, nn.Linear):
-    def __init__(self, in_features, out_features, *, bias=True, device="cuda"):
+class StandInLinear(TEKeywords, nn.Linear):
+    def __init__(self, in_features, out_features, *, bias=True, fuse_wgrad_accumulation=False, device="cuda"):
         assert not bias
         super().__init__(in_features, out_features, bias=False)
+        self.take_te_keywords(fuse_wgrad_accumulation)
+
+    def plain_forward(self, x):
+        return self.matmul(x, self.weight)
 
 
-class StandInLayerNormMLP(ExtraState, model_module.LayerNormMLP):
+class StandInLayerNormMLP(TEKeywords, model_module.LayerNormMLP):
     """te.LayerNormMLP (module/layernorm_mlp.py): activation swiglu (gate = fc1's first half) or srelu."""
 
     def __init__(self, hidden_size, ffn_hidden_size, eps=1e-5, *, bias=True, normalization="LayerNorm",
-                 activation="gelu", device="cuda"):
+                 activation="gelu", fuse_wgrad_accumulation=False, device="cuda"):
         assert not bias and normalization == "RMSNorm"
         super().__init__(hidden_size, ffn_hidden_size, eps, {"swiglu": "swiglu", "srelu": "relu2"}[activation])
+        self.take_te_keywords(fuse_wgrad_accumulation)
+
+    plain_forward = model_module.LayerNormMLP.forward
 
 
 class StandInDotProductAttention(ExtraState, nn.Module):

@@ -107,7 +107,11 @@ def test_te_version_is_none_when_te_is_absent(monkeypatch):
 def test_train_refuses_fp8_flags_without_their_path_at_parse_time():
     for flags, message in ((["--fp8-attn"], "--fp8-attn needs --fp8 te"),
                            (["--fp8", "torchao", "--fp8-recipe", "delayed"], "delayed needs --fp8 te"),
-                           (["--fp8-recipe", "rowwise"], "rowwise needs --fp8 torchao")):
+                           (["--fp8-recipe", "rowwise"], "rowwise needs --fp8 torchao"),
+                           (["--fp8", "torchao", "--fp8-fused-wgrad"], "^--fp8-fused-wgrad needs --fp8 te: "),
+                           (["--fp8", "te", "--fp8-fused-wgrad", "--dist", "ddp"],
+                            r"^--fp8-fused-wgrad runs in one process \(--dist none\), not under --dist ddp: .* DDP "),
+                           (["--fp8", "te", "--fp8-fused-wgrad", "--dist", "fsdp"], "not under --dist fsdp: .* FSDP2 ")):
         with pytest.raises(train.UsageError, match=message):
             config.parse_args(flags)
 
@@ -224,8 +228,15 @@ def test_torchao_rowwise_scales_each_row_and_says_so():
 def test_torchao_fp8_compiled_by_inductor_stays_within_tolerance_of_bf16():
     """Inductor generates the FP8 casts, the scales' amax reductions and the torch._scaled_mm calls on the CPU
     too, in one graph. The CPU does not enforce CUDA's shape rules for _scaled_mm (fp8.check_fp8_config does,
-    on every device)."""
-    check_fp8_within_tolerance_of_bf16(compile_model=True)
+    on every device).
+
+    In 256-bit vectors: with 512-bit ones (torch 2.13's VecAVX512VNNI, picked on an Intel Xeon with AVX512-FP16)
+    Inductor's kernels gave NaN in 81% of both QKV weights' gradients, where eager, aot_eager and Inductor's
+    256-bit and scalar kernels give none, and where the same CPU's conversions to float8 alone agree with eager;
+    on an AMD EPYC (also AVX-512) the test passed in 512-bit vectors. A CPU kernel question, not one of the
+    conversion this checks (docs/distributed.md says so to CPU users)."""
+    with torch._inductor.config.patch({"cpp.simdlen": 256}):
+        check_fp8_within_tolerance_of_bf16(compile_model=True)
 
 
 def test_torchao_refuses_the_te_backend():
@@ -302,6 +313,26 @@ def test_fp8_te_trains_at_the_smallest_legal_token_count(tiny_data, tmp_path, re
     refused = run_train("--data", tiny_data, "--out-dir", str(tmp_path / "b"), *TE_FLAGS, "--seq-len", "8",
                         "--batch-size", "1", "--max-steps", "2")
     assert refused.returncode == 2 and "multiple of 16" in refused.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and fp8.te_installed()), reason="needs CUDA and TE")
+@pytest.mark.parametrize("recipe", fp8.RECIPES_OF["te"])
+def test_fused_weight_gradients_train_as_autograds_do(tiny_data, tmp_path, recipe):
+    """--fp8-fused-wgrad on TE's own modules, two micro-batches a step, against the same run without it: the first
+    step's loss (the same weights and data) equal, the later ones within 1% (float32 weight gradients instead of
+    bf16 ones cast), and the start-up table says so."""
+    runs = {}
+    for fused in (False, True):
+        out = tmp_path / str(fused)
+        result = run_train("--data", tiny_data, "--out-dir", str(out), *TE_FLAGS, "--fp8-recipe", recipe,
+                           "--seq-len", "32", "--batch-size", "2", "--grad-accum", "2", "--max-steps", "4",
+                           *(["--fp8-fused-wgrad"] if fused else []))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert ("weight gradients fused into float32 main_grad" in result.stdout) == fused
+        runs[fused] = [r["train_loss"] for r in read_metrics(str(out / "metrics.jsonl"))[0]]
+    assert len(runs[True]) == 4 and runs[True][0] == runs[False][0]
+    assert runs[True] == pytest.approx(runs[False], rel=1e-2)
 
 
 @pytest.mark.gpu
@@ -412,7 +443,7 @@ def test_after_the_probes_a_delayed_scaling_model_is_as_new(monkeypatch, tiny_da
 @pytest.mark.skipif(not (torch.cuda.is_available() and fp8.te_installed()), reason="needs CUDA and TE")
 def test_te_probes_leave_no_amax_history_and_training_reduces_amaxes_again():
     recipe = fp8.te_recipe("delayed", False)
-    model = GPT(HD128, block=fp8.block_class("te")).cuda()
+    model = GPT(HD128, block=fp8.block_class(fp8.FP8Config(mode="te"))).cuda()
     x = torch.zeros((16, HD128.max_seq_len), dtype=torch.long, device="cuda")
     with fp8.probing(model, recipe) as probe:
         assert recipe.reduce_amax and not probe.reduce_amax

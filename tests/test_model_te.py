@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fp8
+import memory
 from fp8 import TE_MODULES, TEBlock, plain_to_te_state_dict, te_to_plain_state_dict
 from model import GPT, QWEN3_VALUES, ModelConfig
 
@@ -65,6 +66,82 @@ def test_te_block_wiring_gives_the_plain_forward_and_gradients(stand_in_te, arch
     assert list(te_params) == [name for name, _ in plain.named_parameters()]
     for name, p in plain.named_parameters():
         torch.testing.assert_close(te_params[name].grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def te_twins(cfg, act_ckpt="none"):
+    """{block class: model} for TEBlock and TEBlockFusedWgrad on the same weights, as train.py builds them."""
+    models = {}
+    for block in (TEBlock, fp8.TEBlockFusedWgrad):
+        model = GPT(cfg, block=block)
+        model.load_state_dict(plain_to_te_state_dict(plain_state_dict(cfg)))
+        fp8.keep_main_grads(model)
+        memory.apply_activation_checkpointing(model, act_ckpt)
+        models[block] = model
+    return models
+
+
+def train_micro_steps(model, batches, grad_accum):
+    """train_step's micro-steps without the update: -> each step's gradients by name, zero_grad between."""
+    steps = []
+    for start in range(0, len(batches), grad_accum):
+        for micro, idx in enumerate(batches[start:start + grad_accum]):
+            with fp8.micro_step(model, micro == 0):
+                (model(idx, idx)[1] / grad_accum).backward()
+        steps.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        model.zero_grad(set_to_none=True)
+    return steps
+
+
+def seen(model):
+    """What the first block's TE GEMM modules (qkv, proj, mlp) were called with as is_first_microbatch, in order."""
+    def unwrapped(module):  # from under memory.py's checkpoint wrapper
+        return getattr(module, "_checkpoint_wrapped_module", module)
+    block = unwrapped(model.blocks[0])
+    return [unwrapped(m).seen for m in (block.attn.qkv, block.attn.proj, block.mlp)]
+
+
+@pytest.mark.parametrize("act_ckpt", ["none", "full", "selective"])
+def test_fused_weight_gradients_sum_a_steps_micro_batches_as_autograd_does(stand_in_te, act_ckpt):
+    """--fp8-fused-wgrad on stand-ins that write into main_grad as TE does (overwrite at is_first_microbatch,
+    add otherwise, no gradient to autograd): two steps of three micro-batches give every parameter the gradient
+    autograd sums, bit for bit, the second step's untouched by the first's. With activation checkpointing the
+    recomputed forward, in the backward, sees its micro-batch's is_first_microbatch too."""
+    models = te_twins(TINY, act_ckpt)
+    batches = [torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(i))
+               for i in range(6)]
+    plain_steps, fused_steps = (train_micro_steps(model, batches, 3) for model in models.values())
+    for plain, fused in zip(plain_steps, fused_steps):
+        assert list(fused) == list(plain)
+        for name in plain:
+            assert torch.equal(fused[name], plain[name]), name
+    fused_model = models[fp8.TEBlockFusedWgrad]
+    weights = fp8.fused_weights(fused_model)
+    assert len(weights) == 4 * TINY.n_layer and all(w.main_grad.dtype == torch.float32 for w in weights)
+    once, twice = [True, False, False], [True, True, False, False, False, False]  # twice: forward, recompute
+    attention = twice if act_ckpt == "full" else once  # "selective" checkpoints the MLP alone
+    assert seen(fused_model) == [attention * 2, attention * 2, (once if act_ckpt == "none" else twice) * 2]
+    fused_model(batches[0], batches[0])
+    assert seen(fused_model)[0][-1] is None  # outside a micro-step (an evaluation, a probe): no weight cache
+    fused_model(batches[0], batches[0])[1].backward()  # no micro-step: autograd gets no gradient for them
+    assert all(w.grad is None for w in weights)
+
+
+def test_micro_steps_under_torch_compile_pass_each_micro_batch_its_own_flag(stand_in_te):
+    """MICRO_STEP is read in the compiled part of the block: a change of it recompiles rather than being baked
+    in, so every call sees its micro-batch's value, and the gradients are eager's."""
+    eager, fused = te_twins(TINY).values()
+    batches = [torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(i))
+               for i in range(4)]
+    expected = train_micro_steps(eager, batches, 2)
+    compiled = torch.compile(fused, backend="aot_eager")
+    for micro, idx in enumerate(batches):
+        with fp8.micro_step(fused, micro % 2 == 0):
+            (compiled(idx, idx)[1] / 2).backward()
+        if micro % 2:
+            for name, p in fused.named_parameters():
+                torch.testing.assert_close(p.grad, expected[micro // 2][name], rtol=1e-6, atol=1e-7, msg=name)
+            fused.zero_grad(set_to_none=True)
+    assert seen(fused) == [[True, False] * 2] * 3
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

@@ -14,6 +14,7 @@ import atomic
 import batch
 import checkpoint
 import config
+import fp8
 import plan
 import runlog
 import train
@@ -125,6 +126,20 @@ def tiny_run(data, out_dir, *extra):
     train.main(["--data", data, "--out-dir", str(out_dir), *TINY_MODEL, "--warmup", "2", "--eval-interval", "4",
                 "--eval-tokens", "256", "--dtype", "fp32", "--device", "cpu", *extra])
     return read_metrics(out_dir)
+
+
+def test_a_steps_micro_batches_each_run_in_fp8_micro_step_the_first_told_so(tmp_path, tiny_data, monkeypatch):
+    """train_step runs each micro-batch's forward and backward inside fp8.micro_step (what Transformer Engine's
+    weight cache and fused weight gradients go by: tests/test_model_te.py), first=True at a step's first only."""
+    calls, micro_step = [], fp8.micro_step
+
+    def recorded(model, first):
+        calls.append(first)
+        return micro_step(model, first)
+
+    monkeypatch.setattr(fp8, "micro_step", recorded)
+    tiny_run(tiny_data, tmp_path, "--grad-accum", "3", "--max-steps", "2")
+    assert calls[-6:] == [True, False, False] * 2
 
 
 def test_resume_is_bit_identical(tmp_path, tiny_data):
