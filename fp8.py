@@ -1,7 +1,8 @@
 """FP8 training, two ways: NVIDIA Transformer Engine (TE) modules, or torchao's float8 linears.
 
     --fp8 te       GPT(config, block=TEBlock): blocks of Transformer Engine modules; each micro-batch's
-                   forward runs inside autocast(recipe), its backward outside; recipe "current" or "delayed"
+                   forward runs inside autocast(recipe), its backward outside, and both inside
+                   micro_step(model, micro, grad_accum); recipe "current" or "delayed"
     --fp8 torchao  convert_to_torchao_float8(model) on the plain blocks: dynamic scaling, one scale per tensor
                    (recipe "current") or per row (recipe "rowwise")
 
@@ -77,11 +78,12 @@ class FP8Config:
                                "activations and weight, e5m2 logit gradients), with or without --fp8",
                         flag="--fp8-head")
     fused_wgrad: bool = option(False, "--fp8 te in one process (--dist none): each block GEMM's weight gradient is "
-                                      "written in float32 into a buffer the weight keeps (TE's fuse_wgrad_accumulation),"
-                                      " not in bf16 for autograd to cast and add", flag="--fp8-fused-wgrad")
+                                      "written in float32 into a buffer the weight keeps (TE's "
+                                      "fuse_wgrad_accumulation), not in bf16 for autograd to cast and add",
+                               flag="--fp8-fused-wgrad")
 
 
-def check_fp8_flags(mode: str, recipe: str, fp8_attn: bool, fused_wgrad: bool = False) -> None:
+def check_fp8_flags(mode: str, recipe: str, fp8_attn: bool, fused_wgrad: bool) -> None:
     """ValueError (one line) for FP8 flags that contradict each other; needs nothing but the flags."""
     if mode not in FP8_MODES:
         raise ValueError(f"unknown fp8 mode {mode!r}; choose one of {', '.join(FP8_MODES)}")
@@ -101,11 +103,13 @@ def te_installed() -> bool:
 
 
 def te_compile_problem() -> str | None:
-    """Why Transformer Engine's modules cannot join a torch.compile graph here, or None. Each is then a graph break
+    """Why Transformer Engine's compiled path is off here, or None. Without it every TE module is a graph break
     that runs eagerly, launched from Python (on an H200 with torch 2.11: the GPU idle 14 to 33 ms of a step at
-    about 1B, bench/results/gpu_check_20261130). Once TE is imported, its own record of why it switched its
-    compiled path off (TE 2.20 keeps one); before, whether torch has the opaque-type API under the names torch
-    2.14 gives it, which TE 2.20 registers its compiled path's custom ops through."""
+    about 1B, bench/results/gpu_check_20261130); with it, TE 2.20 compiles te.Linear (the attention's output
+    projection) and its attention, while LayerNormLinear and LayerNormMLP (the QKV and the MLP) stay eager
+    whatever the torch (no_torch_dynamo). Once TE is imported, its own record of why it switched the path off
+    (TE 2.20 keeps one); before, whether torch has the opaque-type API under the names torch 2.14 gives it,
+    which TE 2.20 registers its compiled path's custom ops through."""
     utils = sys.modules.get("transformer_engine.pytorch.utils")
     if utils is not None:
         return getattr(utils, "_compile_disabled_reason", None)
@@ -156,7 +160,7 @@ def gemm_dims(cfg: ModelConfig) -> dict[str, int]:
 
 def check_fp8_config(mode: str, recipe: str, fp8_attn: bool, cfg: ModelConfig, batch_size: int, seq_len: int,
                      *, cuda: bool, te: tuple[int, int] | None, have_torchao: bool, head: bool = False,
-                     capability: tuple[int, int] | None = None) -> None:
+                     capability: tuple[int, int] | None = None, fused_wgrad: bool = False) -> None:
     """Raise ValueError (one line) when the FP8 flags cannot work on this model, batch and machine.
 
     Pure: the machine's facts come in as arguments (prepare() passes CUDA's presence, te_version() and
@@ -168,7 +172,7 @@ def check_fp8_config(mode: str, recipe: str, fp8_attn: bool, cfg: ModelConfig, b
     head (--fp8-head): torch._scaled_mm, which CUDA runs from compute capability (8, 9) (capability: the GPU's)
     and the CPU runs anywhere, with the micro-batch's tokens a multiple of 16 as above.
     """
-    check_fp8_flags(mode, recipe, fp8_attn)
+    check_fp8_flags(mode, recipe, fp8_attn, fused_wgrad)
     if head and cuda and capability is not None and capability < FLOAT8_CAPABILITY:
         raise ValueError(f"--fp8-head needs a GPU with float8 GEMMs (compute capability "
                          f"{'.'.join(map(str, FLOAT8_CAPABILITY))}+: L4, H100, ...), this one is "
@@ -267,8 +271,8 @@ class TEAttention(nn.Module):
         if kv is not None:
             raise ValueError("KV-cache decoding runs on the plain backend: load te_to_plain_state_dict(...) into GPT")
         first = MICRO_STEP.first
-        qkv = self.qkv(x, is_first_microbatch=first)
-        qkv, normed = qkv if self.gate_weight is not None else (qkv, None)
+        out = self.qkv(x, is_first_microbatch=first)
+        qkv, normed = out if self.gate_weight is not None else (out, None)
         q, k, v = bshd_heads(qkv, self.q_norm, self.k_norm, cos, sin, self.n_head, self.n_kv_head)
         y = self.core_attention(q, k, v)  # [B, T, H * hd]
         if self.gate_weight is not None:
@@ -343,23 +347,29 @@ TE_GEMM_WEIGHTS = ("attn.qkv.weight", "attn.proj.weight", "mlp.fc1_weight", "mlp
 
 def fused_weights(model: nn.Module) -> list[nn.Parameter]:
     """The weights whose gradients TE writes into their main_grad (TEBlockFusedWgrad's GEMM weights)."""
+    # By class, not by the fuse_wgrad attribute: a checkpoint wrapper answers for its block's attributes, which
+    # would count a wrapped block twice.
     return [block.get_parameter(name) for block in model.modules() if isinstance(block, TEBlockFusedWgrad)
-            for name in TE_GEMM_WEIGHTS]  # isinstance: a checkpoint wrapper passes its block's attributes through
+            for name in TE_GEMM_WEIGHTS]
 
 
 def keep_main_grads(model: nn.Module) -> None:
     """A float32 `main_grad` buffer beside each fused weight, for the run: its gradient, which TE's modules look
-    up as `weight.main_grad` in their backward. It lives between steps, where autograd's .grad is freed, but a
-    step's peak held every gradient already (memory.py counts them)."""
+    up as `weight.main_grad` in their backward. It lives between steps, where autograd frees .grad: with one
+    micro-batch a step that is 4 bytes a block GEMM weight more at the activations' peak, where autograd's
+    gradients do not exist yet (with more, they do from the second on). memory.py's estimate counts every
+    gradient beside the activations, so it holds either way."""
     for weight in fused_weights(model):
         weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
 
 
 class MicroStepState:
-    """Which micro-batch of its step runs now: its first (True), a later one (False), or none (None: an
-    evaluation, a probe). TE's modules take it as is_first_microbatch: from the first micro-batch of a step they
-    keep each weight's FP8 copy (a cache) and reuse it for the step's other micro-batches, whose weights are the
-    same; under FSDP2 TE ignores it. Process-wide, as TE's own FP8 state is; micro_step sets it."""
+    """Which micro-batch of a step of several runs now: its first (True), a later one (False), or None (a step
+    of one micro-batch, an evaluation, a probe). TE's modules take it as is_first_microbatch: at the first they
+    quantize each weight and keep the FP8 copy, for the step's later micro-batches, whose weights are the same,
+    to reuse (under FSDP2 TE ignores it). None keeps nothing: a step of one has nothing to reuse, and on a torch
+    whose TE compiles te.Linear a flag sends it back to eager (TE 2.20 linear.py, "FP8 weight caching").
+    Process-wide, as TE's own FP8 state is; micro_step sets it."""
 
     first: bool | None = None
 
@@ -368,15 +378,18 @@ MICRO_STEP = MicroStepState()
 
 
 @contextmanager
-def micro_step(model: nn.Module, first: bool):
-    """Around one training micro-batch's forward and backward (a checkpointed block recomputes its forward in the
-    backward, and must see the same MICRO_STEP). At a step's first micro-batch, each fused weight's main_grad
-    is zeroed and becomes its .grad (zero_grad(set_to_none=True) dropped the last one), so the step's gradients
-    sum in it and the optimizer, clipping and the GradScaler read them where they read any other."""
-    if first and (weights := fused_weights(model)):
+def micro_step(model: nn.Module, micro: int, grad_accum: int):
+    """Around micro-batch `micro` (from 0) of grad_accum's forward and backward: a checkpointed block recomputes
+    its forward in the backward, and must see the same MICRO_STEP. At a step's first micro-batch each fused
+    weight's main_grad is zeroed and becomes its .grad (zero_grad(set_to_none=True) dropped the last one), so
+    the step's gradients sum in it and the optimizer, clipping and the GradScaler read them as any other. TE
+    overwrites main_grad at is_first_microbatch=True anyway; the zeroing keeps a step clean without it (a step
+    of one micro-batch passes None, and TE then adds)."""
+    if micro == 0 and (weights := fused_weights(model)):
         torch._foreach_zero_([w.main_grad for w in weights])
         for w in weights:
             w.grad = w.main_grad
+    first = micro == 0 if grad_accum > 1 else None
     previous, MICRO_STEP.first = MICRO_STEP.first, first
     try:
         yield
@@ -600,7 +613,7 @@ def prepare(cfg: FP8Config, model_cfg: ModelConfig, micro_batch: int | None, dev
     try:
         cuda = device.type == "cuda"
         check_fp8_config(cfg.mode, cfg.recipe, cfg.attn, model_cfg, batch, model_cfg.max_seq_len, cuda=cuda,
-                         te=te_version(), have_torchao=torchao_installed(), head=cfg.head,
+                         te=te_version(), have_torchao=torchao_installed(), head=cfg.head, fused_wgrad=cfg.fused_wgrad,
                          capability=torch.cuda.get_device_capability(device) if cuda and cfg.head else None)
         if cfg.recipe == "rowwise" and device.type == "cuda" and autocast_dtype != torch.bfloat16:
             raise ValueError("--fp8-recipe rowwise on CUDA needs --dtype bf16: torch._scaled_mm's row-wise FP8 "
@@ -625,7 +638,7 @@ def block_class(cfg: FP8Config) -> type[Block]:
 
 
 def block_state_dict(state: dict, mode: str) -> dict:
-    """A plain state dict (a checkpoint's, --from-hf's) under the names of the model block_class builds under --fp8 mode."""
+    """A plain state dict (a checkpoint's, --from-hf's) under the names of the blocks --fp8 `mode` builds."""
     return plain_to_te_state_dict(state) if mode == "te" else state
 
 

@@ -81,7 +81,9 @@ class Run:
 def train_step(run: Run, interruptible=nullcontext):
     """One optimizer step over grad_accum micro-batches (run.step_layout's during the batch warm-up) -> its
     metrics by name, scalars on the device (train_loss: the mean over ranks, grad_norm, finite): the host
-    queues the step without waiting for the GPU, and read_back fetches them all in one transfer. A stop signal may cut the micro-steps short (StopSignals.interruptible), never the update.
+    queues the step without waiting for the GPU, and read_back fetches them all in one transfer. A stop signal
+    may cut the micro-steps short (StopSignals.interruptible), never the update. Each micro-batch's forward and
+    backward run inside fp8.micro_step, which tells Transformer Engine's modules which one of the step it is.
 
     A non-finite loss or gradient norm skips the update: parameters and optimizer state stay exactly as
     they were, decided on the device where the optimizer can (optim.step_if_finite). The fp16 GradScaler's
@@ -95,8 +97,8 @@ def train_step(run: Run, interruptible=nullcontext):
         for micro in range(grad_accum):
             with timer("data"):
                 x, y = next(run.loader)
-            last, first = micro == grad_accum - 1, micro == 0
-            with distributed.set_grad_sync(run.wrapped, run.info, last), fp8.micro_step(run.model, first):
+            last = micro == grad_accum - 1
+            with distributed.set_grad_sync(run.wrapped, run.info, last), fp8.micro_step(run.model, micro, grad_accum):
                 with timer("forward"), run.autocast():
                     _, loss = run.compiled(x, y)
                 loss_sum += loss.detach()

@@ -376,7 +376,7 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
     """One pre-norm transformer block. Another implementation of the same block (fp8.py's Transformer Engine
-    one) subclasses it, keeps this forward and the parameter names, and sets its own `backend` name."""
+    one) subclasses it, keeps the parameter names and this residual wiring, and sets its own `backend` name."""
 
     backend = "plain"
 
@@ -389,9 +389,7 @@ class Block(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor] | None = None, start: int = 0, value_embed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # value_embed only when there is one: a subclass's attention (fp8.TEAttention) takes none.
-        extra = {} if value_embed is None else {"value_embed": value_embed}
-        x = x + self.attn(x, cos, sin, kv, start, **extra)
+        x = x + self.attn(x, cos, sin, kv, start, value_embed)
         return x + self.mlp(x)
 
 

@@ -334,7 +334,9 @@ class IntoMainGrad(torch.autograd.Function):
 class TEKeywords(ExtraState):
     """What every TE GEMM module takes besides its shapes: fuse_wgrad_accumulation at construction and
     is_first_microbatch at each call, which it records in `seen`. Its forward runs outside torch.compile's
-    graph, as LayerNormLinear's and LayerNormMLP's do in TE (no_torch_dynamo), so `seen` holds every call."""
+    graph, as LayerNormLinear's and LayerNormMLP's always do in TE 2.20 (no_torch_dynamo), and te.Linear's does
+    where TE's compiled path is off (torch < 2.14) or falls back (fused weight gradients, a weight cache), so
+    `seen` holds every call. TE's compiled te.Linear itself is not modelled here."""
 
     def take_te_keywords(self, fuse_wgrad_accumulation):
         self.fuse_wgrad_accumulation, self.seen = fuse_wgrad_accumulation, []

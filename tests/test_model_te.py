@@ -69,24 +69,26 @@ def test_te_block_wiring_gives_the_plain_forward_and_gradients(stand_in_te, arch
 
 
 def te_twins(cfg, act_ckpt="none"):
-    """{block class: model} for TEBlock and TEBlockFusedWgrad on the same weights, as train.py builds them."""
+    """{--fp8-fused-wgrad: model} on the same weights, built as train.py builds them (fp8.block_class, fp8.convert,
+    then activation checkpointing)."""
     models = {}
-    for block in (TEBlock, fp8.TEBlockFusedWgrad):
-        model = GPT(cfg, block=block)
+    for fused in (False, True):
+        fp8_cfg = fp8.FP8Config(mode="te", fused_wgrad=fused)
+        model = GPT(cfg, block=fp8.block_class(fp8_cfg))
         model.load_state_dict(plain_to_te_state_dict(plain_state_dict(cfg)))
-        fp8.keep_main_grads(model)
+        fp8.convert(model, fp8_cfg)
         memory.apply_activation_checkpointing(model, act_ckpt)
-        models[block] = model
+        models[fused] = model
     return models
 
 
-def train_micro_steps(model, batches, grad_accum):
+def train_micro_steps(model, batches, grad_accum, forward=None):
     """train_step's micro-steps without the update: -> each step's gradients by name, zero_grad between."""
     steps = []
     for start in range(0, len(batches), grad_accum):
         for micro, idx in enumerate(batches[start:start + grad_accum]):
-            with fp8.micro_step(model, micro == 0):
-                (model(idx, idx)[1] / grad_accum).backward()
+            with fp8.micro_step(model, micro, grad_accum):
+                ((model if forward is None else forward)(idx, idx)[1] / grad_accum).backward()
         steps.append({n: p.grad.clone() for n, p in model.named_parameters()})
         model.zero_grad(set_to_none=True)
     return steps
@@ -100,48 +102,58 @@ def seen(model):
     return [unwrapped(m).seen for m in (block.attn.qkv, block.attn.proj, block.mlp)]
 
 
-@pytest.mark.parametrize("act_ckpt", ["none", "full", "selective"])
-def test_fused_weight_gradients_sum_a_steps_micro_batches_as_autograd_does(stand_in_te, act_ckpt):
-    """--fp8-fused-wgrad on stand-ins that write into main_grad as TE does (overwrite at is_first_microbatch,
-    add otherwise, no gradient to autograd): two steps of three micro-batches give every parameter the gradient
-    autograd sums, bit for bit, the second step's untouched by the first's. With activation checkpointing the
-    recomputed forward, in the backward, sees its micro-batch's is_first_microbatch too."""
+def batches(n):
+    return [torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(n)]
+
+
+@pytest.mark.parametrize("act_ckpt, grad_accum", [("none", 3), ("full", 3), ("selective", 3), ("none", 1)])
+def test_fused_weight_gradients_sum_a_steps_micro_batches_as_autograd_does(stand_in_te, act_ckpt, grad_accum):
+    """--fp8-fused-wgrad on stand-ins that write into main_grad as TE does (overwrite at is_first_microbatch=True,
+    add at False or None, no gradient to autograd): two steps give every parameter the gradient autograd sums, bit
+    for bit, the second step's untouched by the first's, main_grad being the weights' .grad. A step of several
+    micro-batches tells TE which is the first (the recomputed forward of a checkpointed block too, in the
+    backward); a step of one passes None, and the zeroing at its start keeps TE's adding clean."""
     models = te_twins(TINY, act_ckpt)
-    batches = [torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(i))
-               for i in range(6)]
-    plain_steps, fused_steps = (train_micro_steps(model, batches, 3) for model in models.values())
+    plain_steps, fused_steps = (train_micro_steps(model, batches(2 * grad_accum), grad_accum)
+                                for model in models.values())
     for plain, fused in zip(plain_steps, fused_steps):
         assert list(fused) == list(plain)
         for name in plain:
             assert torch.equal(fused[name], plain[name]), name
-    fused_model = models[fp8.TEBlockFusedWgrad]
+    fused_model = models[True]
     weights = fp8.fused_weights(fused_model)
-    assert len(weights) == 4 * TINY.n_layer and all(w.main_grad.dtype == torch.float32 for w in weights)
-    once, twice = [True, False, False], [True, True, False, False, False, False]  # twice: forward, recompute
-    attention = twice if act_ckpt == "full" else once  # "selective" checkpoints the MLP alone
-    assert seen(fused_model) == [attention * 2, attention * 2, (once if act_ckpt == "none" else twice) * 2]
-    fused_model(batches[0], batches[0])
-    assert seen(fused_model)[0][-1] is None  # outside a micro-step (an evaluation, a probe): no weight cache
-    fused_model(batches[0], batches[0])[1].backward()  # no micro-step: autograd gets no gradient for them
-    assert all(w.grad is None for w in weights)
+    assert len(weights) == 4 * TINY.n_layer and fp8.fused_weights(models[False]) == []
+    assert all(w.main_grad.dtype == torch.float32 for w in weights)
+    step = [micro == 0 if grad_accum > 1 else None for micro in range(grad_accum)]
+    twice = [flag for flag in step for _ in range(2)]  # a checkpointed module: its forward, then its recompute
+    attention = twice if act_ckpt == "full" else step  # "selective" checkpoints the MLP alone
+    assert seen(fused_model) == [attention * 2, attention * 2, (step if act_ckpt == "none" else twice) * 2]
+    with fp8.micro_step(fused_model, 0, grad_accum):
+        fused_model(batches(1)[0], batches(1)[0])[1].backward()
+    assert all(w.grad is w.main_grad for w in weights)
+    fused_model.zero_grad(set_to_none=True)
+    fused_model(batches(1)[0], batches(1)[0])[1].backward()  # no micro-step: autograd gets no gradient for them
+    assert seen(fused_model)[0][-1] is None and all(w.grad is None for w in weights)
 
 
 def test_micro_steps_under_torch_compile_pass_each_micro_batch_its_own_flag(stand_in_te):
-    """MICRO_STEP is read in the compiled part of the block: a change of it recompiles rather than being baked
-    in, so every call sees its micro-batch's value, and the gradients are eager's."""
+    """MICRO_STEP is read in the compiled part of the block and handed to TE's modules at their graph break, so
+    every call sees its own micro-batch's value, and the gradients are eager's (to float rounding: the compiled
+    graph fuses differently)."""
     eager, fused = te_twins(TINY).values()
-    batches = [torch.randint(0, TINY.vocab_size, (2, 16), generator=torch.Generator().manual_seed(i))
-               for i in range(4)]
-    expected = train_micro_steps(eager, batches, 2)
-    compiled = torch.compile(fused, backend="aot_eager")
-    for micro, idx in enumerate(batches):
-        with fp8.micro_step(fused, micro % 2 == 0):
-            (compiled(idx, idx)[1] / 2).backward()
-        if micro % 2:
-            for name, p in fused.named_parameters():
-                torch.testing.assert_close(p.grad, expected[micro // 2][name], rtol=1e-6, atol=1e-7, msg=name)
-            fused.zero_grad(set_to_none=True)
+    expected = train_micro_steps(eager, batches(4), 2)
+    got = train_micro_steps(fused, batches(4), 2, forward=torch.compile(fused, backend="aot_eager"))
+    for step, want in zip(got, expected):
+        for name, grad in want.items():
+            torch.testing.assert_close(step[name], grad, rtol=1e-6, atol=1e-7, msg=name)
     assert seen(fused) == [[True, False] * 2] * 3
+
+
+def test_the_start_up_line_names_fused_weight_gradients(stand_in_te):
+    plain, fused = te_twins(TINY).values()
+    recipe = type("Float8CurrentScaling", (), {"fp8_dpa": False})()
+    assert "weight gradients fused into float32 main_grad" in fp8.describe_fp8(fused, recipe)
+    assert "fused" not in fp8.describe_fp8(plain, recipe)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -288,6 +300,38 @@ def test_te_fp8_stays_close_to_bf16(recipe, architecture):
     loss_t.backward()
     assert abs(loss_t.item() - loss_p.item()) < 0.02 * loss_p.item()
     assert all(torch.isfinite(p.grad).all() for p in te_model.parameters())
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES_OF["te"])
+@needs_te
+def test_fused_weight_gradients_on_te_are_autograds_in_float32(recipe):
+    """--fp8-fused-wgrad on TE's own modules: two steps of two micro-batches under FP8, against the unfused blocks
+    on the same weights and batches. Every gradient within 2% (the fused ones are summed in float32, the others
+    cast from bf16); main_grad is each fused weight's .grad; a first step's left in it would double the second's."""
+    cfg = te_config("gated")
+    models = {}
+    for fused in (False, True):
+        fp8_cfg = fp8.FP8Config(mode="te", recipe=recipe, fused_wgrad=fused)
+        models[fused] = GPT(cfg, block=fp8.block_class(fp8_cfg)).cuda()
+        models[fused].load_state_dict(plain_to_te_state_dict(plain_state_dict(cfg)))
+        fp8.convert(models[fused], fp8_cfg)
+    te_recipe = fp8.te_recipe(recipe, fp8_attn=False)
+    idx = [torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), device="cuda") for _ in range(4)]
+    for step in range(2):
+        grads = {}
+        for fused, model in models.items():
+            for micro in range(2):
+                with fp8.micro_step(model, micro, 2):
+                    with torch.autocast("cuda", dtype=torch.bfloat16), fp8.te_autocast(te_recipe):
+                        loss = model(idx[2 * step + micro], idx[2 * step + micro])[1]
+                    (loss / 2).backward()
+            grads[fused] = {n: p.grad.clone() for n, p in model.named_parameters()}
+            if fused:
+                assert all(w.grad is w.main_grad for w in fp8.fused_weights(model))
+            model.zero_grad(set_to_none=True)
+        for name, grad in grads[False].items():
+            error = ((grads[True][name] - grad).norm() / grad.norm()).item()
+            assert error < 0.02, (step, name, error)
 
 
 @pytest.mark.parametrize("architecture", ["qwen3", "gated"])

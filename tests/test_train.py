@@ -128,18 +128,21 @@ def tiny_run(data, out_dir, *extra):
     return read_metrics(out_dir)
 
 
-def test_a_steps_micro_batches_each_run_in_fp8_micro_step_the_first_told_so(tmp_path, tiny_data, monkeypatch):
+@pytest.mark.parametrize("grad_accum", [3, 1])
+def test_each_micro_batchs_backward_runs_inside_fp8_micro_step(tmp_path, tiny_data, monkeypatch, grad_accum):
     """train_step runs each micro-batch's forward and backward inside fp8.micro_step (what Transformer Engine's
-    weight cache and fused weight gradients go by: tests/test_model_te.py), first=True at a step's first only."""
-    calls, micro_step = [], fp8.micro_step
+    weight cache and fused weight gradients go by: tests/test_model_te.py): every backward sees its micro-batch's
+    MICRO_STEP.first (None in a step of one micro-batch), as a checkpointed block's recompute needs."""
+    seen, backward = [], torch.autograd.backward
 
-    def recorded(model, first):
-        calls.append(first)
-        return micro_step(model, first)
+    def recorded(*args, **kwargs):
+        seen.append(fp8.MICRO_STEP.first)
+        return backward(*args, **kwargs)
 
-    monkeypatch.setattr(fp8, "micro_step", recorded)
-    tiny_run(tiny_data, tmp_path, "--grad-accum", "3", "--max-steps", "2")
-    assert calls[-6:] == [True, False, False] * 2
+    monkeypatch.setattr(torch.autograd, "backward", recorded)
+    tiny_run(tiny_data, tmp_path, "--grad-accum", str(grad_accum), "--max-steps", "2")
+    step = [micro == 0 for micro in range(grad_accum)] if grad_accum > 1 else [None]
+    assert seen[-2 * grad_accum:] == step * 2 and fp8.MICRO_STEP.first is None
 
 
 def test_resume_is_bit_identical(tmp_path, tiny_data):
