@@ -59,6 +59,10 @@ TE_FP8_ATTN_MIN_VERSION = (2, 8)
 # count of 8 passes the forward and crashes at the first backward. torchao's torch._scaled_mm wants the same.
 FP8_TOKEN_MULTIPLE = 16
 FLOAT8_CAPABILITY = (8, 9)  # the first CUDA compute capability with float8 GEMMs (Ada, then Hopper)
+# Inductor's CPU kernels for torchao's float8 training, in 256-bit vectors: torch 2.13's 512-bit ones
+# (VecAVX512VNNI, picked on an Intel Xeon with AVX512-FP16) gave NaN in the QKV weights' gradients, where eager
+# and the 256-bit ones give none (tests/test_fp8.py). A CPU's FP8 run is a check of the path, not a speed.
+CPU_FLOAT8_SIMDLEN = 256
 # The TE modules of a block, by name; each adds a `<name>._extra_state` entry to the state dict.
 TE_MODULES = ("attn.qkv", "attn.core_attention", "attn.proj", "mlp")
 # The fp8_meta entry a TE module gets when TE's activation recompute first stashes its delayed-scaling state:
@@ -170,7 +174,8 @@ def check_fp8_config(mode: str, recipe: str, fp8_attn: bool, cfg: ModelConfig, b
     are the inner dim of the weight-gradient GEMM, so batch * seq must be a multiple of FP8_TOKEN_MULTIPLE
     (16) on either path. FP8 attention (TE's cuDNN kernel on H100) needs head_dim 128 and TE >= 2.8.
     head (--fp8-head): torch._scaled_mm, which CUDA runs from compute capability (8, 9) (capability: the GPU's)
-    and the CPU runs anywhere, with the micro-batch's tokens a multiple of 16 as above.
+    and the CPU runs anywhere, with the micro-batch's tokens a multiple of 16 as above. fused_wgrad
+    (--fp8-fused-wgrad): TE's, so --fp8 te (check_fp8_flags; its --dist none is checks.py's, with the other flags).
     """
     check_fp8_flags(mode, recipe, fp8_attn, fused_wgrad)
     if head and cuda and capability is not None and capability < FLOAT8_CAPABILITY:
@@ -507,11 +512,15 @@ def reset_delayed_scaling(model: nn.Module) -> None:
 
 @contextmanager
 def probing(model: nn.Module, fp8_recipe):
-    """Around --batch-size auto's probes of `model`: -> the recipe they run under (probe_recipe). Afterwards
-    a delayed-scaling model starts training as a new one would (reset_delayed_scaling): the probes' amaxes,
-    of all-zero batches at sizes that may not fit, leave nothing in its 1,024-step history."""
+    """Around --batch-size auto's probes of `model`: -> the recipe they run under (probe_recipe). They run as a
+    step's first micro-batch of several (micro_step): TE then keeps its FP8 copy of every block weight, as
+    training holds it from the first step of more than one micro-batch on, for the run (a byte or two a block
+    parameter; with activation checkpointing memory the peak would not otherwise hold). Afterwards a
+    delayed-scaling model starts training as a new one would (reset_delayed_scaling): the probes' amaxes, of
+    all-zero batches at sizes that may not fit, leave nothing in its 1,024-step history."""
     try:
-        yield probe_recipe(fp8_recipe)
+        with micro_step(model, 0, 2):
+            yield probe_recipe(fp8_recipe)
     finally:
         if is_delayed(fp8_recipe):
             reset_delayed_scaling(model)
@@ -605,7 +614,8 @@ def describe_fp8(model: nn.Module, fp8_recipe=None) -> str:
 def prepare(cfg: FP8Config, model_cfg: ModelConfig, micro_batch: int | None, device: torch.device,
             autocast_dtype: torch.dtype | None):
     """Check the FP8 flags against the model, the batch and this machine, before anything is built; under
-    --fp8 te also point TE's attention at its recipe (before TE's import) -> TE's recipe, or None.
+    --fp8 te also point TE's attention at its recipe (before TE's import), and under --fp8 torchao on a CPU set
+    Inductor's vectors (CPU_FLOAT8_SIMDLEN) -> TE's recipe, or None.
 
     micro_batch None: chosen later by --batch-size auto, which searches only multiples of batch_multiple(),
     so the smallest of them is the one checked here."""
@@ -615,6 +625,9 @@ def prepare(cfg: FP8Config, model_cfg: ModelConfig, micro_batch: int | None, dev
         check_fp8_config(cfg.mode, cfg.recipe, cfg.attn, model_cfg, batch, model_cfg.max_seq_len, cuda=cuda,
                          te=te_version(), have_torchao=torchao_installed(), head=cfg.head, fused_wgrad=cfg.fused_wgrad,
                          capability=torch.cuda.get_device_capability(device) if cuda and cfg.head else None)
+        if cfg.mode == "torchao" and device.type == "cpu":
+            import torch._inductor.config as inductor_config
+            inductor_config.cpp.simdlen = CPU_FLOAT8_SIMDLEN
         if cfg.recipe == "rowwise" and device.type == "cuda" and autocast_dtype != torch.bfloat16:
             raise ValueError("--fp8-recipe rowwise on CUDA needs --dtype bf16: torch._scaled_mm's row-wise FP8 "
                              "kernel writes bf16")

@@ -376,7 +376,8 @@ class Attention(nn.Module):
 
 class Block(nn.Module):
     """One pre-norm transformer block. Another implementation of the same block (fp8.py's Transformer Engine
-    one) subclasses it, keeps the parameter names and this residual wiring, and sets its own `backend` name."""
+    one) subclasses it, keeps the parameter names, repeats this residual wiring in a forward that also hands
+    TE's modules their micro-step, and sets its own `backend` name."""
 
     backend = "plain"
 

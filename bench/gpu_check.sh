@@ -12,11 +12,11 @@
 #     bash bench/gpu_check.sh lease  OUT   # what decides a default first, within 8 min 30 s -> OUT/lease.md
 #
 # lease: the 124M step profiled as train.py runs it on CUDA (bf16 activations) and with the stream in fp32, then
-# at about 1B bf16 and the FP8 rungs (TE delayed scaling with the FP8 lm_head, the same with fused weight
-# gradients, TE current scaling with the FP8 lm_head, torchao tensorwise, TE FP8 attention), then CUDA graphs at
-# 124M, then the GPU tests, each started only while the budget (LEASE_BUDGET_S, 510 s) has room for it;
-# OUT/lease.md gathers each rung's tokens/s, MFU, unprofiled ms/step, ms by kernel category and the gap (the step
-# less its kernels: no kernel running).
+# at about 1B bf16 and the FP8 rungs (TE delayed scaling with the FP8 lm_head, the same in two micro-batches a step
+# without and with fused weight gradients, TE current scaling with the FP8 lm_head, torchao tensorwise, TE FP8
+# attention), then CUDA graphs at 124M, then the GPU tests, each started only while the budget (LEASE_BUDGET_S,
+# 510 s) has room for it; OUT/lease.md gathers each rung's tokens/s, MFU, unprofiled ms/step, ms by kernel
+# category and the gap (the step less its kernels: no kernel running).
 # A session's 15 device minutes hold the kit's transfers, the install and this; `tests` gets what is left.
 # tests: TE vs plain parity on the same weights, TE FP8 (both recipes, FP8 attention) through train.py, the
 # activation estimate against CUDA's saved tensors. ladder: bench/ladder.py on its GPU defaults (12 layers,
@@ -225,15 +225,16 @@ run_lease() { # the 124M modes, the 1B FP8 rungs, 124M's CUDA graphs, the tests,
     } > "$OUT/lease.md"
     local rc=0 rung flags
     # The 124M step as train.py runs it on CUDA (bf16 activations, --activation-dtype auto), then the stream in fp32;
-    # at 1B bf16, then TE's FP8 from the likeliest default (delayed scaling with the FP8 head) and the same with
-    # fused weight gradients down, then torchao, FP8 attention and CUDA graphs, each measured slower or not at all
+    # at 1B bf16, then TE's FP8 from the likeliest default (delayed scaling with the FP8 head), the same step in two
+    # micro-batches (TE's FP8 weight copies reused) and with fused weight gradients, down, then torchao, FP8 attention and CUDA graphs, each measured slower or not at all
     # on 2026-11-30 (TE delayed without the FP8 head, 1.14x there, is not run again).
     for rung in "124m:" "124m_act_fp32:--activation-dtype fp32"; do
         # shellcheck disable=SC2086
         lease_rung "${rung%%:*}" 100 $GPT2_124M --optimizer adamw ${rung#*:} || rc=1
     done
-    for rung in "1b_bf16:100:" "1b_te_delayed_head:100:--fp8 te --fp8-recipe delayed --fp8-head" \
-        "1b_te_delayed_head_fused:100:--fp8 te --fp8-recipe delayed --fp8-head --fp8-fused-wgrad" \
+    local delayed_head="--fp8 te --fp8-recipe delayed --fp8-head" two_micro="--batch-size 4 --grad-accum 2"
+    for rung in "1b_bf16:100:" "1b_te_delayed_head:100:$delayed_head" "1b_te_delayed_head_ga2:100:$delayed_head \
+        $two_micro" "1b_te_delayed_head_ga2_fused:100:$delayed_head $two_micro --fp8-fused-wgrad" \
         "1b_te_head:100:--fp8 te --fp8-head" \
         "1b_torchao:180:--fp8 torchao" "1b_te_delayed_attn:100:--fp8 te --fp8-recipe delayed --fp8-attn"; do
         flags=${rung#*:*:}

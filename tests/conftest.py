@@ -326,8 +326,10 @@ class IntoMainGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        main_grad = ctx.weight.main_grad
-        main_grad.copy_(grad) if ctx.first else main_grad.add_(grad)
+        if ctx.first:
+            ctx.weight.main_grad.copy_(grad)
+        else:
+            ctx.weight.main_grad.add_(grad)
         return None, None
 
 

@@ -236,9 +236,19 @@ def test_torchao_fp8_compiled_by_inductor_stays_within_tolerance_of_bf16():
     Inductor's kernels gave NaN in 81% of both QKV weights' gradients, where eager, aot_eager and Inductor's
     256-bit and scalar kernels give none, and where the same CPU's conversions to float8 alone agree with eager;
     on an AMD EPYC (also AVX-512) the test passed in 512-bit vectors. A CPU kernel question, not one of the
-    conversion this checks (docs/distributed.md says so to CPU users)."""
-    with torch._inductor.config.patch({"cpp.simdlen": 256}):
+    conversion this checks: fp8.prepare sets the same for a CPU run of --fp8 torchao."""
+    with torch._inductor.config.patch({"cpp.simdlen": fp8.CPU_FLOAT8_SIMDLEN}):
         check_fp8_within_tolerance_of_bf16(compile_model=True)
+
+
+@needs_torchao
+def test_a_cpu_run_of_torchao_has_inductor_use_256_bit_vectors(monkeypatch):
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config.cpp, "simdlen", None)  # restored after the test
+    fp8.prepare(fp8.FP8Config(mode="off"), CFG, 16, torch.device("cpu"), None)
+    assert inductor_config.cpp.simdlen is None
+    fp8.prepare(fp8.FP8Config(mode="torchao"), CFG, 16, torch.device("cpu"), None)
+    assert inductor_config.cpp.simdlen == fp8.CPU_FLOAT8_SIMDLEN == 256
 
 
 def test_torchao_refuses_the_te_backend():

@@ -137,9 +137,8 @@ def test_fused_weight_gradients_sum_a_steps_micro_batches_as_autograd_does(stand
 
 
 def test_micro_steps_under_torch_compile_pass_each_micro_batch_its_own_flag(stand_in_te):
-    """MICRO_STEP is read in the compiled part of the block and handed to TE's modules at their graph break, so
-    every call sees its own micro-batch's value, and the gradients are eager's (to float rounding: the compiled
-    graph fuses differently)."""
+    """Under torch.compile every call of a TE module sees its own micro-batch's MICRO_STEP (it reaches them
+    through the graph breaks at their calls, unguarded), and the gradients are eager's (to float rounding)."""
     eager, fused = te_twins(TINY).values()
     expected = train_micro_steps(eager, batches(4), 2)
     got = train_micro_steps(fused, batches(4), 2, forward=torch.compile(fused, backend="aot_eager"))
@@ -149,11 +148,22 @@ def test_micro_steps_under_torch_compile_pass_each_micro_batch_its_own_flag(stan
     assert seen(fused) == [[True, False] * 2] * 3
 
 
-def test_the_start_up_line_names_fused_weight_gradients(stand_in_te):
+def test_batch_size_probes_run_as_a_steps_first_micro_batch(stand_in_te):
+    """--batch-size auto's probes (fp8.probing) hold TE's FP8 weight copies in memory, as a step of several
+    micro-batches holds them for the run."""
+    model = te_twins(TINY)[False]
+    with fp8.probing(model, None):
+        model(batches(1)[0], batches(1)[0])[1].backward()
+    assert seen(model) == [[True]] * 3 and fp8.MICRO_STEP.first is None
+
+
+def test_the_start_up_line_names_fused_weight_gradients_and_their_buffers_are_float32(stand_in_te):
     plain, fused = te_twins(TINY).values()
     recipe = type("Float8CurrentScaling", (), {"fp8_dpa": False})()
     assert "weight gradients fused into float32 main_grad" in fp8.describe_fp8(fused, recipe)
     assert "fused" not in fp8.describe_fp8(plain, recipe)
+    fp8.keep_main_grads(fused.to(torch.bfloat16))  # whatever the weights' dtype, the gradients sum in float32
+    assert {w.main_grad.dtype for w in fp8.fused_weights(fused)} == {torch.float32}
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -332,6 +342,33 @@ def test_fused_weight_gradients_on_te_are_autograds_in_float32(recipe):
         for name, grad in grads[False].items():
             error = ((grads[True][name] - grad).norm() / grad.norm()).item()
             assert error < 0.02, (step, name, error)
+
+
+@needs_te
+def test_te_refreshes_its_fp8_weight_copies_after_each_update():
+    """Steps of two micro-batches told which is first (TE keeps each weight's FP8 copy from the first and reuses
+    it) against the same steps told nothing (TE quantizes every time), current scaling, an SGD update between:
+    the same losses, so the copy is refreshed at each step's first micro-batch and never outlives an update."""
+    cfg = te_config("gated")
+    losses = {}
+    for cached in (False, True):
+        model = GPT(cfg, block=TEBlock).cuda()
+        model.load_state_dict(plain_to_te_state_dict(plain_state_dict(cfg)))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.3)  # large: a stale copy would show in the loss
+        torch.manual_seed(1)
+        idx = [torch.randint(0, cfg.vocab_size, (4, cfg.max_seq_len), device="cuda") for _ in range(6)]
+        losses[cached] = []
+        for i, batch in enumerate(idx):
+            with fp8.micro_step(model, i % 2, 2 if cached else 1):
+                with torch.autocast("cuda", dtype=torch.bfloat16), fp8.te_autocast(fp8.te_recipe("current", False)):
+                    loss = model(batch, batch)[1]
+                loss.backward()
+            losses[cached].append(loss.item())
+            if i % 2:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
+    assert abs(losses[False][2] - losses[False][0]) > 0.01  # the updates moved the loss
 
 
 @pytest.mark.parametrize("architecture", ["qwen3", "gated"])

@@ -15,6 +15,7 @@ import batch
 import checkpoint
 import config
 import fp8
+import hardware
 import plan
 import runlog
 import train
@@ -131,18 +132,26 @@ def tiny_run(data, out_dir, *extra):
 @pytest.mark.parametrize("grad_accum", [3, 1])
 def test_each_micro_batchs_backward_runs_inside_fp8_micro_step(tmp_path, tiny_data, monkeypatch, grad_accum):
     """train_step runs each micro-batch's forward and backward inside fp8.micro_step (what Transformer Engine's
-    weight cache and fused weight gradients go by: tests/test_model_te.py): every backward sees its micro-batch's
-    MICRO_STEP.first (None in a step of one micro-batch), as a checkpointed block's recompute needs."""
-    seen, backward = [], torch.autograd.backward
+    weight cache and fused weight gradients go by: tests/test_model_te.py): each training forward and each
+    backward see their micro-batch's MICRO_STEP.first (None in a step of one micro-batch), as a checkpointed
+    block's recompute needs."""
+    seen, backward, forward_context = [], torch.autograd.backward, hardware.forward_context
 
-    def recorded(*args, **kwargs):
-        seen.append(fp8.MICRO_STEP.first)
+    def backward_seen(*args, **kwargs):
+        seen.append(("backward", fp8.MICRO_STEP.first))
         return backward(*args, **kwargs)
 
-    monkeypatch.setattr(torch.autograd, "backward", recorded)
+    def forward_seen(*args, **kwargs):
+        if torch.is_grad_enabled():  # training's forward, not an evaluation's
+            seen.append(("forward", fp8.MICRO_STEP.first))
+        return forward_context(*args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "backward", backward_seen)
+    monkeypatch.setattr(hardware, "forward_context", forward_seen)
     tiny_run(tiny_data, tmp_path, "--grad-accum", str(grad_accum), "--max-steps", "2")
     step = [micro == 0 for micro in range(grad_accum)] if grad_accum > 1 else [None]
-    assert seen[-2 * grad_accum:] == step * 2 and fp8.MICRO_STEP.first is None
+    assert seen[-4 * grad_accum:] == [(phase, first) for first in step for phase in ("forward", "backward")] * 2
+    assert fp8.MICRO_STEP.first is None
 
 
 def test_resume_is_bit_identical(tmp_path, tiny_data):
