@@ -102,6 +102,29 @@ class ArgumentParser(argparse.ArgumentParser):
                        for word, match in close if match or word in self.elsewhere)
 
 
+class ScriptParser(ArgumentParser):
+    """ArgumentParser for a script whose main does not catch UsageError (the benchmarks): a mistake in its flags,
+    argparse's or one its main finds (parser.error), is the same one line, "error: ...", and exit status 2,
+    without argparse's usage lines. While parsing, errors still raise, so that ArgumentParser can name a mistyped
+    flag before the required one it left missing."""
+
+    parsing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        self.parsing = True
+        try:
+            return super().parse_known_args(args, namespace)
+        except UsageError as e:
+            sys.exit(report_error(e))
+        finally:
+            self.parsing = False
+
+    def error(self, message):
+        if self.parsing:
+            super().error(message)
+        sys.exit(report_error(message + self.suggestion(message)))
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """--help with the description as written and every option's default: "(default: X)" after its help,
     unless the help states it already or there is none to state (None, empty, an on/off flag's off)."""

@@ -10,7 +10,6 @@ alone for a GPT-2-small-shaped model as train.py runs it on CUDA, bf16 autocast 
 measured here).
 """
 
-import argparse
 import os
 import sys
 
@@ -18,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory  # noqa: E402
-from cli import HelpFormatter, out_problem  # noqa: E402
+from cli import HelpFormatter, ScriptParser, out_problem  # noqa: E402
 from hardware import cpu_name  # noqa: E402
 from config import ACT_CKPT_MODES  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
@@ -65,7 +64,7 @@ def estimate_table():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out", default=None, help="also write the tables to this markdown file")
     args = p.parse_args(argv)
     if problem := out_problem(args.out):

@@ -11,7 +11,6 @@ nanoGPT's: linear warm-up over the first 10% of the steps, then cosine to a tent
 (0.9, 0.95), weight decay 0.1 on the matrices only, gradients clipped at 1.0.
 """
 
-import argparse
 import json
 import math
 import os
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cli import DataError, HelpFormatter, count  # noqa: E402
+from cli import DataError, HelpFormatter, ScriptParser, count  # noqa: E402
 from data import ShardLoader  # noqa: E402
 from evaluation import VAL_SEED, eval_batches  # noqa: E402
 from shards import data_record  # noqa: E402
@@ -105,7 +104,7 @@ def train(a) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--data", required=True, help="shards as prepare.py writes them")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--lr", type=float, required=True, help="AdamW's peak LR")

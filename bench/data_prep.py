@@ -12,7 +12,6 @@ other work on the machine slows both alike; the ratio is reported both of the me
 each pair's ratio.
 """
 
-import argparse
 import contextlib
 import io
 import os
@@ -30,12 +29,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import prepare  # noqa: E402
 import sources  # noqa: E402
 import tokenizer  # noqa: E402
-from cli import DataError, HelpFormatter  # noqa: E402
+from cli import DataError, HelpFormatter, ScriptParser  # noqa: E402
 from hardware import cpu_name  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--input", metavar="SRC", help="what to tokenize (default: the default corpus's sources)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each; the table reports medians")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs of each first (page cache, threads)")

@@ -13,7 +13,6 @@ the final evaluation and the checkpoint cancel out. The table gives the median o
 revision's tokens/s against the first revision's and against the previous one's.
 """
 
-import argparse
 import json
 import os
 import shlex
@@ -26,7 +25,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import hardware  # noqa: E402
-from cli import HelpFormatter  # noqa: E402
+from cli import HelpFormatter, ScriptParser  # noqa: E402
 
 def timed_run(tree: str, steps: int, scratch: str, flags: list[str]) -> tuple[float, float, int]:
     """-> (wall seconds, system seconds, tokens trained) of one train.py run of `steps` steps in `tree`; the
@@ -86,7 +85,7 @@ def table(samples: dict[str, list[tuple]]) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--revs", default="648b5b0,026f3bf", help="git revisions before this tree, oldest first")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the table reports their median")
     p.add_argument("--short", type=int, default=4, help="steps of the short run")

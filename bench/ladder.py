@@ -18,7 +18,6 @@ what it measured, and OUT.png (a bar chart) when matplotlib is installed and --n
 table goes to stderr. Any train.py flag (model shape, batch, --data, --act-ckpt, ...) applies to every rung.
 """
 
-import argparse
 import contextlib
 import gc
 import importlib.util
@@ -41,7 +40,7 @@ import sizing  # noqa: E402
 import throughput  # noqa: E402
 import train  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
-from cli import DataError, HelpFormatter, UsageError, count  # noqa: E402
+from cli import DataError, HelpFormatter, ScriptParser, UsageError, count  # noqa: E402
 from hardware import cpu_name  # noqa: E402
 from loss import LOSS_CHUNK_TOKENS, loss_chunks  # noqa: E402
 from model import ModelConfig  # noqa: E402
@@ -114,8 +113,7 @@ MUON_BYTES_PER_PARAM = 20  # fp32 gradient and momentum read, momentum written, 
 
 def parse_ladder_args(argv):
     # No abbreviations: train.py's flags pass through, and --batch-size must not be read as --batch-sizes.
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter,
-                                allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out", default=None, help="write OUT.md, OUT.png, OUT.json (default: print only)")
     p.add_argument("--windows", type=count, default=5, help="timed windows per rung; the table shows their median")
     p.add_argument("--steps-per-window", type=count, default=5, help="steps timed together as one window")

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import hardware  # noqa: E402
-from cli import HelpFormatter, count  # noqa: E402
+from cli import HelpFormatter, ScriptParser, count  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
 VOCAB = ModelConfig().vocab_size
@@ -144,7 +144,7 @@ def table(results: dict[str, list[dict]], seq_len: int) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--micro-batches", default="4,16,64", help="comma-separated, called in this order")
     p.add_argument("--seq-len", type=count, default=1024, help="tokens per sequence")
     p.add_argument("--dim", type=count, default=768, help="hidden width of the peak-bytes measurement (GPT-2 small's)")

@@ -17,7 +17,6 @@ a line below it gives the saved bytes at 16 x 1024 tokens, extrapolated from for
 (both paths save a fixed part plus a part linear in tokens).
 """
 
-import argparse
 import os
 import shlex
 import statistics
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import memory  # noqa: E402
-from cli import HelpFormatter, count, out_problem  # noqa: E402
+from cli import HelpFormatter, ScriptParser, count, out_problem  # noqa: E402
 from loss import LOSS_CHUNK_TOKENS, linear_cross_entropy  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
@@ -135,7 +134,7 @@ def table(rows: list[tuple[str, int, int, int, dict]]) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--windows", type=count, default=3, help="timed windows; the table reports their median")
     p.add_argument("--steps-per-window", type=count, default=2, help="steps timed together as one window")
     p.add_argument("--warmup-steps", type=int, default=1, help="untimed steps first")

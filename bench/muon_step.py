@@ -24,7 +24,6 @@ Times are the slowest rank's median over the timed windows, after warm-up steps 
 are CPU processes on gloo, one thread each.
 """
 
-import argparse
 import collections
 import functools
 import math
@@ -44,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import muon  # noqa: E402
 import update_math  # noqa: E402
-from cli import HelpFormatter, count  # noqa: E402
+from cli import HelpFormatter, ScriptParser, count  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
 from optim import OptimConfig, build_optimizer  # noqa: E402
 
@@ -135,7 +134,7 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def parse_bench_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--fsdp", action="store_true", help="FSDP2-sharded model: collective calls, bytes and time")
     p.add_argument("--world-size", type=count, nargs="+", default=[2],
                    help="one, or (with --fsdp) several (default: 2)")

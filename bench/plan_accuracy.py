@@ -9,7 +9,6 @@ the steps past the first (metrics.jsonl's tokens_per_sec). A plan within 1.5x of
 the last column says.
 """
 
-import argparse
 import contextlib
 import datetime
 import io
@@ -29,7 +28,7 @@ import config  # noqa: E402
 import hardware  # noqa: E402
 import loop  # noqa: E402
 import train  # noqa: E402
-from cli import HelpFormatter, out_problem  # noqa: E402
+from cli import HelpFormatter, ScriptParser, out_problem  # noqa: E402
 
 # name -> (what it shows, train.py flags): the default run; a deeper model by the size dial, its horizon cut to
 # 3 steps (64 micro-steps each); the gpt2-124m preset at one sequence of 256 a micro-step (Muon on 78M matrix
@@ -82,7 +81,7 @@ def measure_shape(flags: list[str]) -> dict:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES), help="which shapes to run")
     p.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = p.parse_args(argv)

@@ -13,7 +13,6 @@ table, so the profiler's own overhead stays out of it. Kernel categories come fr
 Newton-Schulz GEMMs included); the table of the largest kernels shows what each category holds.
 """
 
-import argparse
 import contextlib
 import datetime
 import os
@@ -32,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import hardware  # noqa: E402
 import loop  # noqa: E402
 import throughput  # noqa: E402
-from cli import HelpFormatter, count, out_problem  # noqa: E402
+from cli import HelpFormatter, ScriptParser, count, out_problem  # noqa: E402
 from sizing import flops_per_token  # noqa: E402
 
 PHASES = ("data", "forward", "backward", "optimizer")
@@ -165,7 +164,7 @@ def top_kernels(by_name: dict, steps: int, count: int = 25) -> list[str]:
 
 
 def parse_profile_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--steps", type=count, default=3, help="steps profiled (the table is per step)")
     p.add_argument("--warmup-steps", type=int, default=5, help="untimed steps first (includes compilation)")
     p.add_argument("--windows", type=count, default=3, help="timed windows of unprofiled steps, for tokens/s")

@@ -25,7 +25,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cli import HelpFormatter, out_problem  # noqa: E402
+from cli import HelpFormatter, ScriptParser, out_problem  # noqa: E402
 
 MAX_STEP_COST = 1.10  # a toggle may cost at most 10% more time a token than the baseline
 # Flags that change only the scalars a step uses (its LRs, Muon's momentum, the schedule's shape) or the values
@@ -117,7 +117,7 @@ def is_record(record) -> bool:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("records", nargs="+", help="bench/recipe.py's .json files, one a corpus")
     p.add_argument("--out", help="also write the table to this markdown file")
     p.add_argument("--step-cost", type=step_cost, action="append", default=[], metavar="NAME=RATIO",

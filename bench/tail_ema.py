@@ -13,7 +13,6 @@ makes the deltas comparable. The run's LR schedule is untouched, so this is the 
 costs training nothing but the copy and the update of each step after s. Not measured on a GPU.
 """
 
-import argparse
 import contextlib
 import os
 import shlex
@@ -30,7 +29,7 @@ import config  # noqa: E402
 import recipe  # noqa: E402
 from batch import batch_layout, max_steps  # noqa: E402
 from checkpoint import checkpoint_step, list_checkpoints  # noqa: E402
-from cli import HelpFormatter, UsageError  # noqa: E402
+from cli import HelpFormatter, ScriptParser, UsageError  # noqa: E402
 from curves import read_metrics  # noqa: E402
 from distributed import DistInfo  # noqa: E402
 from evaluation import Evaluator  # noqa: E402
@@ -46,7 +45,7 @@ SAME_LOSS = 1e-3
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--corpus", choices=("prose", "docs"), default="prose", help="as bench/recipe.py's")
     p.add_argument("--max-tokens", type=int, default=131072, help="the run's horizon")
     p.add_argument("--seeds", type=int, nargs="+", default=[1], help="one run each")

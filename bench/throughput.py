@@ -9,7 +9,6 @@ Every train.py flag is accepted and means the same thing, so a row of this table
 timed separately and excluded from the medians and the split.
 """
 
-import argparse
 import os
 import shlex
 import statistics
@@ -25,12 +24,12 @@ import hardware  # noqa: E402
 import loop  # noqa: E402
 import memory  # noqa: E402
 import train  # noqa: E402
-from cli import DataError, HelpFormatter, UsageError, count  # noqa: E402
+from cli import DataError, HelpFormatter, ScriptParser, UsageError, count  # noqa: E402
 from sizing import flops_per_token  # noqa: E402
 
 
 def parse_bench_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--windows", type=count, default=5, help="timed windows; the table reports their median")
     p.add_argument("--steps-per-window", type=count, default=5, help="steps timed together as one window")
     p.add_argument("--warmup-steps", type=int, default=3, help="untimed steps first (includes compilation)")

@@ -18,7 +18,6 @@ The four are measured in turn after untimed warm-up runs of each, so that other 
 all alike; the ratios to the library's calls are of the medians, and in brackets the median of each round's.
 """
 
-import argparse
 import contextlib
 import io
 import os
@@ -36,13 +35,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import prepare  # noqa: E402
 import sources  # noqa: E402
 import tokenizer  # noqa: E402
-from cli import DataError, HelpFormatter  # noqa: E402
+from cli import DataError, HelpFormatter, ScriptParser  # noqa: E402
 from hardware import cpu_name  # noqa: E402
 from data_prep import copy_default_corpus  # noqa: E402
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter, allow_abbrev=False)
+    p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--input", metavar="SRC", help="what to tokenize (default: the default corpus's sources)")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer.json (default: GPT-2's, from tiktoken's ranks)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds; the table reports medians")

@@ -50,6 +50,21 @@ def test_every_option_with_a_default_states_it_in_help(name, monkeypatch):
     assert not hidden, f"{name}.py --help hides the default of {', '.join(hidden)}"
 
 
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_a_flag_no_program_has_is_one_line_and_exit_2(name, capsys):
+    """Every program, the benchmarks too: `error: ...` on one line, no usage lines, no traceback, exit status 2
+    (the line names the flag, or what a program checks first: plot.py's missing OUT_DIR, the recipe benchmarks'
+    corpus; with a corpus there, they refuse the flag as train.py would, before any run)."""
+    module = importlib.import_module(name)
+    try:
+        code = module.main(["--no-such-flag"])
+    except SystemExit as e:
+        code = e.code
+    lines = capsys.readouterr().err.splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert "--no-such-flag" in lines[0] or name in ("plot", "recipe", "tail_ema"), lines
+
+
 def test_sample_help_shows_its_sampling_defaults(capsys):
     import sample
 
