@@ -11,12 +11,12 @@
 #     bash bench/gpu_check.sh all    OUT   # all of them in a row (about 28 minutes)
 #     bash bench/gpu_check.sh lease  OUT   # what decides a default first, within 8 min 30 s -> OUT/lease.md
 #
-# lease: the 124M step profiled as train.py runs it on CUDA (bf16 activations) and with the stream in fp32, then
-# at about 1B bf16 and the FP8 rungs (TE delayed scaling with the FP8 lm_head, the same in two micro-batches a step
-# without and with fused weight gradients, TE current scaling with the FP8 lm_head, torchao tensorwise, TE FP8
-# attention), then CUDA graphs at 124M, then the GPU tests, each started only while the budget (LEASE_BUDGET_S,
-# 510 s) has room for it; OUT/lease.md gathers each rung's tokens/s, MFU, unprofiled ms/step, ms by kernel
-# category and the gap (the step less its kernels: no kernel running).
+# lease: the 124M step profiled as train.py runs it on CUDA (bf16 activations), the GPU tests of the TE options measured
+# next (fused weight gradients, FP8 weight copies reused), then at about 1B bf16 and the FP8 rungs (TE delayed scaling
+# with the FP8 lm_head, the same in two micro-batches a step without and with fused weight gradients, TE current scaling
+# with the FP8 lm_head, torchao tensorwise, TE FP8 attention), then CUDA graphs at 124M, then the GPU tests, each
+# started only while the budget (LEASE_BUDGET_S, 510 s) has room for it; OUT/lease.md gathers each rung's tokens/s, MFU,
+# unprofiled ms/step, ms by kernel category and the gap (the step less its kernels: no kernel running).
 # A session's 15 device minutes hold the kit's transfers, the install and this; `tests` gets what is left.
 # tests: TE vs plain parity on the same weights, TE FP8 (both recipes, FP8 attention) through train.py, the
 # activation estimate against CUDA's saved tensors. ladder: bench/ladder.py on its GPU defaults (12 layers,
@@ -190,7 +190,7 @@ room() { # NEEDED_S NAME: whether the lease's budget still has NEEDED_S seconds;
 }
 
 lease_rung() { # NAME LIMIT_S [train.py flags]: one profiled rung if the budget has room: a row of lease.md, its
-    # whole profile onto lease_profiles.md (5 files in all come back: the device returns at most 8)
+    # whole profile onto lease_profiles.md (6 files in all come back: the device returns at most 8)
     local name=$1 limit=$2 rc md
     shift 2
     room "$limit" "$name" || return 0
@@ -216,7 +216,19 @@ lease_rung() { # NAME LIMIT_S [train.py flags]: one profiled rung if the budget 
     return $rc
 }
 
-run_lease() { # the 124M modes, the 1B FP8 rungs, 124M's CUDA graphs, the tests, within LEASE_BUDGET_S
+lease_te_tests() { # the GPU tests of the TE options that the 1B rungs measure: a row of lease.md, OUT/tests_te.log
+    room 90 "TE option tests" || return 0
+    local status rc
+    status=$(limited 90 "$OUT/tests_te.log" $PY -m pytest -m gpu -q -n 4 -p no:cacheprovider \
+        -k "fused_weight_gradients or refreshes_its_fp8" tests/test_model_te.py tests/test_fp8.py)
+    rc=$?
+    local summary
+    summary=$(grep -E 'passed|failed|error|skipped' "$OUT/tests_te.log" | tail -1)
+    echo "| TE option tests | $summary; $status | | | | | | | | |" >> "$OUT/lease.md"
+    return $rc
+}
+
+run_lease() { # the 124M step, the TE options' tests, the 1B FP8 rungs, 124M's CUDA graphs, the tests, in LEASE_BUDGET_S
     {
         echo "# GPU lease, $(date '+%Y-%m-%d %H:%M'), budget ${LEASE_BUDGET_S} s (profiles: lease_profiles.md)"
         echo
@@ -224,14 +236,14 @@ run_lease() { # the 124M modes, the 1B FP8 rungs, 124M's CUDA graphs, the tests,
         echo "|---|---|---|---|---|---|---|---|---|---|"
     } > "$OUT/lease.md"
     local rc=0 rung flags
-    # The 124M step as train.py runs it on CUDA (bf16 activations, --activation-dtype auto), then the stream in fp32;
-    # at 1B bf16, then TE's FP8 from the likeliest default (delayed scaling with the FP8 head), the same step in two
-    # micro-batches (TE's FP8 weight copies reused) and with fused weight gradients, down, then torchao, FP8 attention and CUDA graphs, each measured slower or not at all
-    # on 2026-11-30 (TE delayed without the FP8 head, 1.14x there, is not run again).
-    for rung in "124m:" "124m_act_fp32:--activation-dtype fp32"; do
-        # shellcheck disable=SC2086
-        lease_rung "${rung%%:*}" 100 $GPT2_124M --optimizer adamw ${rung#*:} || rc=1
-    done
+    # The 124M step as train.py runs it on CUDA (bf16 activations, --activation-dtype auto; the float32 stream was
+    # 0.96x of it on 2026-11-30), the GPU tests of the TE options the next rungs measure; at 1B bf16, then TE's FP8
+    # from the likeliest default (delayed scaling with the FP8 head), the same step in two micro-batches (TE's FP8
+    # weight copies reused) and with fused weight gradients, down, then torchao, FP8 attention and CUDA graphs, each
+    # measured slower or not at all on 2026-11-30 (TE delayed without the FP8 head, 1.14x there, is not run again).
+    # shellcheck disable=SC2086
+    lease_rung 124m 100 $GPT2_124M --optimizer adamw || rc=1
+    lease_te_tests || rc=1
     local delayed_head="--fp8 te --fp8-recipe delayed --fp8-head" two_micro="--batch-size 4 --grad-accum 2"
     for rung in "1b_bf16:100:" "1b_te_delayed_head:100:$delayed_head" "1b_te_delayed_head_ga2:100:$delayed_head \
         $two_micro" "1b_te_delayed_head_ga2_fused:100:$delayed_head $two_micro --fp8-fused-wgrad" \
