@@ -338,8 +338,8 @@ class TEBlock(Block):
 class TEBlockFusedWgrad(TEBlock):
     """--fp8-fused-wgrad: each GEMM weight keeps a float32 `main_grad`, and TE's weight-gradient GEMMs write into
     it (fuse_wgrad_accumulation: TE then returns no gradient for the weight to autograd). Without it they write
-    bf16, which autograd casts to the float32 parameter's dtype and, past a step's first micro-batch, adds to
-    .grad: two more kernels a weight, each reading and writing the whole gradient. keep_main_grads gives the
+    bf16, which autograd casts to the float32 parameter's dtype (a kernel a weight) and, past a step's first
+    micro-batch, adds to .grad (another), each reading and writing the whole gradient. keep_main_grads gives the
     buffers; micro_step zeroes them at a step's first micro-batch and makes them the weights' .grad."""
 
     fuse_wgrad = True
@@ -370,7 +370,7 @@ def keep_main_grads(model: nn.Module) -> None:
 
 class MicroStepState:
     """Which micro-batch of a step of several runs now: its first (True), a later one (False), or None (a step
-    of one micro-batch, an evaluation, a probe). TE's modules take it as is_first_microbatch: at the first they
+    of one micro-batch, an evaluation; --batch-size auto's probes run as a first: probing). TE's modules take it as is_first_microbatch: at the first they
     quantize each weight and keep the FP8 copy, for the step's later micro-batches, whose weights are the same,
     to reuse (under FSDP2 TE ignores it). None keeps nothing: a step of one has nothing to reuse, and on a torch
     whose TE compiles te.Linear a flag sends it back to eager (TE 2.20 linear.py, "FP8 weight caching").
