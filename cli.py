@@ -103,10 +103,10 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 class ScriptParser(ArgumentParser):
-    """ArgumentParser for a script whose main does not catch UsageError (the benchmarks): a mistake in its flags,
-    argparse's or one its main finds (parser.error), is the same one line, "error: ...", and exit status 2,
-    without argparse's usage lines. While parsing, errors still raise, so that ArgumentParser can name a mistyped
-    flag before the required one it left missing."""
+    """ArgumentParser for a script that leaves its flags' mistakes to its parser (the benchmarks): argparse's, or
+    one its main finds (parser.error), is the same one line, "error: ...", and exit status 2, without argparse's
+    usage lines. While parsing, errors still raise, so that ArgumentParser can name a mistyped flag before the
+    required one it left missing."""
 
     parsing = False
 
@@ -121,8 +121,9 @@ class ScriptParser(ArgumentParser):
 
     def error(self, message):
         if self.parsing:
-            super().error(message)
-        sys.exit(report_error(message + self.suggestion(message)))
+            super().error(message)  # raises UsageError, for parse_known_args
+        else:
+            sys.exit(report_error(message + self.suggestion(message)))
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

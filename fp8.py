@@ -369,12 +369,12 @@ def keep_main_grads(model: nn.Module) -> None:
 
 
 class MicroStepState:
-    """Which micro-batch of a step of several runs now: its first (True), a later one (False), or None (a step
-    of one micro-batch, an evaluation; --batch-size auto's probes run as a first: probing). TE's modules take it as is_first_microbatch: at the first they
-    quantize each weight and keep the FP8 copy, for the step's later micro-batches, whose weights are the same,
-    to reuse (under FSDP2 TE ignores it). None keeps nothing: a step of one has nothing to reuse, and on a torch
-    whose TE compiles te.Linear a flag sends it back to eager (TE 2.20 linear.py, "FP8 weight caching").
-    Process-wide, as TE's own FP8 state is; micro_step sets it."""
+    """Which micro-batch of a step of several runs now: its first (True), a later one (False), or None (a step of one
+    micro-batch, an evaluation; --batch-size auto's probes run as a first: probing). TE's modules take it as
+    is_first_microbatch: at the first they quantize each weight and keep the FP8 copy, for the step's later
+    micro-batches, whose weights are the same, to reuse (under FSDP2 TE ignores it). None keeps nothing: a step
+    of one has nothing to reuse, and on a torch whose TE compiles te.Linear a flag sends it back to eager (TE
+    2.20 linear.py, "FP8 weight caching"). Process-wide, as TE's own FP8 state is; micro_step sets it."""
 
     first: bool | None = None
 

@@ -340,9 +340,10 @@ def ladder_main(bench, train_argv, argv):
     # The FP8-attention rung pairs current-scaling GEMMs with delayed-scaling attention, which TE reads from
     # the environment at its first import, in the FP8 GEMM rung before it. No other rung turns FP8 attention
     # on, and without it the variable does nothing.
+    setup = describe_setup(train_argv, bench)  # train.py's flags refused before the environment is touched
     fp8.set_te_attention_env("current", fp8_attn=True)
     header = [f"command: `python bench/ladder.py {shlex.join(argv)}`", f"machine: {describe_machine()}",
-              f"setup: {describe_setup(train_argv, bench)}", f"date: {time.strftime('%Y-%m-%d %H:%M')}"]
+              f"setup: {setup}", f"date: {time.strftime('%Y-%m-%d %H:%M')}"]
     env = [f"{k}={os.environ[k]}" for k in TIMING_ENV if k in os.environ]
     if env:
         header.append(f"environment: {' '.join(env)}")
