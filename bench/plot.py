@@ -21,7 +21,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's modules
 from atomic import in_the_way  # noqa: E402
-from cli import UsageError, WriteError, report_error  # noqa: E402
+from cli import ArgumentParser, UsageError, WriteError, report_error  # noqa: E402
 from curves import DEFAULT_PANELS, PANELS, X_KEYS, check_x, plot_runs, read_metrics  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402 (curves has chosen the Agg backend)
 from runlog import MetricsError  # noqa: E402
@@ -67,11 +67,6 @@ def output_path(out: str | None, first_dir: str) -> str:
     return path
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise MetricsError(message)
-
-
 def smoothing(text: str) -> float | None:
     """--smooth: an ema factor in [0, 1), or auto (None: auto_smoothing's)."""
     if text == "auto":
@@ -87,7 +82,7 @@ def smoothing(text: str) -> float | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dirs", nargs="+", metavar="OUT_DIR", help="train.py --out-dir of each run")
     p.add_argument("--labels", nargs="+", help="legend names, one per OUT_DIR (default: directory names)")
     p.add_argument("--out", help="the figure to write, in the format its extension names (.png, .pdf, .svg, ...; "

@@ -129,7 +129,10 @@ def main(argv=None) -> int:
         records = []
         for path in a.records:
             with open(path) as f:
-                record = json.load(f)
+                try:
+                    record = json.load(f)
+                except ValueError as e:  # json's own message gives the line and column, not the file
+                    raise ValueError(f"{path}: not JSON ({e})") from None
             if not is_record(record):
                 raise ValueError(f"{path} is not a record bench/recipe.py wrote (its .json beside the table)")
             records.append(record)

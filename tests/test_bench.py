@@ -548,6 +548,9 @@ def test_a_toggle_is_adopted_only_where_it_wins_on_every_corpus_within_its_step_
         assert recipe_verdict.main([paths[0], str(tmp_path / "other.json")]) == 2
         assert capsys.readouterr().err == f"error: {tmp_path / 'other.json'} is not a record bench/recipe.py wrote " \
                                           "(its .json beside the table)\n"
+    (tmp_path / "other.json").write_text("{not json")
+    assert recipe_verdict.main([paths[0], str(tmp_path / "other.json")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'other.json'}: not JSON (")
 
 
 @pytest.mark.parametrize("program, argv, message", [

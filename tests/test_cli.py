@@ -53,7 +53,7 @@ def test_every_option_with_a_default_states_it_in_help(name, monkeypatch):
 @pytest.mark.parametrize("name", PROGRAMS)
 def test_every_program_parses_with_a_parser_that_errs_in_one_line(name, monkeypatch):
     """Not argparse's own error(), which prints the usage lines: cli's parsers, or one that raises the program's
-    own error for its main to print (recipe.py, optimizers.py, plot.py). A program that hands unknown flags on to
+    own error for its main to print (recipe.py, optimizers.py). A program that hands unknown flags on to
     train.py (throughput.py, ladder.py, ...) shows its own parser's errors only for its own flags."""
     assert type(parser_of(name, monkeypatch)).error is not argparse.ArgumentParser.error
 
@@ -61,8 +61,8 @@ def test_every_program_parses_with_a_parser_that_errs_in_one_line(name, monkeypa
 @pytest.mark.parametrize("name", PROGRAMS)
 def test_a_flag_no_program_has_is_one_line_and_exit_2(name, capsys):
     """Every program, the benchmarks too: `error: ...` on one line, no usage lines, no traceback, exit status 2
-    (the line names the flag, or what a program checks first: plot.py's missing OUT_DIR, the recipe benchmarks'
-    corpus; with a corpus there, they refuse the flag as train.py would, before any run)."""
+    (the line names the flag, or what the recipe benchmarks check first, their corpus; with a corpus there, they
+    refuse the flag as train.py would, before any run)."""
     module = importlib.import_module(name)
     try:
         code = module.main(["--no-such-flag"])
@@ -70,7 +70,7 @@ def test_a_flag_no_program_has_is_one_line_and_exit_2(name, capsys):
         code = e.code
     lines = capsys.readouterr().err.splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
-    assert "--no-such-flag" in lines[0] or name in ("plot", "recipe", "tail_ema"), lines
+    assert "--no-such-flag" in lines[0] or name in ("recipe", "tail_ema"), lines
 
 
 def test_sample_help_shows_its_sampling_defaults(capsys):
