@@ -94,8 +94,10 @@ class ArgumentParser(argparse.ArgumentParser):
         """"; did you mean --lr?" for an unrecognized option close to one of this parser's, else ""."""
         if not message.startswith("unrecognized arguments: "):
             return ""
-        given = [word.split("=")[0] for word in message.split(": ", 1)[1].split() if word.startswith("--")]
         known = [option for option in self._option_string_actions if option.startswith("--")]
+        # A flag of this parser's among them came after "--", which makes it a positional: nothing to suggest.
+        given = [word.split("=")[0] for word in message.split(": ", 1)[1].split()
+                 if word.startswith("--") and word.split("=")[0] not in known]
         close = [(word, difflib.get_close_matches(word, known, n=1, cutoff=0.75)) for word in given]
         return "".join(f"; {self.elsewhere[word]}" if word in self.elsewhere else
                        f"; did you mean {match[0]}{'' if len(given) == 1 else f' for {word}'}?"

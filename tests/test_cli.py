@@ -89,6 +89,7 @@ def test_sample_help_shows_its_sampling_defaults(capsys):
                                                  "--n-layer for --n-layers?; did you mean --seq-len for --seq-lenght?"),
     (["--evl-interval=3"], "unrecognized arguments: --evl-interval=3; did you mean --eval-interval?"),
     (["--zzz"], "unrecognized arguments: --zzz"),
+    (["--", "--lr", "1"], "unrecognized arguments: -- --lr 1"),  # after "--" a flag is a positional, not a typo
     (["--max-step", "3"], "unrecognized arguments: --max-step 3; did you mean --max-steps?"),  # a prefix is no flag
     (["--ckpt", "out/best.pt"], "unrecognized arguments: --ckpt out/best.pt; --ckpt is sample.py's, score.py's and "
                                 "hf.py's; train.py continues a run with --resume (its --out-dir's newest checkpoint) "
