@@ -363,8 +363,10 @@ def keep_main_grads(model: nn.Module) -> None:
     up as `weight.main_grad` in their backward. It lives between steps, where autograd frees .grad: with one
     micro-batch a step that is 4 bytes a block GEMM weight more at the activations' peak, where autograd's
     gradients do not exist yet (with more, they do from the second on). memory.py's estimate counts every
-    gradient beside the activations, so it holds either way."""
-    for weight in fused_weights(model):
+    gradient beside the activations, so it holds either way. The weights are listed on the model
+    (main_grad_weights) for micro_step, which would otherwise walk every module of every model each step."""
+    model.main_grad_weights = fused_weights(model)
+    for weight in model.main_grad_weights:
         weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
 
 
@@ -390,7 +392,7 @@ def micro_step(model: nn.Module, micro: int, grad_accum: int):
     the step's gradients sum in it and the optimizer, clipping and the GradScaler read them as any other. TE
     overwrites main_grad at is_first_microbatch=True anyway; the zeroing keeps a step clean without it (a step
     of one micro-batch passes None, and TE then adds)."""
-    if micro == 0 and (weights := fused_weights(model)):
+    if micro == 0 and (weights := getattr(model, "main_grad_weights", ())):
         torch._foreach_zero_([w.main_grad for w in weights])
         for w in weights:
             w.grad = w.main_grad
