@@ -73,6 +73,11 @@ SHAPE = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--n-kv-head", "2
 BATCH_DEFAULTS = ["--batch-size", "16", "--grad-accum", "1"]
 # Overridable by train.py flags on the command line: evaluate once, at the end; one checkpoint, at the end.
 EVAL_DEFAULTS = ["--eval-interval", str(10**9), "--eval-tokens", "32768", "--ckpt-interval", "0"]
+# One precision on every machine, so that runs pool across CPUs: train.py's --dtype auto picks bf16 autocast by a
+# timed probe, which passes on some CPUs with native bf16 and not on others (or not under load). The float32
+# stream is what every cached run had. --dtype bf16 or auto on the command line overrides it: auto is how every
+# run cached before this pin was made, so it reads those back.
+PRECISION_DEFAULTS = ["--dtype", "fp32", "--activation-dtype", "fp32"]
 HORIZONS = [65536, 131072, 262144]
 SEEDS = [1, 2, 3]
 ANCHOR_LRS = [3e-4, 1e-3, 3e-3]
@@ -85,7 +90,7 @@ BATCH_WARMUP_STEPS = 30  # a fifth of the default budget's 150 steps
 RECIPE_V3 = ["--no-smear", "--bigram-embed", "0"]  # recipe v3's model: v4's without the look-back
 # Fields added after the cache's first runs, other than model toggles, at the value those runs had: left out of
 # a key at that value (cache_key), so that adding one does not make every cached run a miss.
-SINCE_THE_FIRST_RUNS = {"fp8.head": False}
+SINCE_THE_FIRST_RUNS = {"fp8.head": False, "fp8.fused_wgrad": False, "speed.activation_dtype": "fp32"}
 STEP_TIME_SKIP = 3  # first steps left out of the median step time: allocation and warm caches
 
 
@@ -252,12 +257,19 @@ def corpus_of(a, train_argv) -> tuple[list[str], str, str]:
     return flags, f"{os.path.abspath(data)}@{digest}", f"{data} (shards' fingerprint {digest})"
 
 
+def precision_text(dtype: str) -> str:
+    """The header's precision line for the runs' --dtype."""
+    made = {"fp32": "fp32", "bf16": "bf16 autocast, float32 weights and residual stream",
+            "auto": "each CPU's choice, bf16 autocast where its probe finds bf16 fast and fp32 elsewhere"}
+    return f"train.py's `--dtype {dtype}`: {made.get(dtype, dtype + ' autocast')}; the anchor in fp32"
+
+
 def common_flags(a, train_argv) -> list[str]:
     """The flags every run shares, toggles and --out-dir / --seed / --max-tokens aside; the bench's defaults come
     first, so the command line's train.py flags override them."""
     shape, batch = (SMOKE_SHAPE, SMOKE_BATCH) if a.smoke else (SHAPE, BATCH_DEFAULTS)
     batch = [] if any(arg.split("=")[0] in BATCH_FLAGS for arg in train_argv) else batch
-    return [*EVAL_DEFAULTS, *shape, *batch, *train_argv, "--optimizer", a.optimizer]
+    return [*EVAL_DEFAULTS, *PRECISION_DEFAULTS, *shape, *batch, *train_argv, "--optimizer", a.optimizer]
 
 
 def select_toggles(a, cfg) -> dict[str, tuple[list[str], str | None]]:
@@ -370,8 +382,8 @@ class Cache:
             raise BenchError(f"{self.path}: not a readable cache ({e}); move it away or give another --cache") from None
 
     def put(self, key: str, result: dict) -> None:
-        """A rerun (--fresh) replaces the entry but keeps its step times on other CPUs: losses agree across
-        machines (fp32), step times only within one."""
+        """A rerun (--fresh) replaces the entry but keeps its step times on other CPUs: losses pool across
+        machines at one precision, step times only within one."""
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with self.lock, open(f"{self.path}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
@@ -665,7 +677,7 @@ def main(argv=None):
               "- noise: a delta counts (**yes**) only when it exceeds both the toggle's and the baseline's spread "
               "over seeds; step time: the median over the toggle's runs of each run's median step (after its first "
               f"{STEP_TIME_SKIP}), against the baseline's on the same CPU (this machine's unless named); final "
-              "losses pool runs from different CPUs, which agree (fp32)", ""]
+              "losses pool runs from different CPUs", f"- precision: {precision_text(cfg.speed.dtype)}", ""]
     lines = header + toggle_table(selected, losses, a.max_tokens, step_s, params, step_tokens)
     if anchors:
         lines += anchor_lines(anchors, results, selected, losses, a.max_tokens)

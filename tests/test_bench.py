@@ -377,6 +377,35 @@ def test_recipe_cache_keys_outlive_a_new_model_toggle(tmp_path):
     assert recipe.cache_key("corpus", ["--max-tokens", "4096", "--no-smear"]) != key
 
 
+# The v4 baseline's seed-1 runs at 65,536 tokens in the committed cache, made under --dtype auto (docs/recipe.md).
+COMMITTED_V4_RUNS = {"linux-doc-6.1-6.1.176-1-gpt2-8000000-262144@be2c319fac678802": 4.9958,
+                     "stdlib-docs-3.11.7-gpt2-262144@5afe9ffe0eaa654a": 5.0939}
+
+
+def test_recipe_reads_the_committed_runs_back_under_the_precision_they_were_made_at():
+    """A config field added since (fp8.fused_wgrad, say), or a default changed, must not make the committed runs
+    unreachable; they ran under --dtype auto, so that reads them and the bench's pinned fp32 does not."""
+    entries = recipe.Cache(os.path.join(recipe.REPO, "bench", "results", "recipe_cache.json")).entries
+
+    def key(corpus, *argv):
+        a, train_argv = recipe.parse_bench_args(list(argv))
+        return recipe.cache_key(corpus, [*recipe.common_flags(a, train_argv), "--max-tokens", "65536", "--seed", "1"])
+
+    for corpus, loss in COMMITTED_V4_RUNS.items():
+        assert round(entries[key(corpus, "--dtype", "auto")]["val_loss"], 4) == loss
+        assert key(corpus) not in entries and key(corpus) != key(corpus, "--dtype", "bf16")
+
+
+def test_recipe_pins_one_precision_and_says_which():
+    a, train_argv = recipe.parse_bench_args([])
+    cfg = recipe.config.parse_args([*recipe.common_flags(a, train_argv), "--max-tokens", "4096"])
+    assert (cfg.speed.dtype, cfg.speed.activation_dtype) == ("fp32", "fp32")
+    a, train_argv = recipe.parse_bench_args(["--dtype", "bf16"])
+    assert recipe.config.parse_args([*recipe.common_flags(a, train_argv), "--max-tokens", "4096"]).speed.dtype == "bf16"
+    assert recipe.precision_text("fp32") == "train.py's `--dtype fp32`: fp32; the anchor in fp32"
+    assert "each CPU's choice" in recipe.precision_text("auto")
+
+
 def test_recipe_cache_runs_only_what_it_lacks_and_fresh_runs_all(tmp_path, monkeypatch):
     ran = []
 
