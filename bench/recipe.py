@@ -8,8 +8,9 @@ horizons over seeds, with a GPT-2 + AdamW anchor to count tokens against.
                            [any train.py flags]
 
 Every (toggle, horizon, seed) is one `python train.py` run at the bench's shape (4 layers, width 256, seq 256,
-micro-batch 16) on the corpus, trained for exactly the horizon's tokens, so that each run's schedule ends at its
-horizon, with --seed as the seed of the initialisation and the data order. Only the final val loss is evaluated,
+micro-batch 16) and precision (fp32: --dtype gives another) on the corpus, trained for exactly the horizon's
+tokens, so that each run's schedule ends at its horizon, with --seed as the seed of the initialisation and the data
+order. Only the final val loss is evaluated,
 on the same val tokens for every run (--eval-tokens 32768 unless given).
 
 The cache (--cache, default bench/results/recipe_cache.json) keeps each run's final val loss, median step time
@@ -59,6 +60,7 @@ from cli import DataError, HelpFormatter, UsageError, cache_root  # noqa: E402
 from curves import read_metrics  # noqa: E402
 from data import fingerprint, split_paths  # noqa: E402
 from docs_corpus import default_dir as docs_dir  # noqa: E402
+from hardware import CPU_BF16_FLAGS, cpu_flags  # noqa: E402
 from model import QWEN3_VALUES  # noqa: E402
 from optimizers import code_line, cpu_model  # noqa: E402
 from runlog import MetricsError  # noqa: E402
@@ -257,11 +259,12 @@ def corpus_of(a, train_argv) -> tuple[list[str], str, str]:
     return flags, f"{os.path.abspath(data)}@{digest}", f"{data} (shards' fingerprint {digest})"
 
 
-def precision_text(dtype: str) -> str:
-    """The header's precision line for the runs' --dtype."""
-    made = {"fp32": "fp32", "bf16": "bf16 autocast, float32 weights and residual stream",
+def precision_text(dtype: str, stream: str) -> str:
+    """The header's precision line for the runs' --dtype and --activation-dtype."""
+    made = {"fp32": "fp32", "bf16": "bf16 autocast, float32 weights",
             "auto": "each CPU's choice, bf16 autocast where its probe finds bf16 fast and fp32 elsewhere"}
-    return f"train.py's `--dtype {dtype}`: {made.get(dtype, dtype + ' autocast')}; the anchor in fp32"
+    return (f"train.py's `--dtype {dtype} --activation-dtype {stream}`: {made.get(dtype, dtype + ' autocast')}; "
+            "the anchor in fp32")
 
 
 def common_flags(a, train_argv) -> list[str]:
@@ -295,10 +298,17 @@ def select_toggles(a, cfg) -> dict[str, tuple[list[str], str | None]]:
 # ----------------------------------------------------------------------------- runs and their cache
 
 
-def run_result(out_dir: str, params: int | None) -> dict:
+def timing_machine(threads: int) -> str:
+    """What a step time was measured on, as the cache files it: the CPU's model name alone is not enough (one
+    "AMD EPYC" has native bf16 and another has not), nor is the machine without its threads per run."""
+    bf16 = "native bf16" if cpu_flags() & CPU_BF16_FLAGS else "no native bf16"
+    return f"{cpu_model()}, {bf16}, {threads} thread{'s' if threads > 1 else ''} a run"
+
+
+def run_result(out_dir: str, params: int | None, machine: str) -> dict:
     """A finished run's entry: its final val loss, tokens, median step time (after the first STEP_TIME_SKIP
-    steps, from each step's own tokens/s, which leaves out evals and start-up) and parameter count (None:
-    the run's summary.json has it, as bench/anchor.py writes it)."""
+    steps, from each step's own tokens/s, which leaves out evals and start-up) on machine (timing_machine) and
+    parameter count (None: the run's summary.json has it, as bench/anchor.py writes it)."""
     records = read_metrics(out_dir)
     last = records[-1]
     if "val_loss" not in last:
@@ -312,7 +322,7 @@ def run_result(out_dir: str, params: int | None) -> dict:
             params = json.load(f)["params"]
     step = statistics.median(step_s) if step_s else None
     return {"val_loss": float("nan") if last["val_loss"] is None else float(last["val_loss"]),
-            "tokens": last["tokens"], "step_s": step, "step_s_on": {cpu_model(): step} if step else {},
+            "tokens": last["tokens"], "step_s": step, "step_s_on": {machine: step} if step else {},
             "params": params, "curve": curve}
 
 
@@ -417,7 +427,7 @@ def run_all(jobs: list[dict], cache: Cache, fresh: bool, n_jobs: int, threads: i
     def one(job):
         print(f"[run] {job['label']}: {shlex.join(job['cmd'])}", flush=True)
         wall = train_once(job["cmd"], job["out_dir"], threads)
-        result = {**run_result(job["out_dir"], job["params"]), "wall_s": wall}
+        result = {**run_result(job["out_dir"], job["params"], timing_machine(threads)), "wall_s": wall}
         cache.put(job["key"], result)
         print(f"      {job['label']}: final val loss {result['val_loss']:.4f}, {wall:.0f} s", flush=True)
         return result
@@ -502,13 +512,13 @@ def step_cost(times: dict[str, list[float]], base_times: dict[str, list[float]],
 
 
 def results_record(corpus: str, selected: dict, losses: dict, horizons: list[int], step_s: dict,
-                   step_tokens: dict) -> dict:
+                   step_tokens: dict, here: str) -> dict:
     """What bench/recipe_verdict.py reads of a table (written beside it as .json): each runnable toggle's flags,
     per-seed final losses by horizon and per-token step cost against the baseline."""
     toggles = {}
     for name, (flags, why) in selected.items():
         if why is None:
-            ratio = step_ratio(step_s[name], step_s["baseline"], cpu_model(),
+            ratio = step_ratio(step_s[name], step_s["baseline"], here,
                                step_tokens[name] / step_tokens["baseline"])[0]
             toggles[name] = {"flags": flags, "losses": {str(h): losses[name, h] for h in horizons},
                              "step_cost": ratio}
@@ -516,10 +526,10 @@ def results_record(corpus: str, selected: dict, losses: dict, horizons: list[int
 
 
 def toggle_table(selected: dict, losses: dict, horizons: list[int], step_s: dict, params: dict,
-                 step_tokens: dict) -> list[str]:
+                 step_tokens: dict, here: str) -> list[str]:
     """losses: (toggle, horizon) -> per-seed final val losses; step_s: toggle -> CPU -> its runs' median step
-    seconds; params, step_tokens: toggle -> parameter count, tokens per step. One row per toggle and horizon,
-    the n/a toggles once."""
+    seconds; params, step_tokens: toggle -> parameter count, tokens per step; here: this machine's
+    timing_machine. One row per toggle and horizon, the n/a toggles once."""
     lines = ["| toggle | flags | horizon | final val loss per seed | mean | spread | delta vs baseline | "
              "beyond both spreads | step time vs baseline | params |", "|---|---|---|---|---|---|---|---|---|---|"]
     rows = {h: summarize({name: losses[name, h] for name, (_, why) in selected.items() if why is None})
@@ -529,7 +539,7 @@ def toggle_table(selected: dict, losses: dict, horizons: list[int], step_s: dict
         if why is not None:
             lines.append(f"| {name} | {shown} | | n/a: {why} | | | | | | |")
             continue
-        cost = step_cost(step_s[name], step_s["baseline"], cpu_model(), step_tokens[name] / step_tokens["baseline"])
+        cost = step_cost(step_s[name], step_s["baseline"], here, step_tokens[name] / step_tokens["baseline"])
         for h in horizons:
             r = rows[h][name]
             delta = "-" if name == "baseline" else f"{r['delta']:+.4f}"
@@ -634,6 +644,7 @@ def main(argv=None):
         sys.exit(2)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = max(1, cores // a.jobs)
+    here = timing_machine(threads)
     with tempfile.TemporaryDirectory(prefix="recipe_") as tmp:
         runs_dir = a.runs_dir or tmp
         cache_path = a.cache or (os.path.join(runs_dir, "recipe_cache.json") if a.smoke else
@@ -669,7 +680,7 @@ def main(argv=None):
               f"- corpus: {corpus_text} (cache id `{corpus}`)",
               f"- common train.py flags: `{shlex.join(flags)}`; horizons {', '.join(f'{h:,}' for h in a.max_tokens)} "
               f"tokens (`--max-tokens`, each its own run); seeds {', '.join(map(str, a.seeds))}",
-              f"- machine: CPU {cpu_model()}, {cores} cores, shared with other work; {a.jobs} run(s) at once with "
+              f"- machine: CPU {here}, {cores} cores, shared with other work; {a.jobs} run(s) at once with "
               f"OMP_NUM_THREADS={threads}; not measured on a GPU",
               f"- code: {code_line()}",
               f"- time: {len(jobs) + len(anchors)} runs, {run_walls / 3600:.2f} h of run wall time in all (about "
@@ -677,8 +688,8 @@ def main(argv=None):
               "- noise: a delta counts (**yes**) only when it exceeds both the toggle's and the baseline's spread "
               "over seeds; step time: the median over the toggle's runs of each run's median step (after its first "
               f"{STEP_TIME_SKIP}), against the baseline's on the same CPU (this machine's unless named); final "
-              "losses pool runs from different CPUs", f"- precision: {precision_text(cfg.speed.dtype)}", ""]
-    lines = header + toggle_table(selected, losses, a.max_tokens, step_s, params, step_tokens)
+              "losses pool runs from different CPUs", f"- precision: {precision_text(cfg.speed.dtype, cfg.speed.activation_dtype)}", ""]
+    lines = header + toggle_table(selected, losses, a.max_tokens, step_s, params, step_tokens, here)
     if anchors:
         lines += anchor_lines(anchors, results, selected, losses, a.max_tokens)
     report = "\n".join(lines) + "\n"
@@ -686,7 +697,7 @@ def main(argv=None):
     with open(a.out, "w") as f:
         f.write(report)
     with open(os.path.splitext(a.out)[0] + ".json", "w") as f:  # bench/recipe_verdict.py's input
-        json.dump(results_record(corpus, selected, losses, a.max_tokens, step_s, step_tokens), f, indent=1)
+        json.dump(results_record(corpus, selected, losses, a.max_tokens, step_s, step_tokens, here), f, indent=1)
     print()
     print(report)
     print(f"wrote {a.out}")

@@ -31,7 +31,9 @@ MAX_STEP_COST = 1.10  # a toggle may cost at most 10% more time a token than the
 # Flags that change only the scalars a step uses (its LRs, Muon's momentum, the schedule's shape) or the values
 # the weights start from, never its work.
 SAME_WORK_FLAGS = {"--lr", "--adam-lr", "--embed-lr", "--head-lr", "--warmup", "--decay-frac", "--min-lr-ratio",
-                   "--schedule", "--weight-decay", "--muon-momentum", "--zero-init-proj"}
+                   "--schedule", "--weight-decay", "--muon-momentum", "--muon-momentum-warmup",
+                   "--muon-momentum-start", "--beta1", "--beta2", "--embed-beta1", "--embed-beta2", "--zero-init-proj",
+                   "--head-init"}
 
 
 def same_work(flags: list[str]) -> bool:

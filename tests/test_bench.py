@@ -384,7 +384,7 @@ COMMITTED_V4_RUNS = {"linux-doc-6.1-6.1.176-1-gpt2-8000000-262144@be2c319fac6788
 
 def test_recipe_reads_the_committed_runs_back_under_the_precision_they_were_made_at():
     """A config field added since (fp8.fused_wgrad, say), or a default changed, must not make the committed runs
-    unreachable; they ran under --dtype auto, so that reads them and the bench's pinned fp32 does not."""
+    unreachable; they ran under --dtype auto, so that reads them, and the bench's pinned fp32 is another run."""
     entries = recipe.Cache(os.path.join(recipe.REPO, "bench", "results", "recipe_cache.json")).entries
 
     def key(corpus, *argv):
@@ -393,7 +393,7 @@ def test_recipe_reads_the_committed_runs_back_under_the_precision_they_were_made
 
     for corpus, loss in COMMITTED_V4_RUNS.items():
         assert round(entries[key(corpus, "--dtype", "auto")]["val_loss"], 4) == loss
-        assert key(corpus) not in entries and key(corpus) != key(corpus, "--dtype", "bf16")
+        assert len({key(corpus), key(corpus, "--dtype", "bf16"), key(corpus, "--dtype", "auto")}) == 3
 
 
 def test_recipe_pins_one_precision_and_says_which():
@@ -402,8 +402,19 @@ def test_recipe_pins_one_precision_and_says_which():
     assert (cfg.speed.dtype, cfg.speed.activation_dtype) == ("fp32", "fp32")
     a, train_argv = recipe.parse_bench_args(["--dtype", "bf16"])
     assert recipe.config.parse_args([*recipe.common_flags(a, train_argv), "--max-tokens", "4096"]).speed.dtype == "bf16"
-    assert recipe.precision_text("fp32") == "train.py's `--dtype fp32`: fp32; the anchor in fp32"
-    assert "each CPU's choice" in recipe.precision_text("auto")
+    assert recipe.precision_text("fp32", "fp32") == ("train.py's `--dtype fp32 --activation-dtype fp32`: fp32; the "
+                                                     "anchor in fp32")
+    assert "each CPU's choice" in recipe.precision_text("auto", "fp32")
+    assert "`--dtype bf16 --activation-dtype bf16`" in recipe.precision_text("bf16", "bf16")
+
+
+def test_recipe_files_a_step_time_under_the_cpu_its_bf16_and_its_threads(monkeypatch):
+    """Two CPUs of one model name, one with native bf16: their step times must not be compared."""
+    monkeypatch.setattr(recipe, "cpu_model", lambda: "AMD EPYC")
+    monkeypatch.setattr(recipe, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    assert recipe.timing_machine(1) == "AMD EPYC, native bf16, 1 thread a run"
+    monkeypatch.setattr(recipe, "cpu_flags", lambda: {"avx2"})
+    assert recipe.timing_machine(2) == "AMD EPYC, no native bf16, 2 threads a run"
 
 
 def test_recipe_cache_runs_only_what_it_lacks_and_fresh_runs_all(tmp_path, monkeypatch):
@@ -554,6 +565,7 @@ def test_a_toggle_is_adopted_only_where_it_wins_on_every_corpus_within_its_step_
         "**adopt**", "holds on prose only: not adopted", "no", "no", "**adopt**"]
     assert not recipe_verdict.same_work(["--lr", "1e-3", "--normuon"]) and not recipe_verdict.same_work([])
     assert recipe_verdict.same_work(["--zero-init-proj", "--muon-momentum", "0.9", "--warmup", "1"])  # an init
+    assert recipe_verdict.same_work(["--beta1", "0.8", "--head-init", "zero"])  # Adam's scalars, an init
     paths = []
     for r in (prose, docs):
         paths.append(str(tmp_path / f"{r['corpus']}.json"))
