@@ -658,11 +658,18 @@ def test_the_docs_corpus_never_removes_a_text_directory_it_finds(tmp_path, capsy
     assert (tmp_path / "corpus.text" / "keep.txt").read_text() == "notes"
 
 
-def test_a_verdict_counts_each_corpus_once(tmp_path, capsys):
-    record = tmp_path / "r.json"
-    record.write_text(json.dumps({"corpus": "docs", "horizons": [], "toggles": {}}))
-    assert recipe_verdict.main([str(record), str(record)]) == 2
-    assert "two records of one corpus (docs)" in capsys.readouterr().err
+def test_a_verdict_counts_each_corpus_once_however_many_records_it_has():
+    """Two records of one corpus (two widths) must both hold, and never stand in for a second corpus."""
+    def record(corpus, toggle_losses):
+        base = {"flags": [], "losses": {"1": [3.0, 3.01], "2": [3.0, 3.01]}, "step_cost": 1.0}
+        toggle = {"flags": [], "losses": {"1": toggle_losses, "2": toggle_losses}, "step_cost": 1.0}
+        return {"corpus": corpus, "horizons": [1, 2], "toggles": {"baseline": base, "t": toggle}}
+
+    win, lose = [2.9, 2.91], [3.1, 3.11]
+    assert recipe_verdict.verdict([record("docs", win), record("docs", win)], "t") == "holds on docs only: not adopted"
+    assert recipe_verdict.verdict([record("docs", win), record("docs", win), record("prose", win)], "t") == "**adopt**"
+    assert recipe_verdict.verdict([record("docs", win), record("docs", lose), record("prose", win)], "t") == (
+        "holds on prose only: not adopted")
 
 
 def test_throughput_prints_its_table_for_a_run_with_the_bf16_stream(tiny_data, tmp_path, capsys):
