@@ -233,25 +233,35 @@ PREPARED_CORPORA = {
 }
 
 
+def shards_digest(data: str) -> str:
+    """A hash of the train and val shards' data.fingerprint: the same text prepared another way, or other text in
+    the same directory, is another corpus."""
+    try:
+        shards = fingerprint(split_paths(data, "train") + split_paths(data, "val"))
+    except DataError as e:
+        raise BenchError(f"--data: {e}") from None
+    return hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:16]
+
+
 def corpus_of(a, train_argv) -> tuple[list[str], str, str]:
     """-> (the --data flags for the runs, the corpus id the cache keys on, its description for the header).
-    The id is the corpus's name (its corpus.json's id, from bench/prose_corpus.sh, or else the directory's path)
-    and a hash of its shards' data.fingerprint: the same text prepared by another prepare.py (another val split,
-    say) or other text in the same directory does not reuse the old runs."""
+    The id is the corpus's name (its corpus.json's id, from bench/prose_corpus.sh; the default corpus's
+    directory, which names its Python; or else the directory's path) and a hash of its shards'
+    data.fingerprint: the same text prepared by another prepare.py (another val split, say) or other text in the
+    same directory does not reuse the old runs."""
     data = flag_value(train_argv, "--data")
-    if data is None and a.corpus == "stdlib":
-        return [], "stdlib", "train.py's embedded stdlib corpus (Python source)"
+    if data is None and a.corpus == "stdlib":  # train.py finds it: no --data; its id names Python's version
+        import prepare
+        where = prepare.default_corpus()
+        corpus_id = f"{os.path.basename(where)}@{shards_digest(where)}"
+        return [], corpus_id, "train.py's embedded stdlib corpus (Python source)"
     where, make = PREPARED_CORPORA[a.corpus]
     flags = [] if data is not None else ["--data", where()]
     data = data or where()
     described = os.path.join(data, "corpus.json")
     if data == where() and not os.path.exists(described):
         raise BenchError(f"{data}: no {a.corpus} corpus there; make it with `{make}`")
-    try:
-        shards = fingerprint(split_paths(data, "train") + split_paths(data, "val"))
-    except DataError as e:
-        raise BenchError(f"--data: {e}") from None
-    digest = hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:16]
+    digest = shards_digest(data)
     if os.path.exists(described):
         with open(described) as f:
             record = json.load(f)

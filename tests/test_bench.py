@@ -408,6 +408,16 @@ def test_recipe_pins_one_precision_and_says_which():
     assert "`--dtype bf16 --activation-dtype bf16`" in recipe.precision_text("bf16", "bf16")
 
 
+def test_recipe_keys_the_stdlib_corpus_on_its_directory_and_shards(monkeypatch, tiny_data):
+    """The default corpus differs by Python version (its directory's name says which): not one id for all."""
+    import argparse
+
+    import prepare
+    monkeypatch.setattr(prepare, "default_corpus", lambda: tiny_data)
+    flags, corpus, _ = recipe.corpus_of(argparse.Namespace(corpus="stdlib"), [])
+    assert flags == [] and corpus == f"{os.path.basename(tiny_data)}@{recipe.shards_digest(tiny_data)}"
+
+
 def test_recipe_files_a_step_time_under_the_cpu_its_bf16_and_its_threads(monkeypatch):
     """Two CPUs of one model name, one with native bf16: their step times must not be compared."""
     monkeypatch.setattr(recipe, "cpu_model", lambda: "AMD EPYC")
