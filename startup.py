@@ -32,6 +32,8 @@ def announce(run: Run, sources: list, reasons: dict, planned_tokens: int) -> Non
     """Rank 0's start-up table (startup_rows), all but its time row (plan_run)."""
     if run.info.is_main:
         run.telemetry.eval_plan = run.evaluator.describe_val()  # the summary keeps it for report.py
+        run.telemetry.precision = describe_precision(reasons["dtype"], run.model.activation_dtype,
+                                                     run.autocast_dtype, run.cfg.speed.activation_dtype)
         print_table(startup_rows(run, sources, reasons, planned_tokens), KEY_WIDTH)
 
 
@@ -102,8 +104,7 @@ def startup_rows(run: Run, sources: list, reasons: dict, planned_tokens: int) ->
         ("device", f"{run.device.type} ({reasons['device']})"),
         ("distributed", f"{info.mode}, {plural(info.world_size, 'process', 'processes')}" if info.mode != "none"
                         else "off (single process)"),
-        ("precision", describe_precision(reasons["dtype"], run.model.activation_dtype, run.autocast_dtype,
-                                         cfg.speed.activation_dtype)),
+        ("precision", run.telemetry.precision),
         ("TF32 matmuls", reasons["tf32"]),
         ("size", sizing.describe(cfg.size, flat_values(cfg))),
         ("model", f"{run.model.num_params() / 1e6:.2f}M params, {plural(m.n_layer, 'layer')}, d={m.n_embd}, "

@@ -261,6 +261,7 @@ class Telemetry:
         self.extra_names = []  # the step metrics beyond STEP_METRICS, for the progress line
         self.done, self.compile_s, self.last_eval = start_step, None, None
         self.eval_plan = None  # the start-up table's eval row: when val is taken, on which tokens
+        self.precision = None  # its precision row: what --dtype auto chose here, which config.toml cannot say
         self.steps_taken = start_step  # queued on the device, read back or not (done: read back)
         self.in_step, self.micro_done = False, (0, 0)
         # timing_step restarts the first two per step; a step run without it (bench/throughput.py) counts from here
@@ -456,7 +457,7 @@ class Telemetry:
             "out_dir": self.cfg.ckpt.out_dir, "final_ckpt": newest_checkpoint(self.cfg.ckpt.out_dir),
             "best_ckpt": existing_best(self.cfg.ckpt.out_dir), "epoch_tokens": self.epoch_tokens,
             "bos": self.cfg.data.packing == "bos", "source_epochs": self.source_epochs,
-            "sample_prompt": self.cfg.eval.sample_prompt, "eval_plan": self.eval_plan,
+            "sample_prompt": self.cfg.eval.sample_prompt, "eval_plan": self.eval_plan, "precision": self.precision,
             # what keeps the model from transformers (hf.py's export): --from-hf's came from there
             "export_problem": None if self.cfg.ckpt.from_hf else exportable_problem(self.cfg.model),
         }
@@ -511,6 +512,7 @@ def summary_rows(f: dict) -> list[tuple[str, str]]:
             *([("epochs", "of each source's train split, read: " + ", ".join(
                 f"{name} {epochs:.2f}" for name, epochs in f["source_epochs"].items()))] if f["source_epochs"] else []),
             ("val loss", val), ("mean throughput", rate),
+            *([("precision", f["precision"])] if f.get("precision") else []),  # summaries before it: none
             ("peak memory", f"{f['peak_mem_gib']:.2f} GiB ({memory_kind})"),
             ("final checkpoint", f["final_ckpt"] or "none written"),
             ("best checkpoint", f["best_ckpt"] or "none (no eval improved on the best yet)")]

@@ -9,8 +9,10 @@ and warms the file cache), then in each round a short and a long run, revisions 
 without native bf16, on one that has it). The steady state
 is the difference between the two: tokens/s = (long - short) steps x tokens per step / (long - short) wall
 seconds, and the system share = the difference in system time over the difference in wall time, so start-up,
-the final evaluation and the checkpoint cancel out. The table gives the median over rounds, and each
-revision's tokens/s against the first revision's and against the previous one's.
+the final evaluation and the checkpoint cancel out. The table gives the median over rounds, each revision's
+tokens/s against the first revision's and against the previous one's, and the precision its runs resolved
+--dtype to (their summary.json's; revisions before it was recorded say so): --dtype auto times a bf16 probe on a
+CPU, so two revisions can differ in precision as well as in code.
 """
 
 import json
@@ -27,9 +29,10 @@ sys.path.insert(0, REPO)
 import hardware  # noqa: E402
 from cli import HelpFormatter, ScriptParser  # noqa: E402
 
-def timed_run(tree: str, steps: int, scratch: str, flags: list[str]) -> tuple[float, float, int]:
-    """-> (wall seconds, system seconds, tokens trained) of one train.py run of `steps` steps in `tree`; the
-    tokens from its summary.json, whatever batch --flags gives."""
+def timed_run(tree: str, steps: int, scratch: str, flags: list[str]) -> tuple[float, float, int, str]:
+    """-> (wall seconds, system seconds, tokens trained, precision) of one train.py run of `steps` steps in
+    `tree`; the tokens from its summary.json, whatever batch --flags gives, and the precision --dtype resolved to
+    (a revision whose summary.json does not record it: "not recorded")."""
     out_dir = tempfile.mkdtemp(dir=scratch)
     command = [sys.executable, "train.py", "--max-steps", str(steps), "--eval-interval", "0", "--out-dir", out_dir,
                *flags]
@@ -42,8 +45,8 @@ def timed_run(tree: str, steps: int, scratch: str, flags: list[str]) -> tuple[fl
         print(f"error: {tree}: train.py failed: {last}", file=sys.stderr)
         sys.exit(2)
     with open(os.path.join(out_dir, "summary.json")) as f:
-        tokens = json.load(f)["facts"]["tokens"]
-    return wall, usage.ru_stime, tokens
+        facts = json.load(f)["facts"]
+    return wall, usage.ru_stime, facts["tokens"], facts.get("precision") or "not recorded"
 
 
 def worktree(rev: str, scratch: str) -> str:
@@ -61,16 +64,16 @@ def measure(trees: dict[str, str], rounds: int, short: int, long: int, scratch: 
     samples = {rev: [] for rev in trees}
     for _ in range(rounds):
         for rev, tree in trees.items():
-            wall_short, sys_short, tokens_short = timed_run(tree, short, scratch, flags)
-            wall_long, sys_long, tokens_long = timed_run(tree, long, scratch, flags)
+            wall_short, sys_short, tokens_short, _ = timed_run(tree, short, scratch, flags)
+            wall_long, sys_long, tokens_long, precision = timed_run(tree, long, scratch, flags)
             wall, system = wall_long - wall_short, sys_long - sys_short
-            samples[rev].append(((tokens_long - tokens_short) / wall, system / wall, wall_long))
+            samples[rev].append(((tokens_long - tokens_short) / wall, system / wall, wall_long, precision))
     return samples
 
 
 def table(samples: dict[str, list[tuple]]) -> str:
     lines = ["| revision | tokens/s (steady state) | vs first | vs previous | system time / wall time "
-             "| long run's wall time |", "|---|---|---|---|---|---|"]
+             "| long run's wall time | precision |", "|---|---|---|---|---|---|---|"]
     first = previous = None
     for rev, rows in samples.items():
         tps = statistics.median(r[0] for r in rows)
@@ -78,7 +81,9 @@ def table(samples: dict[str, list[tuple]]) -> str:
         wall = statistics.median(r[2] for r in rows)
         first = first or tps
         vs_previous = f"{tps / previous:.2f}x" if previous else "-"
-        lines.append(f"| {rev} | {tps:,.0f} | {tps / first:.2f}x | {vs_previous} | {100 * share:.0f}% | {wall:.1f} s |")
+        precisions = " / ".join(dict.fromkeys(r[3] for r in rows))  # one, unless a probe decided otherwise
+        lines.append(f"| {rev} | {tps:,.0f} | {tps / first:.2f}x | {vs_previous} | {100 * share:.0f}% | {wall:.1f} s "
+                     f"| {precisions} |")
         previous = tps
     return "\n".join(lines)
 

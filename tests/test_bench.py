@@ -11,6 +11,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
 import curves  # noqa: E402
+import default_run  # noqa: E402
 import docs_corpus  # noqa: E402
 import optimizers  # noqa: E402
 import plot  # noqa: E402
@@ -695,3 +696,12 @@ def test_throughput_prints_its_table_for_a_run_with_the_bf16_stream(tiny_data, t
     assert rows["tokens/s (min..max)"].endswith("over 2 windows of 2 steps")
     assert re.fullmatch(r"[\d.,]+ MiB of [\d.,]+ MiB per micro-batch \(\d+%\)", rows["activations outside the blocks"])
 
+
+
+def test_default_run_says_the_precision_each_revision_ran_at():
+    """--dtype auto resolves per revision (a revision before the CPU probe ran fp32 everywhere): a speed-up
+    across revisions is only a speed-up at one precision."""
+    text = default_run.table({"old": [(100.0, 0.5, 10.0, "not recorded")],
+                              "this tree": [(150.0, 0.0, 8.0, "fp32 (requested)"), (148.0, 0.0, 8.1, "fp32 (requested)")]})
+    assert "| old | 100 | 1.00x | - | 50% | 10.0 s | not recorded |" in text
+    assert "| this tree | 149 | 1.49x | 1.49x | 0% | 8.1 s | fp32 (requested) |" in text

@@ -60,6 +60,7 @@ def test_a_stopped_run_and_its_resume_leave_a_report_that_report_py_writes_again
     text, logged = read(tmp_path), records(tmp_path)
     assert [line for line in text.splitlines() if line.startswith("## ")] == list(SECTIONS)
     assert "| outcome | finished |" in text and "| steps | 4 of 4, resumed at 2 |" in text
+    assert "| precision | fp32 (requested) |" in text  # what --dtype resolved to, which config.toml cannot say
     assert "(4 records, steps 1 to 4)" in text and eval_row(logged[1]) in text and eval_row(logged[3]) in text
     assert "| optim.lr | `--lr` | 0.01 | 0.006 |" in text and "| optim.weight_decay |" not in text
     assert f"| torch | {torch.__version__} |" in text and "| forward | " in text
