@@ -159,21 +159,30 @@ def train_command(a, train_argv, optimizer, lr, adam_lr, out_dir) -> list[str]:
     return cmd
 
 
+def resolved_settings(cmd: list[str]) -> dict:
+    """Every setting a train.py command line resolves to, defaults included: the same command at a commit
+    whose defaults differ is another run. As JSON reads it back (lists, not tuples)."""
+    return json.loads(json.dumps(config.flat_values(config.parse_args(cmd[2:]))))
+
+
 def finished_wall(out_dir: str, cmd: list[str], steps: int) -> float | None:
-    """The wall time of a completed run of exactly cmd in out_dir (for --reuse), or None if there is none."""
+    """The wall time of a completed run of exactly cmd, at today's defaults, in out_dir (for --reuse), or None
+    if there is none (a run recorded before its settings were: None, so it runs again)."""
     try:
         with open(os.path.join(out_dir, RUN_INFO)) as f:
             info = json.load(f)
         complete = read_metrics(out_dir)[-1]["step"] == steps
     except (OSError, ValueError, MetricsError):
         return None
-    return info["wall_s"] if complete and info.get("command") == shlex.join(cmd) else None
+    same = info.get("command") == shlex.join(cmd) and info.get("settings") == resolved_settings(cmd)
+    return info["wall_s"] if complete and same else None
 
 
-def train_once(cmd: list[str], out_dir: str) -> float:
+def train_once(cmd: list[str], out_dir: str, settings: dict | None = None) -> float:
     """Run one training to completion in a fresh out_dir; returns its wall time in seconds. Output goes to
     out_dir/train.log. An earlier run there (the committed results, say) is moved aside and comes back if this
-    one fails; it is removed only once this one has finished."""
+    one fails; it is removed only once this one has finished. settings: what cmd resolves to (resolved_settings),
+    recorded with it for --reuse."""
     earlier = f"{out_dir}.earlier"
     if os.path.exists(earlier):
         raise BenchError(f"{earlier} holds a run an unfinished sweep moved aside: move it back to {out_dir} or "
@@ -200,7 +209,7 @@ def train_once(cmd: list[str], out_dir: str) -> float:
         if name.startswith("ckpt_"):
             os.remove(os.path.join(out_dir, name))
     with open(os.path.join(out_dir, RUN_INFO), "w") as f:
-        json.dump({"command": shlex.join(cmd), "wall_s": wall}, f)
+        json.dump({"command": shlex.join(cmd), "settings": settings, "wall_s": wall}, f)
     return wall
 
 
@@ -329,7 +338,7 @@ def main(argv=None):
                     print(f"[reuse] {run_name(optimizer, lr)}", flush=True)
                 else:
                     print(f"[run] {shlex.join(cmd)}", flush=True)
-                    wall = train_once(cmd, out_dir)
+                    wall = train_once(cmd, out_dir, resolved_settings(cmd))
                 records = read_metrics(out_dir)
                 results[optimizer][lr], walls[optimizer][lr] = records, wall
                 print(f"      final val loss {final_val_loss(records):.4f}, wall {wall:.0f} s", flush=True)

@@ -705,3 +705,17 @@ def test_default_run_says_the_precision_each_revision_ran_at():
                               "this tree": [(150.0, 0.0, 8.0, "fp32 (requested)"), (148.0, 0.0, 8.1, "fp32 (requested)")]})
     assert "| old | 100 | 1.00x | - | 50% | 10.0 s | not recorded |" in text
     assert "| this tree | 149 | 1.49x | 1.49x | 0% | 8.1 s | fp32 (requested) |" in text
+
+
+def test_an_optimizer_sweep_reuses_a_run_only_at_the_settings_it_ran_with(tmp_path):
+    """--reuse: the same command at a commit with other defaults is another run, and so is one recorded before
+    runs recorded their settings."""
+    out_dir = str(tmp_path / "run")
+    write_run(out_dir, 8, 5.0, 1e-3)
+    cmd = [sys.executable, "train.py", "--lr", "0.001"]
+    settings = optimizers.resolved_settings(cmd)
+    info = {"command": optimizers.shlex.join(cmd), "settings": settings, "wall_s": 12.0}
+    for recorded, reused in ((settings, 12.0), ({**settings, "optim.beta1": 0.8}, None), (None, None)):
+        with open(os.path.join(out_dir, optimizers.RUN_INFO), "w") as f:
+            json.dump({**info, "settings": recorded}, f)
+        assert optimizers.finished_wall(out_dir, cmd, 7) == reused  # write_run logs steps 0 to 7
