@@ -75,11 +75,12 @@ SHAPE = ["--n-layer", "4", "--n-embd", "256", "--n-head", "4", "--n-kv-head", "2
 BATCH_DEFAULTS = ["--batch-size", "16", "--grad-accum", "1"]
 # Overridable by train.py flags on the command line: evaluate once, at the end; one checkpoint, at the end.
 EVAL_DEFAULTS = ["--eval-interval", str(10**9), "--eval-tokens", "32768", "--ckpt-interval", "0"]
-# One precision on every machine, so that runs pool across CPUs: train.py's --dtype auto picks bf16 autocast by a
-# timed probe, which passes on some CPUs with native bf16 and not on others (or not under load). The float32
-# stream is what every cached run had. --dtype bf16 or auto on the command line overrides it: auto is how every
-# run cached before this pin was made, so it reads those back.
-PRECISION_DEFAULTS = ["--dtype", "fp32", "--activation-dtype", "fp32"]
+# The CPU, at one precision on every machine, so that runs pool across CPUs: train.py's --dtype auto picks bf16
+# autocast by a timed probe, which passes on some CPUs with native bf16 and not on others (or not under load). The
+# float32 stream is what every cached run had. --dtype bf16 or auto on the command line overrides it: auto is how
+# every run cached before this pin was made, so it reads those back. The tables and budgets are the CPU's: a GPU
+# (--device auto's choice where there is one) is refused.
+MACHINE_DEFAULTS = ["--device", "cpu", "--dtype", "fp32", "--activation-dtype", "fp32"]
 HORIZONS = [65536, 131072, 262144]
 SEEDS = [1, 2, 3]
 ANCHOR_LRS = [3e-4, 1e-3, 3e-3]
@@ -218,6 +219,8 @@ def parse_bench_args(argv):
     for arg in train_argv:
         if arg.split("=")[0] in OWN_TRAIN_FLAGS:
             raise BenchError(f"{arg.split('=')[0]} is set by this benchmark; see --help for its own flags")
+    if flag_value(train_argv, "--device") not in (None, "cpu"):
+        raise BenchError("--device: this benchmark trains on the CPU, whose tables and budgets it reports")
     return a, train_argv
 
 
@@ -282,7 +285,7 @@ def common_flags(a, train_argv) -> list[str]:
     first, so the command line's train.py flags override them."""
     shape, batch = (SMOKE_SHAPE, SMOKE_BATCH) if a.smoke else (SHAPE, BATCH_DEFAULTS)
     batch = [] if any(arg.split("=")[0] in BATCH_FLAGS for arg in train_argv) else batch
-    return [*EVAL_DEFAULTS, *PRECISION_DEFAULTS, *shape, *batch, *train_argv, "--optimizer", a.optimizer]
+    return [*EVAL_DEFAULTS, *MACHINE_DEFAULTS, *shape, *batch, *train_argv, "--optimizer", a.optimizer]
 
 
 def select_toggles(a, cfg) -> dict[str, tuple[list[str], str | None]]:
@@ -370,12 +373,16 @@ def settings_key(corpus: str, values: dict) -> str:
 
 def current_key(key: str) -> str:
     """A stored key as cache_key writes it now (entries written before it left out the toggles at Qwen3's values
-    hold them); an anchor's key, or any other, as it is."""
+    hold them; those written before the bench pinned --device cpu hold auto, which chose the CPU: no GPU made a
+    cached run); an anchor's key, or any other, as it is."""
     try:
         parts = json.loads(key)
     except ValueError:
         return key
-    return settings_key(*parts) if isinstance(parts, list) and len(parts) == 2 and isinstance(parts[1], dict) else key
+    if not (isinstance(parts, list) and len(parts) == 2 and isinstance(parts[1], dict)):
+        return key
+    corpus, values = parts
+    return settings_key(corpus, {**values, "speed.device": "cpu"} if values.get("speed.device") == "auto" else values)
 
 
 def anchor_key(corpus: str, flags: list[str]) -> str:

@@ -364,18 +364,21 @@ def test_recipe_cache_key_is_the_resolved_configuration_not_the_spelling():
 
 
 def test_recipe_cache_keys_outlive_a_new_model_toggle(tmp_path):
-    """A run keyed before a toggle existed trained at the toggle's Qwen3 value: the same run as one keyed now."""
-    key = recipe.cache_key("corpus", ["--max-tokens", "4096"])
+    """A run keyed before a toggle existed trained at the toggle's Qwen3 value: the same run as one keyed now; one
+    keyed before the bench pinned --device cpu, at auto, ran on the CPU."""
+    key = recipe.cache_key("corpus", ["--max-tokens", "4096", "--device", "cpu"])
     corpus, values = json.loads(key)
     assert "model.unet_skips" not in values and values["model.attn_gate"] is True  # the gate is on by default
     assert "fp8.head" not in values  # a field added later, at the value the earlier runs had
     assert values["model.smear"] is True and values["model.bigram_embed"] == 50304  # so are the look-backs
-    stored = json.dumps([corpus, {**values, "model.unet_skips": False}])  # as written before: every toggle
+    stored = json.dumps([corpus, {**values, "model.unet_skips": False, "speed.device": "auto"}])  # as written before
     with open(tmp_path / "cache.json", "w") as f:
         json.dump({stored: {"val_loss": 5.0}, json.dumps(["corpus", "anchor", "--lr", "1"]): {"val_loss": 6.0}}, f)
     entries = recipe.Cache(str(tmp_path / "cache.json")).entries
     assert entries[key] == {"val_loss": 5.0} and entries['["corpus", "anchor", "--lr", "1"]'] == {"val_loss": 6.0}
-    assert recipe.cache_key("corpus", ["--max-tokens", "4096", "--no-smear"]) != key
+    assert recipe.cache_key("corpus", ["--max-tokens", "4096", "--device", "cpu", "--no-smear"]) != key
+    with pytest.raises(recipe.BenchError, match="^--device: this benchmark trains on the CPU"):
+        recipe.parse_bench_args(["--device", "cuda"])
 
 
 # The v4 baseline's seed-1 runs at 65,536 tokens in the committed cache, made under --dtype auto (docs/recipe.md).
