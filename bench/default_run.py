@@ -46,7 +46,15 @@ def timed_run(tree: str, steps: int, scratch: str, flags: list[str]) -> tuple[fl
         sys.exit(2)
     with open(os.path.join(out_dir, "summary.json")) as f:
         facts = json.load(f)["facts"]
-    return wall, usage.ru_stime, facts["tokens"], facts.get("precision") or "not recorded"
+    return wall, usage.ru_stime, facts["tokens"], decision(facts.get("precision"))
+
+
+def decision(precision: str | None) -> str:
+    """What a run's precision row decided, without the bf16 probe's measured rate, which differs run to run:
+    "fp32", "bf16 autocast", "bf16 autocast, bf16 stream"; "not recorded" where the revision did not record it."""
+    if not precision:
+        return "not recorded"
+    return precision.split(" (", 1)[0] + (", bf16 stream" if "bf16 end to end" in precision else "")
 
 
 def worktree(rev: str, scratch: str) -> str:
@@ -64,10 +72,11 @@ def measure(trees: dict[str, str], rounds: int, short: int, long: int, scratch: 
     samples = {rev: [] for rev in trees}
     for _ in range(rounds):
         for rev, tree in trees.items():
-            wall_short, sys_short, tokens_short, _ = timed_run(tree, short, scratch, flags)
-            wall_long, sys_long, tokens_long, precision = timed_run(tree, long, scratch, flags)
+            wall_short, sys_short, tokens_short, precision_short = timed_run(tree, short, scratch, flags)
+            wall_long, sys_long, tokens_long, precision_long = timed_run(tree, long, scratch, flags)
             wall, system = wall_long - wall_short, sys_long - sys_short
-            samples[rev].append(((tokens_long - tokens_short) / wall, system / wall, wall_long, precision))
+            samples[rev].append(((tokens_long - tokens_short) / wall, system / wall, wall_long,
+                                 (precision_short, precision_long)))
     return samples
 
 
@@ -81,7 +90,8 @@ def table(samples: dict[str, list[tuple]]) -> str:
         wall = statistics.median(r[2] for r in rows)
         first = first or tps
         vs_previous = f"{tps / previous:.2f}x" if previous else "-"
-        precisions = " / ".join(dict.fromkeys(r[3] for r in rows))  # one, unless a probe decided otherwise
+        # one, unless the probe decided otherwise in some run (then that revision's rounds mix precisions)
+        precisions = " / ".join(dict.fromkeys(p for r in rows for p in r[3]))
         lines.append(f"| {rev} | {tps:,.0f} | {tps / first:.2f}x | {vs_previous} | {100 * share:.0f}% | {wall:.1f} s "
                      f"| {precisions} |")
         previous = tps

@@ -38,7 +38,6 @@ the defaults (wsd), is listed as n/a, with why. --jobs runs that many trainings 
 = CPU cores / jobs.
 """
 import argparse
-import fcntl
 import hashlib
 import json
 import math
@@ -48,7 +47,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -57,12 +55,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 from batch import batch_layout  # noqa: E402
 from cli import DataError, HelpFormatter, UsageError, cache_root  # noqa: E402
-from curves import read_metrics  # noqa: E402
 from data import fingerprint, split_paths  # noqa: E402
 from docs_corpus import default_dir as docs_dir  # noqa: E402
-from hardware import CPU_BF16_FLAGS, cpu_flags  # noqa: E402
-from model import QWEN3_VALUES  # noqa: E402
-from optimizers import code_line, cpu_model  # noqa: E402
+from optimizers import code_line  # noqa: E402
+from recipe_cache import STEP_TIME_SKIP, BenchError, Cache, anchor_key, cache_key, run_result, timing_machine  # noqa
 from runlog import MetricsError  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,14 +87,6 @@ SMOKE_BATCH = ["--batch-size", "4", "--grad-accum", "1"]
 SMOKE = {"corpus": "stdlib", "max_tokens": [1024, 2048], "seeds": [1], "anchor_lrs": [1e-3, 3e-3]}
 BATCH_WARMUP_STEPS = 30  # a fifth of the default budget's 150 steps
 RECIPE_V3 = ["--no-smear", "--bigram-embed", "0"]  # recipe v3's model: v4's without the look-back
-# Fields added after the cache's first runs, other than model toggles, at the value those runs had: left out of
-# a key at that value (cache_key), so that adding one does not make every cached run a miss.
-SINCE_THE_FIRST_RUNS = {"fp8.head": False, "fp8.fused_wgrad": False, "speed.activation_dtype": "fp32"}
-STEP_TIME_SKIP = 3  # first steps left out of the median step time: allocation and warm caches
-
-
-class BenchError(Exception):
-    """A bad flag or a failed run; reported in one line, exit code 2."""
 
 
 # ----------------------------------------------------------------------------- the toggles
@@ -216,12 +204,22 @@ def parse_bench_args(argv):
         if len(set(values)) != len(values):
             raise BenchError(f"{flag} must be distinct, got {' '.join(map(str, values))}")
     a.max_tokens = sorted(a.max_tokens)
-    for arg in train_argv:
-        if arg.split("=")[0] in OWN_TRAIN_FLAGS:
-            raise BenchError(f"{arg.split('=')[0]} is set by this benchmark; see --help for its own flags")
-    if flag_value(train_argv, "--device") not in (None, "cpu"):
-        raise BenchError("--device: this benchmark trains on the CPU, whose tables and budgets it reports")
+    if problem := owned_flag_problem(train_argv):
+        raise BenchError(problem)
+    for name, flags in a.toggle:
+        if problem := owned_flag_problem(flags):
+            raise BenchError(f"toggle {name}: {problem}")
     return a, train_argv
+
+
+def owned_flag_problem(argv: list[str]) -> str | None:
+    """What is wrong with train.py flags that would set what this benchmark sets, or train off the CPU."""
+    for arg in argv:
+        if arg.split("=")[0] in OWN_TRAIN_FLAGS:
+            return f"{arg.split('=')[0]} is set by this benchmark; see --help for its own flags"
+    if flag_value(argv, "--device") not in (None, "cpu"):
+        return "--device: this benchmark trains on the CPU, whose tables and budgets it reports"
+    return None
 
 
 def prose_dir() -> str:
@@ -236,13 +234,13 @@ PREPARED_CORPORA = {
 }
 
 
-def shards_digest(data: str) -> str:
+def shards_digest(data: str, named: str = "--data") -> str:
     """A hash of the train and val shards' data.fingerprint: the same text prepared another way, or other text in
-    the same directory, is another corpus."""
+    the same directory, is another corpus. named: what an error names the shards by."""
     try:
         shards = fingerprint(split_paths(data, "train") + split_paths(data, "val"))
     except DataError as e:
-        raise BenchError(f"--data: {e}") from None
+        raise BenchError(f"{named}: {e}") from None
     return hashlib.sha256(json.dumps(shards).encode()).hexdigest()[:16]
 
 
@@ -255,8 +253,11 @@ def corpus_of(a, train_argv) -> tuple[list[str], str, str]:
     data = flag_value(train_argv, "--data")
     if data is None and a.corpus == "stdlib":  # train.py finds it: no --data; its id names Python's version
         import prepare
-        where = prepare.default_corpus()
-        corpus_id = f"{os.path.basename(where)}@{shards_digest(where)}"
+        try:
+            where = prepare.default_corpus()
+        except (DataError, OSError) as e:
+            raise BenchError(f"the stdlib corpus: {e}") from None
+        corpus_id = f"{os.path.basename(where)}@{shards_digest(where, 'the stdlib corpus')}"
         return [], corpus_id, "train.py's embedded stdlib corpus (Python source)"
     where, make = PREPARED_CORPORA[a.corpus]
     flags = [] if data is not None else ["--data", where()]
@@ -308,35 +309,7 @@ def select_toggles(a, cfg) -> dict[str, tuple[list[str], str | None]]:
 
 
 
-# ----------------------------------------------------------------------------- runs and their cache
-
-
-def timing_machine(threads: int) -> str:
-    """What a step time was measured on, as the cache files it: the CPU's model name alone is not enough (one
-    "AMD EPYC" has native bf16 and another has not), nor is the machine without its threads per run."""
-    bf16 = "native bf16" if cpu_flags() & CPU_BF16_FLAGS else "no native bf16"
-    return f"{cpu_model()}, {bf16}, {threads} thread{'s' if threads > 1 else ''} a run"
-
-
-def run_result(out_dir: str, params: int | None, machine: str) -> dict:
-    """A finished run's entry: its final val loss, tokens, median step time (after the first STEP_TIME_SKIP
-    steps, from each step's own tokens/s, which leaves out evals and start-up) on machine (timing_machine) and
-    parameter count (None: the run's summary.json has it, as bench/anchor.py writes it)."""
-    records = read_metrics(out_dir)
-    last = records[-1]
-    if "val_loss" not in last:
-        raise BenchError(f"{out_dir}/metrics.jsonl: the last step has no val_loss (was evaluation turned off?)")
-    skip = min(STEP_TIME_SKIP, last["step"] - 1)  # a run shorter than that still has its last step
-    step_s = [(r["tokens"] - before["tokens"]) / r["tokens_per_sec"]
-              for before, r in zip([{"tokens": 0}, *records], records) if r["step"] > skip and r.get("tokens_per_sec")]
-    curve = [[r["tokens"], r["val_loss"]] for r in records if r.get("val_loss") is not None]
-    if params is None:
-        with open(os.path.join(out_dir, "summary.json")) as f:
-            params = json.load(f)["params"]
-    step = statistics.median(step_s) if step_s else None
-    return {"val_loss": float("nan") if last["val_loss"] is None else float(last["val_loss"]),
-            "tokens": last["tokens"], "step_s": step, "step_s_on": {machine: step} if step else {},
-            "params": params, "curve": curve}
+# ----------------------------------------------------------------------------- runs
 
 
 def model_params(flags: list[str]) -> int:
@@ -346,81 +319,6 @@ def model_params(flags: list[str]) -> int:
     from model import GPT
     with torch.device("meta"):
         return sum(p.numel() for p in GPT(config.parse_args(flags).model).parameters())
-
-
-# Where a run reads and writes, not what it computes: the corpus id stands for the data's path.
-LOCATION_FIELDS = ("data.data", "ckpt.out_dir", "ckpt.resume", "ckpt.overwrite")
-
-
-def cache_key(corpus: str, flags: list[str]) -> str:
-    """flags: the run's whole train.py command line but its --out-dir (toggle, horizon and seed among them). The
-    key is the configuration they resolve to, every field's value, so that a changed default (a toggle adopted)
-    is a different run, never a cached one. A model toggle at Qwen3's value, and each field of
-    SINCE_THE_FIRST_RUNS at its value there, is left out: that is how every run trained before the field existed
-    (model.with_qwen3_toggles), so a new field keeps the entries reachable; any other new field makes every
-    entry a miss, which errs towards running."""
-    values = config.flat_values(config.parse_args(flags))
-    return settings_key(corpus, {k: v for k, v in values.items() if k not in LOCATION_FIELDS})
-
-
-def settings_key(corpus: str, values: dict) -> str:
-    """The key of a run of these flat config values, leaving out each field at the value every run had before
-    the field existed (the model toggles at Qwen3's values, SINCE_THE_FIRST_RUNS)."""
-    before = {**{f"model.{name}": value for name, value in QWEN3_VALUES.items()}, **SINCE_THE_FIRST_RUNS}
-    kept = {k: v for k, v in values.items() if k not in before or before[k] != v}
-    return json.dumps([corpus, kept], sort_keys=True)
-
-
-def current_key(key: str) -> str:
-    """A stored key as cache_key writes it now (entries written before it left out the toggles at Qwen3's values
-    hold them; those written before the bench pinned --device cpu hold auto, which chose the CPU: no GPU made a
-    cached run); an anchor's key, or any other, as it is."""
-    try:
-        parts = json.loads(key)
-    except ValueError:
-        return key
-    if not (isinstance(parts, list) and len(parts) == 2 and isinstance(parts[1], dict)):
-        return key
-    corpus, values = parts
-    return settings_key(corpus, {**values, "speed.device": "cpu"} if values.get("speed.device") == "auto" else values)
-
-
-def anchor_key(corpus: str, flags: list[str]) -> str:
-    """bench/anchor.py's flags, which are its own, not train.py's."""
-    return json.dumps([corpus, "anchor", *flags])
-
-
-class Cache:
-    """key -> run_result, in a JSON file rewritten (atomically) after every run, so that a sweep stopped midway
-    keeps what it finished. Each write adds its one entry to the file as it is on disk then, under a lock, so
-    that two sweeps at once keep each other's runs."""
-
-    def __init__(self, path: str):
-        self.path, self.lock = path, threading.Lock()
-        self.entries = self._read()
-
-    def _read(self) -> dict:
-        try:
-            with open(self.path) as f:
-                return {current_key(key): entry for key, entry in json.load(f).items()}
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as e:
-            raise BenchError(f"{self.path}: not a readable cache ({e}); move it away or give another --cache") from None
-
-    def put(self, key: str, result: dict) -> None:
-        """A rerun (--fresh) replaces the entry but keeps its step times on other CPUs: losses pool across
-        machines at one precision, step times only within one."""
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        with self.lock, open(f"{self.path}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            self.entries = {**self.entries, **self._read()}
-            earlier = self.entries.get(key, {}).get("step_s_on", {})
-            self.entries[key] = {**result, "step_s_on": {**earlier, **result.get("step_s_on", {})}}
-            tmp = f"{self.path}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(self.entries, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
 
 
 def train_once(cmd: list[str], out_dir: str, threads: int) -> float:
@@ -705,7 +603,8 @@ def main(argv=None):
               "- noise: a delta counts (**yes**) only when it exceeds both the toggle's and the baseline's spread "
               "over seeds; step time: the median over the toggle's runs of each run's median step (after its first "
               f"{STEP_TIME_SKIP}), against the baseline's on the same CPU (this machine's unless named); final "
-              "losses pool runs from different CPUs", f"- precision: {precision_text(cfg.speed.dtype, cfg.speed.activation_dtype)}", ""]
+              "losses pool runs from different CPUs",
+              f"- precision: {precision_text(cfg.speed.dtype, cfg.speed.activation_dtype)}", ""]
     lines = header + toggle_table(selected, losses, a.max_tokens, step_s, params, step_tokens, here)
     if anchors:
         lines += anchor_lines(anchors, results, selected, losses, a.max_tokens)

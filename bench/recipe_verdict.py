@@ -2,10 +2,11 @@
 
     python bench/recipe_verdict.py bench/results/recipe_prose.json bench/results/recipe_docs.json [--out V.md]
 
-Each input is the .json that bench/recipe.py writes beside its table (one corpus each: its toggles' per-seed
-final val losses by horizon and their step cost). A toggle wins at a horizon when its mean loss is below the
-baseline's by more than both seed spreads (recipe.py's "beyond both spreads", in the right direction). It is
-adopted when, on every corpus, it wins at two thirds of the horizons or more (2 of 3) and its step costs at most
+Each input is the .json that bench/recipe.py writes beside its table (one corpus at one shape: its toggles'
+per-seed final val losses by horizon and their step cost); a corpus may come in several (two widths, say). A
+toggle wins at a horizon when its mean loss is below the baseline's by more than both seed spreads (recipe.py's
+"beyond both spreads", in the right direction). It is adopted when the inputs are of two corpora or more and,
+in every input, it wins at two thirds of the horizons or more (2 of 3) and its step costs at most
 MAX_STEP_COST of the baseline's. A toggle of SAME_WORK_FLAGS alone (LRs, the schedule, an init) runs the very kernels
 its baseline does, so its step costs the same by construction: its measured ratio, which other work on the
 machine moves by more than 10%, is shown and not held against it. A toggle that holds on some corpora only is
@@ -76,7 +77,9 @@ def verdict(records: list[dict], name: str) -> str:
 
 def table(records: list[dict]) -> list[str]:
     names = [n for n in records[0]["toggles"] if n != "baseline" and all(n in r["toggles"] for r in records)]
-    head = " | ".join(f"{r['corpus']}: wins at / step cost" for r in records)
+    corpora = [r["corpus"] for r in records]
+    titles = [c + (f" ({r['file']})" if corpora.count(c) > 1 and "file" in r else "") for c, r in zip(corpora, records)]
+    head = " | ".join(f"{title}: wins at / step cost" for title in titles)
     lines = [f"| toggle | {head} | verdict |", "|---|" + "---|" * len(records) + "---|"]
     for name in names:
         cells = []
@@ -123,7 +126,7 @@ def is_record(record) -> bool:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = ScriptParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("records", nargs="+", help="bench/recipe.py's .json files, one a corpus")
+    p.add_argument("records", nargs="+", help="bench/recipe.py's .json files (of two corpora or more to adopt)")
     p.add_argument("--out", help="also write the table to this markdown file")
     p.add_argument("--step-cost", type=step_cost, action="append", default=[], metavar="NAME=RATIO",
                    help="a toggle's time a token over the baseline's, measured side by side (repeatable)")
@@ -140,13 +143,14 @@ def main(argv=None) -> int:
                     raise ValueError(f"{path}: not JSON ({e})") from None
             if not is_record(record):
                 raise ValueError(f"{path} is not a record bench/recipe.py wrote (its .json beside the table)")
-            records.append(record)
+            records.append({**record, "file": os.path.basename(path)})  # names a corpus's records apart
         with_step_costs(records, a.step_cost)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     lines = [f"Command: `{shlex.join(['python', 'bench/recipe_verdict.py', *argv])}` (rule: wins beyond both "
-             f"spreads at two thirds of the horizons, at most {MAX_STEP_COST:.2f}x the step time, on every corpus)",
+             f"spreads at two thirds of the horizons, at most {MAX_STEP_COST:.2f}x the step time, in every input, of "
+             "two corpora or more)",
              "", *table(records)]
     text = "\n".join(lines) + "\n"
     print(text)

@@ -16,6 +16,7 @@ import docs_corpus  # noqa: E402
 import optimizers  # noqa: E402
 import plot  # noqa: E402
 import recipe  # noqa: E402
+import recipe_cache  # noqa: E402
 import recipe_verdict  # noqa: E402
 import throughput  # noqa: E402
 import tokenizer_speed  # noqa: E402
@@ -379,6 +380,10 @@ def test_recipe_cache_keys_outlive_a_new_model_toggle(tmp_path):
     assert recipe.cache_key("corpus", ["--max-tokens", "4096", "--device", "cpu", "--no-smear"]) != key
     with pytest.raises(recipe.BenchError, match="^--device: this benchmark trains on the CPU"):
         recipe.parse_bench_args(["--device", "cuda"])
+    with pytest.raises(recipe.BenchError, match="^toggle gpu: --device: this benchmark trains on the CPU"):
+        recipe.parse_bench_args(["--toggle", "gpu=--device=cuda"])
+    with pytest.raises(recipe.BenchError, match="^toggle s: --seed is set by this benchmark"):
+        recipe.parse_bench_args(["--toggle", "s=--seed 3"])
 
 
 # The v4 baseline's seed-1 runs at 65,536 tokens in the committed cache, made under --dtype auto (docs/recipe.md).
@@ -424,10 +429,10 @@ def test_recipe_keys_the_stdlib_corpus_on_its_directory_and_shards(monkeypatch, 
 
 def test_recipe_files_a_step_time_under_the_cpu_its_bf16_and_its_threads(monkeypatch):
     """Two CPUs of one model name, one with native bf16: their step times must not be compared."""
-    monkeypatch.setattr(recipe, "cpu_model", lambda: "AMD EPYC")
-    monkeypatch.setattr(recipe, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    monkeypatch.setattr(recipe_cache, "cpu_model", lambda: "AMD EPYC")
+    monkeypatch.setattr(recipe_cache, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
     assert recipe.timing_machine(1) == "AMD EPYC, native bf16, 1 thread a run"
-    monkeypatch.setattr(recipe, "cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr(recipe_cache, "cpu_flags", lambda: {"avx2"})
     assert recipe.timing_machine(2) == "AMD EPYC, no native bf16, 2 threads a run"
 
 
@@ -704,10 +709,14 @@ def test_throughput_prints_its_table_for_a_run_with_the_bf16_stream(tiny_data, t
 def test_default_run_says_the_precision_each_revision_ran_at():
     """--dtype auto resolves per revision (a revision before the CPU probe ran fp32 everywhere): a speed-up
     across revisions is only a speed-up at one precision."""
-    text = default_run.table({"old": [(100.0, 0.5, 10.0, "not recorded")],
-                              "this tree": [(150.0, 0.0, 8.0, "fp32 (requested)"), (148.0, 0.0, 8.1, "fp32 (requested)")]})
+    fp32, bf16 = "fp32", default_run.decision("bf16 autocast (auto: CPU has avx512_bf16; a 1024x1024 bf16 matmul ran "
+                                               "2.1x fp32's rate); activations bf16 end to end (--activation-dtype auto)")
+    assert bf16 == "bf16 autocast, bf16 stream" and default_run.decision(None) == "not recorded"
+    assert default_run.decision("fp32 (auto: this CPU has no native bf16: neither avx512_bf16 nor amx_bf16)") == fp32
+    text = default_run.table({"old": [(100.0, 0.5, 10.0, ("not recorded", "not recorded"))],
+                              "this tree": [(150.0, 0.0, 8.0, (fp32, fp32)), (148.0, 0.0, 8.1, (fp32, bf16))]})
     assert "| old | 100 | 1.00x | - | 50% | 10.0 s | not recorded |" in text
-    assert "| this tree | 149 | 1.49x | 1.49x | 0% | 8.1 s | fp32 (requested) |" in text
+    assert "| this tree | 149 | 1.49x | 1.49x | 0% | 8.1 s | fp32 / bf16 autocast, bf16 stream |" in text
 
 
 def test_an_optimizer_sweep_reuses_a_run_only_at_the_settings_it_ran_with(tmp_path):
@@ -722,3 +731,19 @@ def test_an_optimizer_sweep_reuses_a_run_only_at_the_settings_it_ran_with(tmp_pa
         with open(os.path.join(out_dir, optimizers.RUN_INFO), "w") as f:
             json.dump({**info, "settings": recorded}, f)
         assert optimizers.finished_wall(out_dir, cmd, 7) == reused  # write_run logs steps 0 to 7
+
+
+def test_recipe_keeps_the_precision_a_run_recorded_and_says_when_stored_runs_merge(tmp_path, capsys):
+    out_dir = str(tmp_path / "run")
+    write_run(out_dir, 8, 5.0, 1e-3, seconds_per_step=0.5)
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump({"facts": {"precision": "fp32 (requested)"}}, f)
+    assert recipe_cache.run_result(out_dir, 7, "cpu")["precision"] == "fp32 (requested)"
+    os.remove(os.path.join(out_dir, "summary.json"))  # a run whose report was not written: no precision
+    assert "precision" not in recipe_cache.run_result(out_dir, 7, "cpu")
+    key = recipe.cache_key("corpus", ["--max-tokens", "4096", "--device", "cpu"])
+    corpus, values = json.loads(key)
+    with open(tmp_path / "cache.json", "w") as f:  # one run stored twice: before and after --device was pinned
+        json.dump({json.dumps([corpus, {**values, "speed.device": "auto"}]): {"val_loss": 5.0}, key: {"val_loss": 4.0}}, f)
+    assert recipe.Cache(str(tmp_path / "cache.json")).entries == {key: {"val_loss": 4.0}}
+    assert "1 stored run(s) read as another's configuration" in capsys.readouterr().err
