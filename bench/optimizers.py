@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
+import hardware  # noqa: E402
 from cli import HelpFormatter, UsageError  # noqa: E402
 from curves import plot_runs, read_metrics, series  # noqa: E402
 from runlog import MetricsError  # noqa: E402
@@ -123,7 +124,8 @@ def parse_bench_args(argv):
     p.add_argument("--results-dir", default=os.path.join(REPO, "bench", "results"),
                    help="where each run's directory and the tables go (default: bench/results)")
     p.add_argument("--reuse", action="store_true",
-                   help="skip a run whose directory holds a finished run of the identical command")
+                   help="skip a run whose directory holds a finished run of the identical command, at the settings "
+                        "and precision it would have here")
     a, train_argv = p.parse_known_args(argv)
     a.optimizers = [o.strip() for o in a.optimizers.split(",") if o.strip()]
     bad = [o for o in a.optimizers if o not in OPTIMIZERS]
@@ -166,8 +168,9 @@ def resolved_settings(cmd: list[str]) -> dict:
 
 
 def finished_wall(out_dir: str, cmd: list[str], steps: int) -> float | None:
-    """The wall time of a completed run of exactly cmd, at today's defaults, in out_dir (for --reuse), or None
-    if there is none (a run recorded before its settings were: None, so it runs again)."""
+    """The wall time of a completed run of exactly cmd, at today's defaults and at the precision its --dtype
+    chooses here, in out_dir (for --reuse), or None if there is none (a run recorded before its settings or
+    precision were: None, so it runs again)."""
     try:
         with open(os.path.join(out_dir, RUN_INFO)) as f:
             info = json.load(f)
@@ -175,7 +178,25 @@ def finished_wall(out_dir: str, cmd: list[str], steps: int) -> float | None:
     except (OSError, ValueError, MetricsError):
         return None
     same = info.get("command") == shlex.join(cmd) and info.get("settings") == resolved_settings(cmd)
-    return info["wall_s"] if complete and same else None
+    return info["wall_s"] if complete and same and recorded_precision(out_dir) == precision_here(cmd) else None
+
+
+def recorded_precision(out_dir: str) -> str | None:
+    """What the run's --dtype chose, from its summary.json: "fp32", "bf16 autocast", ... (None: not recorded)."""
+    try:
+        with open(os.path.join(out_dir, "summary.json")) as f:
+            precision = json.load(f)["facts"].get("precision")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return precision.split(" (", 1)[0] if isinstance(precision, str) else None
+
+
+def precision_here(cmd: list[str]) -> str:
+    """What cmd's --dtype chooses on this machine now: --dtype auto times a bf16 probe, which another CPU (or
+    one under load) decides otherwise, so a run made elsewhere may have trained at another precision."""
+    cfg = config.parse_args(cmd[2:])
+    device, _ = hardware.resolve_device(cfg.speed.device)
+    return hardware.resolve_dtype(cfg.speed.dtype, device)[1].split(" (", 1)[0]
 
 
 def train_once(cmd: list[str], out_dir: str, settings: dict | None = None) -> float:

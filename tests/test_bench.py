@@ -721,16 +721,24 @@ def test_default_run_says_the_precision_each_revision_ran_at():
 
 def test_an_optimizer_sweep_reuses_a_run_only_at_the_settings_it_ran_with(tmp_path):
     """--reuse: the same command at a commit with other defaults is another run, and so is one recorded before
-    runs recorded their settings."""
+    runs recorded their settings, or one whose precision is not what --dtype chooses here."""
     out_dir = str(tmp_path / "run")
     write_run(out_dir, 8, 5.0, 1e-3)
-    cmd = [sys.executable, "train.py", "--lr", "0.001"]
+    cmd = [sys.executable, "train.py", "--lr", "0.001", "--dtype", "fp32"]
     settings = optimizers.resolved_settings(cmd)
     info = {"command": optimizers.shlex.join(cmd), "settings": settings, "wall_s": 12.0}
+    summary = os.path.join(out_dir, "summary.json")
     for recorded, reused in ((settings, 12.0), ({**settings, "optim.beta1": 0.8}, None), (None, None)):
         with open(os.path.join(out_dir, optimizers.RUN_INFO), "w") as f:
             json.dump({**info, "settings": recorded}, f)
+        with open(summary, "w") as f:
+            json.dump({"facts": {"precision": "fp32 (requested)"}}, f)
         assert optimizers.finished_wall(out_dir, cmd, 7) == reused  # write_run logs steps 0 to 7
+    with open(summary, "w") as f:  # made where --dtype chose otherwise: another run
+        json.dump({"facts": {"precision": "bf16 autocast (auto: CPU has avx512_bf16; ...)"}}, f)
+    assert optimizers.finished_wall(out_dir, cmd, 7) is None
+    os.remove(summary)  # made before runs recorded their precision
+    assert optimizers.finished_wall(out_dir, cmd, 7) is None
 
 
 def test_recipe_keeps_the_precision_a_run_recorded_and_says_when_stored_runs_merge(tmp_path, capsys):
