@@ -191,12 +191,15 @@ def recorded_precision(out_dir: str) -> str | None:
     return precision.split(" (", 1)[0] if isinstance(precision, str) else None
 
 
-def precision_here(cmd: list[str]) -> str:
+def precision_here(cmd: list[str]) -> str | None:
     """What cmd's --dtype chooses on this machine now: --dtype auto times a bf16 probe, which another CPU (or
     one under load) decides otherwise, so a run made elsewhere may have trained at another precision."""
     cfg = config.parse_args(cmd[2:])
-    device, _ = hardware.resolve_device(cfg.speed.device)
-    return hardware.resolve_dtype(cfg.speed.dtype, device)[1].split(" (", 1)[0]
+    try:
+        device, _ = hardware.resolve_device(cfg.speed.device)
+        return hardware.resolve_dtype(cfg.speed.dtype, device)[1].split(" (", 1)[0]
+    except UsageError:  # no such device here (a run made on a GPU): nothing to reuse; train.py says why in one line
+        return None
 
 
 def train_once(cmd: list[str], out_dir: str, settings: dict | None = None) -> float:

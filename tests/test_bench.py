@@ -719,7 +719,7 @@ def test_default_run_says_the_precision_each_revision_ran_at():
     assert "| this tree | 149 | 1.49x | 1.49x | 0% | 8.1 s | fp32 / bf16 autocast, bf16 stream |" in text
 
 
-def test_an_optimizer_sweep_reuses_a_run_only_at_the_settings_it_ran_with(tmp_path):
+def test_an_optimizer_sweep_reuses_a_run_only_at_the_settings_it_ran_with(tmp_path, monkeypatch):
     """--reuse: the same command at a commit with other defaults is another run, and so is one recorded before
     runs recorded their settings, or one whose precision is not what --dtype chooses here."""
     out_dir = str(tmp_path / "run")
@@ -739,6 +739,8 @@ def test_an_optimizer_sweep_reuses_a_run_only_at_the_settings_it_ran_with(tmp_pa
     assert optimizers.finished_wall(out_dir, cmd, 7) is None
     os.remove(summary)  # made before runs recorded their precision
     assert optimizers.finished_wall(out_dir, cmd, 7) is None
+    monkeypatch.setattr(optimizers.hardware.torch.cuda, "is_available", lambda: False)  # a GPU run, on a CPU
+    assert optimizers.precision_here([sys.executable, "train.py", "--device", "cuda"]) is None
 
 
 def test_recipe_keeps_the_precision_a_run_recorded_and_says_when_stored_runs_merge(tmp_path, capsys):
