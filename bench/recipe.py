@@ -10,8 +10,8 @@ horizons over seeds, with a GPT-2 + AdamW anchor to count tokens against.
 Every (toggle, horizon, seed) is one `python train.py` run at the bench's shape (4 layers, width 256, seq 256,
 micro-batch 16) and precision (fp32: --dtype gives another) on the corpus, trained for exactly the horizon's
 tokens, so that each run's schedule ends at its horizon, with --seed as the seed of the initialisation and the data
-order. Only the final val loss is evaluated,
-on the same val tokens for every run (--eval-tokens 32768 unless given).
+order. Only the final val loss is evaluated, on the same val tokens for every run (--eval-tokens 32768 unless
+given).
 
 The cache (--cache, default bench/results/recipe_cache.json) keeps each run's final val loss, median step time
 and parameter count under its corpus id and the whole configuration its train.py flags resolve to (toggle,
@@ -308,7 +308,6 @@ def select_toggles(a, cfg) -> dict[str, tuple[list[str], str | None]]:
     return {name: (toggles[name][0], not_applicable(toggles[name][0], toggles[name][1], cfg)) for name in chosen}
 
 
-
 # ----------------------------------------------------------------------------- runs
 
 
@@ -339,10 +338,12 @@ def train_once(cmd: list[str], out_dir: str, threads: int) -> float:
 def run_all(jobs: list[dict], cache: Cache, fresh: bool, n_jobs: int, threads: int) -> dict[str, dict]:
     """jobs: {key, label, cmd, out_dir, params} -> {key: its result}: from the cache, unless fresh, else run, n_jobs
     at a time, each result cached as it finishes."""
+    machine = timing_machine(threads)  # the same for every run here; it asks lscpu
+
     def one(job):
         print(f"[run] {job['label']}: {shlex.join(job['cmd'])}", flush=True)
         wall = train_once(job["cmd"], job["out_dir"], threads)
-        result = {**run_result(job["out_dir"], job["params"], timing_machine(threads)), "wall_s": wall}
+        result = {**run_result(job["out_dir"], job["params"], machine), "wall_s": wall}
         cache.put(job["key"], result)
         print(f"      {job['label']}: final val loss {result['val_loss']:.4f}, {wall:.0f} s", flush=True)
         return result
