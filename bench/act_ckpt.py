@@ -16,6 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from atomic import atomic_write  # noqa: E402
 import memory  # noqa: E402
 from cli import HelpFormatter, ScriptParser, out_problem  # noqa: E402
 from hardware import cpu_name  # noqa: E402
@@ -85,8 +86,7 @@ def main(argv=None):
     ])
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"# Activation checkpointing: saved bytes per mode\n\n{text}\n")
+        atomic_write(args.out, f"# Activation checkpointing: saved bytes per mode\n\n{text}\n".encode())
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from atomic import atomic_write  # noqa: E402
 import config  # noqa: E402
 import fp8  # noqa: E402
 import memory  # noqa: E402
@@ -362,11 +363,9 @@ def ladder_main(bench, train_argv, argv):
         if not bench.out:
             return
         os.makedirs(os.path.dirname(os.path.abspath(bench.out)), exist_ok=True)
-        with open(f"{bench.out}.md", "w") as f:
-            f.write(f"# Optimization ladder\n\n{text(rows)}\n")
-        with open(f"{bench.out}.json", "w") as f:
-            json.dump({"header": header, "rungs": [{"key": k, "label": lab, "settings": st, **r}
-                                                   for k, lab, st, r in rows]}, f, indent=1)
+        atomic_write(f"{bench.out}.md", f"# Optimization ladder\n\n{text(rows)}\n".encode())
+        atomic_write(f"{bench.out}.json", json.dumps({"header": header, "rungs": [
+            {"key": k, "label": lab, "settings": st, **r} for k, lab, st, r in rows]}, indent=1).encode())
         if not bench.no_chart and importlib.util.find_spec("matplotlib") is not None:
             write_chart(rows, f"{bench.out}.png", f"Optimization ladder: {describe_machine()}")
 
@@ -406,8 +405,7 @@ def sweep_main(bench, train_argv, argv):
         print(lines[-1], flush=True)
         if bench.out:
             os.makedirs(os.path.dirname(os.path.abspath(bench.out)), exist_ok=True)
-            with open(f"{bench.out}.md", "w") as f:
-                f.write(f"# MFU sweep\n\n{header}\n\n" + "\n".join(lines) + "\n")
+            atomic_write(f"{bench.out}.md", (f"# MFU sweep\n\n{header}\n\n" + "\n".join(lines) + "\n").encode())
 
     print(header, "", *lines, sep="\n")
     started = time.perf_counter()

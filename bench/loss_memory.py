@@ -28,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from atomic import atomic_write  # noqa: E402
 import hardware  # noqa: E402
 import memory  # noqa: E402
 from cli import HelpFormatter, ScriptParser, count, out_problem  # noqa: E402
@@ -178,8 +179,7 @@ def main(argv=None):
     ])
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"# Loss path: unfused vs chunked lm_head + cross-entropy\n\n{text}\n")
+        atomic_write(args.out, f"# Loss path: unfused vs chunked lm_head + cross-entropy\n\n{text}\n".encode())
 
 
 if __name__ == "__main__":

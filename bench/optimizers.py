@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
+from atomic import atomic_write  # noqa: E402
 import hardware  # noqa: E402
 from cli import HelpFormatter, UsageError  # noqa: E402
 from curves import plot_runs, read_metrics, series  # noqa: E402
@@ -324,6 +325,60 @@ def report(a, results, adam_lrs, walls, command, hardware, code, loads) -> str:
     return "\n".join(lines)
 
 
+def optimizer_lrs(a, optimizer: str, results: dict) -> tuple[list[float], float | None]:
+    """-> (the LRs to sweep for optimizer, Muon's AdamW-side LR or None): adamw8bit and Muon's AdamW side take
+    AdamW's best LR unless given, so AdamW runs first."""
+    adam_lr = None
+    if optimizer == "muon":
+        adam_lr = a.muon_adam_lr
+        if adam_lr is None and results.get("adamw"):
+            adam_lr = best_lr(results["adamw"])
+    lrs = {"adamw": a.adamw_lrs, "adamw8bit": a.adamw8bit_lrs, "muon": a.muon_lrs}[optimizer]
+    if lrs is None:  # adamw8bit's default
+        if not results.get("adamw"):
+            raise BenchError("--adamw8bit-lrs is needed when adamw does not run before adamw8bit")
+        lrs = [best_lr(results["adamw"])]
+    return lrs, adam_lr
+
+
+def sweep(a, train_argv: list[str]) -> tuple[dict, dict, dict, int]:
+    """Every (optimizer, LR) run, or its earlier run under --reuse -> (optimizer -> LR -> metrics records,
+    optimizer -> LR -> wall seconds, optimizer -> Muon's AdamW-side LR, how many were reused)."""
+    results, walls, adam_lrs, reused = {}, {}, {}, 0
+    for optimizer in a.optimizers:
+        lrs, adam_lr = optimizer_lrs(a, optimizer, results)
+        if optimizer == "muon":
+            adam_lrs[optimizer] = adam_lr
+        results[optimizer], walls[optimizer] = {}, {}
+        for lr in lrs:
+            out_dir = os.path.join(a.results_dir, "runs", run_name(optimizer, lr))
+            cmd = train_command(a, train_argv, optimizer, lr, adam_lr, out_dir)
+            wall = finished_wall(out_dir, cmd, a.steps) if a.reuse else None
+            if wall is not None:
+                reused += 1
+                print(f"[reuse] {run_name(optimizer, lr)}", flush=True)
+            else:
+                print(f"[run] {shlex.join(cmd)}", flush=True)
+                wall = train_once(cmd, out_dir, resolved_settings(cmd))
+            records = read_metrics(out_dir)
+            results[optimizer][lr], walls[optimizer][lr] = records, wall
+            print(f"      final val loss {final_val_loss(records):.4f}, wall {wall:.0f} s", flush=True)
+    return results, walls, adam_lrs, reused
+
+
+def plot_best(results: dict, png_path: str) -> None:
+    """The val-loss curve of each optimizer's best LR, zoomed to where the runs separate."""
+    best_runs = {f"{o} (LR {best_lr(r):g})": r[best_lr(r)] for o, r in results.items() if best_lr(r) is not None}
+    target = None
+    if results.get("adamw") and best_lr(results["adamw"]) is not None:
+        target = (final_val_loss(results["adamw"][best_lr(results["adamw"])]), "AdamW's best final val loss")
+    finals = [final_val_loss(r) for r in best_runs.values()]
+    # From just under the best final loss to 1.0 above the worst one.
+    ylim = (min(finals) - 0.1, max(finals) + 1.0) if finals else None
+    plot_runs(best_runs, png_path, panels=("val_loss",), target=target, loss_ylim=ylim,
+              title="validation loss, best LR of each optimizer (zoomed; earlier evals are off the top)")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     # The thread count and priority change tokens/s, so the reproducing command carries them too.
@@ -337,35 +392,9 @@ def main(argv=None):
         sys.exit(2)
     loads = [os.getloadavg()[0]]
     hardware, code = hardware_line(), code_line()
-    results, walls, adam_lrs, reused = {}, {}, {}, 0
     t_start = time.perf_counter()
     try:
-        for optimizer in a.optimizers:
-            adam_lr = None
-            if optimizer == "muon":
-                adam_lr = a.muon_adam_lr
-                if adam_lr is None and results.get("adamw"):
-                    adam_lr = best_lr(results["adamw"])
-                adam_lrs[optimizer] = adam_lr
-            lrs = {"adamw": a.adamw_lrs, "adamw8bit": a.adamw8bit_lrs, "muon": a.muon_lrs}[optimizer]
-            if lrs is None:  # adamw8bit's default
-                if not results.get("adamw"):
-                    raise BenchError("--adamw8bit-lrs is needed when adamw does not run before adamw8bit")
-                lrs = [best_lr(results["adamw"])]
-            results[optimizer], walls[optimizer] = {}, {}
-            for lr in lrs:
-                out_dir = os.path.join(a.results_dir, "runs", run_name(optimizer, lr))
-                cmd = train_command(a, train_argv, optimizer, lr, adam_lr, out_dir)
-                wall = finished_wall(out_dir, cmd, a.steps) if a.reuse else None
-                if wall is not None:
-                    reused += 1
-                    print(f"[reuse] {run_name(optimizer, lr)}", flush=True)
-                else:
-                    print(f"[run] {shlex.join(cmd)}", flush=True)
-                    wall = train_once(cmd, out_dir, resolved_settings(cmd))
-                records = read_metrics(out_dir)
-                results[optimizer][lr], walls[optimizer][lr] = records, wall
-                print(f"      final val loss {final_val_loss(records):.4f}, wall {wall:.0f} s", flush=True)
+        results, walls, adam_lrs, reused = sweep(a, train_argv)
     except (BenchError, MetricsError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -378,17 +407,8 @@ def main(argv=None):
               f"this invocation: {time.perf_counter() - t_start:.0f} s.\n")
     os.makedirs(a.results_dir, exist_ok=True)
     md_path, png_path = os.path.join(a.results_dir, "optimizers.md"), os.path.join(a.results_dir, "optimizers.png")
-    with open(md_path, "w") as f:
-        f.write(table)
-    best_runs = {f"{o} (LR {best_lr(r):g})": r[best_lr(r)] for o, r in results.items() if best_lr(r) is not None}
-    target = None
-    if results.get("adamw") and best_lr(results["adamw"]) is not None:
-        target = (final_val_loss(results["adamw"][best_lr(results["adamw"])]), "AdamW's best final val loss")
-    finals = [final_val_loss(r) for r in best_runs.values()]
-    # Zoomed to where the runs separate: from just under the best final loss to 1.0 above the worst one.
-    ylim = (min(finals) - 0.1, max(finals) + 1.0) if finals else None
-    plot_runs(best_runs, png_path, panels=("val_loss",), target=target, loss_ylim=ylim,
-              title="validation loss, best LR of each optimizer (zoomed; earlier evals are off the top)")
+    atomic_write(md_path, table.encode())
+    plot_best(results, png_path)
     print()
     print(table)
     print(f"wrote {md_path} and {png_path}")

@@ -24,6 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from atomic import atomic_write  # noqa: E402
 import config  # noqa: E402
 import hardware  # noqa: E402
 import loop  # noqa: E402
@@ -104,8 +105,7 @@ def main(argv=None):
         lines.append(row)
         print(row, flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+        atomic_write(args.out, ("\n".join(lines) + "\n").encode())
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from atomic import atomic_write  # noqa: E402
 import hardware  # noqa: E402
 import loop  # noqa: E402
 import throughput  # noqa: E402
@@ -223,8 +224,7 @@ def main(argv=None):
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+        atomic_write(args.out, text.encode())
 
 
 if __name__ == "__main__":

@@ -49,10 +49,12 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
+from atomic import atomic_write  # noqa: E402
 from batch import batch_layout  # noqa: E402
 from cli import DataError, HelpFormatter, UsageError, cache_root  # noqa: E402
 from data import fingerprint, split_paths  # noqa: E402
@@ -540,81 +542,113 @@ def toggle_sizes(selected: dict, flags: list[str]) -> tuple[dict, dict]:
     return params, step_tokens
 
 
+class Plan(NamedTuple):
+    """A checked invocation: what every run of it shares and which toggles it runs."""
+    args: argparse.Namespace  # the bench's own flags
+    train_argv: list[str]  # the train.py flags given on its command line
+    flags: list[str]  # the train.py flags every run shares, --data among them
+    data_flags: list[str]  # the corpus's --data, when the bench names it
+    corpus: str  # the corpus's cache id
+    corpus_text: str  # and its description for the header
+    selected: dict  # toggle name -> (its flags, why it does not apply or None)
+    params: dict  # toggle name -> parameter count
+    step_tokens: dict  # toggle name -> tokens per optimizer step
+    cfg: object  # train.py's config at the first horizon, toggles aside
+
+
+def plan(argv: list[str]) -> Plan:
+    """Every check an invocation needs, done before any run starts."""
+    a, train_argv = parse_bench_args(argv)
+    data_flags, corpus, corpus_text = corpus_of(a, train_argv)
+    flags = [*common_flags(a, train_argv), *data_flags]
+    cfg = config.parse_args([*flags, "--max-tokens", str(a.max_tokens[0])])
+    selected = select_toggles(a, cfg)
+    params, step_tokens = toggle_sizes(selected, flags)
+    selected = without_no_ops(selected, flags)
+    if a.max_tokens[0] < max(step_tokens.values(), default=0):  # train.py would round up to a whole step
+        raise BenchError(f"--max-tokens {a.max_tokens[0]:,} is less than one step's "
+                         f"{max(step_tokens.values()):,} tokens")
+    return Plan(a, train_argv, flags, data_flags, corpus, corpus_text, selected, params, step_tokens, cfg)
+
+
+def toggle_jobs(a, flags: list[str], corpus: str, selected: dict, params: dict, runs_dir: str) -> list[dict]:
+    """One train.py run per (toggle, horizon, seed), each with its cache key and its own output directory."""
+    jobs = []
+    for name, (toggle_flags, why) in selected.items():
+        for h in a.max_tokens if why is None else []:
+            for seed in a.seeds:
+                run_flags = [*flags, *toggle_flags, "--max-tokens", str(h), "--seed", str(seed)]
+                out_dir = os.path.join(runs_dir, f"{name}_{h}_seed{seed}")
+                jobs.append({"key": cache_key(corpus, run_flags), "label": f"{name}, {h:,} tokens, seed {seed}",
+                             "name": name, "horizon": h, "out_dir": out_dir, "params": params[name],
+                             # --overwrite: a --runs-dir may hold an earlier invocation's runs
+                             "cmd": [sys.executable, os.path.join(REPO, "train.py"), *run_flags, "--out-dir",
+                                     out_dir, "--overwrite"]})
+    return jobs
+
+
+def report_header(command: str, p: Plan, machine: tuple, n_runs: int, run_walls: float,
+                  seconds: float) -> list[str]:
+    """The results file's header: how to make it again, on what, at what cost. machine: (CPU, cores, threads)."""
+    a, flags, here, (cores, threads) = p.args, p.flags, machine[0], machine[1:]
+    return ["# Recipe toggles", "", f"- command: `{command}`",
+            f"- corpus: {p.corpus_text} (cache id `{p.corpus}`)",
+            f"- common train.py flags: `{shlex.join(flags)}`; horizons {', '.join(f'{h:,}' for h in a.max_tokens)} "
+            f"tokens (`--max-tokens`, each its own run); seeds {', '.join(map(str, a.seeds))}",
+            f"- machine: CPU {here}, {cores} cores, shared with other work; {a.jobs} run(s) at once with "
+            f"OMP_NUM_THREADS={threads}; not measured on a GPU",
+            f"- code: {code_line()}",
+            f"- time: {n_runs} runs, {run_walls / 3600:.2f} h of run wall time in all (about "
+            f"{run_walls / a.jobs / 3600:.2f} h at {a.jobs} at once); this invocation {seconds:,.0f} s",
+            "- noise: a delta counts (**yes**) only when it exceeds both the toggle's and the baseline's spread "
+            "over seeds; step time: the median over the toggle's runs of each run's median step (after its first "
+            f"{STEP_TIME_SKIP}), against the baseline's on the same CPU (this machine's unless named); final "
+            "losses pool runs from different CPUs",
+            f"- precision: {precision_text(p.cfg.speed.dtype, p.cfg.speed.activation_dtype)}", ""]
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     command = shlex.join(["python", "bench/recipe.py", *argv])
     started = time.perf_counter()
     try:
-        a, train_argv = parse_bench_args(argv)
-        data_flags, corpus, corpus_text = corpus_of(a, train_argv)
-        flags = [*common_flags(a, train_argv), *data_flags]
-        cfg = config.parse_args([*flags, "--max-tokens", str(a.max_tokens[0])])  # checked before any run starts
-        selected = select_toggles(a, cfg)
-        params, step_tokens = toggle_sizes(selected, flags)
-        selected = without_no_ops(selected, flags)
-        if a.max_tokens[0] < max(step_tokens.values(), default=0):  # train.py would round up to a whole step
-            raise BenchError(f"--max-tokens {a.max_tokens[0]:,} is less than one step's "
-                             f"{max(step_tokens.values()):,} tokens")
+        p = plan(argv)
     except (BenchError, UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    a = p.args
     threads = max(1, cores // a.jobs)
     here = timing_machine(threads)
     with tempfile.TemporaryDirectory(prefix="recipe_") as tmp:
         runs_dir = a.runs_dir or tmp
         cache_path = a.cache or (os.path.join(runs_dir, "recipe_cache.json") if a.smoke else
                                  os.path.join(REPO, "bench", "results", "recipe_cache.json"))
-        jobs = []
-        for name, (toggle_flags, why) in selected.items():
-            for h in a.max_tokens if why is None else []:
-                for seed in a.seeds:
-                    run_flags = [*flags, *toggle_flags, "--max-tokens", str(h), "--seed", str(seed)]
-                    out_dir = os.path.join(runs_dir, f"{name}_{h}_seed{seed}")
-                    jobs.append({"key": cache_key(corpus, run_flags), "label": f"{name}, {h:,} tokens, seed {seed}",
-                                 "name": name, "horizon": h, "out_dir": out_dir, "params": params[name],
-                                 # --overwrite: a --runs-dir may hold an earlier invocation's runs
-                                 "cmd": [sys.executable, os.path.join(REPO, "train.py"), *run_flags, "--out-dir",
-                                         out_dir, "--overwrite"]})
-        data = data_flags[1] if data_flags else flag_value(train_argv, "--data")
-        anchors = anchor_jobs(a, cfg, corpus, data, runs_dir) if a.anchor_lrs else []
+        jobs = toggle_jobs(a, p.flags, p.corpus, p.selected, p.params, runs_dir)
+        data = p.data_flags[1] if p.data_flags else flag_value(p.train_argv, "--data")
+        anchors = anchor_jobs(a, p.cfg, p.corpus, data, runs_dir) if a.anchor_lrs else []
         try:
             # The anchor's runs first: the longest, they would otherwise finish alone after the rest
             results = run_all(anchors + jobs, Cache(cache_path), a.fresh, a.jobs, threads)
         except (BenchError, MetricsError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-    losses = {}
+    losses, step_s = {}, {name: {} for name in p.params}
     for job in jobs:
         losses.setdefault((job["name"], job["horizon"]), []).append(results[job["key"]]["val_loss"])
-    step_s = {name: {} for name in params}
-    for job in jobs:
         for cpu, seconds in results[job["key"]].get("step_s_on", {}).items():
             step_s[job["name"]].setdefault(cpu, []).append(seconds)
     run_walls = sum(results[job["key"]]["wall_s"] for job in jobs + anchors)
-    header = ["# Recipe toggles", "", f"- command: `{command}`",
-              f"- corpus: {corpus_text} (cache id `{corpus}`)",
-              f"- common train.py flags: `{shlex.join(flags)}`; horizons {', '.join(f'{h:,}' for h in a.max_tokens)} "
-              f"tokens (`--max-tokens`, each its own run); seeds {', '.join(map(str, a.seeds))}",
-              f"- machine: CPU {here}, {cores} cores, shared with other work; {a.jobs} run(s) at once with "
-              f"OMP_NUM_THREADS={threads}; not measured on a GPU",
-              f"- code: {code_line()}",
-              f"- time: {len(jobs) + len(anchors)} runs, {run_walls / 3600:.2f} h of run wall time in all (about "
-              f"{run_walls / a.jobs / 3600:.2f} h at {a.jobs} at once); this invocation {time.perf_counter() - started:,.0f} s",
-              "- noise: a delta counts (**yes**) only when it exceeds both the toggle's and the baseline's spread "
-              "over seeds; step time: the median over the toggle's runs of each run's median step (after its first "
-              f"{STEP_TIME_SKIP}), against the baseline's on the same CPU (this machine's unless named); final "
-              "losses pool runs from different CPUs",
-              f"- precision: {precision_text(cfg.speed.dtype, cfg.speed.activation_dtype)}", ""]
-    lines = header + toggle_table(selected, losses, a.max_tokens, step_s, params, step_tokens, here)
+    lines = report_header(command, p, (here, cores, threads), len(jobs) + len(anchors), run_walls,
+                          time.perf_counter() - started)
+    lines += toggle_table(p.selected, losses, a.max_tokens, step_s, p.params, p.step_tokens, here)
     if anchors:
-        lines += anchor_lines(anchors, results, selected, losses, a.max_tokens)
+        lines += anchor_lines(anchors, results, p.selected, losses, a.max_tokens)
     report = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        f.write(report)
-    with open(os.path.splitext(a.out)[0] + ".json", "w") as f:  # bench/recipe_verdict.py's input
-        json.dump(results_record(corpus, selected, losses, a.max_tokens, step_s, step_tokens, here), f, indent=1)
+    record = results_record(p.corpus, p.selected, losses, a.max_tokens, step_s, p.step_tokens, here)
+    atomic_write(a.out, report.encode())
+    atomic_write(os.path.splitext(a.out)[0] + ".json", json.dumps(record, indent=1).encode())  # recipe_verdict's
     print()
     print(report)
     print(f"wrote {a.out}")

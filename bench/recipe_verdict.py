@@ -26,6 +26,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from atomic import atomic_write  # noqa: E402
 from cli import HelpFormatter, ScriptParser, out_problem  # noqa: E402
 
 MAX_STEP_COST = 1.10  # a toggle may cost at most 10% more time a token than the baseline
@@ -155,8 +156,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+        atomic_write(a.out, text.encode())
     return 0
 
 

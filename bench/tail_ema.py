@@ -25,6 +25,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from atomic import atomic_write  # noqa: E402
 import config  # noqa: E402
 import recipe  # noqa: E402
 from batch import batch_layout, max_steps  # noqa: E402
@@ -134,8 +135,7 @@ def main(argv=None):
              *table(rows, steps)]
     report = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        f.write(report)
+    atomic_write(a.out, report.encode())
     print(report)
 
 

@@ -1,6 +1,6 @@
 """The project's shape, held by its own test: every product file (the .py files at the root) within its size,
-every function within its length, train.py within its own limit, no import circle among the product files,
-model.py free of the project's other files but option.py (a leaf), and one way to declare a config field."""
+every function within its length (the bench's and docs' scripts' too), train.py within its own limit, no import
+circle among the product files, model.py free of the project's other files but option.py (a leaf), and one way to declare a config field."""
 
 import ast
 import os
@@ -51,8 +51,20 @@ def test_train_py_stays_a_table_of_contents():
     assert line_count("train") <= MAX_TRAIN_LINES
 
 
+def script_trees() -> dict[str, ast.Module]:
+    """The benchmarks' and the docs' generators: held to the product's function length too."""
+    trees = {}
+    for folder in ("bench", "docs"):
+        for name in sorted(os.listdir(os.path.join(REPO, folder))):
+            if name.endswith(".py"):
+                with open(os.path.join(REPO, folder, name), encoding="utf-8") as f:
+                    trees[f"{folder}/{name[:-3]}"] = ast.parse(f.read())
+    return trees
+
+
 def test_no_function_is_over_its_length():
-    long = [f"{m}.py:{node.name} {node.end_lineno - node.lineno + 1}" for m, tree in product_files().items()
+    long = [f"{m}.py:{node.name} {node.end_lineno - node.lineno + 1}"
+            for m, tree in {**product_files(), **script_trees()}.items()
             for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
             and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
