@@ -1,6 +1,7 @@
 """The project's shape, held by its own test: every product file (the .py files at the root) within its size,
 every function within its length (the bench's and docs' scripts' too), train.py within its own limit, no import
-circle among the product files, model.py free of the project's other files but option.py (a leaf), and one way to declare a config field."""
+circle among the product files, model.py free of the project's other files but option.py (a leaf), and one way
+to declare a config field."""
 
 import ast
 import os
