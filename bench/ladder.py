@@ -33,7 +33,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from atomic import atomic_write  # noqa: E402
+from atomic import atomic_write, replace_with  # noqa: E402
 import config  # noqa: E402
 import fp8  # noqa: E402
 import memory  # noqa: E402
@@ -331,7 +331,7 @@ def write_chart(rows, path, title):
     ax.set_title(title, fontsize=9)
     ax.set_xlim(0, max(values + [1.0]) * 1.25)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    replace_with(path, lambda f: fig.savefig(f, dpi=120, format="png"), what="figure")
     plt.close(fig)
 
 
