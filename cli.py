@@ -164,11 +164,16 @@ def count(text: str) -> int:
     return value
 
 
-def out_problem(path: str | None) -> str | None:
-    """Why a benchmark's --out could not be written once it has measured (its directory is missing), or None:
-    asked before the measurement, which a late failure would throw away."""
-    folder = os.path.dirname(os.path.abspath(path)) if path else None
-    return f"--out {path}: no directory {folder}" if folder and not os.path.isdir(folder) else None
+def out_problem(path: str | None, makes_folder: bool = False) -> str | None:
+    """Why a benchmark's --out could not be written once it has measured (a directory is in its place, or its
+    own directory is missing where the benchmark does not make it), or None: asked before the measurement, which
+    a late failure would throw away."""
+    if not path:
+        return None
+    if os.path.isdir(path):
+        return f"--out {path}: a directory, where the table is to be written as a file"
+    folder = os.path.dirname(os.path.abspath(path))
+    return None if makes_folder or os.path.isdir(folder) else f"--out {path}: no directory {folder}"
 
 
 def first_line(error: BaseException) -> str:

@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 from atomic import atomic_write  # noqa: E402
 from batch import batch_layout  # noqa: E402
-from cli import DataError, HelpFormatter, UsageError, cache_root  # noqa: E402
+from cli import DataError, HelpFormatter, UsageError, cache_root, out_problem  # noqa: E402
 from data import fingerprint, split_paths  # noqa: E402
 from docs_corpus import default_dir as docs_dir  # noqa: E402
 from optimizers import code_line  # noqa: E402
@@ -559,6 +559,11 @@ class Plan(NamedTuple):
 def plan(argv: list[str]) -> Plan:
     """Every check an invocation needs, done before any run starts."""
     a, train_argv = parse_bench_args(argv)
+    record = os.path.splitext(a.out)[0] + ".json"  # the table's record, for bench/recipe_verdict.py
+    if problem := out_problem(a.out, makes_folder=True):  # before any run, not after the sweep's hours
+        raise BenchError(problem)
+    if os.path.isdir(record):
+        raise BenchError(f"--out {a.out}: a directory at {record}, where the table's record is to be written")
     data_flags, corpus, corpus_text = corpus_of(a, train_argv)
     flags = [*common_flags(a, train_argv), *data_flags]
     cfg = config.parse_args([*flags, "--max-tokens", str(a.max_tokens[0])])

@@ -30,7 +30,7 @@ import config  # noqa: E402
 import recipe  # noqa: E402
 from batch import batch_layout, max_steps  # noqa: E402
 from checkpoint import checkpoint_step, list_checkpoints  # noqa: E402
-from cli import HelpFormatter, ScriptParser, UsageError  # noqa: E402
+from cli import HelpFormatter, ScriptParser, UsageError, out_problem  # noqa: E402
 from curves import read_metrics  # noqa: E402
 from distributed import DistInfo  # noqa: E402
 from evaluation import Evaluator  # noqa: E402
@@ -57,6 +57,8 @@ def parse_args(argv):
     a, train_argv = p.parse_known_args(argv)
     if not all(0 < s < 1 for s in a.starts) or not all(0 < d < 1 for d in a.decays):
         raise recipe.BenchError("--starts and --decays must be in (0, 1)")
+    if problem := out_problem(a.out, makes_folder=True):
+        raise recipe.BenchError(problem)
     a.optimizer, a.smoke = "muon", False  # what bench/recipe.py's common_flags reads
     return a, train_argv
 

@@ -308,6 +308,18 @@ def test_recipe_names_the_one_flag_at_fault(argv, message):
     assert str(e.value) == message
 
 
+@pytest.mark.parametrize("in_the_way, said", [
+    ("t.md", "--out {out}: a directory, where the table is to be written as a file"),
+    ("t.json", "--out {out}: a directory at {tmp}/t.json, where the table's record is to be written")])
+def test_recipe_refuses_an_out_it_could_not_write_before_any_run(tmp_path, capsys, in_the_way, said):
+    """The table or its record beside it: a directory in its place would fail only after the sweep's hours."""
+    (tmp_path / in_the_way).mkdir()
+    with pytest.raises(SystemExit) as e:
+        recipe.main(["--smoke", "--out", str(tmp_path / "t.md")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"error: {said.format(out=tmp_path / 't.md', tmp=tmp_path)}\n"
+
+
 def test_recipe_names_the_toggle_whose_flags_train_py_refuses():
     with pytest.raises(recipe.BenchError, match=r"^toggle x \(--no-such-flag\): unrecognized arguments: --no-such"):
         recipe.toggle_sizes({"x": (["--no-such-flag"], None)}, TINY_FLAGS)
