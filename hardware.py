@@ -154,6 +154,12 @@ def resolve_dtype(requested: str, device: torch.device) -> tuple[torch.dtype | N
     return None, "fp32 (requested)"
 
 
+def precision_name(reason: str) -> str:
+    """The choice a resolve_dtype reason names ("fp32", "bf16 autocast", ...), without its why in parentheses:
+    what runs made by different processes or CPUs are compared on."""
+    return reason.split(" (", 1)[0]
+
+
 def activation_dtype(requested: str, autocast_dtype: torch.dtype | None, device: torch.device) -> torch.dtype | None:
     """--activation-dtype as model.GPT.activation_dtype: None keeps the residual stream float32 (autocast's own);
     bf16 runs it in bf16. auto is bf16 under bf16 autocast on CUDA, where the stream's elementwise kernels move

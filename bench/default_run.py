@@ -54,7 +54,7 @@ def decision(precision: str | None) -> str:
     "fp32", "bf16 autocast", "bf16 autocast, bf16 stream"; "not recorded" where the revision did not record it."""
     if not precision:
         return "not recorded"
-    return precision.split(" (", 1)[0] + (", bf16 stream" if "bf16 end to end" in precision else "")
+    return hardware.precision_name(precision) + (", bf16 stream" if "bf16 end to end" in precision else "")
 
 
 def worktree(rev: str, scratch: str) -> str:

@@ -189,7 +189,7 @@ def recorded_precision(out_dir: str) -> str | None:
             precision = json.load(f)["facts"].get("precision")
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return precision.split(" (", 1)[0] if isinstance(precision, str) else None
+    return hardware.precision_name(precision) if isinstance(precision, str) else None
 
 
 def precision_here(cmd: list[str]) -> str | None:
@@ -198,7 +198,7 @@ def precision_here(cmd: list[str]) -> str | None:
     cfg = config.parse_args(cmd[2:])
     try:
         device, _ = hardware.resolve_device(cfg.speed.device)
-        return hardware.resolve_dtype(cfg.speed.dtype, device)[1].split(" (", 1)[0]
+        return hardware.precision_name(hardware.resolve_dtype(cfg.speed.dtype, device)[1])
     except UsageError:  # no such device here (a run made on a GPU): nothing to reuse; train.py says why in one line
         return None
 

@@ -137,3 +137,9 @@ def test_activation_dtype_auto_is_bf16_only_under_bf16_autocast_on_cuda():
     assert hardware.activation_dtype("auto", torch.bfloat16, cpu) is None
     for resolved in (None, torch.float16):  # no autocast, or fp16's: never an error under auto
         assert hardware.activation_dtype("auto", resolved, cuda) is None
+
+
+@pytest.mark.parametrize("requested, name", [("fp32", "fp32"), ("bf16", "bf16 autocast")])
+def test_precision_name_is_the_choice_a_reason_names_without_the_why(requested, name):
+    assert hardware.precision_name(hardware.resolve_dtype(requested, torch.device("cpu"))[1]) == name
+    assert hardware.precision_name("fp32 (auto: CPU has avx512_bf16; a bf16 matmul ran 0.5x)") == "fp32"
