@@ -165,15 +165,20 @@ def count(text: str) -> int:
 
 
 def out_problem(path: str | None, makes_folder: bool = False) -> str | None:
-    """Why a benchmark's --out could not be written once it has measured (a directory is in its place, or its
-    own directory is missing where the benchmark does not make it), or None: asked before the measurement, which
-    a late failure would throw away."""
+    """Why a benchmark's --out could not be written once it has measured, or None: asked before the measurement,
+    which a late failure would throw away. A directory is in its place (or the path names one, ending in a
+    slash); its folder is missing where the benchmark does not make it, or a file stands where it would."""
     if not path:
         return None
-    if os.path.isdir(path):
-        return f"--out {path}: a directory, where the table is to be written as a file"
+    if path.endswith(("/", os.sep)) or os.path.isdir(path):
+        return f"--out {path}: a directory, where a file is to be written"
     folder = os.path.dirname(os.path.abspath(path))
-    return None if makes_folder or os.path.isdir(folder) else f"--out {path}: no directory {folder}"
+    if not makes_folder:
+        return None if os.path.isdir(folder) else f"--out {path}: no directory {folder}"
+    existing = folder
+    while not os.path.exists(existing):  # the nearest ancestor there is: the folders below it can be made
+        existing = os.path.dirname(existing)
+    return None if os.path.isdir(existing) else f"--out {path}: {existing} is a file, where a directory is to be made"
 
 
 def first_line(error: BaseException) -> str:

@@ -309,7 +309,7 @@ def test_recipe_names_the_one_flag_at_fault(argv, message):
 
 
 @pytest.mark.parametrize("in_the_way, said", [
-    ("t.md", "--out {out}: a directory, where the table is to be written as a file"),
+    ("t.md", "--out {out}: a directory, where a file is to be written"),
     ("t.json", "--out {out}: a directory at {tmp}/t.json, where the table's record is to be written")])
 def test_recipe_refuses_an_out_it_could_not_write_before_any_run(tmp_path, capsys, in_the_way, said):
     """The table or its record beside it: a directory in its place would fail only after the sweep's hours."""
@@ -663,6 +663,8 @@ def test_tail_ema_averages_the_checkpoints_from_each_start_and_keeps_the_last_we
     assert list(emas) == [(3, 0.75)]
     with pytest.raises(recipe.BenchError, match="--starts and --decays must be in"):
         tail_ema.parse_args(["--decays", "1"])
+    with pytest.raises(recipe.BenchError, match=f"^--out {tmp_path}: a directory, where a file is to be written$"):
+        tail_ema.parse_args(["--out", str(tmp_path)])
 
 
 def test_an_optimizer_sweep_keeps_an_earlier_run_until_its_own_has_finished(tmp_path):

@@ -137,6 +137,10 @@ def test_a_benchmarks_counts_and_out_file_are_checked_before_it_measures(tmp_pat
     assert out_problem(None) is None and out_problem(str(tmp_path / "t.md")) is None
     missing = tmp_path / "missing"
     assert out_problem(str(missing / "t.md")) == f"--out {missing}/t.md: no directory {missing}"
-    assert out_problem(str(missing / "t.md"), makes_folder=True) is None  # a benchmark that makes its folder
-    assert out_problem(str(tmp_path), makes_folder=True) == (f"--out {tmp_path}: a directory, where the table is "
-                                                             "to be written as a file")
+    assert out_problem(str(missing / "deeper" / "t.md"), makes_folder=True) is None  # a benchmark that makes it
+    for makes_folder in False, True:
+        for folder in str(tmp_path), f"{missing}/":  # there, or named as one
+            assert out_problem(folder, makes_folder) == f"--out {folder}: a directory, where a file is to be written"
+    (tmp_path / "a_file").write_text("")
+    assert out_problem(str(tmp_path / "a_file" / "sub" / "t.md"), makes_folder=True) == (
+        f"--out {tmp_path}/a_file/sub/t.md: {tmp_path}/a_file is a file, where a directory is to be made")
