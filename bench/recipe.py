@@ -562,6 +562,8 @@ def plan(argv: list[str]) -> Plan:
     record = os.path.splitext(a.out)[0] + ".json"  # the table's record, for bench/recipe_verdict.py
     if problem := out_problem(a.out, makes_folder=True):  # before any run, not after the sweep's hours
         raise BenchError(problem)
+    if record == a.out:
+        raise BenchError(f"--out {a.out}: the table's record is written beside it as .json; name the table .md")
     if os.path.isdir(record):
         raise BenchError(f"--out {a.out}: a directory at {record}, where the table's record is to be written")
     data_flags, corpus, corpus_text = corpus_of(a, train_argv)

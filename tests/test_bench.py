@@ -310,12 +310,15 @@ def test_recipe_names_the_one_flag_at_fault(argv, message):
 
 @pytest.mark.parametrize("in_the_way, said", [
     ("t.md", "--out {out}: a directory, where a file is to be written"),
-    ("t.json", "--out {out}: a directory at {tmp}/t.json, where the table's record is to be written")])
+    ("t.json", "--out {out}: a directory at {tmp}/t.json, where the table's record is to be written"),
+    (None, "--out {tmp}/t.json: the table's record is written beside it as .json; name the table .md")])
 def test_recipe_refuses_an_out_it_could_not_write_before_any_run(tmp_path, capsys, in_the_way, said):
-    """The table or its record beside it: a directory in its place would fail only after the sweep's hours."""
-    (tmp_path / in_the_way).mkdir()
+    """The table or its record beside it: a directory in its place would fail only after the sweep's hours, and
+    a table named .json would be overwritten by its record."""
+    if in_the_way:
+        (tmp_path / in_the_way).mkdir()
     with pytest.raises(SystemExit) as e:
-        recipe.main(["--smoke", "--out", str(tmp_path / "t.md")])
+        recipe.main(["--smoke", "--out", str(tmp_path / ("t.md" if in_the_way else "t.json"))])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err == f"error: {said.format(out=tmp_path / 't.md', tmp=tmp_path)}\n"
 
