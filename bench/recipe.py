@@ -56,7 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 from atomic import atomic_write  # noqa: E402
 from batch import batch_layout  # noqa: E402
-from cli import DataError, HelpFormatter, UsageError, cache_root, out_problem  # noqa: E402
+from cli import DataError, HelpFormatter, UsageError, WriteError, cache_root, out_problem  # noqa: E402
 from data import fingerprint, split_paths  # noqa: E402
 from docs_corpus import default_dir as docs_dir  # noqa: E402
 from optimizers import code_line  # noqa: E402
@@ -654,8 +654,12 @@ def main(argv=None):
     report = "\n".join(lines) + "\n"
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     record = results_record(p.corpus, p.selected, losses, a.max_tokens, step_s, p.step_tokens, here)
-    atomic_write(a.out, report.encode())
-    atomic_write(os.path.splitext(a.out)[0] + ".json", json.dumps(record, indent=1).encode())  # recipe_verdict's
+    try:
+        atomic_write(a.out, report.encode())
+        atomic_write(os.path.splitext(a.out)[0] + ".json", json.dumps(record, indent=1).encode())  # recipe_verdict's
+    except WriteError as e:  # a full disk, say: the runs are in the cache, so a rerun with room only writes
+        print(f"error: {e}; the runs are cached: run the same command again once there is room", file=sys.stderr)
+        sys.exit(2)
     print()
     print(report)
     print(f"wrote {a.out}")

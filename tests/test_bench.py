@@ -10,6 +10,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "bench"))
+import cli  # noqa: E402
 import curves  # noqa: E402
 import default_run  # noqa: E402
 import docs_corpus  # noqa: E402
@@ -512,7 +513,8 @@ def test_the_anchor_trains_at_the_runs_shape_and_batch(tmp_path, batch):
     assert recipe.flag_value(flags, "--batch-size") == "16" and recipe.flag_value(flags, "--max-tokens") == "262144"
 
 
-def test_recipe_smoke_runs_toggles_and_anchor_then_reads_them_from_the_cache(tmp_path, tiny_data, capsys):
+def test_recipe_smoke_runs_toggles_and_anchor_then_reads_them_from_the_cache(tmp_path, tiny_data, capsys,
+                                                                               monkeypatch):
     out, cache = tmp_path / "recipe.md", tmp_path / "cache.json"
     argv = ["--only", "baseline,cautious-wd", "--seeds", "1", "--jobs", "3",
             "--max-tokens", "128", "--out", str(out), "--cache", str(cache), "--data", tiny_data, *TINY_FLAGS,
@@ -531,6 +533,17 @@ def test_recipe_smoke_runs_toggles_and_anchor_then_reads_them_from_the_cache(tmp
     assert len(record["toggles"]["cautious-wd"]["losses"]["128"]) == 1
     recipe.main(argv)
     assert "3 of 3 runs cached; running 0" in capsys.readouterr().out
+    assert out.read_text().split("- time:")[0] == text.split("- time:")[0]
+
+    def full_disk(path, *chunks):
+        raise cli.WriteError(f"cannot write file {path}: No space left on device (0 MiB free on its filesystem)")
+
+    monkeypatch.setattr(recipe, "atomic_write", full_disk)  # a disk that filled during the sweep: one line
+    with pytest.raises(SystemExit) as e:
+        recipe.main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err == (
+        f"error: cannot write file {out}: No space left on device (0 MiB free on its filesystem); the runs are "
+        "cached: run the same command again once there is room\n")
     assert out.read_text().split("- time:")[0] == text.split("- time:")[0]
 
 
