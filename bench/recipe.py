@@ -337,10 +337,9 @@ def train_once(cmd: list[str], out_dir: str, threads: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_all(jobs: list[dict], cache: Cache, fresh: bool, n_jobs: int, threads: int) -> dict[str, dict]:
+def run_all(jobs: list[dict], cache: Cache, fresh: bool, n_jobs: int, threads: int, machine: str) -> dict[str, dict]:
     """jobs: {key, label, cmd, out_dir, params} -> {key: its result}: from the cache, unless fresh, else run, n_jobs
-    at a time, each result cached as it finishes."""
-    machine = timing_machine(threads)  # the same for every run here; it asks lscpu
+    at a time, each result cached as it finishes, its step time filed under machine (timing_machine)."""
 
     def one(job):
         print(f"[run] {job['label']}: {shlex.join(job['cmd'])}", flush=True)
@@ -636,7 +635,7 @@ def main(argv=None):
         anchors = anchor_jobs(a, p.cfg, p.corpus, data, runs_dir) if a.anchor_lrs else []
         try:
             # The anchor's runs first: the longest, they would otherwise finish alone after the rest
-            results = run_all(anchors + jobs, Cache(cache_path), a.fresh, a.jobs, threads)
+            results = run_all(anchors + jobs, Cache(cache_path), a.fresh, a.jobs, threads, here)
         except (BenchError, MetricsError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)

@@ -9,6 +9,7 @@ import sys
 import threading
 
 import config
+from atomic import atomic_write
 from curves import read_metrics
 from hardware import CPU_BF16_FLAGS, cpu_flags
 from model import QWEN3_VALUES
@@ -130,7 +131,4 @@ class Cache:
             self.entries = {**self.entries, **self._read()}
             earlier = self.entries.get(key, {}).get("step_s_on", {})
             self.entries[key] = {**result, "step_s_on": {**earlier, **result.get("step_s_on", {})}}
-            tmp = f"{self.path}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(self.entries, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
+            atomic_write(self.path, json.dumps(self.entries, indent=1, sort_keys=True).encode())

@@ -464,13 +464,13 @@ def test_recipe_cache_runs_only_what_it_lacks_and_fresh_runs_all(tmp_path, monke
     monkeypatch.setattr(recipe, "train_once", fake_train)
     cache = recipe.Cache(str(tmp_path / "cache.json"))
     job = lambda key: {"key": key, "label": key, "cmd": [key], "out_dir": str(tmp_path / key), "params": 7}  # noqa
-    first = recipe.run_all([job("a"), job("b")], cache, False, 2, 1)
+    first = recipe.run_all([job("a"), job("b")], cache, False, 2, 1, "a CPU")
     assert sorted(ran) == ["a", "b"] and first["a"]["val_loss"] == pytest.approx(4.35)
     assert first["a"]["params"] == 7 and first["a"]["curve"] == [[1024, pytest.approx(4.75)], [2048, pytest.approx(4.35)]]
     reread = recipe.Cache(str(tmp_path / "cache.json"))  # a later invocation
-    recipe.run_all([job("a"), job("c")], reread, False, 1, 1)
+    recipe.run_all([job("a"), job("c")], reread, False, 1, 1, "a CPU")
     assert ran[2:] == ["c"]
-    recipe.run_all([job("a")], reread, True, 1, 1)
+    recipe.run_all([job("a")], reread, True, 1, 1, "a CPU")
     assert ran[3:] == ["a"]
 
 
