@@ -274,7 +274,7 @@ def fmt_ratio(tokens: float | None, budget: int) -> str:
     return "not reached" if tokens is None else f"{tokens / budget:.2f} ({tokens:,.0f} tokens)"
 
 
-def report(a, results, adam_lrs, walls, command, hardware, code, loads) -> str:
+def report(a, results, adam_lrs, walls, command, machine, code, loads) -> str:
     """The markdown table and summary. results: optimizer -> {lr: records}."""
     first = next(iter(next(iter(results.values())).values()))
     budget = first[-1]["tokens"]
@@ -288,7 +288,7 @@ def report(a, results, adam_lrs, walls, command, hardware, code, loads) -> str:
         "# Optimizer sample efficiency",
         "",
         f"- command: `{command}`",
-        f"- hardware: {hardware}",
+        f"- hardware: {machine}",
         f"- code: {code}",
         f"- load average (1 min) when this invocation started / ended: {loads[0]:.1f} / {loads[1]:.1f} "
         "(a shared machine: tokens/s depend on what else ran)",
@@ -391,7 +391,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     loads = [os.getloadavg()[0]]
-    hardware, code = hardware_line(), code_line()
+    machine, code = hardware_line(), code_line()
     t_start = time.perf_counter()
     try:
         results, walls, adam_lrs, reused = sweep(a, train_argv)
@@ -400,7 +400,7 @@ def main(argv=None):
         sys.exit(2)
     loads.append(os.getloadavg()[0])
 
-    table = report(a, results, adam_lrs, walls, command, hardware, code, loads)
+    table = report(a, results, adam_lrs, walls, command, machine, code, loads)
     total = sum(w for runs in walls.values() for w in runs.values())
     table += (f"\nTraining wall time, summed over the {sum(map(len, walls.values()))} runs: {total:.0f} s "
               f"({reused} reused from an earlier invocation with --reuse); "
