@@ -192,6 +192,17 @@ def report_error(error) -> int:
     return 2
 
 
+def run_writing_results(main) -> None:
+    """Run a bench entry point whose measurements end in files: a file it cannot write (a full disk) ends it
+    with that file's one-line error and exit 2, after what it printed, rather than a traceback. main's return
+    value, if any, is the exit status."""
+    try:
+        status = main()
+    except WriteError as e:
+        status = report_error(e)
+    sys.exit(status)
+
+
 def closed_stdout() -> int:
     """For an entry point whose stdout reader stopped early (`| head`): no traceback, and the exit status of
     a program SIGPIPE stopped, 128 + 13, which the shell reports for `yes` in `yes | head` (0 would claim that

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from atomic import atomic_write  # noqa: E402
 import memory  # noqa: E402
-from cli import HelpFormatter, ScriptParser, out_problem  # noqa: E402
+from cli import HelpFormatter, ScriptParser, out_problem, run_writing_results  # noqa: E402
 from hardware import cpu_name  # noqa: E402
 from config import ACT_CKPT_MODES  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
@@ -90,4 +90,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_writing_results(main)

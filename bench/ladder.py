@@ -41,7 +41,7 @@ import sizing  # noqa: E402
 import throughput  # noqa: E402
 import train  # noqa: E402
 from checkpoint import CheckpointError  # noqa: E402
-from cli import DataError, HelpFormatter, ScriptParser, UsageError, count  # noqa: E402
+from cli import DataError, HelpFormatter, ScriptParser, UsageError, count, run_writing_results  # noqa: E402
 from hardware import cpu_name  # noqa: E402
 from loss import LOSS_CHUNK_TOKENS, loss_chunks  # noqa: E402
 from model import ModelConfig  # noqa: E402
@@ -522,4 +522,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_writing_results(main)

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from atomic import atomic_write  # noqa: E402
 import hardware  # noqa: E402
 import memory  # noqa: E402
-from cli import HelpFormatter, ScriptParser, count, out_problem  # noqa: E402
+from cli import HelpFormatter, ScriptParser, count, out_problem, run_writing_results  # noqa: E402
 from loss import LOSS_CHUNK_TOKENS, linear_cross_entropy  # noqa: E402
 from model import ModelConfig  # noqa: E402
 
@@ -183,4 +183,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_writing_results(main)

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import config  # noqa: E402
 from atomic import atomic_write  # noqa: E402
 import hardware  # noqa: E402
-from cli import HelpFormatter, UsageError  # noqa: E402
+from cli import HelpFormatter, UsageError, run_writing_results  # noqa: E402
 from curves import plot_runs, read_metrics, series  # noqa: E402
 from runlog import MetricsError  # noqa: E402
 
@@ -415,4 +415,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_writing_results(main)

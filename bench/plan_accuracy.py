@@ -29,7 +29,7 @@ import config  # noqa: E402
 import hardware  # noqa: E402
 import loop  # noqa: E402
 import train  # noqa: E402
-from cli import HelpFormatter, ScriptParser, out_problem  # noqa: E402
+from cli import HelpFormatter, ScriptParser, out_problem, run_writing_results  # noqa: E402
 
 # name -> (what it shows, train.py flags): the default run; a deeper model by the size dial, its horizon cut to
 # 3 steps (64 micro-steps each); the gpt2-124m preset at one sequence of 256 a micro-step (Muon on 78M matrix
@@ -109,4 +109,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_writing_results(main)

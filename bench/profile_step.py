@@ -32,7 +32,7 @@ from atomic import atomic_write  # noqa: E402
 import hardware  # noqa: E402
 import loop  # noqa: E402
 import throughput  # noqa: E402
-from cli import HelpFormatter, ScriptParser, count, out_problem  # noqa: E402
+from cli import HelpFormatter, ScriptParser, count, out_problem, run_writing_results  # noqa: E402
 from sizing import flops_per_token  # noqa: E402
 
 PHASES = ("data", "forward", "backward", "optimizer")
@@ -228,4 +228,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_writing_results(main)

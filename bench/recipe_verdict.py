@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from atomic import atomic_write  # noqa: E402
-from cli import HelpFormatter, ScriptParser, out_problem  # noqa: E402
+from cli import HelpFormatter, ScriptParser, out_problem, run_writing_results  # noqa: E402
 
 MAX_STEP_COST = 1.10  # a toggle may cost at most 10% more time a token than the baseline
 # Flags that change only the scalars a step uses (its LRs, Muon's momentum, the schedule's shape) or the values
@@ -161,4 +161,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_writing_results(main)

@@ -30,7 +30,7 @@ import config  # noqa: E402
 import recipe  # noqa: E402
 from batch import batch_layout, max_steps  # noqa: E402
 from checkpoint import checkpoint_step, list_checkpoints  # noqa: E402
-from cli import HelpFormatter, ScriptParser, UsageError, out_problem  # noqa: E402
+from cli import HelpFormatter, ScriptParser, UsageError, out_problem, run_writing_results  # noqa: E402
 from curves import read_metrics  # noqa: E402
 from distributed import DistInfo  # noqa: E402
 from evaluation import Evaluator  # noqa: E402
@@ -142,4 +142,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_writing_results(main)

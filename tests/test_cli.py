@@ -144,3 +144,32 @@ def test_a_benchmarks_counts_and_out_file_are_checked_before_it_measures(tmp_pat
     (tmp_path / "a_file").write_text("")
     assert out_problem(str(tmp_path / "a_file" / "sub" / "t.md"), makes_folder=True) == (
         f"--out {tmp_path}/a_file/sub/t.md: {tmp_path}/a_file is a file, where a directory is to be made")
+
+
+def test_a_benchmark_that_cannot_write_its_results_ends_in_one_line(capsys):
+    import ast
+
+    from cli import WriteError, run_writing_results
+
+    def measured_then_full_disk():
+        print("| table |")
+        raise WriteError("cannot write file out.md: No space left on device (0 MiB free on its filesystem)")
+
+    with pytest.raises(SystemExit) as e:
+        run_writing_results(measured_then_full_disk)
+    out = capsys.readouterr()
+    assert e.value.code == 2 and out.out == "| table |\n"
+    assert out.err == "error: cannot write file out.md: No space left on device (0 MiB free on its filesystem)\n"
+    for returned, status in (None, None), (2, 2):  # main's own status passes through (None: 0)
+        with pytest.raises(SystemExit) as e:
+            run_writing_results(lambda: returned)
+        assert e.value.code == status
+    # Every benchmark that writes its results through atomic is started through it, but those that word the error
+    # their own way (recipe.py: its runs are cached).
+    for name in PROGRAMS:
+        path = os.path.join(REPO, "bench", f"{name}.py")
+        source = open(path).read() if os.path.exists(path) else ""
+        if "from atomic import" not in source or "WriteError" in source:
+            continue
+        last = ast.parse(open(path).read()).body[-1]
+        assert isinstance(last, ast.If) and ast.unparse(last.body[0]) == "run_writing_results(main)", name
