@@ -28,13 +28,12 @@ import torch
 from cli import DataError
 from prepare import unfinished_preparation
 from shards import DATA_RECORD, TOKEN_DTYPES, ShardWatch, data_record, read_shard
-from tokenizer import Tokenizer, recorded_tokenizer
+from tokenizer import Tokenizer, fits_vocab, padded_vocab, recorded_tokenizer
 
 # ----------------------------------------------------------------------------------------------------------
 # Which tokenizer made the shards
 
 # Models pad their vocabulary to a multiple of this (model.VOCAB_MULTIPLE; data.py does not import the model).
-VOCAB_PAD_MULTIPLE = 128
 # model.ModelConfig's default vocab_size, GPT-2's: what a run has when --vocab-size is not given.
 DEFAULT_VOCAB = 50257
 
@@ -108,16 +107,6 @@ def check_vocab(model_vocab: int, data_dir: str) -> str | None:
                 f"are 16-bit, so their tokenizer has at most {limit:,} ids (they record none: no {DATA_RECORD}); "
                 f"prepare the data with the model's tokenizer (prepare.py --tokenizer)")
     return None
-
-
-def fits_vocab(model_vocab: int, n_vocab: int) -> bool:
-    """Whether a model's vocabulary holds a tokenizer's n_vocab ids, padded at most to padded_vocab's."""
-    return n_vocab <= model_vocab <= padded_vocab(n_vocab)
-
-
-def padded_vocab(n_vocab: int) -> int:
-    """The largest vocabulary a model of a tokenizer's n_vocab ids may have: n_vocab padded to VOCAB_PAD_MULTIPLE."""
-    return -(-n_vocab // VOCAB_PAD_MULTIPLE) * VOCAB_PAD_MULTIPLE
 
 
 # ----------------------------------------------------------------------------------------------------------

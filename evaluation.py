@@ -35,14 +35,14 @@ import distributed
 import hardware
 import split
 from cli import DataError, UsageError, first_line, plural
-from data import ShardLoader, data_tokenizer, padded_vocab
+from data import ShardLoader, data_tokenizer
 from mixture import Source, is_mixture, label, parse_data, record_dir
 from loss import IGNORE_INDEX
 from progress import Progress
 from sample import sample_text
 from shards import data_record
 from telemetry import message
-from tokenizer import Tokenizer, load_tokenizer
+from tokenizer import Tokenizer, load_tokenizer, padded_vocab
 
 HELLASWAG_ENDINGS = 4
 

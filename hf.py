@@ -13,8 +13,8 @@ score.py import (load_hf).
 The directory holds config.json, hf_look_back.py for a look-back model, model.safetensors (float32, the
 vocabulary padded as in training; a
 Qwen3-Next export's zero-centred norm weights float64, so that they read back bit for bit: hf_layout),
-generation_config.json (the document separator as bos/eos, the padding ids suppressed so transformers'
-generate never picks them), tokenizer_note.txt, and the transformers tokenizer files of the tokenizer the
+generation_config.json (the document separator as bos/eos, the ids beyond the tokenizer's, the padding,
+suppressed so transformers' generate never picks them), tokenizer_note.txt, and the transformers tokenizer files of the tokenizer the
 model was trained with (by default the one its training data's data.json records, model_tokenizer): for
 GPT-2, vocab.json, merges.txt, tokenizer_config.json, and tokenizer.json for the fast tokenizer, rebuilt
 offline from tiktoken's ranks; for a Hugging Face tokenizer, the tokenizer.json the shards were made with and
@@ -267,7 +267,7 @@ def write_export(config: ModelConfig, weights: dict, enc: Tokenizer, directory: 
         shutil.copyfile(os.path.join(os.path.dirname(os.path.abspath(__file__)), LOOK_BACK_FILE),
                         os.path.join(directory, LOOK_BACK_FILE))
     generation = {"bos_token_id": enc.eot, "eos_token_id": enc.eot,
-                  "suppress_tokens": list(range(config.vocab_size, config.padded_vocab_size))}
+                  "suppress_tokens": list(range(enc.n_vocab, config.padded_vocab_size))}
     with open(os.path.join(directory, "generation_config.json"), "w") as f:
         json.dump(generation, f, indent=2)
     gpt2 = isinstance(enc, TiktokenTokenizer) and enc.encoding.name == "r50k_base"

@@ -278,7 +278,8 @@ def print_samples(model: GPT, enc: Tokenizer, text: str, a: argparse.Namespace, 
             print(f"{'=' * 20} sample {i + 1} of {a.num_samples} {'=' * 20}")
         print(text, end="", flush=True)
         drawn = []  # the tokens stream yields, counted as they go: fewer than asked means it met end-of-text
-        tokens = stream(model, prompt, a.max_new_tokens, temperature, top_k, a.top_p, enc.eot, generator)
+        tokens = stream(model, prompt, a.max_new_tokens, temperature, top_k, a.top_p, enc.eot, generator,
+                        enc.n_vocab)
         for piece in decode_stream(enc, (drawn.append(t) or t for t in tokens), prompt if text else []):
             print(piece, end="", flush=True)
         print()

@@ -23,7 +23,7 @@ import torch
 from checkpoint import CheckpointError
 from cli import ArgumentParser, DataError, HelpFormatter, UsageError, closed_stdout, plural, report_error
 from config import ACTIVATION_DTYPES, DEVICES, DTYPES, EvalConfig
-from data import DEFAULT_VOCAB, fits_vocab, tokenizer_id
+from data import DEFAULT_VOCAB, tokenizer_id
 from distributed import DistInfo
 from evaluation import Evaluator
 from hardware import activation_dtype, autocast, resolve_device, resolve_dtype
@@ -31,7 +31,7 @@ from mixture import check_sources, data_fingerprint, is_mixture, label, parse_da
 from prepare import default_corpus, default_corpus_dir
 from sample import load_model, say
 from shards import data_record
-from tokenizer import TOKENIZER_FILE, load_tokenizer, tokenizer_flag
+from tokenizer import TOKENIZER_FILE, fits_vocab, load_tokenizer, tokenizer_flag
 from trained import check_tokenizer, model_tokenizer, trained_meta
 
 TASKS = ("hellaswag", "bpb")

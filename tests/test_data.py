@@ -13,6 +13,7 @@ import data
 import hf
 import model
 import prepare
+import tokenizer
 from cli import DataError
 from conftest import TINY_FLAGS, WORD_TEXT, write_doc_shards
 from data import ShardLoader
@@ -80,7 +81,7 @@ def test_check_vocab_against_the_recorded_tokenizer(gpt2, tmp_path):
     (tmp_path / "doc.txt").write_text(DOCS[0] * 30)
     prepare.prepare(tmp_path / "doc.txt", tmp_path / "gpt2", val_tokens=10)
     shards = str(tmp_path / "gpt2")
-    assert data.VOCAB_PAD_MULTIPLE == model.VOCAB_MULTIPLE
+    assert tokenizer.VOCAB_PAD_MULTIPLE == model.VOCAB_MULTIPLE
     assert data.check_vocab(50257, shards) is None
     assert data.check_vocab(50304, shards) is None  # padded to a multiple of 128, as models pad it
     for vocab in (151_936, 50_305, 50_000):  # Qwen3's; beyond the padding; too small for GPT-2's ids

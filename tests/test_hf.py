@@ -254,7 +254,7 @@ def test_a_tokenizer_that_does_not_fit_is_refused_with_advice_that_works(tmp_pat
     args = ["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "hf")]
     assert hf.main(args) == 2
     assert capsys.readouterr().err.strip().endswith("pass --tokenizer with the tokenizer the model was trained with "
-                                                    "(a tokenizer.json or tiktoken name of 300 ids)")
+                                                    "(a tokenizer.json or tiktoken name of 257 to 300 ids)")
     own = write_word_tokenizer(tmp_path / "tok.json", ["the", "cat"], size=299)  # and its separator: 300
     assert hf.main([*args, "--tokenizer", own]) == 0 and (tmp_path / "hf" / "tokenizer.json").exists()
 

@@ -1,3 +1,4 @@
+import json
 import math
 import os
 import re
@@ -228,11 +229,31 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused_with_advice_that_wor
     write_checkpoint(tmp_path / "ckpt.pt", model)
     args = ["--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", "the cat", "--max-new-tokens", "4", "--greedy"]
     code, _, err = run_cli(capsys, *args)
-    assert code == 2 and err.strip().endswith("pass --tokenizer with the tokenizer the model was trained with (a "
-                                              "tokenizer.json or tiktoken name of 300 ids)")
+    assert code == 2 and err == ("error: model vocab_size 300 does not fit the gpt2 tokenizer (50,257 tokens; a model "
+                                 "may pad that to 50,304); pass --tokenizer with the tokenizer the model was trained "
+                                 "with (a tokenizer.json or tiktoken name of 257 to 300 ids)\n")
     own = write_word_tokenizer(tmp_path / "tok.json", ["the", "cat"], size=299)  # and its separator: 300
     code, out, err = run_cli(capsys, *args, "--tokenizer", own)
     assert (code, err) == (0, "") and out.startswith("the cat")
+
+
+def test_a_model_padded_beyond_its_tokenizer_samples_and_exports_only_the_tokenizers_ids(tmp_path, capsys):
+    """`--vocab-size 50304` on GPT-2's ids trains (data.check_vocab allows the padding); sampling and an export
+    take the model, and neither picks an id the tokenizer lacks, though here those ids' logits are the largest."""
+    from hf import export_hf
+
+    model, enc = gpt2_sized(vocab_size=50304, tie_embeddings=False), get_tokenizer()
+    first = generate(model, enc.encode("Hello"), 1, temperature=0, n_vocab=enc.n_vocab)[0]
+    with torch.no_grad():
+        model.lm_head.weight[enc.n_vocab:] = 50 * model.lm_head.weight[first]
+    assert generate(model, enc.encode("Hello"), 1, temperature=0)[0] >= enc.n_vocab  # unrestricted, it would
+    write_checkpoint(tmp_path / "ckpt.pt", model)
+    code, out, err = run_cli(capsys, "--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", "Hello", "--greedy")
+    ours = generate(model, enc.encode("Hello"), 8, temperature=0, eot=enc.eot_token, n_vocab=enc.n_vocab)
+    assert (code, err, out) == (0, "", "Hello" + enc.decode(ours) + "\n") and ours[0] == first
+    export_hf(model.config, model.state_dict(), str(tmp_path / "hf"))
+    generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
+    assert generation["suppress_tokens"] == list(range(enc.n_vocab, 50304))
 
 
 def test_cli_samples_a_checkpoint_with_every_recipe_toggle(tmp_path, capsys):
