@@ -582,7 +582,7 @@ def check_resume(saved: dict, cfg: Config) -> list[str]:
     warning. UsageError for changes a run cannot survive: the model's shape (its weights would not load) and
     the optimizer (its state would not). Keys a checkpoint from an older version lacks are not compared."""
     changes = [change for change in changed_keys(saved, to_dict(cfg)) if change[0] not in INVOCATION_KEYS
-               and not (change[0] == "ckpt.out_dir" and os.path.realpath(change[1]) == os.path.realpath(change[2]))]
+               and not same_directory(*change)]
     # Under --from-hf the model is the directory's, checked against the checkpoint's weights' own record
     # (checkpoint.config_changes); a run started before the flags took it from there recorded the default shape.
     shape_fixed = not cfg.ckpt.from_hf
@@ -592,6 +592,13 @@ def check_resume(saved: dict, cfg: Config) -> list[str]:
         raise UsageError("--resume: the checkpoint was trained with settings that cannot change within a run: "
                          + ", ".join(map(describe_change, fatal)))
     return [describe_change(c) for c in changes]
+
+
+def same_directory(key: str, old, new) -> bool:
+    """Whether a changed path setting names the same directory: the run directory given another way, or a
+    --data that a checkpoint made before runs recorded it absolute (train.setup) holds relative."""
+    paths = key in ("ckpt.out_dir", "data.data") and isinstance(old, str) and isinstance(new, str)
+    return paths and os.path.realpath(old) == os.path.realpath(new)
 
 
 def describe_change(change: tuple) -> str:

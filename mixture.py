@@ -74,6 +74,22 @@ def parse_data(spec: str) -> list[Source]:
     return sorted(Source(name, path, value / total) for name, path, value in scaled)
 
 
+def absolute_data(spec: str | None) -> str | None:
+    """--data with each source's directory made absolute, its names and weights as given: what a run records
+    (config.toml, its checkpoints), so that sample.py, score.py, hf.py and a resume find the shards from any
+    working directory. UsageError as parse_data's."""
+    if not spec:
+        return spec
+    if not is_mixture(parse_data(spec)):
+        return os.path.abspath(spec)
+    items = []
+    for item in spec.split(","):
+        name, _, rest = item.partition("=")
+        path, _, weight = rest.rpartition(":")
+        items.append(f"{name}={os.path.abspath(path)}:{weight}")
+    return ",".join(items)
+
+
 def is_mixture(sources: list[Source]) -> bool:
     return bool(sources[0].name)
 

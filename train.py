@@ -92,6 +92,7 @@ def setup(cfg: Config, command_line: dict | None = None) -> Run:
     flags that made cfg, as config.build_parser parses them, for config.check_config_edits."""
     if problem := distributed.check_launch(cfg.dist.dist):
         raise UsageError(problem)
+    cfg = replace(cfg, data=replace(cfg.data, data=mixture.absolute_data(cfg.data.data)))  # as the run records it
     device, device_reason = hardware.resolve_device(cfg.speed.device)
     autocast_dtype, dtype_reason = hardware.resolve_dtype(cfg.speed.dtype, device)
     auto_batch = cfg.data.batch_size == "auto"

@@ -315,6 +315,11 @@ def test_resume_check_refuses_shape_and_optimizer_changes_and_names_the_rest():
     plain = config.parse_args([])
     assert config.check_resume(saved, dataclasses.replace(plain, size=dataclasses.replace(plain.size,
                                                                                           tokens_per_param=10.0))) == []
+    # a checkpoint that recorded a relative --data, resumed with it absolute (train.setup) or given another way
+    here = config.parse_args(["--data", os.getcwd()])
+    assert config.check_resume({**saved, "data": {**saved["data"], "data": "."}}, here) == []
+    assert config.check_resume({**saved, "data": {**saved["data"], "data": "elsewhere"}}, here) == [
+        f"data.data 'elsewhere' -> {os.getcwd()!r}"]
 
 
 def test_tokens_per_param_where_the_dial_does_not_size_the_run_is_refused():

@@ -12,7 +12,7 @@ import train
 from cli import DataError, UsageError
 from conftest import TINY_FLAGS, WORD_TEXT, spawn_on_gloo
 from data import ShardLoader
-from mixture import (MIX_BLOCK, MixtureLoader, Source, check_sources, open_loader, parse_data, record_dir, row_sources,
+from mixture import (MIX_BLOCK, MixtureLoader, Source, absolute_data, check_sources, open_loader, parse_data, record_dir, row_sources,
                      same_tokenizer)
 from shards import write_data_record, write_shard
 
@@ -69,6 +69,15 @@ def test_data_is_a_directory_or_named_weighted_sources(tmp_path):
     odd = tmp_path / "a=b:1"  # a directory that exists is one source whatever its name holds
     odd.mkdir()
     assert parse_data(str(odd)) == [Source("", str(odd), 1.0)]
+
+
+def test_a_run_records_its_data_with_absolute_directories_names_and_weights_as_given(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert absolute_data("data/web") == f"{tmp_path}/data/web" and absolute_data("/abs/x/") == "/abs/x"
+    assert absolute_data("web=data/web:3,code=/abs/c:de:1e-1") == f"web={tmp_path}/data/web:3,code=/abs/c:de:1e-1"
+    (tmp_path / "a=b:1").mkdir()  # a directory whose name reads as a mixture is one
+    assert absolute_data("a=b:1") == f"{tmp_path}/a=b:1" and absolute_data(None) is None
+    assert parse_data(absolute_data("web=data/web:3,code=c:1"))[1].weight == parse_data("web=data/web:3,code=c:1")[1].weight
 
 
 @pytest.mark.parametrize("spec, words", [

@@ -303,6 +303,20 @@ def test_the_resolved_config_is_written_and_reproduces_the_run(tmp_path, tiny_da
     assert (again.model.n_layer, again.model.n_embd, again.data.data) == (2, 64, tiny_data)
 
 
+def test_a_relative_data_is_recorded_absolute_and_a_resume_from_elsewhere_finds_it(tmp_path, tiny_data, monkeypatch,
+                                                                                     train_in_process):
+    """sample.py, score.py and hf.py read the recorded --data from wherever they are run."""
+    import trained
+
+    monkeypatch.chdir(os.path.dirname(tiny_data))
+    tiny_run(os.path.basename(tiny_data) + "/", tmp_path / "run", "--max-steps", "2")
+    assert config.read_config_file(str(tmp_path / "run" / "config.toml"))["data.data"] == tiny_data
+    assert trained.trained_config(str(tmp_path / "run"))["data"]["data"] == tiny_data
+    monkeypatch.chdir(tmp_path)
+    result = train_in_process("--resume", "--config", "run/config.toml", "--max-steps", "3")
+    assert result.returncode == 0 and "data.data" not in result.stderr, result.stderr
+
+
 def test_a_hand_edited_config_toml_is_applied_with_its_own_config_flag_and_otherwise_refused(tmp_path, tiny_data,
                                                                                              capsys):
     tiny_run(tiny_data, tmp_path, "--max-steps", "2")
