@@ -206,12 +206,23 @@ def run_writing_results(main) -> None:
 def closed_stdout() -> int:
     """For an entry point whose stdout reader stopped early (`| head`): no traceback, and the exit status of
     a program SIGPIPE stopped, 128 + 13, which the shell reports for `yes` in `yes | head` (0 would claim that
-    all of the output was read; `set -o pipefail` scripts tell the two apart). stdout goes to /dev/null first:
-    the interpreter flushes it once more at exit, which would fail again, with a message of its own."""
+    all of the output was read; `set -o pipefail` scripts tell the two apart)."""
+    _stdout_to_devnull()
+    return 128 + signal.SIGPIPE
+
+
+def unwritable_stdout(error: OSError) -> int:
+    """For an entry point whose stdout could not be written (a redirect to a full disk): its one-line error,
+    exit 2, rather than a traceback."""
+    _stdout_to_devnull()
+    return report_error(f"cannot write to standard output: {error.strerror or error}")
+
+
+def _stdout_to_devnull() -> None:
+    """The interpreter flushes stdout once more at exit, which would fail again, with a message of its own."""
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
-    return 128 + signal.SIGPIPE
 
 
 # What torchrun sets for every rank, and distributed.py reads: a process that lacks any of them was not started

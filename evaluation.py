@@ -28,6 +28,7 @@ import os
 import re
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -71,6 +72,16 @@ def bpb_sums(losses: torch.Tensor, targets: torch.Tensor, token_bytes: torch.Ten
 def bits_per_byte(nats: float, n_bytes: float) -> float:
     """Nats over bytes, in bits: sum(loss) / (ln 2 * sum(bytes))."""
     return nats / (math.log(2) * n_bytes)
+
+
+class ValRead(NamedTuple):
+    """What each eval reads of one source's val split (Evaluator.check_val)."""
+    name: str  # the source's ("" for a plain --data DIR)
+    windows: int  # read, all ranks together
+    seq_len: int  # tokens each
+    split_tokens: int  # the val split's
+    chosen: str  # how prepare.py chose the split (split.describe)
+    split_windows: int  # the windows the split holds
 
 
 # ----------------------------------------------------------------------------- HellaSwag
@@ -275,8 +286,7 @@ class Evaluator:
         self.token_bytes = None  # check_val: bytes per token id, when the model's ids are the tokenizer's
         self.no_bpb_reason = None  # check_val: why there are no bytes per token, when there are none
         self.val_note = None  # check_val: the note when each eval reads other than --eval-tokens (eval_tokens_note)
-        self.val_reads = []  # check_val, per source: (name, windows, their tokens each, the val split's tokens, how
-        # prepare.py chose it)
+        self.val_reads = []  # check_val: a ValRead per source
         self.choices = []  # load_hellaswag: (inputs, targets, label) per example, on the CPU
 
     @property
@@ -339,8 +349,8 @@ class Evaluator:
             loader.close()
             val_tokens = sum(len(shard) for shard in loader.shards)
             batches = eval_batches(self.cfg.eval_tokens, loader.num_windows, micro_batch, seq_len, self.info.world_size)
-            self.val_reads.append((source.name, batches * micro_batch * self.info.world_size, seq_len, val_tokens,
-                                   split.describe(data_record(source.dir) or {})))
+            self.val_reads.append(ValRead(source.name, batches * micro_batch * self.info.world_size, seq_len,
+                                          val_tokens, split.describe(data_record(source.dir) or {}), loader.num_windows))
             note = eval_tokens_note(self.cfg.eval_tokens, loader.num_windows, val_tokens, micro_batch, seq_len,
                                     self.info.world_size)
             if note:
@@ -483,14 +493,14 @@ class Evaluator:
     @property
     def tokens_each(self) -> int:
         """The val tokens an eval reads, all ranks and sources together (check sets them)."""
-        return sum(windows * seq for _, windows, seq, _, _ in self.val_reads)
+        return sum(read.windows * read.seq_len for read in self.val_reads)
 
     def describe_val(self) -> str:
         """The start-up table's eval row: how often, and which tokens the val loss is taken on."""
         if not self.cfg.eval_interval:
             return "off (--eval-interval 0)"
-        reads = "; ".join(f"{name + ': ' if name else ''}{windows * seq:,} of the val split's {total:,} tokens "
-                          f"({chosen})" for name, windows, seq, total, chosen in self.val_reads)
+        reads = "; ".join(f"{r.name + ': ' if r.name else ''}{r.windows * r.seq_len:,} of the val split's "
+                          f"{r.split_tokens:,} tokens ({r.chosen})" for r in self.val_reads)
         return (f"every {plural(self.cfg.eval_interval, 'step')} and at the end: val loss and bpb on {reads}, in "
                 f"windows at places a fixed seed draws across the split, the same every eval and every run")
 

@@ -42,12 +42,13 @@ import torch
 
 from atomic import lock_directory
 from checkpoint import CheckpointError
-from cli import ArgumentParser, DataError, UsageError, closed_stdout, first_line, plural, report_error
+from cli import (ArgumentParser, DataError, UsageError, closed_stdout, first_line, plural, report_error,
+                 unwritable_stdout)
 from data import tokenizer_id
 from hf_layout import (LOOK_BACK_MODULE, architecture, check_hf_weights, config_from_hf, exportable_problem, from_hf,
                        hf_config, looks_back, to_hf)
 from model import ModelConfig
-from tokenizer import (HFTokenizer, TiktokenTokenizer, Tokenizer, check_model_vocab, load_tokenizer,
+from tokenizer import (HFTokenizer, TiktokenTokenizer, Tokenizer, check_model_vocab, load_tokenizer, tokenizer_flag,
                        write_gpt2_tokenizer, write_hf_tokenizer)
 from trained import check_tokenizer, model_tokenizer, read_ckpt
 
@@ -321,7 +322,7 @@ def main(argv=None) -> int:
                              "--out-dir: its newest good one")
     parser.add_argument("--out", required=True, metavar="DIR",
                         help="output directory: created if needed, else it must be empty (or --overwrite)")
-    parser.add_argument("--tokenizer", metavar="NAME|PATH",
+    parser.add_argument("--tokenizer", type=tokenizer_flag, metavar="NAME|PATH",
                         help="the tokenizer the model was trained with, as prepare.py --tokenizer takes it "
                              "(default: the one its training data's data.json records, else GPT-2's)")
     parser.add_argument("--overwrite", action="store_true",
@@ -347,6 +348,8 @@ def main(argv=None) -> int:
               f"{'tied' if config.tie_embeddings else 'untied'} embeddings", flush=True)
     except BrokenPipeError:
         return closed_stdout()
+    except OSError as e:  # a redirect to a full disk
+        return unwritable_stdout(e)
     return 0
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from checkpoint import CheckpointError
-from cli import ArgumentParser, DataError, HelpFormatter, UsageError, closed_stdout, report_error
+from cli import ArgumentParser, DataError, HelpFormatter, UsageError, closed_stdout, report_error, unwritable_stdout
 from config import DEVICES
 from data import tokenizer_id
 from hardware import resolve_device
@@ -311,6 +311,8 @@ def main(argv=None) -> int:
         print_samples(model, enc, text, a, temperature, top_k, seed)
     except BrokenPipeError:  # `| head`: the reader has what it wanted
         return closed_stdout()
+    except OSError as e:  # a redirect to a full disk
+        return unwritable_stdout(e)
     return 0
 
 

@@ -21,7 +21,8 @@ import sys
 import torch
 
 from checkpoint import CheckpointError
-from cli import ArgumentParser, DataError, HelpFormatter, UsageError, closed_stdout, plural, report_error
+from cli import (ArgumentParser, DataError, HelpFormatter, UsageError, closed_stdout, plural, report_error,
+                 unwritable_stdout)
 from config import ACTIVATION_DTYPES, DEVICES, DTYPES, EvalConfig
 from data import DEFAULT_VOCAB, tokenizer_id
 from distributed import DistInfo
@@ -150,6 +151,11 @@ def prepare(a: argparse.Namespace, model, device: torch.device, data: str | None
     cfg = EvalConfig(eval_tokens=a.n or EvalConfig().eval_tokens)
     evaluator = Evaluator(cfg, data, DistInfo(), device, model.config.vocab_size, seed=0)
     evaluator.check_val(a.batch_size, seq_len)
+    smallest = min(evaluator.val_reads, key=lambda read: read.split_windows)
+    if a.batch_size > smallest.split_windows:  # each forward would read windows twice, and hold them all at once
+        where = f"source {smallest.name}'s val split" if smallest.name else "the val split"
+        raise UsageError(f"--batch-size {a.batch_size:,} is more than {where} holds ({smallest.split_windows:,} "
+                         f"windows of {seq_len}): give at most {smallest.split_windows:,}")
     return evaluator
 
 
@@ -172,7 +178,7 @@ def scored_tokens(evaluator: Evaluator, batch_size: int, seq_len: int) -> list[s
     """The line that says how many val tokens bpb scored, then the notes on --n that a training run gives on
     --eval-tokens: --n in whole batches, rounded down, at least one, at most what a val split holds
     (evaluation.eval_batches), as the run's eval reads them; a mixture's from each source."""
-    counts = {name: windows * seq_len for name, windows, *_ in evaluator.val_reads}  # check_val's record
+    counts = {read.name: read.windows * seq_len for read in evaluator.val_reads}  # check_val's record
     each = "".join(f"{count:,} of {name}; " for name, count in counts.items()) if len(counts) > 1 else ""
     line = (f"bpb: {sum(counts.values()):,} val tokens of {evaluator.data} ({each}whole batches of {batch_size} x "
             f"{seq_len}, the windows a training run's eval reads)")
@@ -229,6 +235,8 @@ def main(argv=None) -> int:
         print("\n".join(lines), flush=True)
     except BrokenPipeError:  # `| head -n 1`: the reader has what it wanted
         return closed_stdout()
+    except OSError as e:  # a redirect to a full disk
+        return unwritable_stdout(e)
     return 0
 
 

@@ -325,6 +325,12 @@ def test_cli_exits_quietly_when_the_reader_stops(tmp_path, capsys, monkeypatch):
     assert hf.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "hf")]) == 141
     assert capsys.readouterr().err == ""
     stdout.close()  # a flush into /dev/null now
+    if os.path.exists("/dev/full"):  # `hf.py ... > file` on a full disk: one line, exit 2
+        stdout = open("/dev/full", "w")
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert hf.main(["--ckpt", str(tmp_path / "ckpt.pt"), "--out", str(tmp_path / "hf2")]) == 2
+        assert capsys.readouterr().err == "error: cannot write to standard output: No space left on device\n"
+        stdout.close()
 
 
 def test_cli_refuses_an_earlier_export_unless_told_to_overwrite(tmp_path, capsys, monkeypatch):

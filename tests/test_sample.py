@@ -395,6 +395,17 @@ def test_cli_exits_quietly_when_the_reader_stops(tmp_path, capsys, monkeypatch):
     stdout.close()
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_cli_says_in_one_line_when_stdout_is_a_full_disk(tmp_path, capsys, monkeypatch):
+    """`sample.py > file` on a full disk: one line, exit 2, no traceback."""
+    write_checkpoint(tmp_path / "ckpt.pt", gpt2_sized())
+    stdout = open("/dev/full", "w")
+    monkeypatch.setattr(sys, "stdout", stdout)
+    code, _, err = run_cli(capsys, "--ckpt", str(tmp_path / "ckpt.pt"), "--seed", "1")
+    assert code == 2 and err == "error: cannot write to standard output: No space left on device\n"
+    stdout.close()  # a flush into /dev/null now
+
+
 def test_cli_num_samples_prints_each_under_a_heading(tmp_path, capsys):
     write_checkpoint(tmp_path / "ckpt.pt", gpt2_sized())
     code, out, err = run_cli(capsys, "--ckpt", str(tmp_path / "ckpt.pt"), "--prompt", "Hello", "--num-samples", "3",
@@ -468,10 +479,12 @@ def test_cli_says_when_the_prompt_is_cut_to_the_models_context(tmp_path, capsys)
     assert capsys.readouterr().err == ""
 
 
-def test_an_empty_tokenizer_is_refused_not_taken_for_the_default(capsys):
-    import sample
+@pytest.mark.parametrize("program", ["sample", "score", "hf"])
+def test_an_empty_tokenizer_is_refused_not_taken_for_the_default(program, capsys):
+    import importlib
+
     try:
-        code = sample.main(["--tokenizer", ""])
+        code = importlib.import_module(program).main(["--tokenizer", ""])
     except SystemExit as e:
         code = e.code
     assert code == 2 and "--tokenizer: is empty" in capsys.readouterr().err

@@ -182,6 +182,24 @@ def test_score_bpb_says_how_many_tokens_it_scored(tmp_path, tiny_data, capsys):
     assert reports[10][2:] == reports[100][1:] != reports[128][1:]
 
 
+def test_a_batch_larger_than_the_val_split_and_a_full_stdout_are_one_line(tmp_path, tiny_data, capsys, monkeypatch):
+    model, ckpt = gpt2_model(), str(tmp_path / "ckpt.pt")
+    checkpoint.save_file({"version": checkpoint.CHECKPOINT_VERSION, "step": 1, "model": model.state_dict(),
+                          "model_config": dataclasses.asdict(model.config), "train_config": {},
+                          "tokenizer": None}, ckpt)
+    args = ["--ckpt", ckpt, "--task", "bpb", "--data", tiny_data, "--n", "64", "--device", "cpu"]
+    windows = (2_000 - 1) // 32  # the tiny val shard's 2,000 tokens
+    assert score.main([*args, "--batch-size", "100000"]) == 2  # refused before it allocates 100,000 windows
+    assert capsys.readouterr().err == (f"error: --batch-size 100,000 is more than the val split holds ({windows} "
+                                       f"windows of 32): give at most {windows}\n")
+    if os.path.exists("/dev/full"):  # `score.py ... > file` on a full disk
+        stdout = open("/dev/full", "w")
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert score.main([*args, "--batch-size", "2"]) == 2
+        assert capsys.readouterr().err.endswith("\nerror: cannot write to standard output: No space left on device\n")
+        stdout.close()
+
+
 def test_score_runs_the_residual_stream_as_training_does(tmp_path, tiny_data, capsys):
     """--activation-dtype as train.py's: bf16 says so on the first line and scores close to the fp32 stream;
     auto keeps a CPU's stream fp32; bf16 without bf16 autocast is one line."""
