@@ -637,7 +637,9 @@ class Checkpointer:
         set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=tensors["optimizer"],
                        options=state_dict_options(full=not sharded))
         apply_group_settings(optimizer, settings)
-        loader.load_state_dict(meta["loader"])
+        for name in loader.load_state_dict(meta["loader"], other_data=self.allow_data_change):
+            warn(f"note: --allow-data-change: {f'source {name}' if name else '--data'} holds other shards than the "
+                 "checkpoint's data position counts, so its rows start at their beginning")
         set_rng_state(meta["rng"])
         return meta
 

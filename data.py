@@ -127,6 +127,11 @@ def split_paths(data_dir: str, split: str) -> list[str]:
         advice = (f": to train on the files in it, python prepare.py --input {shlex.quote(data_dir)} --out "
                   f"{shlex.quote(data_dir.rstrip(os.sep) + '_prepared')}, then --data that --out") if text else ""
         raise DataError(f"no {split} shards ({split}_*.bin) in {data_dir}{advice}")
+    recorded = sorted(name for name in (data_record(data_dir) or {}).get("sha256", {}) if name.startswith(f"{split}_"))
+    if missing := sorted(set(recorded) - {os.path.basename(path) for path in paths}):
+        raise DataError(f"{os.path.join(data_dir, missing[0])}: missing ({len(missing)} of the {len(recorded)} "
+                        f"{split} shards that {DATA_RECORD} records are not there); restore them, or prepare the "
+                        "data again")
     return paths
 
 
@@ -162,15 +167,17 @@ def data_change(saved: list | None, current: list) -> str | None:
 
 
 def check_split(data_dir: str, split: str, seq_len: int) -> list[np.ndarray]:
-    """The split's shards (memory maps: cheap), each checked to hold at least one sequence; a run calls this
-    before it builds a model, so that a sequence too long for the data is refused before anything that size
-    is allocated."""
-    shards = []
-    for path in split_paths(data_dir, split):
-        shard = read_shard(path)
-        if len(shard) < seq_len + 1:
-            raise DataError(f"{path}: shard has {len(shard):,} tokens, fewer than seq_len + 1 = {seq_len + 1:,}")
-        shards.append(shard)
+    """The split's shards (memory maps: cheap), checked to hold a sequence in one shard at least (a shorter
+    shard, such as the last of a preparation, gives no row: the loaders pass over it); a run calls this before
+    it builds a model, so that a sequence too long for the data is refused before anything that size is
+    allocated."""
+    paths = split_paths(data_dir, split)
+    shards = [read_shard(path) for path in paths]
+    longest = max(range(len(shards)), key=lambda i: len(shards[i]))
+    if len(shards[longest]) < seq_len + 1:
+        which = "the longest of its shards" if len(shards) > 1 else "its only shard"
+        raise DataError(f"{paths[longest]}: {which} has {len(shards[longest]):,} tokens, fewer than seq_len + 1 = "
+                        f"{seq_len + 1:,}: no sequence fits; lower --seq-len or prepare more data")
     return shards
 
 
@@ -533,18 +540,24 @@ class BatchStream:
         self.close()
 
 
-def check_state(order: RowOrder, state: dict, where: str = "") -> None:
+def check_state(order: RowOrder, state: dict, where: str = "", other_data: bool = False) -> bool:
     """DataError when a saved position does not belong to this order: other packing, data or seed. where:
-    the source it is of, in a mixture ("" for one directory)."""
+    the source it is of, in a mixture ("" for one directory). other_data (--allow-data-change): a position of
+    other shards alone (every setting the same but the windows the shards hold) is not an error -> True, the
+    rows to start at their beginning, as no position on the old shards means anything on these."""
     state = {"packing": "windows", **state}  # states saved before --packing existed are windows
     of = f" of source {where}" if where else ""
     if state["packing"] != order.packing:
         raise DataError(f"the loader state{of} was saved with --packing {state['packing']}, this run has "
                         f"--packing {order.packing}; resume with the same --packing")
-    for key, value in order.identity().items():
-        if state.get(key) != value:
+    identity = order.identity()
+    for key in sorted(identity, key=lambda k: k == "num_windows"):  # the shards' own windows last
+        if state.get(key) != identity[key]:
+            if key == "num_windows" and other_data:
+                return True
             raise DataError(f"loader state{of} does not fit this data: saved {key}={state.get(key)}, "
-                            f"this loader has {key}={value}")
+                            f"this loader has {key}={identity[key]}")
+    return False
 
 
 class ShardLoader(BatchStream):
@@ -632,10 +645,13 @@ class ShardLoader(BatchStream):
         """The position after the batches the caller has taken (prefetched ones excluded); same on all ranks."""
         return {**self.order.state(self._next), **self.order.identity()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, other_data: bool = False) -> list[str]:
+        """The saved position; other_data as check_state's -> [""] where the rows start at their beginning
+        instead (the sources that do, as a MixtureLoader names them), else []."""
         if "mixture" in state:
             raise DataError(f"the loader state is of a mixture of sources ({', '.join(state['mixture'])}); this "
                             "run reads one directory: resume with the same --data")
-        check_state(self.order, state)
+        restart = check_state(self.order, state, other_data=other_data)
         self.close()
-        self._next = self.order.position(state)
+        self._next = Position(0, 0, 0) if restart else self.order.position(state)
+        return [""] if restart else []

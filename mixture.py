@@ -68,10 +68,12 @@ def parse_data(spec: str) -> list[Source]:
         raise UsageError(f"--data: source {twice[0]} is named twice; give each source its own name")
     largest = max(value for _, _, value in parsed)  # first, so that the sum cannot overflow
     scaled = [(name, path, value / largest) for name, path, value in parsed]
-    if tiny := [name for name, _, value in scaled if value == 0]:
-        raise UsageError(f"--data: the weight of source {tiny[0]} is too small against the others to draw a row")
     total = sum(value for _, _, value in scaled)
-    return sorted(Source(name, path, value / total) for name, path, value in scaled)
+    sources = sorted(Source(name, path, value / total) for name, path, value in scaled)
+    edges = np.cumsum([0.0] + [s.weight for s in sources])  # as the draw (_block_sources) adds them up
+    if tiny := [s.name for s, low, high in zip(sources, edges, edges[1:]) if not high > low]:
+        raise UsageError(f"--data: the weight of source {tiny[0]} is too small against the others to draw a row")
+    return sources
 
 
 def absolute_data(spec: str | None) -> str | None:
@@ -287,24 +289,26 @@ class MixtureLoader(BatchStream):
             s.name: {**part.order.state(at), **part.order.identity(), "rows_read": read, "weight": s.weight}
             for s, part, read, at in zip(self.sources, self.parts, pos.read, pos.at)}}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, other_data: bool = False) -> list[str]:
         """A mixture's position; the weights may differ from the saved ones (the draw goes on with the new ones
         from the saved row), and so may the sources, which a resume allows only with --allow-data-change
-        (checkpoint.check_resumable): a source added starts at its beginning, one removed is no longer read."""
+        (checkpoint.check_resumable, which passes other_data): a source added starts at its beginning, one
+        removed is no longer read, and one whose shards are others (data.check_state) starts at its beginning
+        too -> the names of the sources that were saved and start over."""
         names = [s.name for s in self.sources]
         if "mixture" not in state:
             raise DataError(f"the loader state is of one --data directory; this run reads a mixture of "
                             f"{', '.join(names)}: resume with the same --data")
         saved = state["mixture"]
-        for name, part in zip(names, self.parts):
-            if name in saved:
-                check_state(part.order, saved[name], name)
+        restart = [n for n, part in zip(names, self.parts) if n in saved and check_state(part.order, saved[n], n,
+                                                                                          other_data)]
+        carried = [n in saved and n not in restart for n in names]
         self.close()
-        start = MixPosition(0, (0,) * len(names), (Position(0, 0, 0),) * len(names))
         self._next = MixPosition(
-            int(state["rows"]), tuple(int(saved[n]["rows_read"]) if n in saved else 0 for n in names),
-            tuple(part.order.position(saved[n]) if n in saved else start.at[i]
-                  for i, (n, part) in enumerate(zip(names, self.parts))))
+            int(state["rows"]), tuple(int(saved[n]["rows_read"]) if kept else 0 for n, kept in zip(names, carried)),
+            tuple(part.order.position(saved[n]) if kept else Position(0, 0, 0)
+                  for n, part, kept in zip(names, self.parts, carried)))
+        return restart
 
 
 def open_loader(sources: list[Source], **kwargs) -> ShardLoader | MixtureLoader:

@@ -126,9 +126,10 @@ class ValSplit:
             return self._finish_held(target)
         val = np.concatenate(self.val)
         if len(val) < target:
+            fewer = f"give --val-tokens {len(val):,} or less, or " if len(val) else ""
             raise DataError(f"{desc}: past its first {self.hold:,} tokens the val split takes 1 in {VAL_DRAWS} "
                             f"documents, chosen by a hash of their position, and those hold only {len(val):,} tokens; "
-                            f"give --val-tokens {len(val):,} or less")
+                            f"{fewer}cut the documents into more (--text-documents N: pieces of at most N tokens)")
         return val[:target], val[target:], self._count_documents(val[:target])
 
     def _finish_held(self, target: int) -> tuple[np.ndarray, np.ndarray, int]:

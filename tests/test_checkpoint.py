@@ -64,8 +64,9 @@ class StubLoader:
     def state_dict(self):
         return {"position": 7}
 
-    def load_state_dict(self, state):
-        assert state == {"position": 7}
+    def load_state_dict(self, state, other_data=False):
+        assert state == {"position": 7} and not other_data
+        return []  # no source starts over
 
 
 def adamw(model):
@@ -360,6 +361,14 @@ def test_resuming_on_other_shards_is_refused_unless_allowed(tmp_path, run_train)
     allowed = run_train(out, other, *warm, "--max-steps", "4", "--resume", "--allow-data-change")
     assert allowed.returncode == 0, allowed.stderr
     assert run_train(out, first, *warm, "--max-steps", "6", "--resume", "--allow-data-change").returncode == 0
+    (tmp_path / "c").mkdir()  # shards of other sizes: no position on the old ones means anything on these
+    resized = write_tiny_shards(tmp_path / "c", train_tokens=(4000, 3000))
+    refused = run_train(out, resized, *warm, "--max-steps", "8", "--resume")
+    assert "pass --allow-data-change to resume on them anyway" in one_error_line(refused)
+    allowed = run_train(out, resized, *warm, "--max-steps", "8", "--resume", "--allow-data-change")
+    assert allowed.returncode == 0, allowed.stderr
+    assert ("note: --allow-data-change: --data holds other shards than the checkpoint's data position counts, so "
+            "its rows start at their beginning") in allowed.stderr
 
 
 # ----------------------------------------------------------------------------- what a resume trains with

@@ -15,7 +15,7 @@ import model
 import prepare
 import tokenizer
 from cli import DataError
-from conftest import TINY_FLAGS, WORD_TEXT, write_doc_shards
+from conftest import TINY_FLAGS, WORD_TEXT, write_doc_shards, write_tiny_shards
 from data import ShardLoader
 from shards import CORPUS_MARKER, DATA_RECORD, read_shard, write_data_record, write_shard
 from test_prepare import DOCS
@@ -287,13 +287,13 @@ def test_validation_loader_reads_in_order(shards):
 
 
 @pytest.mark.parametrize("case, words", [
-    ("seq-len", "train_000005.bin"), ("missing", "does not exist"), ("empty", "no train shards"),
+    ("seq-len", "train_000000.bin: the longest of its shards has 101 tokens"), ("missing", "does not exist"), ("empty", "no train shards"),
     ("text", "no train shards (train_*.bin) in {dir}: to train on the files in it, python prepare.py --input {dir}"),
     ("corrupt", "train_000002.bin")])
 def test_loader_bad_input_is_a_one_line_error(shards, tmp_path, case, words):
     directory, seq_len = shards, T
     if case == "seq-len":
-        seq_len = 50  # longer than the 45-token shard
+        seq_len = 101  # no shard holds a sequence (the shorter ones give no row, and are passed over)
     elif case == "missing":
         directory = tmp_path / "nowhere"
     elif case == "empty":
@@ -333,6 +333,40 @@ def test_an_unfinished_preparation_is_refused_in_one_line_naming_data(gpt2, tmp_
     (whole / "notes.4567.tmp").write_text("not a file of prepare.py's")  # the user's: no sign of a preparation
     (whole / "train_000001.bin.4567.tmp").unlink()
     assert data.check_split(str(whole), "train", 2)
+
+
+def test_a_shard_too_short_for_a_sequence_gives_no_row_unless_every_shard_is(tmp_path):
+    """prepare.py's last shard may hold fewer than seq_len + 1 tokens: the loader passes over it, epoch after
+    epoch. Refused (either packing) only when no shard holds a sequence, naming the longest."""
+    for name in "short", "none":
+        (tmp_path / name).mkdir()
+    short = write_tiny_shards(tmp_path / "short", train_tokens=(1000, 10), val_tokens=100)
+    loader = ShardLoader(short, batch_size=4, seq_len=32, prefetch=0)
+    assert loader.num_windows == (1000 - 1) // 32
+    for _ in range(3 * 1000 // (4 * 32)):  # three epochs of the long shard
+        x, y = next(loader)
+        assert x.shape == y.shape == (4, 32)
+    assert loader.epoch == 2
+    loader.close()
+    none = write_tiny_shards(tmp_path / "none", train_tokens=(10, 20), val_tokens=100)
+    for packing in "windows", "bos":
+        with pytest.raises(DataError) as e:
+            ShardLoader(none, batch_size=1, seq_len=32, packing=packing, bos_token=0)
+        assert str(e.value) == (f"{none}/train_000001.bin: the longest of its shards has 20 tokens, fewer than "
+                                "seq_len + 1 = 33: no sequence fits; lower --seq-len or prepare more data")
+
+
+def test_a_shard_that_data_json_records_and_that_is_not_there_is_named(gpt2, tmp_path):
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 20))
+    out = tmp_path / "out"
+    prepare.prepare(tmp_path / "docs.jsonl", out, shard_tokens=200, val_tokens=5)
+    shards = len(data.split_paths(str(out), "train"))
+    assert shards >= 3
+    (out / "train_000001.bin").unlink()  # a partial copy, say
+    with pytest.raises(DataError) as e:
+        ShardLoader(out, batch_size=1, seq_len=2)
+    assert str(e.value) == (f"{out}/train_000001.bin: missing (1 of the {shards} train shards that data.json "
+                            "records are not there); restore them, or prepare the data again")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -91,6 +91,7 @@ def test_a_run_records_its_data_with_absolute_directories_names_and_weights_as_g
     ("web=d:0.7x", "got '0.7x'"),
     ("web=d:1,web=e:1", "source web is named twice"),
     ("a=d:1e-320,b=e:1e300", "the weight of source a is too small against the others to draw a row"),
+    ("a=d:1,z=e:1e-20", "the weight of source z is too small against the others to draw a row"),  # 1 + 1e-20 == 1
 ])
 def test_a_mixture_that_does_not_parse_is_one_line(spec, words):
     with pytest.raises(UsageError, match=words):
@@ -226,6 +227,15 @@ def test_a_loader_state_is_refused_by_a_loader_of_other_sources(sources):
         mixture(sources, packing="bos").load_state_dict(mixed.state_dict())
     reweighted = [s._replace(weight=w) for s, w in zip(sources, (0.5, 0.5))]  # the draw goes on with new weights
     mixture(reweighted).load_state_dict(mixed.state_dict())
+    rows(mixed, 5)
+    state = mixed.state_dict()
+    state["mixture"]["web"]["num_windows"] += 1  # web prepared again since, into other shards
+    with pytest.raises(DataError, match="loader state of source web does not fit this data: saved num_windows=301"):
+        mixture(sources).load_state_dict(state)
+    resumed = mixture(sources)
+    assert resumed.load_state_dict(state, other_data=True) == ["web"]  # --allow-data-change: web starts anew
+    assert resumed._next.rows == 20 and resumed._next.read[1] == 0 and resumed._next.at[1] == (0, 0, 0)
+    assert resumed._next.at[0] == mixed._next.at[0] != (0, 0, 0)  # code goes on where it was
 
 
 def _disjoint_ranks(rank, world_size, sources):

@@ -66,8 +66,14 @@ def test_streaming_past_the_hold_equals_the_held_split_while_draw_0_suffices():
     sorter.add(stream)  # the hold the other draws went to train as they came
     with pytest.raises(DataError, match=f"^corpus: past its first 1,000 tokens the val split takes 1 in 64 documents, "
                                         f"chosen by a hash of their position, and those hold only {len(draw_0):,} "
-                                        f"tokens; give --val-tokens {len(draw_0):,} or less$"):
+                                        f"tokens; give --val-tokens {len(draw_0):,} or less, or cut the documents "
+                                        r"into more \(--text-documents N: pieces of at most N tokens\)$"):
         sorter.finish("corpus")
+    few = split.ValSplit(EOT, 100, hold=1000)  # six long documents: positions 0 to 5 all draw other than 0
+    assert (split.draws(np.arange(6)) != 0).all()
+    few.add(np.concatenate([[EOT, *range(10, 410)] for _ in range(6)]).astype(np.uint16))
+    with pytest.raises(DataError, match=r"and those hold only 0 tokens; cut the documents into more \(--text-"):
+        few.finish("corpus")
 
 
 def test_the_val_cap_sends_later_draw_0_documents_to_train_and_the_unused_to_its_end(monkeypatch):
