@@ -11,10 +11,8 @@ few plain entries (format version, step, data-loader position, RNG, configs): th
 run can resume from either, at any world size: DCP reshards tensors to the loading run's layout.
 
 A checkpoint can never run code. A single file loads with torch.load(weights_only=True); a DCP directory
-keeps its meta in meta.pt, loaded the same way. DCP itself unpickles its `.metadata` file and its
-non-tensor entries with no restriction, so here `.metadata` goes through an allow-list of DCP's own
-metadata classes (_MetadataUnpickler) and every non-tensor entry must load under weights_only first
-(_WeightsOnlyBytes). Every reader (resume, sample.py, hf.py, the converters) verifies the checksums first.
+keeps its meta in meta.pt, loaded the same way, and the rest through safe_load.py. Every reader (resume,
+sample.py, hf.py, the converters) verifies the checksums first.
 
 Checkpoints hold the plain backend's parameter contract: Transformer Engine's per-module `_extra_state`
 (FP8 scaling metadata; for delayed scaling, a pickle) is left out when saving and rebuilt empty when a TE
@@ -35,7 +33,6 @@ import argparse
 import dataclasses
 import errno
 import hashlib
-import io
 import json
 import os
 import pickle
@@ -46,8 +43,7 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint import CheckpointException
 
 import distributed
 import memory
@@ -60,6 +56,7 @@ from fp8 import block_state_dict, te_to_plain_state_dict
 from model import INIT_ONLY_FIELDS, with_qwen3_toggles
 from optim import apply_group_settings, group_settings
 from schedule import current_multiplier
+from safe_load import SafeLoadPlanner, SafeReader, SafeWholeLoadPlanner, read_dcp_metadata
 from shards import file_sha256
 
 CHECKPOINT_VERSION = 1
@@ -176,23 +173,33 @@ def _dcp_error(path: str, e: BaseException, free: int | None, needed: int) -> Wr
 
 
 def save_file(state: dict, path: str) -> None:
-    """Write to a temporary file and fsync it, record its sha256 beside it, then rename it into place.
+    """Write to a temporary file and fsync it, and its sha256 beside it, then rename both into place
+    (_commit_file).
 
-    A crash or a full disk at any point leaves either the complete new checkpoint or none: the rename
-    is the commit, and the checksum lets a resume tell a damaged file from a good one.
+    A crash or a full disk at any point leaves either the complete new checkpoint or the one it replaces
+    (best.pt): the file's rename is the commit, and the checksum lets a resume tell a damaged file from a
+    good one.
     """
-    tmp = f"{path}.tmp"
+    tmp, digest_tmp = f"{path}.tmp", f"{path}{DIGEST_SUFFIX}.tmp"
     try:
         digest = write_synced(tmp, _save_hashed(state))
-        write_synced(f"{path}{DIGEST_SUFFIX}.tmp", lambda f: f.write(digest.encode()))
-        os.replace(f"{path}{DIGEST_SUFFIX}.tmp", f"{path}{DIGEST_SUFFIX}")
-        os.replace(tmp, path)
-        _fsync_dir(os.path.dirname(path) or ".")
+        write_synced(digest_tmp, lambda f: f.write(digest.encode()))
+        _commit_file(tmp, path)
     except OSError as e:
-        for leftover in (tmp, f"{path}{DIGEST_SUFFIX}.tmp"):
-            if os.path.exists(leftover):
-                os.remove(leftover)
+        if os.path.exists(tmp):  # not committed: neither staged file is wanted
+            for leftover in (tmp, digest_tmp):
+                if os.path.exists(leftover):
+                    os.remove(leftover)
         raise _disk_error(path, e) from None
+
+
+def _commit_file(tmp: str, path: str) -> None:
+    """tmp, whole, becomes path, then its staged sha256 (path.sha256.tmp) becomes path's. Between the two
+    renames the file is new and path.sha256 still the old one's: verify takes the staged digest then, so a
+    kill at any moment leaves the old checkpoint or the new one, each verifiable."""
+    os.replace(tmp, path)
+    os.replace(f"{path}{DIGEST_SUFFIX}.tmp", f"{path}{DIGEST_SUFFIX}")
+    _fsync_dir(os.path.dirname(path) or ".")
 
 
 def save_sharded(tensors: dict, meta: dict, path: str, is_main: bool, barrier) -> None:
@@ -235,24 +242,37 @@ def _replace_dir(tmp: str, path: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _recorded_digest(path: str) -> str | None:
+    """The sha256 a checksum file holds, or None when it is not there or holds no digest (damaged)."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read(100).decode("ascii", errors="replace").strip()
+    except OSError:
+        return None
+    return text if len(text) == 64 and all(c in "0123456789abcdef" for c in text) else None
+
+
 def verify(path: str) -> None:
     """CheckpointError unless every byte of the checkpoint is what was written (truncation, flipped bytes)."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if os.path.isdir(path):
-        try:
-            with open(os.path.join(path, CHECKSUMS_FILE)) as f:
-                expected = json.load(f)
-        except (OSError, ValueError):
-            raise CheckpointError(f"{path} has no readable {CHECKSUMS_FILE}: incomplete or not ours") from None
-        files = {os.path.join(path, name): digest for name, digest in expected.items()}
-    else:
-        try:
-            with open(f"{path}{DIGEST_SUFFIX}") as f:
-                files = {path: f.read().strip()}
-        except OSError:
-            raise CheckpointError(f"{path} has no {DIGEST_SUFFIX} checksum beside it: incomplete or not ours") from None
-    for file, digest in files.items():
+    if not os.path.isdir(path):
+        # The staged digest as well: a replacement cut short between _commit_file's renames is whole.
+        digests = {_recorded_digest(f"{path}{DIGEST_SUFFIX}{staged}") for staged in ("", ".tmp")} - {None}
+        if not digests:
+            raise CheckpointError(f"{path} has no readable {DIGEST_SUFFIX} checksum beside it: incomplete or not "
+                                  "ours")
+        if file_sha256(path) not in digests:
+            raise CheckpointError(f"{path} is damaged: its sha256 does not match the one recorded when it was written")
+        return
+    try:
+        with open(os.path.join(path, CHECKSUMS_FILE)) as f:
+            expected = json.load(f)
+    except (OSError, ValueError):
+        expected = None
+    if not (isinstance(expected, dict) and all(isinstance(d, str) for d in expected.values())):
+        raise CheckpointError(f"{path} has no readable {CHECKSUMS_FILE}: incomplete or not ours")
+    for file, digest in ((os.path.join(path, name), digest) for name, digest in expected.items()):
         if not os.path.isfile(file):
             raise CheckpointError(f"{file} is missing, though the checkpoint recorded it when it was written")
         if file_sha256(file) != digest:
@@ -313,72 +333,6 @@ def _torch_load(path: str):
         raise _load_error(path, e) from None
 
 
-# What a DCP `.metadata` pickle may name: DCP's metadata records, torch.Size, dtypes and layouts, and the
-# path DCP records as the checkpoint id. Nothing here runs code when called with pickled arguments.
-_METADATA_GLOBALS = {
-    *(("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """pickle with an allow-list, in the spirit of torch.load(weights_only=True), for DCP's `.metadata`."""
-
-    def find_class(self, module: str, name: str):
-        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                                                   torch.dtype)):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")
-
-
-def read_dcp_metadata(directory: str):
-    """A DCP directory's `.metadata`, through _MetadataUnpickler."""
-    with open(os.path.join(directory, ".metadata"), "rb") as f:
-        return _MetadataUnpickler(f).load()
-
-
-class _SafeReader(FileSystemReader):
-    """DCP's file reader, with `.metadata` read through _MetadataUnpickler (DCP's own uses plain pickle)."""
-
-    def read_metadata(self, *args, **kwargs):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        metadata = read_dcp_metadata(os.fspath(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = getattr(self, "load_id", None)
-        return metadata
-
-
-class _WeightsOnlyBytes:
-    """A DCP load-planner mixin: a non-tensor entry (DCP unpickles those with weights_only=False) is loaded
-    with weights_only=True here, and DCP is handed that plain data saved anew, never the file's own bytes."""
-
-    def load_bytes(self, read_item, value):
-        try:
-            data = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            detail = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line), "")
-            raise pickle.UnpicklingError(f"entry {read_item.dest_index.fqn} is not plain data and could run code "
-                                         f"when loaded; refused. {detail}".strip()) from None
-        clean = io.BytesIO()
-        torch.save(data, clean)
-        clean.seek(0)
-        super().load_bytes(read_item, clean)
-
-
-class _SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
-    pass
-
-
-class _SafeWholeLoadPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
-    """Reads everything a directory holds into an empty state dict (dcp_to_file)."""
-
-
 def _check_meta(meta, path: str) -> dict:
     if not isinstance(meta, dict) or meta.get("version") != CHECKPOINT_VERSION:
         raise CheckpointError(f"{path} is not a checkpoint of this trainer (format version {CHECKPOINT_VERSION})")
@@ -400,7 +354,7 @@ def load(path: str, make_template=None) -> tuple[dict, dict | None]:
         if make_template is None:
             return meta, None
         template = make_template(meta)
-        _dcp_load(template, path, _SafeLoadPlanner())
+        _dcp_load(template, path, SafeLoadPlanner())
         return meta, template
     state = _torch_load(path)
     if not isinstance(state, dict) or "model" not in state:
@@ -414,7 +368,7 @@ def _dcp_load(state_dict: dict, path: str, planner, load=None) -> None:
     metadata is checked first, because DCP logs a traceback of its own when it cannot read it."""
     try:
         read_dcp_metadata(path)
-        (load or dcp.load)(state_dict, storage_reader=_SafeReader(path), planner=planner, no_dist=not _dist_ready())
+        (load or dcp.load)(state_dict, storage_reader=SafeReader(path), planner=planner, no_dist=not _dist_ready())
     except (Exception, CheckpointException) as e:
         raise _load_error(path, e) from None
 
@@ -437,16 +391,13 @@ def link(src: str, dst: str) -> None:
     if os.path.isdir(src):
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(src, tmp, copy_function=_link_or_copy)
-        if os.path.exists(dst):
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
-    else:
-        for suffix in (DIGEST_SUFFIX, ""):  # the checksum first, as save_file does
-            if os.path.exists(f"{tmp}{suffix}"):
-                os.remove(f"{tmp}{suffix}")
-            _link_or_copy(f"{src}{suffix}", f"{tmp}{suffix}")
-            os.replace(f"{tmp}{suffix}", f"{dst}{suffix}")
-    _fsync_dir(os.path.dirname(dst) or ".")
+        _replace_dir(tmp, dst)
+        return
+    for staged, source in ((tmp, src), (f"{dst}{DIGEST_SUFFIX}.tmp", f"{src}{DIGEST_SUFFIX}")):
+        if os.path.exists(staged):
+            os.remove(staged)
+        _link_or_copy(source, staged)
+    _commit_file(tmp, dst)
 
 
 def remove(path: str) -> None:
@@ -454,8 +405,9 @@ def remove(path: str) -> None:
         shutil.rmtree(path)
     else:
         os.remove(path)
-        if os.path.exists(f"{path}{DIGEST_SUFFIX}"):
-            os.remove(f"{path}{DIGEST_SUFFIX}")
+        for digest in (f"{path}{DIGEST_SUFFIX}", f"{path}{DIGEST_SUFFIX}.tmp"):
+            if os.path.exists(digest):
+                os.remove(digest)
 
 
 def dcp_to_file(src_dir: str, dst: str) -> None:
@@ -465,7 +417,7 @@ def dcp_to_file(src_dir: str, dst: str) -> None:
 
     meta, _ = load(src_dir)
     tensors = {}
-    _dcp_load(tensors, src_dir, _SafeWholeLoadPlanner(), load=_load_state_dict)
+    _dcp_load(tensors, src_dir, SafeWholeLoadPlanner(), load=_load_state_dict)
     save_file({**meta, "model": tensors["model"], "optimizer": tensors["optimizer"]}, dst)
 
 
@@ -674,8 +626,18 @@ def check_conversion(direction: str, src: str, dst: str) -> None:
         raise CheckpointError(f"{direction} converts a {'sharded (DCP) directory' if wants_dir else 'single file'}; "
                               f"{src} is a {'file' if wants_dir else 'directory'}"
                               f" (use {'to-dcp' if wants_dir else 'to-file'})")
+    if not dst:
+        raise CheckpointError(f"{direction}: the destination is empty; name the {'file' if wants_dir else 'directory'} "
+                              "to write")
+    if wants_dir and dst.endswith(os.sep):
+        raise CheckpointError(f"to-file writes a single file: {dst} names a directory")
     if os.path.exists(dst):
         raise CheckpointError(f"{dst} already exists: a conversion never replaces it; remove it or name another")
+    staged = (f"{dst}.tmp", f"{dst}{DIGEST_SUFFIX}", f"{dst}{DIGEST_SUFFIX}.tmp") if wants_dir else (f"{dst}.tmp",
+                                                                                                    f"{dst}.old")
+    if in_the_way := next((path for path in staged if os.path.lexists(path)), None):
+        raise CheckpointError(f"{in_the_way} already exists, where the conversion writes on its way to {dst}; move "
+                              "it aside or name another destination")
     parent = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(parent):
         raise CheckpointError(f"cannot write {dst}: directory {parent} does not exist")
@@ -688,9 +650,11 @@ def main(argv=None) -> int:
     parser.add_argument("dst")
     try:
         args = parser.parse_args(argv)
+        if args.direction == "to-dcp":  # a directory to make, however it is named
+            args.dst = args.dst.rstrip(os.sep) or args.dst
         check_conversion(args.direction, args.src, args.dst)
         (dcp_to_file if args.direction == "to-file" else file_to_dcp)(args.src, args.dst)
-    except (UsageError, CheckpointError) as e:
+    except (UsageError, CheckpointError, WriteError) as e:
         return report_error(e)
     print(f"wrote {args.dst}: {args.src} as a {'single file' if args.direction == 'to-file' else 'DCP directory'}")
     return 0

@@ -126,6 +126,7 @@ def _draw_curve(ax, xs, ys, key: str, label: str, colour, keys: tuple, smooth: f
     its ema factor (`smooth`, or auto_smoothing's for None) is above 0, smoothed, over its raw values drawn
     faintly, unlabelled, behind it."""
     name = label + ((" (val)" if key == "val_loss" else " (train)") if len(keys) > 1 else "")
+    name = f" {name}" if name.startswith("_") else name  # matplotlib leaves a label starting with _ out of legends
     if key == "val_loss":
         ax.plot(xs, ys, color=colour, marker="o", markersize=4, linestyle="--", linewidth=1.2, label=name)
         return

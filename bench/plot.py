@@ -110,7 +110,8 @@ def main(argv=None):
         if len(labels) != len(a.out_dirs):
             raise MetricsError(f"--labels gives {len(labels)} names for {len(a.out_dirs)} OUT_DIRs")
         if len(set(labels)) != len(labels):
-            raise MetricsError("--labels must be distinct")
+            twice = next(d for d in a.out_dirs if a.out_dirs.count(d) > 1) if not a.labels else None
+            raise MetricsError("--labels must be distinct" if a.labels else f"OUT_DIR {twice} is given twice")
         runs = {label: read_metrics(d) for label, d in zip(labels, a.out_dirs)}
         for d, records in zip(a.out_dirs, runs.values()):
             check_x(records, a.x, os.path.join(d, "metrics.jsonl"))

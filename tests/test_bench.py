@@ -69,6 +69,21 @@ def test_plot_cli_missing_metrics_is_one_line_and_exit_2(tmp_path, capsys):
     assert "metrics.jsonl" in err and not (tmp_path / "x.png").exists()
 
 
+def test_a_run_named_with_a_leading_underscore_has_its_legend_entry(tmp_path):
+    """matplotlib leaves labels that start with _ out of a legend: the run's name still shows."""
+    runs = {"_sig": curves.read_metrics(write_run(tmp_path / "_sig", 8, 5.0, 1e-3))}
+    fig = curves.draw_runs(runs, ["loss"], None, None, None, "tokens", 0, False)
+    texts = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    assert texts and all(t.strip().startswith("_sig") for t in texts)
+
+
+def test_plot_cli_names_an_out_dir_given_twice_not_a_flag_it_was_not_given(tmp_path, capsys):
+    a = write_run(tmp_path / "run", 4, 5.0, 1e-3)
+    with pytest.raises(SystemExit) as e:
+        plot.main([a, a])
+    assert e.value.code == 2 and capsys.readouterr().err == f"error: OUT_DIR {a} is given twice\n"
+
+
 def test_read_metrics_keeps_val_loss_only_on_eval_steps(tmp_path):
     records = curves.read_metrics(write_run(tmp_path / "run", 8, 5.0, 1e-3))
     assert curves.series(records, "val_loss") == ([1024, 2048], [pytest.approx(4.75), pytest.approx(4.35)])

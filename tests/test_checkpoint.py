@@ -195,6 +195,53 @@ def test_a_file_a_directory_checkpoint_lists_and_lacks_is_called_missing_not_dam
         checkpoint.verify(str(tmp_path / "ckpt"))
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "dcp"])
+def test_a_kill_while_best_is_replaced_leaves_a_whole_one(tmp_path, monkeypatch, sharded):
+    """best is replaced by a second name for a regular checkpoint (link): killed between any two renames,
+    the old best or the new one verifies (a DCP best's old one under best.old, as save_sharded leaves it)."""
+    old, new = tmp_path / "ckpt_1", tmp_path / "ckpt_2"
+    for path, text in (old, b"old"), (new, b"new"):
+        if sharded:
+            path.mkdir()
+            (path / "meta.pt").write_bytes(text)
+            rewrite_checksums(path)
+        else:
+            path.write_bytes(text)
+            (tmp_path / f"{path.name}{checkpoint.DIGEST_SUFFIX}").write_text(file_sha256(str(path)))
+    best = str(tmp_path / "best")
+    checkpoint.link(str(old), best)
+    renames, real_replace = [], os.replace
+    for kill_at in range(1, 3):
+        def replace(src, dst):
+            renames.append(dst)
+            if len(renames) == kill_at:
+                raise KeyboardInterrupt  # the kill, just before this rename
+            real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+        renames.clear()
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.link(str(new), best)
+        monkeypatch.setattr(os, "replace", real_replace)
+        whole = best if os.path.exists(best) else f"{best}.old"
+        checkpoint.verify(whole)
+        checkpoint.link(str(old), best)  # and a later replacement mends it
+        checkpoint.verify(best)
+
+
+@pytest.mark.parametrize("checksum", [b"\xff\xfe", b"", b"[]", b"null", b"{\"meta.pt\": 3}"])
+def test_a_damaged_checksum_file_is_a_checkpoint_that_does_not_verify(tmp_path, checksum):
+    (tmp_path / "c.pt").write_bytes(b"weights")
+    (tmp_path / "c.pt.sha256").write_bytes(checksum)
+    with pytest.raises(checkpoint.CheckpointError, match="has no readable .sha256 checksum beside it"):
+        checkpoint.verify(str(tmp_path / "c.pt"))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "meta.pt").write_bytes(b"meta")
+    (tmp_path / "d" / checkpoint.CHECKSUMS_FILE).write_bytes(checksum)
+    with pytest.raises(checkpoint.CheckpointError, match=f"has no readable {checkpoint.CHECKSUMS_FILE}"):
+        checkpoint.verify(str(tmp_path / "d"))
+
+
 def one_error_line(result):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.stderr
@@ -444,8 +491,19 @@ def test_the_converter_refuses_what_it_cannot_convert_in_one_line(tmp_path, caps
         (["to-file", directory, str(tmp_path / "no" / "such" / "c.pt")], "does not exist"),
         (["to-dcp", path, directory], "already exists: a conversion never replaces it; remove it or name another"),
         (["to-file", str(tmp_path / "missing"), str(tmp_path / "d.pt")], "does not exist"),
+        (["to-dcp", path, ""], "to-dcp: the destination is empty; name the directory to write"),
+        (["to-file", directory, f"{tmp_path}/e.pt/"], f"to-file writes a single file: {tmp_path}/e.pt/ names a "
+                                                       "directory"),
+        (["to-file", directory, "/proc/f.pt"], "cannot write checkpoint /proc/f.pt: "),  # a write that fails
     ]
+    (tmp_path / "mine.tmp").mkdir()  # the user's, where a conversion stages its output: never removed
+    (tmp_path / "notes.pt.sha256.tmp").write_text("mine")
+    for argv, staged in (["to-dcp", path, str(tmp_path / "mine")], "mine.tmp"), (
+            ["to-file", directory, str(tmp_path / "notes.pt")], "notes.pt.sha256.tmp"):
+        cases.append((argv, f"{tmp_path / staged} already exists, where the conversion writes on its way to "))
     for argv, message in cases:
         assert checkpoint.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err, (argv, err)
+    assert (tmp_path / "mine.tmp").is_dir() and (tmp_path / "notes.pt.sha256.tmp").read_text() == "mine"
+    assert checkpoint.main(["to-dcp", path, f"{tmp_path}/g/"]) == 0 and checkpoint.verify(f"{tmp_path}/g") is None
