@@ -334,7 +334,12 @@ def idle_tokens_per_param(flags: dict, given: dict) -> list[str]:
         return ["--tokens-per-param sizes the run's tokens with the size dial: give --depth or --preset with it"]
     length = [flag for key, flag in (("schedule.max_tokens", "--max-tokens"), ("schedule.max_steps", "--max-steps"))
               if key in flags]
-    return [f"--tokens-per-param and {length[0]} both set the run's length: give one"] if length else []
+    if length:
+        return [f"--tokens-per-param and {length[0]} both set the run's length: give one"]
+    # A run's config.toml records the length the dial derived: the file's value would win over the flag
+    recorded = [key.split(".")[1] for key in ("schedule.max_tokens", "schedule.max_steps") if given.get(key)]
+    return [f"--tokens-per-param: the --config file sets {recorded[0]}, the run's length, which the flag would "
+            f"derive; remove {recorded[0]} from the file, or give --max-tokens"] if recorded else []
 
 
 def from_hf_values(hf_model, directory: str) -> dict:
@@ -484,7 +489,9 @@ def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return json.dumps(value)  # JSON's escapes (\", \\, \n, \uXXXX) are TOML basic-string escapes
+        # JSON's escapes (\", \\, \n, \uXXXX) are TOML basic-string escapes; other characters go as they are
+        # (TOML has no surrogate pairs for an emoji's \uXXXX\uXXXX), but DEL, which TOML wants escaped.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     return repr(value)  # ints, and floats (repr always has a '.' or an exponent; they are finite)
 
 

@@ -165,8 +165,9 @@ class OptimConfig:
             raise ValueError(f"eps must be positive, got {self.eps}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        if isinstance(self.ns_steps, bool) or not isinstance(self.ns_steps, int) or self.ns_steps < 1:
-            raise ValueError(f"ns_steps must be a positive integer, got {self.ns_steps!r}")
+        if isinstance(self.ns_steps, bool) or not isinstance(self.ns_steps, int) or not 1 <= self.ns_steps <= 100:
+            # Muon uses 5; each iteration is three matmuls a matrix, so 100 is already 20 optimizer steps' worth
+            raise ValueError(f"ns_steps must be a whole number from 1 to 100, got {self.ns_steps!r}")
         if self.ns_dtype != "auto" and self.ns_dtype not in NS_DTYPES:
             raise ValueError(f"unknown ns_dtype {self.ns_dtype!r}; choose one of auto, {', '.join(NS_DTYPES)}")
         if self.muon_scale not in MUON_SCALES:

@@ -163,9 +163,9 @@ def test_an_untied_run_resolves_its_embedding_and_head_lrs_and_the_gpt2_presets_
 
 
 def test_toml_round_trip_reproduces_the_config(tmp_path):
-    """Every field, derived ones included, survives to_toml -> --config; strings with quotes, backslashes and
-    non-ASCII text too."""
-    cfg = config.parse_args(["--depth", "3", "--sample-prompt", 'a "quoted" \\ line\nnaïve', "--tie-embeddings",
+    """Every field, derived ones included, survives to_toml -> --config; strings with quotes, backslashes,
+    non-ASCII text (an emoji beyond the BMP too) and control characters."""
+    cfg = config.parse_args(["--depth", "3", "--sample-prompt", 'a "quoted" \\ line\nnaïve 😀\x7f\t', "--tie-embeddings",
                              "--wandb-tags", "x,y", "--lr", "1e-05", "--batch-size", "8", "--optimizer", "muon"])
     path = tmp_path / "run.toml"
     config.write_config(cfg, str(path))
@@ -322,12 +322,15 @@ def test_resume_check_refuses_shape_and_optimizer_changes_and_names_the_rest():
         f"data.data 'elsewhere' -> {os.getcwd()!r}"]
 
 
-def test_tokens_per_param_where_the_dial_does_not_size_the_run_is_refused():
+def test_tokens_per_param_where_the_dial_does_not_size_the_run_is_refused(tmp_path):
     for argv, problem in [([], "give --depth or --preset with it"),
                           (["--depth", "2", "--max-tokens", "9"], "--tokens-per-param and --max-tokens both set")]:
         with pytest.raises(UsageError, match=problem):
             config.parse_args(["--tokens-per-param", "5", *argv])
     assert config.parse_args(["--depth", "2", "--tokens-per-param", "5"]).size.tokens_per_param == 5
+    config.write_config(config.parse_args(["--depth", "2"]), str(tmp_path / "run.toml"))  # records its max_tokens
+    with pytest.raises(UsageError, match="--tokens-per-param: the --config file sets max_tokens, the run's length"):
+        config.parse_args(["--config", str(tmp_path / "run.toml"), "--tokens-per-param", "40"])
 
 
 def test_resume_does_not_call_the_same_out_dir_given_another_way_a_change(tmp_path, monkeypatch):
@@ -401,3 +404,12 @@ def test_a_from_hf_run_resumes_though_its_checkpoint_recorded_another_shape():
     plain = dataclasses.replace(config.parse_args([]), model=exported)
     with pytest.raises(UsageError, match="cannot change within a run: model"):
         config.check_resume(config.to_dict(config.parse_args([])), plain)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sample-tokens", "5"], "--sample-tokens runs at evals: it needs --eval-interval > 0"),
+    (["--early-stop-patience", "1"], "--early-stop-patience counts at evals: it needs --eval-interval > 0")])
+def test_a_setting_that_acts_at_evals_is_refused_without_them(flags, message):
+    with pytest.raises(UsageError, match=message):
+        config.parse_args([*flags, "--eval-interval", "0"])
+    config.parse_args(flags)  # with evals, as by default

@@ -253,7 +253,8 @@ def check_resume_is_bit_identical(make, cfg: OptimConfig, data) -> dict:
 
 @pytest.mark.parametrize("bad", [
     dict(name="sgd"), dict(lr=0.0), dict(adam_lr=-1.0), dict(weight_decay=-0.1), dict(beta2=1.0),
-    dict(eps=0.0), dict(momentum=1.0), dict(ns_steps=0), dict(ns_dtype="fp16"), dict(muon_scale="moonlight"),
+    dict(eps=0.0), dict(momentum=1.0), dict(ns_steps=0), dict(ns_steps=2**62), dict(ns_dtype="fp16"),
+    dict(muon_scale="moonlight"),
 ])
 def test_bad_config_is_one_line_value_error(bad):
     model = ToyGPT(n_layer=1)
