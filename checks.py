@@ -130,8 +130,11 @@ def _range_problems(cfg):
     if s.batch_warmup_steps and d.grad_accum == 1 and not d.total_batch_tokens:
         yield ("--batch-warmup-steps ramps the micro-steps of each step: it needs --grad-accum > 1 (or "
                "--total-batch-tokens)")
-    if cfg.dist.ddp_bucket_mb <= 0:
-        yield f"--ddp-bucket-mb must be positive, got {cfg.dist.ddp_bucket_mb}"
+    if 0 < d.total_batch_tokens < cfg.model.max_seq_len:  # on any number of ranks
+        yield (f"--total-batch-tokens {d.total_batch_tokens:,} is less than one sequence (--seq-len "
+               f"{cfg.model.max_seq_len:,}): a step trains whole sequences")
+    if not 0 < cfg.dist.ddp_bucket_mb <= 1 << 20:  # DDP takes it as a byte count it can hold
+        yield f"--ddp-bucket-mb must be in (0, {1 << 20}], got {cfg.dist.ddp_bucket_mb}"
     if not MIN_COLLECTIVE_TIMEOUT <= cfg.dist.collective_timeout <= MAX_COLLECTIVE_TIMEOUT:
         yield (f"--collective-timeout must be in [{MIN_COLLECTIVE_TIMEOUT:g}, {MAX_COLLECTIVE_TIMEOUT:g}] seconds, "
                f"got {cfg.dist.collective_timeout:g}")

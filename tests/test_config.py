@@ -89,7 +89,10 @@ def test_flags_land_in_their_section(argv, section, name, value):
     (["--dist", "fsdp", "--optimizer", "adamw8bit"], "adamw8bit does not support"),
     (["--fp8", "te", "--sample-tokens", "4"], "needs the plain backend's KV cache"),
     (["--keep-ckpts", "0"], "--keep-ckpts must be >= 1"),
-    (["--ddp-bucket-mb", "0"], "--ddp-bucket-mb must be positive"),
+    (["--ddp-bucket-mb", "0"], r"--ddp-bucket-mb must be in \(0, 1048576\], got 0"),
+    (["--ddp-bucket-mb", "1e300"], "--ddp-bucket-mb must be in"),
+    (["--batch-size", "auto", "--total-batch-tokens", "16", "--seq-len", "32"],
+     r"--total-batch-tokens 16 is less than one sequence \(--seq-len 32\)"),
     (["--collective-timeout", "0"], r"--collective-timeout must be in \[0.001, 1e\+09\] seconds, got 0$"),
     (["--collective-timeout", "0.0005"], "--collective-timeout must be in"),  # torch's 0 ms
     (["--collective-timeout", "1e14"], "--collective-timeout must be in"),  # timedelta's overflow
