@@ -71,7 +71,7 @@ class ScheduleConfig:
 
     max_steps: int = option(150, "optimizer steps to train")
     max_tokens: int = option(0, "train for this many tokens instead of --max-steps (0: off)")
-    warmup: int = option(3, "linear warm-up steps")
+    warmup: int = option(1, "linear warm-up steps (docs/recipe.md)")
     schedule: str = option("wsd", "warmup-stable-decay, with a linear decay over the last --decay-frac "
                                   "(docs/recipe.md), or cosine decay", choices=("wsd", "cosine"))
     min_lr_ratio: float = option(0.1, "final LR as a fraction of peak")
@@ -225,10 +225,10 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self):
-        """Unset LRs take their defaults (optim.default_lrs, by the model's width, whether flags or the size dial
-        gave it) here, where the model meets the optimizer, so that Config() is what parsing no flag gives and
+        """Unset LRs (optim.default_lrs, by the model's width, whether flags or the size dial gave it) and Adam's
+        beta1 take the optimizer's defaults here, where the model meets the optimizer, so that Config() is what parsing no flag gives and
         config.toml holds the values."""
-        self.optim = optim.with_default_lrs(self.optim, self.model.tie_embeddings, self.model.n_embd)
+        self.optim = optim.with_optimizer_defaults(self.optim, self.model.tie_embeddings, self.model.n_embd)
 
 
 SECTION_TITLES = {

@@ -101,9 +101,9 @@ class ModelConfig:
                                          "presets set it); off, the lm_head is its own matrix with its own LR, which "
                                          "trains faster (docs/recipe.md)")
     # Initialisation, not shape: hf_layout.hf_config leaves it out, so Hugging Face exports stay exact.
-    zero_init_proj: bool = option(False, "initialise attn.proj and mlp.fc2, the projections into the residual stream, "
-                                         "to zero: every block starts as the identity (init only; not part of the "
-                                         "exported architecture)")
+    zero_init_proj: bool = option(True, "initialise attn.proj and mlp.fc2, the projections into the residual stream, "
+                                        "to zero: every block starts as the identity (init only; not part of the "
+                                        "exported architecture; docs/recipe.md)")
     head_init: str = option("normal", "init of an untied lm_head (not with --tie-embeddings): normal(0, 0.02) like the "
                                       "embedding, or zero, so every logit starts at 0 (init only)", choices=HEAD_INITS)
     # Recipe toggles (QWEN3_VALUES), each on by default only once the recipe sweep showed it wins on both tuning

@@ -57,6 +57,7 @@ class OptimizerEntry:
     # Its default LRs at width w: those at BASE_WIDTH x (BASE_WIDTH / w) ** width_exponent, for every run.
     width_exponent: float = 1.0
     lr_rule: str = ""  # how its LRs' rule across widths was checked, for the start-up table
+    beta1: float = 0.9  # Adam's default first-moment decay (the AdamW side's, under hidden_matrices)
 
 
 OPTIMIZERS: dict[str, OptimizerEntry] = {}  # --optimizer's choices, in the order registered
@@ -100,12 +101,13 @@ class OptimConfig:
                                     "width 128, 6e-3 for muon, 3e-3 for adamw and adamw8bit, scaled to the model's "
                                     "width: docs/sizing.md)")
     weight_decay: float = option(0.1, "decoupled, matrices only")
-    beta1: float = option(0.9, "Adam first-moment decay")
+    beta1: float | None = option(None, "Adam first-moment decay (default: the optimizer's, 0.7 for muon's AdamW side, "
+                                       "0.9 for adamw and adamw8bit: docs/recipe.md)")
     beta2: float = option(0.95, "Adam second-moment decay")
     eps: float = option(1e-8, "Adam's epsilon", flag="--adam-eps")
     adam_lr: float | None = option(None, "peak LR of the AdamW side of a Muon run (embeddings, norms; default: 3e-3 at "
                                          "width 128, scaled as --lr)")
-    momentum: float = option(0.95, "Muon's momentum", flag="--muon-momentum")
+    momentum: float = option(0.9, "Muon's momentum (docs/recipe.md)", flag="--muon-momentum")
     momentum_warmup: int = option(0, "Muon: ramp the momentum linearly from --muon-momentum-start to --muon-momentum "
                                      "over this many optimizer steps (0: off)", flag="--muon-momentum-warmup")
     momentum_start: float = option(0.85, "Muon's momentum at the first step of --muon-momentum-warmup",
@@ -158,8 +160,8 @@ class OptimConfig:
             raise ValueError(f"adam_lr must be positive, got {self.adam_lr}")
         if not self.weight_decay >= 0:
             raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        for name in ("beta1", "beta2"):  # one message per beta: it names the one flag to fix
-            if not 0 <= getattr(self, name) < 1:
+        for name in ("beta1", "beta2"):  # one message per beta: it names the one flag to fix (None: the default)
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if not self.eps > 0:
             raise ValueError(f"eps must be positive, got {self.eps}")
@@ -231,10 +233,13 @@ def default_lrs(cfg: OptimConfig, tied: bool, width: int | None = None) -> dict[
     return found
 
 
-def with_default_lrs(cfg: OptimConfig, tied: bool, width: int | None = None) -> OptimConfig:
-    """cfg with every unset LR at its default (default_lrs): config.Config resolves a run's this way, so that
-    its config.toml and the recipe cache see the values; build_optimizer, a bare OptimConfig's."""
-    return replace(cfg, **{name: value for name, (value, _) in default_lrs(cfg, tied, width).items()})
+def with_optimizer_defaults(cfg: OptimConfig, tied: bool, width: int | None = None) -> OptimConfig:
+    """cfg with every unset LR at its default (default_lrs), and an unset beta1 at the optimizer's:
+    config.Config resolves a run's this way, so that its config.toml and the recipe cache see the values;
+    build_optimizer, a bare OptimConfig's."""
+    entry = OPTIMIZERS.get(cfg.name)
+    beta1 = {"beta1": entry.beta1} if cfg.beta1 is None and entry is not None else {}
+    return replace(cfg, **beta1, **{name: value for name, (value, _) in default_lrs(cfg, tied, width).items()})
 
 
 # ----------------------------------------------------------------------------- settings across a resume
@@ -334,7 +339,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, row_blocks: dict[str, li
     cfg.validate()  # unset LRs pass: they are filled below
     entry = OPTIMIZERS[cfg.name]
     roles = split_params(model, use_muon=entry.hidden_matrices)
-    cfg = with_default_lrs(cfg, tied=True)  # a bare config's embedding and head share the AdamW side's LR
+    cfg = with_optimizer_defaults(cfg, tied=True)  # a bare config's embedding and head share the AdamW side's LR
     if cfg.head_lr is not None and not any(n == "lm_head.weight" for n, _ in roles["decay"]):
         raise ValueError("--head-lr needs an untied lm_head (not --tie-embeddings); a tied one is the embedding: "
                          "use --embed-lr")
@@ -568,5 +573,5 @@ register("adamw", OptimizerEntry(build=_build_adamw, lr=3e-3, state_bytes=_adamw
 register("adamw8bit", OptimizerEntry(build=_build_adamw8bit, lr=3e-3, state_bytes=_adamw8bit_state,
                                      shared_state_bytes=BNB_QMAPS, fsdp=False, cautious_wd=False))
 register("muon", OptimizerEntry(build=_build_muon, lr=6e-3, adam_lr=3e-3, state_bytes=_muon_state,
-                                hidden_matrices=True, width_exponent=0.5,
+                                hidden_matrices=True, width_exponent=0.5, beta1=0.7,
                                 lr_rule="measured at widths 128-512 on two corpora, docs/sizing.md"))

@@ -88,7 +88,10 @@ SMOKE_SHAPE = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--n-kv-head
 SMOKE_BATCH = ["--batch-size", "4", "--grad-accum", "1"]
 SMOKE = {"corpus": "stdlib", "max_tokens": [1024, 2048], "seeds": [1], "anchor_lrs": [1e-3, 3e-3]}
 BATCH_WARMUP_STEPS = 30  # a fifth of the default budget's 150 steps
-RECIPE_V3 = ["--no-smear", "--bigram-embed", "0"]  # recipe v3's model: v4's without the look-back
+# Recipe v4: v5's defaults before it adopted zero-initialised projections, Muon momentum 0.9, a one-step warm-up
+# and the AdamW side's beta1 0.7 (docs/recipe.md); v3: v4's model without the look-back
+RECIPE_V4 = ["--no-zero-init-proj", "--muon-momentum", "0.95", "--warmup", "3", "--beta1", "0.9"]
+RECIPE_V3 = [*RECIPE_V4, "--no-smear", "--bigram-embed", "0"]
 
 
 # ----------------------------------------------------------------------------- the toggles
@@ -100,7 +103,7 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
     return {
         "baseline": ([], False),
         "wsd": (["--schedule", "wsd"], False),
-        "zero-init-proj": (["--zero-init-proj"], False),
+        "no-zero-init-proj": (["--no-zero-init-proj"], False),
         "polar-express": (["--ns-coeffs", "polar-express"], True),
         "normuon": (["--normuon"], True),
         "cautious-wd": (["--cautious-wd"], False),
@@ -117,10 +120,11 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
         "embed-beta1": (["--embed-beta1", "0.8"], False),
         "warmup-15": (["--warmup", "15"], False),
         "decay-0.5": (["--decay-frac", "0.5"], False),
-        # The defaults before recipe v2 adopted --attn-gate and --warmup 3, and before recipe v4 adopted the smear and
-        # the bigram table (docs/recipe.md)
-        "recipe-v1": (["--no-attn-gate", "--warmup", "15", *RECIPE_V3], False),
+        # The defaults before recipe v2 adopted --attn-gate and --warmup 3, before recipe v4 adopted the smear and
+        # the bigram table, and before recipe v5 (docs/recipe.md)
+        "recipe-v1": ([*RECIPE_V3, "--no-attn-gate", "--warmup", "15"], False),
         "recipe-v3": (RECIPE_V3, False),
+        "recipe-v4": (RECIPE_V4, False),
         # From the 2026 speed records (docs/recipe.md): look-backs at the previous token (on by default), the
         # embedding at every block
         "no-smear": (["--no-smear"], False),

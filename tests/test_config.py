@@ -79,7 +79,13 @@ def test_help_shows_the_default_from_the_field():
 ])
 def test_flags_land_in_their_section(argv, section, name, value):
     assert getattr(getattr(config.parse_args(argv), section), name) == value
-    assert config.parse_args(argv).optim.betas == (0.9, 0.99 if "--beta2" in argv else 0.95)
+    assert config.parse_args(argv).optim.betas == (0.7, 0.99 if "--beta2" in argv else 0.95)  # muon's AdamW side
+
+
+def test_adams_beta1_defaults_to_the_optimizers():
+    assert config.parse_args([]).optim.beta1 == 0.7  # muon's AdamW side: docs/recipe.md
+    assert config.parse_args(["--optimizer", "adamw"]).optim.beta1 == 0.9
+    assert config.parse_args(["--optimizer", "adamw8bit", "--beta1", "0.8"]).optim.beta1 == 0.8
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -346,8 +352,8 @@ def test_resume_does_not_call_the_same_out_dir_given_another_way_a_change(tmp_pa
 
 def test_resume_may_change_init_only_model_fields():
     saved = config.to_dict(config.parse_args([]))
-    assert config.check_resume(saved, config.parse_args(["--zero-init-proj"])) == [
-        "model.zero_init_proj False -> True"]
+    assert config.check_resume(saved, config.parse_args(["--no-zero-init-proj"])) == [
+        "model.zero_init_proj True -> False"]
 
 
 def test_every_problem_with_the_flags_is_reported_at_once(monkeypatch):

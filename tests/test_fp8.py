@@ -20,7 +20,8 @@ from conftest import QWEN3_FLAGS, REPO, write_tiny_shards
 from model import GPT, QWEN3_VALUES, ModelConfig
 from runlog import read_metrics
 
-CFG = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32)
+# Random residual projections (not the default's zero ones), so that every parameter has a gradient to compare.
+CFG = ModelConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32, zero_init_proj=False)
 # Qwen3's architecture (QWEN3_VALUES), as the TE blocks need: SwiGLU, no attention gates.
 HD128 = ModelConfig(vocab_size=256, n_layer=2, n_head=2, n_kv_head=1, n_embd=256, max_seq_len=32, **QWEN3_VALUES)
 ALL_THERE = {"cuda": True, "te": (2, 20), "have_torchao": True}

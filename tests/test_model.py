@@ -15,9 +15,10 @@ from sizing import flops_per_token, param_count, param_numels
 # and a small rope_theta so that the rotation is far from the identity over a short sequence. Qwen3's
 # architecture (QWEN3_VALUES), whatever the defaults: the tests compare with transformers' Qwen3 and count
 # SwiGLU's fused [gate; up] weight; a toggle test turns its toggle on itself.
+# Random projections (not the default's zero ones, tested below), so that every parameter has a gradient at init.
 TINY = dict(
     vocab_size=200, n_layer=2, n_head=8, n_kv_head=2, n_embd=64, head_dim=16, ffn_dim=96,
-    max_seq_len=32, rope_theta=500.0, norm_eps=1e-6, **model_module.QWEN3_VALUES,
+    max_seq_len=32, rope_theta=500.0, norm_eps=1e-6, zero_init_proj=False, **model_module.QWEN3_VALUES,
 )
 
 
@@ -375,9 +376,10 @@ def test_meta_device_then_init_weights_matches_eager_build(tied):
 
 
 def test_zero_init_proj_zeroes_only_the_residual_projections_and_blocks_start_as_identity():
-    default, zero = tiny_model(tie_embeddings=False), tiny_model(tie_embeddings=False, zero_init_proj=True)
+    assert ModelConfig().zero_init_proj  # the default (docs/recipe.md)
+    drawn, zero = tiny_model(tie_embeddings=False), tiny_model(tie_embeddings=False, zero_init_proj=True)
     projections = ("attn.proj.weight", "mlp.fc2_weight")
-    for (name, p), q in zip(default.named_parameters(), zero.parameters()):
+    for (name, p), q in zip(drawn.named_parameters(), zero.parameters()):
         if name.endswith(projections):
             assert not q.any(), name
         else:  # the same draws as without the flag
@@ -394,7 +396,7 @@ def test_zero_init_proj_is_not_part_of_the_exported_architecture(gate):
     import hf_layout
     plain, zero = tiny_config(attn_gate=gate), tiny_config(zero_init_proj=True, attn_gate=gate)
     assert hf_layout.hf_config(zero, eot=199) == hf_layout.hf_config(plain, eot=199)
-    assert hf_layout.config_from_hf(hf_layout.hf_config(plain, eot=199)) == plain
+    assert hf_layout.config_from_hf(hf_layout.hf_config(plain, eot=199)) == zero  # an import takes the default init
 
 
 # ----------------------------------------------------------------------------- recipe toggles (docs/recipe.md)

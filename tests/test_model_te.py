@@ -13,13 +13,14 @@ from fp8 import TE_MODULES, TEBlock, plain_to_te_state_dict, te_to_plain_state_d
 from model import GPT, QWEN3_VALUES, ModelConfig
 
 # Qwen3's architecture (QWEN3_VALUES), and the default one (attention gates) with each toggle the TE blocks take.
-TINY_QWEN3 = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32, **QWEN3_VALUES)
+# Random residual projections (not the default's zero ones), so that every parameter has a gradient to compare.
+DRAWN = {**QWEN3_VALUES, "zero_init_proj": False}
+TINY_QWEN3 = ModelConfig(vocab_size=256, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, max_seq_len=32, **DRAWN)
 TINY = dataclasses.replace(TINY_QWEN3, attn_gate=True)
 ARCHITECTURES = {"qwen3": {}, "gated": {"attn_gate": True}, "gated-relu2": {"attn_gate": True, "mlp": "relu2"}}
 # TE's fused kernels want 16-multiples and FP8 attention wants head_dim 128.
-TE_QWEN3 = ModelConfig(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=256, max_seq_len=64, **QWEN3_VALUES)
-FP8_ATTN_CFG = ModelConfig(vocab_size=512, n_layer=2, n_head=2, n_kv_head=1, n_embd=256, max_seq_len=64,
-                           **QWEN3_VALUES)
+TE_QWEN3 = ModelConfig(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, n_embd=256, max_seq_len=64, **DRAWN)
+FP8_ATTN_CFG = ModelConfig(vocab_size=512, n_layer=2, n_head=2, n_kv_head=1, n_embd=256, max_seq_len=64, **DRAWN)
 
 
 def te_config(architecture: str, base: ModelConfig = TE_QWEN3) -> ModelConfig:
