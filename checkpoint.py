@@ -55,8 +55,8 @@ from data import data_change, data_kind
 from fp8 import block_state_dict, te_to_plain_state_dict
 from model import INIT_ONLY_FIELDS, with_qwen3_toggles
 from optim import apply_group_settings, group_settings
-from schedule import current_multiplier
 from safe_load import SafeLoadPlanner, SafeReader, SafeWholeLoadPlanner, read_dcp_metadata
+from schedule import current_multiplier
 from shards import file_sha256
 
 CHECKPOINT_VERSION = 1
@@ -256,26 +256,26 @@ def verify(path: str) -> None:
     """CheckpointError unless every byte of the checkpoint is what was written (truncation, flipped bytes)."""
     if not os.path.exists(path):
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if not os.path.isdir(path):
+    if os.path.isdir(path):
+        try:
+            with open(os.path.join(path, CHECKSUMS_FILE)) as f:
+                expected = json.load(f)
+        except (OSError, ValueError):
+            expected = None
+        if not (isinstance(expected, dict) and all(isinstance(d, str) for d in expected.values())):
+            raise CheckpointError(f"{path} has no readable {CHECKSUMS_FILE}: incomplete or not ours")
+        files = {os.path.join(path, name): {digest} for name, digest in expected.items()}
+    else:
         # The staged digest as well: a replacement cut short between _commit_file's renames is whole.
         digests = {_recorded_digest(f"{path}{DIGEST_SUFFIX}{staged}") for staged in ("", ".tmp")} - {None}
         if not digests:
             raise CheckpointError(f"{path} has no readable {DIGEST_SUFFIX} checksum beside it: incomplete or not "
                                   "ours")
-        if file_sha256(path) not in digests:
-            raise CheckpointError(f"{path} is damaged: its sha256 does not match the one recorded when it was written")
-        return
-    try:
-        with open(os.path.join(path, CHECKSUMS_FILE)) as f:
-            expected = json.load(f)
-    except (OSError, ValueError):
-        expected = None
-    if not (isinstance(expected, dict) and all(isinstance(d, str) for d in expected.values())):
-        raise CheckpointError(f"{path} has no readable {CHECKSUMS_FILE}: incomplete or not ours")
-    for file, digest in ((os.path.join(path, name), digest) for name, digest in expected.items()):
+        files = {path: digests}
+    for file, digests in files.items():
         if not os.path.isfile(file):
             raise CheckpointError(f"{file} is missing, though the checkpoint recorded it when it was written")
-        if file_sha256(file) != digest:
+        if file_sha256(file) not in digests:
             raise CheckpointError(f"{file} is damaged: its sha256 does not match the one recorded when it was written")
 
 

@@ -169,10 +169,12 @@ def _combination_problems(cfg):
                f"{' or '.join(with_property('fsdp'))}, or --dist ddp")
     if cfg.ckpt.overwrite and cfg.ckpt.resume == "on":
         yield "--overwrite replaces an earlier run and --resume continues it: give one of them"
-    for flag, value in (("--eval-hellaswag", cfg.eval.eval_hellaswag), ("--sample-tokens", cfg.eval.sample_tokens),
-                        ("--early-stop-patience", cfg.resilience.early_stop_patience)):
+    at_evals = (("--eval-hellaswag", cfg.eval.eval_hellaswag, "runs"),
+                ("--sample-tokens", cfg.eval.sample_tokens, "runs"),
+                ("--early-stop-patience", cfg.resilience.early_stop_patience, "counts"))
+    for flag, value, acts in at_evals:
         if value and not cfg.eval.eval_interval:
-            yield f"{flag} {'runs' if flag != '--early-stop-patience' else 'counts'} at evals: it needs --eval-interval > 0"
+            yield f"{flag} {acts} at evals: it needs --eval-interval > 0"
     if cfg.speed.target_gpu and not cfg.speed.estimate_memory:
         yield "--target-gpu names the GPU for --estimate-memory; a training run uses the GPU it runs on"
     if cfg.fp8.fused_wgrad and mode != "none":

@@ -226,8 +226,8 @@ class Config:
 
     def __post_init__(self):
         """Unset LRs (optim.default_lrs, by the model's width, whether flags or the size dial gave it) and Adam's
-        beta1 take the optimizer's defaults here, where the model meets the optimizer, so that Config() is what parsing no flag gives and
-        config.toml holds the values."""
+        beta1 take the optimizer's defaults here, where the model meets the optimizer, so that Config() is what
+        parsing no flag gives and config.toml holds the values."""
         self.optim = optim.with_optimizer_defaults(self.optim, self.model.tie_embeddings, self.model.n_embd)
 
 

@@ -33,7 +33,6 @@ from tokenizer import Tokenizer, fits_vocab, padded_vocab, recorded_tokenizer
 # ----------------------------------------------------------------------------------------------------------
 # Which tokenizer made the shards
 
-# Models pad their vocabulary to a multiple of this (model.VOCAB_MULTIPLE; data.py does not import the model).
 # model.ModelConfig's default vocab_size, GPT-2's: what a run has when --vocab-size is not given.
 DEFAULT_VOCAB = 50257
 

@@ -349,8 +349,9 @@ class Evaluator:
             loader.close()
             val_tokens = sum(len(shard) for shard in loader.shards)
             batches = eval_batches(self.cfg.eval_tokens, loader.num_windows, micro_batch, seq_len, self.info.world_size)
+            chosen = split.describe(data_record(source.dir) or {})
             self.val_reads.append(ValRead(source.name, batches * micro_batch * self.info.world_size, seq_len,
-                                          val_tokens, split.describe(data_record(source.dir) or {}), loader.num_windows))
+                                          val_tokens, chosen, loader.num_windows))
             note = eval_tokens_note(self.cfg.eval_tokens, loader.num_windows, val_tokens, micro_batch, seq_len,
                                     self.info.world_size)
             if note:

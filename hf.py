@@ -14,9 +14,10 @@ The directory holds config.json, hf_look_back.py for a look-back model, model.sa
 vocabulary padded as in training; a
 Qwen3-Next export's zero-centred norm weights float64, so that they read back bit for bit: hf_layout),
 generation_config.json (the document separator as bos/eos, the ids beyond the tokenizer's, the padding,
-suppressed so transformers' generate never picks them), tokenizer_note.txt, and the transformers tokenizer files of the tokenizer the
-model was trained with (by default the one its training data's data.json records, model_tokenizer): for
-GPT-2, vocab.json, merges.txt, tokenizer_config.json, and tokenizer.json for the fast tokenizer, rebuilt
+suppressed so transformers' generate never picks them), tokenizer_note.txt, and the transformers tokenizer
+files of the tokenizer the model was trained with (by default the one its training data's data.json records,
+model_tokenizer): for GPT-2, vocab.json, merges.txt, tokenizer_config.json, and tokenizer.json for the fast
+tokenizer, rebuilt
 offline from tiktoken's ranks; for a Hugging Face tokenizer, the tokenizer.json the shards were made with and
 a tokenizer_config.json. Every file gets the mode open() gives (0644 under the usual umask).
 

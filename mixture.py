@@ -49,12 +49,7 @@ def parse_data(spec: str) -> list[Source]:
     if not SOURCE_NAME.fullmatch(spec.partition("=")[0]) or "=" not in spec or os.path.isdir(spec):
         return [Source("", spec, 1.0)]
     parsed = []
-    for item in spec.split(","):
-        name, _, rest = item.partition("=")
-        path, colon, weight = rest.rpartition(":")
-        if not SOURCE_NAME.fullmatch(name) or not colon or not path:
-            raise UsageError(f"--data: {item!r} is not NAME=DIR:WEIGHT (NAME of letters, digits, '_', '-', '.'; "
-                             "e.g. --data web=data/web:0.7,code=data/code:0.3)")
+    for name, path, weight in _items(spec):
         try:
             value = float(weight)
         except ValueError:
@@ -76,6 +71,19 @@ def parse_data(spec: str) -> list[Source]:
     return sources
 
 
+def _items(spec: str) -> list[tuple[str, str, str]]:
+    """A mixture's NAME=DIR:WEIGHT items as (name, directory, weight as written); UsageError for one that is not."""
+    items = []
+    for item in spec.split(","):
+        name, _, rest = item.partition("=")
+        path, colon, weight = rest.rpartition(":")
+        if not SOURCE_NAME.fullmatch(name) or not colon or not path:
+            raise UsageError(f"--data: {item!r} is not NAME=DIR:WEIGHT (NAME of letters, digits, '_', '-', '.'; "
+                             "e.g. --data web=data/web:0.7,code=data/code:0.3)")
+        items.append((name, path, weight))
+    return items
+
+
 def absolute_data(spec: str | None) -> str | None:
     """--data with each source's directory made absolute, its names and weights as given: what a run records
     (config.toml, its checkpoints), so that sample.py, score.py, hf.py and a resume find the shards from any
@@ -84,12 +92,7 @@ def absolute_data(spec: str | None) -> str | None:
         return spec
     if not is_mixture(parse_data(spec)):
         return os.path.abspath(spec)
-    items = []
-    for item in spec.split(","):
-        name, _, rest = item.partition("=")
-        path, _, weight = rest.rpartition(":")
-        items.append(f"{name}={os.path.abspath(path)}:{weight}")
-    return ",".join(items)
+    return ",".join(f"{name}={os.path.abspath(path)}:{weight}" for name, path, weight in _items(spec))
 
 
 def is_mixture(sources: list[Source]) -> bool:

@@ -103,7 +103,7 @@ def default_toggles(lr: float, side_lr: float) -> dict[str, tuple[list[str], boo
     return {
         "baseline": ([], False),
         "wsd": (["--schedule", "wsd"], False),
-        "no-zero-init-proj": (["--no-zero-init-proj"], False),
+        "zero-init-proj": (["--zero-init-proj"], False),
         "polar-express": (["--ns-coeffs", "polar-express"], True),
         "normuon": (["--normuon"], True),
         "cautious-wd": (["--cautious-wd"], False),

@@ -174,7 +174,8 @@ def test_an_untied_run_resolves_its_embedding_and_head_lrs_and_the_gpt2_presets_
 def test_toml_round_trip_reproduces_the_config(tmp_path):
     """Every field, derived ones included, survives to_toml -> --config; strings with quotes, backslashes,
     non-ASCII text (an emoji beyond the BMP too) and control characters."""
-    cfg = config.parse_args(["--depth", "3", "--sample-prompt", 'a "quoted" \\ line\nnaïve 😀\x7f\t', "--tie-embeddings",
+    prompt = 'a "quoted" \\ line\nnaïve 😀\x7f\t'
+    cfg = config.parse_args(["--depth", "3", "--sample-prompt", prompt, "--tie-embeddings",
                              "--wandb-tags", "x,y", "--lr", "1e-05", "--batch-size", "8", "--optimizer", "muon"])
     path = tmp_path / "run.toml"
     config.write_config(cfg, str(path))

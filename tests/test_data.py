@@ -287,7 +287,8 @@ def test_validation_loader_reads_in_order(shards):
 
 
 @pytest.mark.parametrize("case, words", [
-    ("seq-len", "train_000000.bin: the longest of its shards has 101 tokens"), ("missing", "does not exist"), ("empty", "no train shards"),
+    ("seq-len", "train_000000.bin: the longest of its shards has 101 tokens"), ("missing", "does not exist"),
+    ("empty", "no train shards"),
     ("text", "no train shards (train_*.bin) in {dir}: to train on the files in it, python prepare.py --input {dir}"),
     ("corrupt", "train_000002.bin")])
 def test_loader_bad_input_is_a_one_line_error(shards, tmp_path, case, words):
